@@ -1,0 +1,105 @@
+//! Generic collective algorithms over a backend's point-to-point
+//! [`exchange`](crate::backend::Backend::exchange). They run on host memory
+//! and know nothing of sockets: any transport that moves bytes gets every op.
+//!
+//! | op | algorithm | file |
+//! |---|---|---|
+//! | all_reduce | ring reduce-scatter + ring all-gather | `ring.rs` |
+//! | reduce_scatter(_v) | ring | `ring.rs` |
+//! | all_gather(_v) | ring | `ring.rs` |
+//! | broadcast, reduce | binomial tree | `tree.rs` |
+//! | gather, scatter | root exchanges with every rank at once | `linear.rs` |
+//! | all_to_all(_v) | pairwise exchange | `pairwise.rs` |
+//! | barrier | dissemination | `barrier.rs` |
+
+mod barrier;
+mod linear;
+mod pairwise;
+mod ring;
+mod tree;
+
+use crate::backend::{Backend, Op, OpContext, P2p};
+use crate::error::{Error, Result};
+use crate::tensor::{Tensor, TensorMut};
+
+/// A backend plus the op being run: what every algorithm talks to.
+pub struct Comm<'a> {
+    backend: &'a dyn Backend,
+    ctx: &'a OpContext,
+}
+
+impl<'a> Comm<'a> {
+    /// Bind a backend to an op.
+    pub fn new(backend: &'a dyn Backend, ctx: &'a OpContext) -> Self {
+        Comm { backend, ctx }
+    }
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.ctx.rank
+    }
+    /// Group size.
+    pub fn size(&self) -> usize {
+        self.ctx.size
+    }
+    /// The op context.
+    pub fn ctx(&self) -> &OpContext {
+        self.ctx
+    }
+    /// Run a batch of point-to-point ops.
+    pub fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()> {
+        self.backend.exchange(ops, self.ctx.deadline)
+    }
+    /// Send `data` to `to` and receive `buf` from `from` at once, as step `step`.
+    pub fn send_recv(&self, step: u32, to: usize, data: &[u8], from: usize, buf: &mut [u8]) -> Result<()> {
+        let tag = self.ctx.tag(step);
+        self.exchange(&mut [P2p::Send { peer: to, tag, data }, P2p::Recv { peer: from, tag, buf }])
+    }
+    /// Send only.
+    pub fn send(&self, step: u32, to: usize, data: &[u8]) -> Result<()> {
+        self.exchange(&mut [P2p::Send { peer: to, tag: self.ctx.tag(step), data }])
+    }
+    /// Receive only.
+    pub fn recv(&self, step: u32, from: usize, buf: &mut [u8]) -> Result<()> {
+        self.exchange(&mut [P2p::Recv { peer: from, tag: self.ctx.tag(step), buf }])
+    }
+}
+
+fn bytes_of<'t>(ts: &'t [Tensor<'_>]) -> Result<Vec<&'t [u8]>> {
+    ts.iter().map(|t| t.host_bytes()).collect()
+}
+
+fn bytes_of_mut<'t>(ts: &'t mut [TensorMut<'_>]) -> Result<Vec<&'t mut [u8]>> {
+    ts.iter_mut().map(|t| t.host_bytes_mut()).collect()
+}
+
+/// Run `op` with its generic algorithm. Host tensors only.
+pub fn run(backend: &dyn Backend, op: &mut Op<'_>, ctx: &OpContext) -> Result<()> {
+    let c = Comm::new(backend, ctx);
+    match op {
+        Op::Send { data, peer, tag } => backend.exchange(&mut [P2p::Send { peer: *peer, tag: *tag, data: data.host_bytes()? }], ctx.deadline),
+        Op::Recv { buf, peer, tag } => backend.exchange(&mut [P2p::Recv { peer: *peer, tag: *tag, buf: buf.host_bytes_mut()? }], ctx.deadline),
+        Op::Broadcast { buf, root } => tree::broadcast(&c, buf.host_bytes_mut()?, *root),
+        Op::AllReduce { buf, op } => {
+            let dtype = buf.dtype();
+            ring::all_reduce(&c, buf.host_bytes_mut()?, dtype, *op)
+        }
+        Op::Reduce { buf, root, op } => {
+            let dtype = buf.dtype();
+            tree::reduce(&c, buf.host_bytes_mut()?, dtype, *op, *root)
+        }
+        Op::AllGather { input, outputs } => ring::all_gather(&c, input.host_bytes()?, &mut bytes_of_mut(outputs)?),
+        Op::ReduceScatter { inputs, output, op } => {
+            let dtype = output.dtype();
+            ring::reduce_scatter(&c, &bytes_of(inputs)?, output.host_bytes_mut()?, dtype, *op)
+        }
+        Op::AllToAll { inputs, outputs } => pairwise::all_to_all(&c, &bytes_of(inputs)?, &mut bytes_of_mut(outputs)?),
+        Op::Gather { input, outputs, root } => linear::gather(&c, input.host_bytes()?, &mut bytes_of_mut(outputs)?, *root),
+        Op::Scatter { inputs, output, root } => linear::scatter(&c, &bytes_of(inputs)?, output.host_bytes_mut()?, *root),
+        Op::Barrier => barrier::dissemination(&c),
+        #[allow(unreachable_patterns)]
+        _ => Err(Error::unsupported(format!("{}: no generic algorithm", ctx.name))),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod testing;

@@ -1,0 +1,103 @@
+//! Ring algorithms: reduce-scatter, all-gather, and all-reduce as the two in
+//! sequence. Every rank sends to its right neighbour and receives from its
+//! left, W-1 steps each; blocks may have any size, zero included.
+
+use super::Comm;
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::kernels::{finish, prescale, reduce_into, AlignedBuf};
+use crate::reduce_op::ReduceOp;
+
+/// Ring reduce-scatter over blocks given by `input(i)`; returns this rank's
+/// fully reduced block (finished: `Avg` divided).
+fn reduce_scatter_blocks<'b>(
+    c: &Comm<'_>,
+    input: impl Fn(usize) -> &'b [u8],
+    dtype: DType,
+    op: ReduceOp,
+    step0: u32,
+) -> Result<AlignedBuf> {
+    let (w, r) = (c.size(), c.rank());
+    // PremulSum scales each rank's own contribution once, before it is used.
+    let scaled: Option<Vec<AlignedBuf>> = matches!(op, ReduceOp::PremulSum(_)).then(|| {
+        (0..w)
+            .map(|i| {
+                let mut b = AlignedBuf::copy_of(input(i));
+                prescale(b.as_mut(), dtype, op);
+                b
+            })
+            .collect()
+    });
+    let block = |i: usize| -> &[u8] {
+        match &scaled {
+            Some(s) => s[i].as_ref(),
+            None => input(i),
+        }
+    };
+    let max = (0..w).map(|i| block(i).len()).max().unwrap_or(0);
+    let (right, left) = ((r + 1) % w, (r + w - 1) % w);
+    let first = block((r + w - 1) % w);
+    let mut acc = AlignedBuf::zeroed(max);
+    acc.as_mut()[..first.len()].copy_from_slice(first);
+    let mut recv = AlignedBuf::zeroed(max);
+    let mut send_len = first.len();
+    for k in 0..w.saturating_sub(1) {
+        let rb = (r + 2 * w - k - 2) % w;
+        let rlen = block(rb).len();
+        c.send_recv(step0 + k as u32, right, &acc.as_ref()[..send_len], left, &mut recv.as_mut()[..rlen])?;
+        reduce_into(&mut recv.as_mut()[..rlen], block(rb), dtype, op);
+        std::mem::swap(&mut acc, &mut recv);
+        send_len = rlen;
+    }
+    let mut out = AlignedBuf::copy_of(&acc.as_ref()[..send_len]);
+    finish(out.as_mut(), dtype, op, w);
+    Ok(out)
+}
+
+/// Ring all-gather: `blocks[rank]` already holds this rank's data.
+fn all_gather_blocks(c: &Comm<'_>, blocks: &mut [&mut [u8]], step0: u32) -> Result<()> {
+    let (w, r) = (c.size(), c.rank());
+    let (right, left) = ((r + 1) % w, (r + w - 1) % w);
+    for k in 0..w.saturating_sub(1) {
+        let (sb, rb) = ((r + w - k) % w, (r + 2 * w - k - 1) % w);
+        let [send, recv] = blocks.get_disjoint_mut([sb, rb]).expect("distinct blocks when w > 1");
+        c.send_recv(step0 + k as u32, right, send, left, recv)?;
+    }
+    Ok(())
+}
+
+/// `outputs[i]` = rank i's input.
+pub fn all_gather(c: &Comm<'_>, input: &[u8], outputs: &mut [&mut [u8]]) -> Result<()> {
+    outputs[c.rank()].copy_from_slice(input);
+    all_gather_blocks(c, outputs, 0)
+}
+
+/// `output` = reduction over ranks of their `inputs[rank]`.
+pub fn reduce_scatter(c: &Comm<'_>, inputs: &[&[u8]], output: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    let mine = reduce_scatter_blocks(c, |i| inputs[i], dtype, op, 0)?;
+    output.copy_from_slice(mine.as_ref());
+    Ok(())
+}
+
+/// In-place all-reduce: reduce-scatter the W blocks of `buf`, then all-gather them.
+pub fn all_reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+    let w = c.size();
+    let esize = dtype.size();
+    let n = buf.len() / esize;
+    // Block i covers elements [n*i/w, n*(i+1)/w): sizes differ by at most one.
+    let bounds: Vec<usize> = (0..=w).map(|i| n * i / w * esize).collect();
+    let mine = {
+        let ro: &[u8] = buf;
+        reduce_scatter_blocks(c, |i| &ro[bounds[i]..bounds[i + 1]], dtype, op, 0)?
+    };
+    let r = c.rank();
+    buf[bounds[r]..bounds[r + 1]].copy_from_slice(mine.as_ref());
+    let mut blocks: Vec<&mut [u8]> = Vec::with_capacity(w);
+    let mut rest = buf;
+    for i in 0..w {
+        let (head, tail) = rest.split_at_mut(bounds[i + 1] - bounds[i]);
+        blocks.push(head);
+        rest = tail;
+    }
+    all_gather_blocks(c, &mut blocks, w as u32)
+}

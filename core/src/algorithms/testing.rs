@@ -1,0 +1,170 @@
+//! An in-memory mailbox backend for unit tests of the algorithms: ranks are
+//! threads, messages are queued per (source, destination, tag).
+
+use crate::backend::{Backend, OpContext, OpKind, P2p};
+use crate::error::{Error, Result};
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Default)]
+pub struct Mailboxes {
+    queues: Mutex<HashMap<(usize, usize, u64), VecDeque<Vec<u8>>>>,
+    cv: Condvar,
+}
+
+pub struct MailBackend {
+    pub rank: usize,
+    pub boxes: Arc<Mailboxes>,
+}
+
+impl Backend for MailBackend {
+    fn name(&self) -> &str {
+        "test-mailbox"
+    }
+    fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
+        for op in ops.iter() {
+            if let P2p::Send { peer, tag, data } = op {
+                self.boxes.queues.lock().unwrap().entry((self.rank, *peer, *tag)).or_default().push_back(data.to_vec());
+                self.boxes.cv.notify_all();
+            }
+        }
+        for op in ops.iter_mut() {
+            if let P2p::Recv { peer, tag, buf } = op {
+                let mut q = self.boxes.queues.lock().unwrap();
+                loop {
+                    if let Some(m) = q.get_mut(&(*peer, self.rank, *tag)).and_then(|d| d.pop_front()) {
+                        if m.len() != buf.len() {
+                            return Err(Error::backend(format!("size mismatch from {peer}: {} vs {}", m.len(), buf.len())));
+                        }
+                        buf.copy_from_slice(&m);
+                        break;
+                    }
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(Error::timeout(format!("recv from {peer}")));
+                    }
+                    q = self.boxes.cv.wait_timeout(q, deadline - now).unwrap().0;
+                }
+            }
+        }
+        Ok(())
+    }
+    fn abort(&self, _: &Error) {}
+}
+
+/// Run `f(rank, backend, ctx)` on `w` threads and collect the results in rank order.
+pub fn run_ranks<T: Send>(w: usize, kind: OpKind, f: impl Fn(usize, &dyn Backend, &OpContext) -> T + Sync) -> Vec<T> {
+    let boxes = Arc::new(Mailboxes::default());
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..w)
+            .map(|rank| {
+                let b = MailBackend { rank, boxes: boxes.clone() };
+                let f = &f;
+                s.spawn(move || {
+                    let ctx = OpContext {
+                        rank,
+                        size: w,
+                        name: "test",
+                        kind,
+                        seq: 0,
+                        deadline: Instant::now() + Duration::from_secs(20),
+                        hints: Default::default(),
+                    };
+                    f(rank, &b, &ctx)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithms::run;
+    use crate::backend::Op;
+    use crate::reduce_op::ReduceOp;
+    use crate::tensor::{Tensor, TensorMut};
+
+    fn data(rank: usize, n: usize) -> Vec<i64> {
+        (0..n).map(|i| (rank * 1000 + i) as i64).collect()
+    }
+
+    #[test]
+    fn every_generic_algorithm_at_world_sizes_1_to_8() {
+        for w in 1..=8 {
+            for n in [0usize, 1, 7, 64] {
+                // all_reduce sum / max
+                for op in [ReduceOp::Sum, ReduceOp::Max] {
+                    let out = run_ranks(w, OpKind::AllReduce, |r, b, c| {
+                        let mut v = data(r, n);
+                        run(b, &mut Op::AllReduce { buf: TensorMut::from_slice(&mut v), op }, c).unwrap();
+                        v
+                    });
+                    let expect: Vec<i64> = (0..n)
+                        .map(|i| {
+                            let it = (0..w).map(|r| data(r, n)[i]);
+                            if op == ReduceOp::Sum { it.sum() } else { it.max().unwrap() }
+                        })
+                        .collect();
+                    assert!(out.iter().all(|o| *o == expect), "all_reduce w={w} n={n} {op}");
+                }
+                for root in 0..w {
+                    let out = run_ranks(w, OpKind::Broadcast, |r, b, c| {
+                        let mut v = data(r, n);
+                        run(b, &mut Op::Broadcast { buf: TensorMut::from_slice(&mut v), root }, c).unwrap();
+                        v
+                    });
+                    assert!(out.iter().all(|o| *o == data(root, n)), "broadcast w={w} root={root}");
+                    let out = run_ranks(w, OpKind::Reduce, |r, b, c| {
+                        let mut v = data(r, n);
+                        run(b, &mut Op::Reduce { buf: TensorMut::from_slice(&mut v), root, op: ReduceOp::Sum }, c).unwrap();
+                        v
+                    });
+                    let sum: Vec<i64> = (0..n).map(|i| (0..w).map(|r| data(r, n)[i]).sum()).collect();
+                    for (r, o) in out.iter().enumerate() {
+                        assert_eq!(*o, if r == root { sum.clone() } else { data(r, n) }, "reduce w={w} root={root}");
+                    }
+                }
+                // uneven all_gather: rank r contributes r+n elements
+                let out = run_ranks(w, OpKind::AllGather, |r, b, c| {
+                    let input = data(r, r + n);
+                    let mut outs: Vec<Vec<i64>> = (0..w).map(|i| vec![0; i + n]).collect();
+                    let views = outs.iter_mut().map(|o| TensorMut::from_slice(o)).collect();
+                    run(b, &mut Op::AllGather { input: Tensor::from_slice(&input), outputs: views }, c).unwrap();
+                    outs
+                });
+                let expect: Vec<Vec<i64>> = (0..w).map(|i| data(i, i + n)).collect();
+                assert!(out.iter().all(|o| *o == expect), "all_gather_v w={w} n={n}");
+                // reduce_scatter_v: block i has i+n elements
+                let out = run_ranks(w, OpKind::ReduceScatter, |r, b, c| {
+                    let ins: Vec<Vec<i64>> = (0..w).map(|i| data(r + i, i + n)).collect();
+                    let mut o = vec![0i64; r + n];
+                    let views = ins.iter().map(|v| Tensor::from_slice(v)).collect();
+                    run(b, &mut Op::ReduceScatter { inputs: views, output: TensorMut::from_slice(&mut o), op: ReduceOp::Sum }, c).unwrap();
+                    o
+                });
+                for (r, o) in out.iter().enumerate() {
+                    let e: Vec<i64> = (0..r + n).map(|i| (0..w).map(|s| data(s + r, r + n)[i]).sum()).collect();
+                    assert_eq!(*o, e, "reduce_scatter_v w={w} r={r}");
+                }
+                // all_to_all with sizes depending on (src, dst)
+                let out = run_ranks(w, OpKind::AllToAll, |r, b, c| {
+                    let ins: Vec<Vec<i64>> = (0..w).map(|d| data(r * 10 + d, (r + d) % 3 + n)).collect();
+                    let mut outs: Vec<Vec<i64>> = (0..w).map(|s| vec![0; (s + r) % 3 + n]).collect();
+                    let iv = ins.iter().map(|v| Tensor::from_slice(v)).collect();
+                    let ov = outs.iter_mut().map(|v| TensorMut::from_slice(v)).collect();
+                    run(b, &mut Op::AllToAll { inputs: iv, outputs: ov }, c).unwrap();
+                    outs
+                });
+                for (r, outs) in out.iter().enumerate() {
+                    for (s, o) in outs.iter().enumerate() {
+                        assert_eq!(*o, data(s * 10 + r, (s + r) % 3 + n), "all_to_all w={w}");
+                    }
+                }
+                let _ = run_ranks(w, OpKind::Barrier, |_, b, c| run(b, &mut Op::Barrier, c).unwrap());
+            }
+        }
+    }
+}

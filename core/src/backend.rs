@@ -1,0 +1,278 @@
+//! The interface a transport implements, and what it is given.
+//!
+//! A backend must move bytes between ranks ([`Backend::exchange`]); that is
+//! enough for every op, because core runs its generic algorithms
+//! ([`crate::algorithms`]) over it. A backend may also run any collective
+//! itself ([`Backend::collective`]), which device backends (CUDA) must do for
+//! memory the host cannot touch. Transports never see a collective unless
+//! they ask for it; algorithms never see a socket.
+
+use crate::error::{Error, Result};
+use crate::reduce_op::ReduceOp;
+use crate::store::Store;
+use crate::tensor::{Tensor, TensorMut};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One point-to-point operation of an [`Backend::exchange`] batch.
+#[derive(Debug)]
+pub enum P2p<'a> {
+    /// Send `data` to `peer` under `tag`.
+    Send {
+        /// Destination rank.
+        peer: usize,
+        /// Message tag (see [`crate::tag`]).
+        tag: u64,
+        /// Bytes to send.
+        data: &'a [u8],
+    },
+    /// Receive exactly `buf.len()` bytes from `peer` under `tag`.
+    Recv {
+        /// Source rank.
+        peer: usize,
+        /// Message tag.
+        tag: u64,
+        /// Destination; a message of another length is an error.
+        buf: &'a mut [u8],
+    },
+}
+
+impl P2p<'_> {
+    /// The peer rank.
+    pub fn peer(&self) -> usize {
+        match self {
+            P2p::Send { peer, .. } | P2p::Recv { peer, .. } => *peer,
+        }
+    }
+}
+
+/// The ops as a backend sees them, in one canonical form each: single-tensor
+/// and list variants arrive here as lists of views (disjoint parts of one
+/// tensor for the `_single` forms). Inputs and outputs are already checked
+/// against each other locally.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Op<'a> {
+    /// Send `data` to `peer` under `tag` (already encoded, see [`crate::tag`]).
+    Send {
+        /// Data.
+        data: Tensor<'a>,
+        /// Destination rank.
+        peer: usize,
+        /// Encoded tag.
+        tag: u64,
+    },
+    /// Receive into `buf` from `peer` under `tag`.
+    Recv {
+        /// Destination.
+        buf: TensorMut<'a>,
+        /// Source rank.
+        peer: usize,
+        /// Encoded tag.
+        tag: u64,
+    },
+    /// Root's `buf` is copied into every rank's `buf`.
+    Broadcast {
+        /// Data (read at root, written elsewhere).
+        buf: TensorMut<'a>,
+        /// Root rank.
+        root: usize,
+    },
+    /// `buf` becomes the reduction of every rank's `buf`.
+    AllReduce {
+        /// In/out data.
+        buf: TensorMut<'a>,
+        /// Operator.
+        op: ReduceOp,
+    },
+    /// Root's `buf` becomes the reduction; other ranks' `buf` is unchanged.
+    Reduce {
+        /// In/out data.
+        buf: TensorMut<'a>,
+        /// Root rank.
+        root: usize,
+        /// Operator.
+        op: ReduceOp,
+    },
+    /// `outputs[i]` receives rank i's `input` (sizes may differ per rank).
+    AllGather {
+        /// This rank's contribution (same length as `outputs[rank]`).
+        input: Tensor<'a>,
+        /// One output per rank.
+        outputs: Vec<TensorMut<'a>>,
+    },
+    /// `output` becomes the reduction over ranks of their `inputs[rank]`.
+    ReduceScatter {
+        /// One input per destination rank.
+        inputs: Vec<Tensor<'a>>,
+        /// This rank's result (same length as `inputs[rank]`).
+        output: TensorMut<'a>,
+        /// Operator.
+        op: ReduceOp,
+    },
+    /// `outputs[i]` receives rank i's `inputs[rank]`.
+    AllToAll {
+        /// One input per destination rank.
+        inputs: Vec<Tensor<'a>>,
+        /// One output per source rank.
+        outputs: Vec<TensorMut<'a>>,
+    },
+    /// Root's `outputs[i]` receives rank i's `input`; `outputs` is empty elsewhere.
+    Gather {
+        /// This rank's contribution.
+        input: Tensor<'a>,
+        /// At root, one output per rank.
+        outputs: Vec<TensorMut<'a>>,
+        /// Root rank.
+        root: usize,
+    },
+    /// Every rank's `output` receives root's `inputs[rank]`; `inputs` is empty elsewhere.
+    Scatter {
+        /// At root, one input per rank.
+        inputs: Vec<Tensor<'a>>,
+        /// This rank's result.
+        output: TensorMut<'a>,
+        /// Root rank.
+        root: usize,
+    },
+    /// No rank leaves before every rank has entered.
+    Barrier,
+}
+
+impl<'a> Op<'a> {
+    /// True for every op but send and recv.
+    pub fn is_collective(&self) -> bool {
+        !matches!(self, Op::Send { .. } | Op::Recv { .. })
+    }
+
+    /// The outputs this op writes on this rank.
+    pub fn outputs_mut(&mut self) -> Vec<&mut TensorMut<'a>> {
+        match self {
+            Op::Recv { buf, .. } | Op::Broadcast { buf, .. } | Op::AllReduce { buf, .. } | Op::Reduce { buf, .. } => vec![buf],
+            Op::AllGather { outputs, .. } | Op::AllToAll { outputs, .. } | Op::Gather { outputs, .. } => outputs.iter_mut().collect(),
+            Op::ReduceScatter { output, .. } | Op::Scatter { output, .. } => vec![output],
+            Op::Send { .. } | Op::Barrier => vec![],
+        }
+    }
+}
+
+/// The canonical kind of an op: what the tag and debug checks are keyed by.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum OpKind {
+    /// Point-to-point send.
+    Send = 1,
+    /// Point-to-point receive.
+    Recv = 2,
+    /// Broadcast.
+    Broadcast = 3,
+    /// All-reduce.
+    AllReduce = 4,
+    /// Reduce.
+    Reduce = 5,
+    /// All-gather (all forms).
+    AllGather = 6,
+    /// Reduce-scatter (all forms).
+    ReduceScatter = 7,
+    /// All-to-all (all forms).
+    AllToAll = 8,
+    /// Gather.
+    Gather = 9,
+    /// Scatter.
+    Scatter = 10,
+    /// Barrier.
+    Barrier = 11,
+    /// The `WEFT_DEBUG=detail` consistency check before a collective.
+    DebugCheck = 12,
+}
+
+/// Everything a collective implementation needs to know about the call.
+#[derive(Clone, Debug)]
+pub struct OpContext {
+    /// This rank in the group.
+    pub rank: usize,
+    /// Group size.
+    pub size: usize,
+    /// The op's user-facing name (`"all_gather_single"`...), for errors.
+    pub name: &'static str,
+    /// Canonical kind.
+    pub kind: OpKind,
+    /// Collective sequence number in the group (same on every rank).
+    pub seq: u64,
+    /// When the op must be finished.
+    pub deadline: Instant,
+    /// The op's hints merged over the group's.
+    pub hints: HashMap<String, String>,
+}
+
+impl OpContext {
+    /// The tag of step `step` of this op.
+    pub fn tag(&self, step: u32) -> u64 {
+        crate::tag::collective(self.kind as u8, self.seq, step)
+    }
+    /// Time left before the deadline (zero if passed).
+    pub fn remaining(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now())
+    }
+}
+
+/// What a backend is given when a group creates it.
+#[derive(Clone)]
+pub struct BackendContext {
+    /// This rank.
+    pub rank: usize,
+    /// Group size.
+    pub size: usize,
+    /// A store namespace private to this backend in this group.
+    pub store: Arc<dyn Store>,
+    /// Default timeout (setup must finish within it too).
+    pub timeout: Duration,
+    /// Group hints.
+    pub hints: HashMap<String, String>,
+    /// The backend the group uses for dense CPU tensors, if created already:
+    /// what a staging backend runs its host-side collectives on.
+    pub cpu_backend: Option<Arc<dyn Backend>>,
+}
+
+impl BackendContext {
+    /// The deadline for setup started now.
+    pub fn setup_deadline(&self) -> Instant {
+        Instant::now() + self.timeout
+    }
+}
+
+/// A transport (and optionally, native collectives) for one group.
+///
+/// Implementations must be usable from several threads: ops of one group run
+/// one at a time, in issue order, but `abort` may come from any thread
+/// while an op is in flight.
+pub trait Backend: Send + Sync {
+    /// The registered name.
+    fn name(&self) -> &str;
+
+    /// Post every op of the batch, then wait until all have completed or
+    /// `deadline` passes. Receives are matched by (peer, tag) with the oldest
+    /// message first; messages with different tags may arrive in any order.
+    ///
+    /// Errors: `Timeout` (naming the peer and tag still pending), `PeerLost`,
+    /// `Aborted`, or `Backend` for a size mismatch (naming both sizes) or a
+    /// protocol violation. After an error the batch's buffers are no longer
+    /// touched.
+    fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()>;
+
+    /// Run `op` natively, or return `None` to let core run its generic
+    /// algorithm over [`Backend::exchange`] (host memory only).
+    fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
+        let _ = (op, ctx);
+        None
+    }
+
+    /// Fail every in-flight and later op with `reason` (kind `Aborted` or
+    /// the error that poisoned the group); must return promptly.
+    fn abort(&self, reason: &Error);
+
+    /// Close cleanly (peers learn this rank left on purpose). Called once,
+    /// when the group is dropped after its last op.
+    fn shutdown(&self) {}
+}

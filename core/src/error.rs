@@ -1,0 +1,156 @@
+//! The typed error every public weft call returns.
+//!
+//! Callers match on [`Error::kind`]; the message names the op, the rank(s) and
+//! what was expected versus found.
+
+use std::fmt;
+
+/// What went wrong, in a form a caller can match on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// A deadline passed before the operation finished.
+    Timeout,
+    /// A peer rank died, closed its connection or left the group.
+    PeerLost {
+        /// The rank (in the group the op ran on) that was lost.
+        rank: usize,
+    },
+    /// The caller passed something invalid: a size, dtype, root, split, tag...
+    InvalidArgument,
+    /// The request is valid but not supported here (no backend for a device,
+    /// an op a backend lacks, a reduce op on a dtype it does not apply to...).
+    Unsupported,
+    /// The group (or the op) was aborted.
+    Aborted,
+    /// A transport or backend failure that fits none of the above
+    /// (protocol violation, I/O error, plugin failure).
+    Backend,
+}
+
+/// The error type of the weft API.
+#[derive(Clone, Debug)]
+pub struct Error {
+    kind: ErrorKind,
+    op: Option<&'static str>,
+    rank: Option<usize>,
+    message: String,
+}
+
+/// Shorthand for `std::result::Result<T, weft::Error>`.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// An error of `kind` with `message`.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Error { kind, op: None, rank: None, message: message.into() }
+    }
+    /// A [`ErrorKind::Timeout`] error.
+    pub fn timeout(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Timeout, message)
+    }
+    /// A [`ErrorKind::PeerLost`] error naming `rank`.
+    pub fn peer_lost(rank: usize, message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::PeerLost { rank }, message)
+    }
+    /// A [`ErrorKind::InvalidArgument`] error.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::InvalidArgument, message)
+    }
+    /// A [`ErrorKind::Unsupported`] error.
+    pub fn unsupported(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Unsupported, message)
+    }
+    /// A [`ErrorKind::Aborted`] error.
+    pub fn aborted(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Aborted, message)
+    }
+    /// A [`ErrorKind::Backend`] error.
+    pub fn backend(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Backend, message)
+    }
+
+    /// The kind, for matching.
+    pub fn kind(&self) -> &ErrorKind {
+        &self.kind
+    }
+    /// The op that failed, when known.
+    pub fn op(&self) -> Option<&'static str> {
+        self.op
+    }
+    /// The rank that reported the error, when known.
+    pub fn rank(&self) -> Option<usize> {
+        self.rank
+    }
+    /// The message without the op/rank prefix.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+    /// True for [`ErrorKind::Timeout`].
+    pub fn is_timeout(&self) -> bool {
+        self.kind == ErrorKind::Timeout
+    }
+
+    /// Attach the op name unless one is already set.
+    pub fn with_op(mut self, op: &'static str) -> Self {
+        self.op.get_or_insert(op);
+        self
+    }
+    /// Attach the reporting rank unless one is already set.
+    pub fn with_rank(mut self, rank: usize) -> Self {
+        self.rank.get_or_insert(rank);
+        self
+    }
+    /// Prefix the message with more context.
+    pub fn context(mut self, context: impl fmt::Display) -> Self {
+        self.message = format!("{context}: {}", self.message);
+        self
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match &self.kind {
+            ErrorKind::Timeout => "timeout".to_string(),
+            ErrorKind::PeerLost { rank } => format!("peer rank {rank} lost"),
+            ErrorKind::InvalidArgument => "invalid argument".into(),
+            ErrorKind::Unsupported => "unsupported".into(),
+            ErrorKind::Aborted => "aborted".into(),
+            ErrorKind::Backend => "backend error".into(),
+        };
+        match (self.op, self.rank) {
+            (Some(op), Some(r)) => write!(f, "{op} on rank {r}: {kind}: {}", self.message),
+            (Some(op), None) => write!(f, "{op}: {kind}: {}", self.message),
+            (None, Some(r)) => write!(f, "rank {r}: {kind}: {}", self.message),
+            (None, None) => write!(f, "{kind}: {}", self.message),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+impl From<std::io::Error> for Error {
+    fn from(e: std::io::Error) -> Self {
+        use std::io::ErrorKind as K;
+        match e.kind() {
+            K::TimedOut | K::WouldBlock => Error::timeout(e.to_string()),
+            _ => Error::backend(e.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn display_names_op_rank_and_kind() {
+        let e = Error::peer_lost(3, "connection closed").with_op("all_reduce").with_rank(1);
+        assert_eq!(e.to_string(), "all_reduce on rank 1: peer rank 3 lost: connection closed");
+        assert_eq!(e.kind(), &ErrorKind::PeerLost { rank: 3 });
+        // The first op/rank attached wins: inner layers know more.
+        let e = e.with_op("outer").with_rank(9);
+        assert_eq!(e.op(), Some("all_reduce"));
+        assert_eq!(e.rank(), Some(1));
+    }
+}

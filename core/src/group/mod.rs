@@ -1,0 +1,261 @@
+//! The process group: rank, size, ops, sub-groups, abort.
+
+mod debug;
+mod executor;
+mod ops;
+mod scope;
+mod setup;
+mod work;
+
+pub use ops::{Collectives, Job};
+pub use scope::Scope;
+pub use work::Work;
+
+use crate::algorithms;
+use crate::backend::{Backend, Op, OpContext};
+use crate::error::{Error, Result};
+use crate::kernels::sanitize;
+use crate::options::GroupOptions;
+use crate::registry::Route;
+use crate::store::{PrefixStore, Store};
+use crate::tensor::Device;
+use executor::Executor;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// A group of ranks that run collectives together.
+///
+/// Create one per process with [`ProcessGroup::from_env`] (under `weft run`,
+/// torchrun-style variables, Slurm or Open MPI) or [`ProcessGroup::new`]
+/// with a store; make sub-groups with [`ProcessGroup::split`]. The ops are
+/// in the [`Collectives`] trait. Dropping the group closes its connections
+/// cleanly.
+pub struct ProcessGroup {
+    core: Arc<GroupCore>,
+}
+
+/// What running an op needs; shared with the worker thread.
+pub(crate) struct GroupCore {
+    rank: usize,
+    size: usize,
+    options: GroupOptions,
+    store: Arc<dyn Store>,
+    /// One backend per filled route (instances shared between routes).
+    routes: HashMap<Route, Arc<dyn Backend>>,
+    /// Why each empty route has no backend.
+    missing: HashMap<Route, String>,
+    exec: Arc<Executor>,
+    debug_detail: bool,
+    aborted: AtomicBool,
+    poisoned: Mutex<Option<Error>>,
+    splits: AtomicU64,
+}
+
+impl ProcessGroup {
+    /// Join a group of `size` ranks as `rank`, meeting the others through
+    /// `store`. Collective: every rank calls it; returns once every backend
+    /// chosen by `options.backend` is connected.
+    pub fn new(store: Arc<dyn Store>, rank: usize, size: usize, options: GroupOptions) -> Result<Self> {
+        setup::create(store, rank, size, options).map(|core| ProcessGroup { core: Arc::new(core) })
+    }
+
+    /// Join the job's default group, configured by the environment (see
+    /// [`crate::launch::LaunchEnv`]).
+    pub fn from_env(options: GroupOptions) -> Result<Self> {
+        let env = crate::launch::LaunchEnv::from_env()?;
+        let store = env.connect_store(options.timeout)?;
+        Self::new(store, env.rank, env.world_size, options)
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.core.rank
+    }
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.core.size
+    }
+    /// The name of the backend that handles `route`, if any.
+    pub fn backend_name(&self, route: Route) -> Option<String> {
+        self.core.routes.get(&route).map(|b| b.name().to_string())
+    }
+
+    /// A sub-group of the given ranks of this group (in that order: the
+    /// i-th listed rank becomes rank i). Every rank of this group must call
+    /// it, in the same order relative to other splits, with the same list;
+    /// ranks not listed get `None`. An empty list, a rank out of range or a
+    /// duplicate is `InvalidArgument`.
+    pub fn split(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>> {
+        let c = &self.core;
+        let fail = |m: String| Err(Error::invalid(m).with_op("split").with_rank(c.rank));
+        if ranks.is_empty() {
+            return fail("the rank list is empty".into());
+        }
+        for (i, &r) in ranks.iter().enumerate() {
+            if r >= c.size {
+                return fail(format!("rank {r} is out of range for a group of size {}", c.size));
+            }
+            if ranks[..i].contains(&r) {
+                return fail(format!("rank {r} is listed twice"));
+            }
+        }
+        let n = c.splits.fetch_add(1, Ordering::Relaxed);
+        let Some(sub_rank) = ranks.iter().position(|&r| r == c.rank) else {
+            return Ok(None);
+        };
+        let store: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("split{n}"), c.store.clone()));
+        let list = format!("{ranks:?}");
+        if sub_rank == 0 {
+            store.set("members", list.as_bytes())?;
+        } else {
+            let first = store.get("members", c.options.timeout).map_err(|e| e.with_op("split"))?;
+            if first != list.as_bytes() {
+                return fail(format!(
+                    "rank lists differ: this rank passed {list}, rank {} passed {}",
+                    ranks[0],
+                    String::from_utf8_lossy(&first)
+                ));
+            }
+        }
+        Self::new(store, sub_rank, ranks.len(), c.options.clone()).map(Some)
+    }
+
+    /// End every in-flight op of this rank promptly with `Aborted`, and make
+    /// every later op fail the same way. Peers see this rank as lost.
+    pub fn abort(&self) {
+        self.core.aborted.store(true, Ordering::Release);
+        let e = Error::aborted(format!("rank {} aborted the group", self.core.rank));
+        for b in self.core.backends() {
+            b.abort(&e);
+        }
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        self.core.exec.shutdown();
+        for b in self.core.backends() {
+            b.shutdown();
+        }
+    }
+}
+
+impl<'t> Collectives<'t> for ProcessGroup {
+    fn submit(&self, job: Job<'t>) -> Result<Work<'t>> {
+        let (ticket, seq) = self.core.exec.issue(job.is_collective());
+        let state = executor::new_state();
+        let result = self.core.exec.run_inline(ticket, || self.core.run_job(job, seq));
+        state.complete(result);
+        Ok(Work::new(state))
+    }
+    fn rank(&self) -> usize {
+        self.core.rank
+    }
+    fn size(&self) -> usize {
+        self.core.size
+    }
+}
+
+impl Job<'_> {
+    pub(crate) fn is_collective(&self) -> bool {
+        self.op.is_collective()
+    }
+}
+
+impl GroupCore {
+    fn backends(&self) -> Vec<Arc<dyn Backend>> {
+        let mut v: Vec<Arc<dyn Backend>> = Vec::new();
+        for b in self.routes.values() {
+            if !v.iter().any(|x| Arc::ptr_eq(x, b)) {
+                v.push(b.clone());
+            }
+        }
+        v
+    }
+
+    fn usable(&self) -> Result<()> {
+        if self.aborted.load(Ordering::Acquire) {
+            return Err(Error::aborted(format!("the group was aborted on rank {}", self.rank)));
+        }
+        if let Some(e) = &*self.poisoned.lock().unwrap_or_else(|p| p.into_inner()) {
+            return Err(Error::new(e.kind().clone(), format!("the group is unusable after an earlier error: {e}")));
+        }
+        Ok(())
+    }
+
+    fn route(&self, route: Route) -> Result<&Arc<dyn Backend>> {
+        self.routes.get(&route).ok_or_else(|| {
+            Error::unsupported(format!(
+                "no backend handles {} {} tensors in this group: {}",
+                route.0.name(),
+                route.1.name(),
+                self.missing.get(&route).map(String::as_str).unwrap_or("none was requested")
+            ))
+        })
+    }
+
+    /// Run one op; errors are tagged with the op and rank, and any error
+    /// after bytes may have moved poisons the group (peers are told by the
+    /// backend closing its connections).
+    fn run_job(&self, job: Job<'_>, seq: u64) -> Result<()> {
+        let Job { name, kind, route, opts, fingerprint, op } = job;
+        let result = (|| {
+            self.usable()?;
+            let backend = self.route(route)?;
+            let mut hints = self.options.hints.clone();
+            hints.extend(opts.hints);
+            let ctx = OpContext {
+                rank: self.rank,
+                size: self.size,
+                name,
+                kind,
+                seq,
+                deadline: Instant::now() + opts.timeout.unwrap_or(self.options.timeout),
+                hints,
+            };
+            let r = self.execute(backend.as_ref(), &ctx, fingerprint.as_ref(), op);
+            if let Err(e) = &r {
+                if !matches!(e.kind(), crate::ErrorKind::Unsupported) {
+                    self.poison(e.clone().with_op(name).with_rank(self.rank));
+                }
+            }
+            r
+        })();
+        result.map_err(|e| e.with_op(name).with_rank(self.rank))
+    }
+
+    fn execute(&self, backend: &dyn Backend, ctx: &OpContext, fp: Option<&debug::Fingerprint>, mut op: Op<'_>) -> Result<()> {
+        if let (true, Some(fp)) = (self.debug_detail, fp) {
+            debug::check(backend, ctx, fp)?;
+        }
+        match backend.native_op(&mut op, ctx) {
+            Some(r) => r?,
+            None => algorithms::run(backend, &mut op, ctx).map_err(|e| match e.kind() {
+                crate::ErrorKind::Unsupported => e.context(format!("backend {} has no native {}", backend.name(), ctx.name)),
+                _ => e,
+            })?,
+        }
+        // Bytes from peers must never become invalid bools in user memory.
+        for out in op.outputs_mut() {
+            if out.device() == Device::Cpu {
+                let dtype = out.dtype();
+                sanitize(out.host_bytes_mut()?, dtype);
+            }
+        }
+        Ok(())
+    }
+
+    fn poison(&self, e: Error) {
+        let mut p = self.poisoned.lock().unwrap_or_else(|p| p.into_inner());
+        if p.is_none() {
+            crate::log::info(format_args!("group poisoned on rank {}: {e}", self.rank));
+            *p = Some(e.clone());
+            drop(p);
+            for b in self.backends() {
+                b.abort(&e);
+            }
+        }
+    }
+}

@@ -1,0 +1,366 @@
+//! Every op of a group: local validation, then one canonical job.
+//!
+//! Validation happens here, before any byte moves: sizes, dtypes, devices,
+//! roots, peers, split sizes, tags and reduce ops. What cannot be checked
+//! locally (the other ranks' sizes) is checked by the transport, which
+//! rejects a message whose length differs from the posted receive.
+
+use super::debug::Fingerprint;
+use super::work::Work;
+use crate::backend::{Op, OpKind};
+use crate::error::{Error, Result};
+use crate::options::OpOptions;
+use crate::reduce_op::ReduceOp;
+use crate::registry::Route;
+use crate::tag::MAX_USER_TAG;
+use crate::tensor::{Device, Layout, Tensor, TensorMut};
+use crate::dtype::DType;
+
+/// An op ready to run: what the executor takes. Opaque outside weft.
+#[doc(hidden)]
+pub struct Job<'t> {
+    pub(crate) name: &'static str,
+    pub(crate) kind: OpKind,
+    pub(crate) route: Route,
+    pub(crate) opts: OpOptions,
+    pub(crate) fingerprint: Option<Fingerprint>,
+    pub(crate) op: Op<'t>,
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+impl sealed::Sealed for super::ProcessGroup {}
+impl sealed::Sealed for super::scope::Scope<'_, '_> {}
+
+/// Checks shared by the ops; each error names the op and this rank.
+struct Check {
+    name: &'static str,
+    rank: usize,
+    size: usize,
+}
+
+impl Check {
+    fn fail(&self, msg: String) -> Error {
+        Error::invalid(msg).with_op(self.name).with_rank(self.rank)
+    }
+    fn rank_arg(&self, what: &str, r: usize) -> Result<()> {
+        if r >= self.size {
+            return Err(self.fail(format!("{what} {r} is out of range for a group of size {}", self.size)));
+        }
+        Ok(())
+    }
+    fn peer(&self, r: usize) -> Result<()> {
+        self.rank_arg("peer rank", r)?;
+        if r == self.rank {
+            return Err(self.fail(format!("peer rank {r} is this rank; copy locally instead")));
+        }
+        Ok(())
+    }
+    fn list_len(&self, what: &str, n: usize) -> Result<()> {
+        if n != self.size {
+            return Err(self.fail(format!("{what} has {n} tensors, expected one per rank ({})", self.size)));
+        }
+        Ok(())
+    }
+    fn numel(&self, what: &str, got: usize, want: usize) -> Result<()> {
+        if got != want {
+            return Err(self.fail(format!("{what} has {got} elements, expected {want}")));
+        }
+        Ok(())
+    }
+    fn reduce_op(&self, op: ReduceOp, dtype: DType) -> Result<()> {
+        op.check(dtype).map_err(|e| e.with_op(self.name).with_rank(self.rank))
+    }
+    /// All tensors share dtype and device, are dense and contiguous; returns the route.
+    fn tensors<'a>(&self, ts: impl IntoIterator<Item = (DType, Device, bool)>) -> Result<(Route, DType, Device)> {
+        let mut first: Option<(DType, Device)> = None;
+        for (i, (dtype, device, contiguous)) in ts.into_iter().enumerate() {
+            if !contiguous {
+                return Err(self.fail(format!("tensor {i} is not contiguous (strided views are not supported yet)")));
+            }
+            match first {
+                None => first = Some((dtype, device)),
+                Some((d, _)) if d != dtype => {
+                    return Err(self.fail(format!("tensor {i} has dtype {dtype}, expected {d} like the first tensor")))
+                }
+                Some((_, dev)) if dev != device => {
+                    return Err(self.fail(format!("tensor {i} is on {device}, expected {dev} like the first tensor")))
+                }
+                _ => {}
+            }
+        }
+        let (dtype, device) = first.unwrap_or((DType::U8, Device::Cpu));
+        Ok(((device.kind(), Layout::Dense), dtype, device))
+    }
+}
+
+fn meta(t: &Tensor<'_>) -> (DType, Device, bool) {
+    (t.dtype(), t.device(), t.is_contiguous())
+}
+fn meta_mut(t: &TensorMut<'_>) -> (DType, Device, bool) {
+    (t.dtype(), t.device(), t.is_contiguous())
+}
+
+/// The ops of a process group. Implemented by [`crate::ProcessGroup`] (ops
+/// run at once, on the calling thread) and [`crate::Scope`] (ops run in the
+/// background; the scope waits for them).
+///
+/// Every op takes [`OpOptions`] (timeout, hints) and returns a [`Work`].
+/// Collectives must be issued in the same order on every rank of the group.
+pub trait Collectives<'t>: sealed::Sealed {
+    #[doc(hidden)]
+    fn submit(&self, job: Job<'t>) -> Result<Work<'t>>;
+    /// This rank in the group.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the group.
+    fn size(&self) -> usize;
+
+    /// Send `tensor` to rank `dst` under `tag` (at most [`MAX_USER_TAG`]).
+    /// Messages with different tags may be received in any order.
+    fn send(&self, tensor: impl Into<Tensor<'t>>, dst: usize, tag: u32, opts: &OpOptions) -> Result<Work<'t>> {
+        let data = tensor.into();
+        let c = check(self, "send");
+        c.peer(dst)?;
+        user_tag(&c, tag)?;
+        let (route, ..) = c.tensors([meta(&data)])?;
+        self.submit(job(&c, OpKind::Send, route, opts, None, Op::Send { data, peer: dst, tag: crate::tag::user(tag) }))
+    }
+
+    /// Receive into `tensor` from rank `src` the oldest message sent under `tag`;
+    /// its size must equal the tensor's.
+    fn recv(&self, tensor: impl Into<TensorMut<'t>>, src: usize, tag: u32, opts: &OpOptions) -> Result<Work<'t>> {
+        let buf = tensor.into();
+        let c = check(self, "recv");
+        c.peer(src)?;
+        user_tag(&c, tag)?;
+        let (route, ..) = c.tensors([meta_mut(&buf)])?;
+        self.submit(job(&c, OpKind::Recv, route, opts, None, Op::Recv { buf, peer: src, tag: crate::tag::user(tag) }))
+    }
+
+    /// Copy `root`'s tensor into every rank's tensor.
+    fn broadcast(&self, tensor: impl Into<TensorMut<'t>>, root: usize, opts: &OpOptions) -> Result<Work<'t>> {
+        let buf = tensor.into();
+        let c = check(self, "broadcast");
+        c.rank_arg("root", root)?;
+        let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
+        let fp = Fingerprint::new(c.name, OpKind::Broadcast, format!("{dtype} x {} root {root}", buf.numel()));
+        self.submit(job(&c, OpKind::Broadcast, route, opts, Some(fp), Op::Broadcast { buf, root }))
+    }
+
+    /// Reduce every rank's tensor with `op`; the result replaces each tensor.
+    fn all_reduce(&self, tensor: impl Into<TensorMut<'t>>, op: ReduceOp, opts: &OpOptions) -> Result<Work<'t>> {
+        let buf = tensor.into();
+        let c = check(self, "all_reduce");
+        let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
+        c.reduce_op(op, dtype)?;
+        let fp = Fingerprint::new(c.name, OpKind::AllReduce, format!("{dtype} x {} op {op}", buf.numel()));
+        self.submit(job(&c, OpKind::AllReduce, route, opts, Some(fp), Op::AllReduce { buf, op }))
+    }
+
+    /// Reduce every rank's tensor with `op` into `root`'s tensor; the other
+    /// ranks' tensors are left unchanged.
+    fn reduce(&self, tensor: impl Into<TensorMut<'t>>, root: usize, op: ReduceOp, opts: &OpOptions) -> Result<Work<'t>> {
+        let buf = tensor.into();
+        let c = check(self, "reduce");
+        c.rank_arg("root", root)?;
+        let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
+        c.reduce_op(op, dtype)?;
+        let fp = Fingerprint::new(c.name, OpKind::Reduce, format!("{dtype} x {} root {root} op {op}", buf.numel()));
+        self.submit(job(&c, OpKind::Reduce, route, opts, Some(fp), Op::Reduce { buf, root, op }))
+    }
+
+    /// `outputs[i]` receives rank i's `input`; every tensor has the same size.
+    fn all_gather(&self, outputs: Vec<TensorMut<'t>>, input: impl Into<Tensor<'t>>, opts: &OpOptions) -> Result<Work<'t>> {
+        let input = input.into();
+        let c = check(self, "all_gather");
+        c.list_len("outputs", outputs.len())?;
+        for (i, o) in outputs.iter().enumerate() {
+            c.numel(&format!("outputs[{i}]"), o.numel(), input.numel())?;
+        }
+        gather_job(self, c, input, outputs, opts)
+    }
+
+    /// Rank i's `input` lands in the i-th of W equal parts of `output`.
+    fn all_gather_single(&self, output: impl Into<TensorMut<'t>>, input: impl Into<Tensor<'t>>, opts: &OpOptions) -> Result<Work<'t>> {
+        let (output, input) = (output.into(), input.into());
+        let c = check(self, "all_gather_single");
+        c.numel("output", output.numel(), input.numel() * c.size)?;
+        c.tensors([meta_mut(&output), meta(&input)])?;
+        let outputs = output.split_mut(&vec![input.numel(); c.size]).map_err(|e| e.with_op(c.name))?;
+        gather_job(self, c, input, outputs, opts)
+    }
+
+    /// `outputs[i]` receives rank i's `input`; sizes may differ per rank
+    /// (every rank passes the same output sizes).
+    fn all_gather_v(&self, outputs: Vec<TensorMut<'t>>, input: impl Into<Tensor<'t>>, opts: &OpOptions) -> Result<Work<'t>> {
+        let input = input.into();
+        let c = check(self, "all_gather_v");
+        c.list_len("outputs", outputs.len())?;
+        c.numel(&format!("outputs[{}] (this rank's part)", c.rank), outputs[c.rank].numel(), input.numel())?;
+        gather_job(self, c, input, outputs, opts)
+    }
+
+    /// `output` becomes the reduction over ranks of their `inputs[rank]`;
+    /// every tensor has the same size.
+    fn reduce_scatter(&self, output: impl Into<TensorMut<'t>>, inputs: Vec<Tensor<'t>>, op: ReduceOp, opts: &OpOptions) -> Result<Work<'t>> {
+        let output = output.into();
+        let c = check(self, "reduce_scatter");
+        c.list_len("inputs", inputs.len())?;
+        for (i, t) in inputs.iter().enumerate() {
+            c.numel(&format!("inputs[{i}]"), t.numel(), output.numel())?;
+        }
+        scatter_reduce_job(self, c, output, inputs, op, opts)
+    }
+
+    /// The i-th of W equal parts of every rank's `input` is reduced into rank i's `output`.
+    fn reduce_scatter_single(&self, output: impl Into<TensorMut<'t>>, input: impl Into<Tensor<'t>>, op: ReduceOp, opts: &OpOptions) -> Result<Work<'t>> {
+        let (output, input) = (output.into(), input.into());
+        let c = check(self, "reduce_scatter_single");
+        c.numel("input", input.numel(), output.numel() * c.size)?;
+        c.tensors([meta_mut(&output), meta(&input)])?;
+        let inputs = input.split(&vec![output.numel(); c.size]).map_err(|e| e.with_op(c.name))?;
+        scatter_reduce_job(self, c, output, inputs, op, opts)
+    }
+
+    /// `output` becomes the reduction over ranks of their `inputs[rank]`;
+    /// sizes may differ per destination (every rank passes the same sizes).
+    fn reduce_scatter_v(&self, output: impl Into<TensorMut<'t>>, inputs: Vec<Tensor<'t>>, op: ReduceOp, opts: &OpOptions) -> Result<Work<'t>> {
+        let output = output.into();
+        let c = check(self, "reduce_scatter_v");
+        c.list_len("inputs", inputs.len())?;
+        c.numel(&format!("inputs[{}] (this rank's part)", c.rank), inputs[c.rank].numel(), output.numel())?;
+        scatter_reduce_job(self, c, output, inputs, op, opts)
+    }
+
+    /// `outputs[i]` receives rank i's `inputs[rank]` (sizes may differ).
+    fn all_to_all(&self, outputs: Vec<TensorMut<'t>>, inputs: Vec<Tensor<'t>>, opts: &OpOptions) -> Result<Work<'t>> {
+        let c = check(self, "all_to_all");
+        c.list_len("outputs", outputs.len())?;
+        c.list_len("inputs", inputs.len())?;
+        c.numel(&format!("outputs[{}] (from this rank)", c.rank), outputs[c.rank].numel(), inputs[c.rank].numel())?;
+        all_to_all_job(self, c, outputs, inputs, opts)
+    }
+
+    /// The i-th of W equal parts of `input` goes to rank i; the i-th part of
+    /// `output` comes from rank i.
+    fn all_to_all_single(&self, output: impl Into<TensorMut<'t>>, input: impl Into<Tensor<'t>>, opts: &OpOptions) -> Result<Work<'t>> {
+        let (output, input) = (output.into(), input.into());
+        let c = check(self, "all_to_all_single");
+        c.numel("output", output.numel(), input.numel())?;
+        if input.numel() % c.size != 0 {
+            return Err(c.fail(format!("input has {} elements, not divisible by the group size {}", input.numel(), c.size)));
+        }
+        let part = vec![input.numel() / c.size; c.size];
+        c.tensors([meta_mut(&output), meta(&input)])?;
+        let inputs = input.split(&part).map_err(|e| e.with_op(c.name))?;
+        let outputs = output.split_mut(&part).map_err(|e| e.with_op(c.name))?;
+        all_to_all_job(self, c, outputs, inputs, opts)
+    }
+
+    /// As `all_to_all_single` with explicit split sizes (elements per rank).
+    fn all_to_all_v_single(
+        &self,
+        output: impl Into<TensorMut<'t>>,
+        input: impl Into<Tensor<'t>>,
+        output_splits: &[usize],
+        input_splits: &[usize],
+        opts: &OpOptions,
+    ) -> Result<Work<'t>> {
+        let (output, input) = (output.into(), input.into());
+        let c = check(self, "all_to_all_v_single");
+        c.list_len("output_splits", output_splits.len())?;
+        c.list_len("input_splits", input_splits.len())?;
+        c.numel("input (sum of input_splits)", input.numel(), input_splits.iter().sum())?;
+        c.numel("output (sum of output_splits)", output.numel(), output_splits.iter().sum())?;
+        c.numel("output_splits[rank]", output_splits[c.rank], input_splits[c.rank])?;
+        c.tensors([meta_mut(&output), meta(&input)])?;
+        let inputs = input.split(input_splits).map_err(|e| e.with_op(c.name))?;
+        let outputs = output.split_mut(output_splits).map_err(|e| e.with_op(c.name))?;
+        all_to_all_job(self, c, outputs, inputs, opts)
+    }
+
+    /// At `root`, `outputs[i]` receives rank i's `input`; pass an empty
+    /// `outputs` on the other ranks.
+    fn gather(&self, outputs: Vec<TensorMut<'t>>, input: impl Into<Tensor<'t>>, root: usize, opts: &OpOptions) -> Result<Work<'t>> {
+        let input = input.into();
+        let c = check(self, "gather");
+        c.rank_arg("root", root)?;
+        root_list(&c, root, "outputs", outputs.len())?;
+        for (i, o) in outputs.iter().enumerate() {
+            c.numel(&format!("outputs[{i}]"), o.numel(), input.numel())?;
+        }
+        let (route, dtype, _) = c.tensors(std::iter::once(meta(&input)).chain(outputs.iter().map(meta_mut)))?;
+        let fp = Fingerprint::new(c.name, OpKind::Gather, format!("{dtype} x {} root {root}", input.numel()));
+        self.submit(job(&c, OpKind::Gather, route, opts, Some(fp), Op::Gather { input, outputs, root }))
+    }
+
+    /// Every rank's `output` receives `root`'s `inputs[rank]`; pass an empty
+    /// `inputs` on the other ranks.
+    fn scatter(&self, output: impl Into<TensorMut<'t>>, inputs: Vec<Tensor<'t>>, root: usize, opts: &OpOptions) -> Result<Work<'t>> {
+        let output = output.into();
+        let c = check(self, "scatter");
+        c.rank_arg("root", root)?;
+        root_list(&c, root, "inputs", inputs.len())?;
+        for (i, t) in inputs.iter().enumerate() {
+            c.numel(&format!("inputs[{i}]"), t.numel(), output.numel())?;
+        }
+        let (route, dtype, _) = c.tensors(std::iter::once(meta_mut(&output)).chain(inputs.iter().map(meta)))?;
+        let fp = Fingerprint::new(c.name, OpKind::Scatter, format!("{dtype} x {} root {root}", output.numel()));
+        self.submit(job(&c, OpKind::Scatter, route, opts, Some(fp), Op::Scatter { inputs, output, root }))
+    }
+
+    /// Return once every rank has entered the barrier (and, as ops of a group
+    /// run in order, once this rank's earlier ops have finished).
+    fn barrier(&self, opts: &OpOptions) -> Result<Work<'t>> {
+        let c = check(self, "barrier");
+        let fp = Fingerprint::new(c.name, OpKind::Barrier, String::new());
+        self.submit(job(&c, OpKind::Barrier, (crate::tensor::DeviceKind::Cpu, Layout::Dense), opts, Some(fp), Op::Barrier))
+    }
+}
+
+fn check<'t, G: Collectives<'t> + ?Sized>(g: &G, name: &'static str) -> Check {
+    Check { name, rank: g.rank(), size: g.size() }
+}
+
+fn job<'t>(c: &Check, kind: OpKind, route: Route, opts: &OpOptions, fingerprint: Option<Fingerprint>, op: Op<'t>) -> Job<'t> {
+    Job { name: c.name, kind, route, opts: opts.clone(), fingerprint, op }
+}
+
+fn user_tag(c: &Check, tag: u32) -> Result<()> {
+    if tag > MAX_USER_TAG {
+        return Err(c.fail(format!("tag {tag} is above the largest user tag {MAX_USER_TAG}")));
+    }
+    Ok(())
+}
+
+fn root_list(c: &Check, root: usize, what: &str, n: usize) -> Result<()> {
+    if c.rank == root {
+        c.list_len(what, n)
+    } else if n != 0 {
+        Err(c.fail(format!("{what} must be empty on non-root rank {} (root is {root}), got {n} tensors", c.rank)))
+    } else {
+        Ok(())
+    }
+}
+
+fn gather_job<'t, G: Collectives<'t> + ?Sized>(g: &G, c: Check, input: Tensor<'t>, outputs: Vec<TensorMut<'t>>, opts: &OpOptions) -> Result<Work<'t>> {
+    let (route, dtype, _) = c.tensors(std::iter::once(meta(&input)).chain(outputs.iter().map(meta_mut)))?;
+    let counts: Vec<usize> = outputs.iter().map(|o| o.numel()).collect();
+    let fp = Fingerprint::new(c.name, OpKind::AllGather, format!("{dtype} counts {counts:?}"));
+    g.submit(job(&c, OpKind::AllGather, route, opts, Some(fp), Op::AllGather { input, outputs }))
+}
+
+fn scatter_reduce_job<'t, G: Collectives<'t> + ?Sized>(g: &G, c: Check, output: TensorMut<'t>, inputs: Vec<Tensor<'t>>, op: ReduceOp, opts: &OpOptions) -> Result<Work<'t>> {
+    let (route, dtype, _) = c.tensors(std::iter::once(meta_mut(&output)).chain(inputs.iter().map(meta)))?;
+    c.reduce_op(op, dtype)?;
+    let counts: Vec<usize> = inputs.iter().map(|t| t.numel()).collect();
+    let fp = Fingerprint::new(c.name, OpKind::ReduceScatter, format!("{dtype} counts {counts:?} op {op}"));
+    g.submit(job(&c, OpKind::ReduceScatter, route, opts, Some(fp), Op::ReduceScatter { inputs, output, op }))
+}
+
+fn all_to_all_job<'t, G: Collectives<'t> + ?Sized>(g: &G, c: Check, outputs: Vec<TensorMut<'t>>, inputs: Vec<Tensor<'t>>, opts: &OpOptions) -> Result<Work<'t>> {
+    let (route, dtype, _) = c.tensors(inputs.iter().map(meta).chain(outputs.iter().map(meta_mut)))?;
+    let fp = Fingerprint::new(c.name, OpKind::AllToAll, format!("{dtype}"));
+    g.submit(job(&c, OpKind::AllToAll, route, opts, Some(fp), Op::AllToAll { inputs, outputs }))
+}

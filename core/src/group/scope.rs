@@ -1,0 +1,85 @@
+//! Scopes: ops that run in the background while the caller works.
+//!
+//! A [`Work`] borrows the op's tensors, but a handle can be leaked
+//! (`mem::forget`), which would end the borrow while the op still writes.
+//! So, as `std::thread::scope` does for threads, background ops live in a
+//! scope that waits for all of them before it returns: leaking a handle
+//! cannot let the op outlive the buffers.
+
+use super::executor::new_state;
+use super::ops::{Collectives, Job};
+use super::work::{Work, WorkState};
+use super::ProcessGroup;
+use crate::error::Result;
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex};
+
+/// A scope of background ops on one group; see [`ProcessGroup::scope`].
+pub struct Scope<'scope, 'env: 'scope> {
+    group: &'env ProcessGroup,
+    pending: Mutex<Vec<Arc<WorkState>>>,
+    // Invariant in both lifetimes, as std::thread::Scope.
+    _scope: PhantomData<&'scope mut &'scope ()>,
+    _env: PhantomData<&'env mut &'env ()>,
+}
+
+impl ProcessGroup {
+    /// Run `f` with a scope in which ops run in the background, in issue
+    /// order, on the group's worker thread; return once `f` has returned and
+    /// every op issued in the scope has finished.
+    ///
+    /// ```no_run
+    /// # use weft::{ProcessGroup, ReduceOp, OpOptions, Collectives};
+    /// # fn f(pg: &ProcessGroup, grads: &mut [f32], other: &mut [f32]) -> weft::Result<()> {
+    /// pg.scope(|s| {
+    ///     let w = s.all_reduce(&mut *grads, ReduceOp::Avg, &OpOptions::default())?;
+    ///     other.iter_mut().for_each(|x| *x *= 2.0); // overlaps the all_reduce
+    ///     w.wait()
+    /// })
+    /// # }
+    /// ```
+    pub fn scope<'env, F, T>(&'env self, f: F) -> T
+    where
+        F: for<'scope> FnOnce(&'scope Scope<'scope, 'env>) -> T,
+    {
+        let scope = Scope { group: self, pending: Mutex::new(Vec::new()), _scope: PhantomData, _env: PhantomData };
+        let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&scope)));
+        for st in scope.pending.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            let _ = st.wait();
+        }
+        match out {
+            Ok(v) => v,
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+    }
+}
+
+impl<'scope, 'env> Collectives<'scope> for Scope<'scope, 'env> {
+    fn submit(&self, job: Job<'scope>) -> Result<Work<'scope>> {
+        let core = self.group.core.clone();
+        let (ticket, seq) = core.exec.issue(job.is_collective());
+        let state = new_state();
+        // SAFETY: only the lifetime changes. The job borrows tensors for
+        // 'scope; `ProcessGroup::scope` waits for `state` (completed after
+        // the job has run and been dropped) before 'scope can end, whatever
+        // happens to the returned Work.
+        let job: Job<'static> = unsafe { std::mem::transmute::<Job<'scope>, Job<'static>>(job) };
+        let st = state.clone();
+        let exec = core.exec.clone();
+        exec.enqueue(
+            ticket,
+            Box::new(move || {
+                let result = core.run_job(job, seq);
+                st.complete(result);
+            }),
+        );
+        self.pending.lock().unwrap_or_else(|p| p.into_inner()).push(state.clone());
+        Ok(Work::new(state))
+    }
+    fn rank(&self) -> usize {
+        self.group.rank()
+    }
+    fn size(&self) -> usize {
+        self.group.size()
+    }
+}

@@ -1,0 +1,143 @@
+//! Creating a group: namespacing the store, agreeing on backends, creating them.
+
+use super::executor::Executor;
+use super::GroupCore;
+use crate::backend::{Backend, BackendContext};
+use crate::error::{Error, ErrorKind, Result};
+use crate::options::GroupOptions;
+use crate::registry::{self, Route};
+use crate::store::{PrefixStore, Store};
+use crate::tensor::DeviceKind;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Mutex};
+
+pub(super) fn create(store: Arc<dyn Store>, rank: usize, size: usize, options: GroupOptions) -> Result<GroupCore> {
+    let fail = |e: Error| e.with_op("init").with_rank(rank);
+    if size == 0 || rank >= size {
+        return Err(fail(Error::invalid(format!("rank {rank} is out of range for a group of size {size}"))));
+    }
+    // Each rank counts the groups it created on this store; ranks create
+    // groups in the same order, so the n-th group gets the same namespace.
+    let n = store.add(&format!("weft/groups_created/{rank}"), 1).map_err(fail)?;
+    let store: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("weft/group{n}"), store));
+
+    let plan = registry::plan(&options.backend).map_err(fail)?;
+    // Probe once; the availability of each candidate is part of what ranks agree on.
+    let mut probes: HashMap<String, std::result::Result<(), String>> = HashMap::new();
+    let mut agreed = String::new();
+    for (route, cands, _) in &plan.routes {
+        let avail: Vec<&str> = cands
+            .iter()
+            .filter(|c| probes.entry(c.to_string()).or_insert_with(|| probe(c)).is_ok())
+            .map(String::as_str)
+            .collect();
+        agreed += &format!("{}-{}={};", route.0.name(), route.1.name(), avail.join("|"));
+    }
+    agree(&*store, rank, &options, &agreed).map_err(fail)?;
+
+    let mut made: HashMap<String, Arc<dyn Backend>> = HashMap::new();
+    let mut routes = HashMap::new();
+    let mut missing = HashMap::new();
+    // CPU first: a staging backend for CUDA gets the CPU backend it runs on.
+    let mut order = plan.routes.clone();
+    order.sort_by_key(|(route, ..)| route.0 != DeviceKind::Cpu);
+    for (route, cands, explicit) in order {
+        let mut why = Vec::new();
+        for name in &cands {
+            if let Err(reason) = &probes[name] {
+                why.push(format!("{name}: unavailable: {reason}"));
+                continue;
+            }
+            if let Some(b) = made.get(name) {
+                routes.insert(route, b.clone());
+                break;
+            }
+            let ctx = BackendContext {
+                rank,
+                size,
+                store: Arc::new(PrefixStore::new(format!("backend/{name}"), store.clone())),
+                timeout: options.timeout,
+                hints: options.hints.clone(),
+                cpu_backend: routes.get(&(DeviceKind::Cpu, crate::tensor::Layout::Dense)).cloned(),
+            };
+            let factory = registry::find(name).expect("planned backends are registered");
+            match factory.create(ctx) {
+                Ok(b) => {
+                    crate::log::debug(format_args!("rank {rank}: {} {} tensors use {name}", route.0.name(), route.1.name()));
+                    made.insert(name.clone(), b.clone());
+                    routes.insert(route, b);
+                    break;
+                }
+                Err(e) if e.kind() == &ErrorKind::Unsupported && !explicit => why.push(format!("{name}: {}", e.message())),
+                Err(e) => return Err(fail(e.context(format!("creating backend {name}")))),
+            }
+        }
+        if !routes.contains_key(&route) {
+            if explicit {
+                return Err(fail(Error::unsupported(format!(
+                    "backend requested for {} {} tensors is not usable: {}",
+                    route.0.name(),
+                    route.1.name(),
+                    why.join("; ")
+                ))));
+            }
+            missing.insert(route, describe_missing(route, &why));
+        }
+    }
+    if routes.is_empty() {
+        return Err(fail(Error::unsupported(format!(
+            "backend spec {:?} gives no usable backend (registered: {})",
+            options.backend,
+            registry::backends().iter().map(|f| f.name().to_string()).collect::<Vec<_>>().join(", ")
+        ))));
+    }
+    Ok(GroupCore {
+        rank,
+        size,
+        debug_detail: std::env::var("WEFT_DEBUG").map(|v| v.eq_ignore_ascii_case("detail")).unwrap_or(false),
+        options,
+        store,
+        routes,
+        missing,
+        exec: Arc::new(Executor::default()),
+        aborted: AtomicBool::new(false),
+        poisoned: Mutex::new(None),
+        splits: AtomicU64::new(0),
+    })
+}
+
+fn probe(name: &str) -> std::result::Result<(), String> {
+    registry::find(name).ok_or_else(|| "not registered".to_string())?.probe()
+}
+
+/// Rank 0 publishes what it planned; every other rank must have planned the same.
+fn agree(store: &dyn Store, rank: usize, options: &GroupOptions, plan: &str) -> Result<()> {
+    let mine = format!("spec {:?}: {plan}", options.backend);
+    if rank == 0 {
+        return store.set("plan", mine.as_bytes());
+    }
+    let first = store.get("plan", options.timeout).map_err(|e| e.context("waiting for rank 0 to join the group"))?;
+    if first != mine.as_bytes() {
+        return Err(Error::invalid(format!(
+            "backend choice differs between ranks: rank 0 has {}, rank {rank} has {mine}",
+            String::from_utf8_lossy(&first)
+        )));
+    }
+    Ok(())
+}
+
+fn describe_missing(route: Route, why: &[String]) -> String {
+    if why.is_empty() {
+        let registered: Vec<String> = registry::backends()
+            .iter()
+            .map(|f| {
+                let devs: Vec<&str> = f.devices().iter().map(|d| d.name()).collect();
+                format!("{} ({})", f.name(), devs.join(","))
+            })
+            .collect();
+        format!("no registered backend handles {} {} tensors (registered: {})", route.0.name(), route.1.name(), registered.join(", "))
+    } else {
+        why.join("; ")
+    }
+}

@@ -1,0 +1,284 @@
+//! Elementwise reduction kernels over raw byte buffers, dispatched by dtype.
+//!
+//! The algorithms move bytes; these functions give the bytes meaning. Buffers
+//! are normally aligned for their dtype (user tensors, [`AlignedBuf`]); an
+//! unaligned buffer takes a slower per-element path instead of failing.
+
+use crate::dtype::DType;
+use crate::reduce_op::ReduceOp;
+use half::{bf16, f16};
+
+/// Arithmetic each element type provides for the reductions.
+trait Arith: Copy {
+    fn sum(a: Self, b: Self) -> Self;
+    fn prod(a: Self, b: Self) -> Self;
+    fn min(a: Self, b: Self) -> Self;
+    fn max(a: Self, b: Self) -> Self;
+    fn band(a: Self, b: Self) -> Self;
+    fn bor(a: Self, b: Self) -> Self;
+    fn bxor(a: Self, b: Self) -> Self;
+    fn scale(a: Self, f: f64) -> Self;
+}
+
+macro_rules! int_arith {
+    ($($t:ty),*) => {$(
+        impl Arith for $t {
+            fn sum(a: Self, b: Self) -> Self { a.wrapping_add(b) }
+            fn prod(a: Self, b: Self) -> Self { a.wrapping_mul(b) }
+            fn min(a: Self, b: Self) -> Self { Ord::min(a, b) }
+            fn max(a: Self, b: Self) -> Self { Ord::max(a, b) }
+            fn band(a: Self, b: Self) -> Self { a & b }
+            fn bor(a: Self, b: Self) -> Self { a | b }
+            fn bxor(a: Self, b: Self) -> Self { a ^ b }
+            fn scale(a: Self, _: f64) -> Self { a }
+        }
+    )*};
+}
+int_arith!(i8, u8, i32, i64, u32, u64);
+
+macro_rules! float_arith {
+    ($($t:ty),*) => {$(
+        impl Arith for $t {
+            fn sum(a: Self, b: Self) -> Self { a + b }
+            fn prod(a: Self, b: Self) -> Self { a * b }
+            // NaN propagates: neither comparison holds, so a + b (NaN) is returned.
+            fn min(a: Self, b: Self) -> Self { if a <= b { a } else if b < a { b } else { a + b } }
+            fn max(a: Self, b: Self) -> Self { if a >= b { a } else if b > a { b } else { a + b } }
+            fn band(a: Self, _: Self) -> Self { a }
+            fn bor(a: Self, _: Self) -> Self { a }
+            fn bxor(a: Self, _: Self) -> Self { a }
+            fn scale(a: Self, f: f64) -> Self { (a as f64 * f) as $t }
+        }
+    )*};
+}
+float_arith!(f32, f64);
+
+macro_rules! half_arith {
+    ($($t:ty),*) => {$(
+        impl Arith for $t {
+            fn sum(a: Self, b: Self) -> Self { <$t>::from_f32(a.to_f32() + b.to_f32()) }
+            fn prod(a: Self, b: Self) -> Self { <$t>::from_f32(a.to_f32() * b.to_f32()) }
+            fn min(a: Self, b: Self) -> Self { <$t>::from_f32(<f32 as Arith>::min(a.to_f32(), b.to_f32())) }
+            fn max(a: Self, b: Self) -> Self { <$t>::from_f32(<f32 as Arith>::max(a.to_f32(), b.to_f32())) }
+            fn band(a: Self, _: Self) -> Self { a }
+            fn bor(a: Self, _: Self) -> Self { a }
+            fn bxor(a: Self, _: Self) -> Self { a }
+            fn scale(a: Self, f: f64) -> Self { <$t>::from_f64(a.to_f64() * f) }
+        }
+    )*};
+}
+half_arith!(f16, bf16);
+
+/// Bool is reduced on its byte; results are always 0 or 1.
+#[derive(Copy, Clone)]
+struct BoolByte(u8);
+impl Arith for BoolByte {
+    fn sum(a: Self, b: Self) -> Self { Self::bor(a, b) }
+    fn prod(a: Self, b: Self) -> Self { Self::band(a, b) }
+    fn min(a: Self, b: Self) -> Self { Self::band(a, b) }
+    fn max(a: Self, b: Self) -> Self { Self::bor(a, b) }
+    fn band(a: Self, b: Self) -> Self { BoolByte(((a.0 != 0) & (b.0 != 0)) as u8) }
+    fn bor(a: Self, b: Self) -> Self { BoolByte(((a.0 != 0) | (b.0 != 0)) as u8) }
+    fn bxor(a: Self, b: Self) -> Self { BoolByte(((a.0 != 0) ^ (b.0 != 0)) as u8) }
+    fn scale(a: Self, _: f64) -> Self { a }
+}
+
+/// Apply `f(acc[i], src[i])` into `acc[i]` for buffers of `T`.
+fn zip_apply<T: Arith>(acc: &mut [u8], src: &[u8], f: impl Fn(T, T) -> T) {
+    let size = std::mem::size_of::<T>();
+    let n = acc.len().min(src.len()) / size;
+    let aligned = |p: *const u8| (p as usize).is_multiple_of(std::mem::align_of::<T>());
+    if aligned(acc.as_ptr()) && aligned(src.as_ptr()) {
+        // SAFETY: both buffers hold at least n*size bytes, are aligned for T,
+        // do not overlap (one is &mut), and every T here is plain data for
+        // which any bit pattern is valid (BoolByte wraps u8, not bool).
+        let (a, s) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(acc.as_mut_ptr() as *mut T, n),
+                std::slice::from_raw_parts(src.as_ptr() as *const T, n),
+            )
+        };
+        for (x, y) in a.iter_mut().zip(s) {
+            *x = f(*x, *y);
+        }
+    } else {
+        for i in 0..n {
+            // SAFETY: i*size + size <= len for both; unaligned access is allowed
+            // by read/write_unaligned; any bit pattern is a valid T (see above).
+            unsafe {
+                let pa = acc.as_mut_ptr().add(i * size) as *mut T;
+                let pb = src.as_ptr().add(i * size) as *const T;
+                pa.write_unaligned(f(pa.read_unaligned(), pb.read_unaligned()));
+            }
+        }
+    }
+}
+
+/// Apply `f(x)` to every element of `buf`.
+fn map_apply<T: Arith>(buf: &mut [u8], f: impl Fn(T) -> T) {
+    let size = std::mem::size_of::<T>();
+    for i in 0..buf.len() / size {
+        // SAFETY: element i lies inside buf; unaligned access is allowed by
+        // read/write_unaligned; any bit pattern is a valid T (see zip_apply).
+        unsafe {
+            let p = buf.as_mut_ptr().add(i * size) as *mut T;
+            p.write_unaligned(f(p.read_unaligned()));
+        }
+    }
+}
+
+macro_rules! by_dtype {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            DType::F32 => { type $T = f32; $body }
+            DType::F64 => { type $T = f64; $body }
+            DType::F16 => { type $T = f16; $body }
+            DType::BF16 => { type $T = bf16; $body }
+            DType::I8 => { type $T = i8; $body }
+            DType::U8 => { type $T = u8; $body }
+            DType::I32 => { type $T = i32; $body }
+            DType::I64 => { type $T = i64; $body }
+            DType::U32 => { type $T = u32; $body }
+            DType::U64 => { type $T = u64; $body }
+            DType::Bool => { type $T = BoolByte; $body }
+        }
+    };
+}
+
+/// `acc[i] = acc[i] (op) src[i]` for every element. `Avg` and `PremulSum`
+/// combine as `Sum`; apply [`prescale`] / [`finish`] around the reduction.
+/// The op must already be checked against the dtype.
+pub fn reduce_into(acc: &mut [u8], src: &[u8], dtype: DType, op: ReduceOp) {
+    debug_assert_eq!(acc.len(), src.len());
+    by_dtype!(dtype, T => {
+        let f: fn(T, T) -> T = match op.combiner() {
+            ReduceOp::Sum => T::sum,
+            ReduceOp::Product => T::prod,
+            ReduceOp::Min => <T as Arith>::min,
+            ReduceOp::Max => <T as Arith>::max,
+            ReduceOp::Band => T::band,
+            ReduceOp::Bor => T::bor,
+            ReduceOp::Bxor => T::bxor,
+            ReduceOp::Avg | ReduceOp::PremulSum(_) => unreachable!("combiner() maps these to Sum"),
+        };
+        zip_apply::<T>(acc, src, f)
+    })
+}
+
+/// Scale a rank's own contribution before reducing (`PremulSum`); no-op otherwise.
+pub fn prescale(buf: &mut [u8], dtype: DType, op: ReduceOp) {
+    if let ReduceOp::PremulSum(f) = op {
+        by_dtype!(dtype, T => map_apply::<T>(buf, |x| T::scale(x, f)))
+    }
+}
+
+/// Finish a reduced result: divide by `world` for `Avg`; no-op otherwise.
+pub fn finish(buf: &mut [u8], dtype: DType, op: ReduceOp, world: usize) {
+    if op == ReduceOp::Avg {
+        let inv = 1.0 / world as f64;
+        by_dtype!(dtype, T => map_apply::<T>(buf, |x| T::scale(x, inv)))
+    }
+}
+
+/// Force every byte of a received bool buffer to 0 or 1, so that bytes from a
+/// misbehaving peer can never become an invalid `bool` in user memory.
+pub fn sanitize(buf: &mut [u8], dtype: DType) {
+    if dtype == DType::Bool {
+        for b in buf {
+            *b = (*b != 0) as u8;
+        }
+    }
+}
+
+/// A zeroed byte buffer aligned to 16 bytes, for scratch space that kernels
+/// read as any dtype.
+pub struct AlignedBuf {
+    words: Vec<u128>,
+    len: usize,
+}
+
+impl AlignedBuf {
+    /// `len` zero bytes.
+    pub fn zeroed(len: usize) -> Self {
+        AlignedBuf { words: vec![0u128; len.div_ceil(16)], len }
+    }
+    /// A copy of `data`.
+    pub fn copy_of(data: &[u8]) -> Self {
+        let mut b = Self::zeroed(data.len());
+        b.as_mut().copy_from_slice(data);
+        b
+    }
+}
+
+impl AsRef<[u8]> for AlignedBuf {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: the Vec<u128> holds at least len bytes; u8 has no alignment needs.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const u8, self.len) }
+    }
+}
+impl AsMut<[u8]> for AlignedBuf {
+    fn as_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, unique through &mut self.
+        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr() as *mut u8, self.len) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes<T>(v: &[T]) -> &[u8] {
+        // SAFETY: test helper over plain numeric slices.
+        unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+    }
+    fn bytes_mut<T>(v: &mut [T]) -> &mut [u8] {
+        // SAFETY: as above.
+        unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v)) }
+    }
+
+    #[test]
+    fn integer_ops_wrap_and_bitwise() {
+        let mut a = [250u8, 3, 0b1100];
+        let b = [10u8, 5, 0b1010];
+        reduce_into(bytes_mut(&mut a), bytes(&b), DType::U8, ReduceOp::Sum);
+        assert_eq!(a, [4, 8, 22]);
+        let mut a = [0b1100i32, -7];
+        reduce_into(bytes_mut(&mut a), bytes(&[0b1010i32, 2]), DType::I32, ReduceOp::Bxor);
+        assert_eq!(a, [0b0110, -7 ^ 2]);
+    }
+
+    #[test]
+    fn float_min_max_propagate_nan_and_avg_divides() {
+        let mut a = [1.0f32, f32::NAN, 3.0];
+        reduce_into(bytes_mut(&mut a), bytes(&[2.0f32, 0.0, f32::NAN]), DType::F32, ReduceOp::Min);
+        assert_eq!(a[0], 1.0);
+        assert!(a[1].is_nan() && a[2].is_nan());
+        let mut s = [3.0f64, 9.0];
+        finish(bytes_mut(&mut s), DType::F64, ReduceOp::Avg, 3);
+        assert_eq!(s, [1.0, 3.0]);
+        let mut h = [bf16::from_f32(1.5)];
+        prescale(bytes_mut(&mut h), DType::BF16, ReduceOp::PremulSum(2.0));
+        assert_eq!(h[0].to_f32(), 3.0);
+    }
+
+    #[test]
+    fn bool_bytes_are_normalized() {
+        let mut a = [0u8, 2, 1, 0];
+        reduce_into(&mut a, &[0u8, 0, 7, 1], DType::Bool, ReduceOp::Max);
+        assert_eq!(a, [0, 1, 1, 1]);
+        let mut b = [5u8, 0];
+        sanitize(&mut b, DType::Bool);
+        assert_eq!(b, [1, 0]);
+    }
+
+    #[test]
+    fn unaligned_buffers_take_the_slow_path() {
+        let mut raw = [0u8; 9];
+        raw[1..5].copy_from_slice(&1.5f32.to_ne_bytes());
+        raw[5..9].copy_from_slice(&2.0f32.to_ne_bytes());
+        let src = [0.5f32, 1.0];
+        reduce_into(&mut raw[1..9], bytes(&src), DType::F32, ReduceOp::Sum);
+        assert_eq!(f32::from_ne_bytes(raw[1..5].try_into().unwrap()), 2.0);
+        assert_eq!(f32::from_ne_bytes(raw[5..9].try_into().unwrap()), 3.0);
+    }
+}

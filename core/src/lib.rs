@@ -1,0 +1,50 @@
+//! weft: collective communication for Rust programs.
+//!
+//! A [`ProcessGroup`] gives every op a training or inference job uses
+//! (send/recv, broadcast, all_reduce, reduce, all_gather, reduce_scatter,
+//! all_to_all, gather, scatter, barrier, split) over backends chosen by name
+//! at run time and dispatched by each tensor's device and layout.
+//!
+//! ```no_run
+//! use weft::prelude::*;
+//! weft_example_link(); // in a real program: weft_builtin::link();
+//! let pg = ProcessGroup::from_env(GroupOptions::from_env()?)?;
+//! let mut grads = vec![1.0f32; 1024];
+//! pg.all_reduce(&mut grads, ReduceOp::Avg, &OpOptions::default())?.wait()?;
+//! # fn weft_example_link() {}
+//! # Ok::<(), weft::Error>(())
+//! ```
+//!
+//! Where things live: the API in [`group`](ProcessGroup), backend selection
+//! in [`registry`], the generic algorithms in [`algorithms`], the
+//! transport interface in [`backend`], rendezvous in [`store`].
+
+pub mod algorithms;
+pub mod backend;
+mod dtype;
+mod error;
+mod group;
+pub mod kernels;
+pub mod launch;
+pub mod log;
+mod options;
+mod reduce_op;
+pub mod registry;
+pub mod store;
+pub mod tag;
+mod tensor;
+
+pub use dtype::{DType, Element};
+pub use error::{Error, ErrorKind, Result};
+pub use group::{Collectives, Job, ProcessGroup, Scope, Work};
+pub use options::{timeout_from_env, GroupOptions, OpOptions, DEFAULT_TIMEOUT, ENV_BACKEND, ENV_TIMEOUT};
+pub use reduce_op::ReduceOp;
+pub use tensor::{Device, DeviceKind, Layout, SparseCooTensor, Tensor, TensorMut};
+
+/// Re-exported so backend crates register with the same `inventory`.
+pub use inventory;
+
+/// The names most programs need: `use weft::prelude::*;`.
+pub mod prelude {
+    pub use crate::{Collectives, GroupOptions, OpOptions, ProcessGroup, ReduceOp, Tensor, TensorMut, Work};
+}
