@@ -187,6 +187,41 @@ pub enum OpKind {
     DebugCheck = 12,
 }
 
+impl OpKind {
+    /// The kind with this code (as stored in a collective tag).
+    pub fn from_code(code: u8) -> Option<OpKind> {
+        use OpKind::*;
+        [Send, Recv, Broadcast, AllReduce, Reduce, AllGather, ReduceScatter, AllToAll, Gather, Scatter, Barrier, DebugCheck]
+            .into_iter()
+            .find(|k| *k as u8 == code)
+    }
+    /// Snake-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            OpKind::Send => "send",
+            OpKind::Recv => "recv",
+            OpKind::Broadcast => "broadcast",
+            OpKind::AllReduce => "all_reduce",
+            OpKind::Reduce => "reduce",
+            OpKind::AllGather => "all_gather",
+            OpKind::ReduceScatter => "reduce_scatter",
+            OpKind::AllToAll => "all_to_all",
+            OpKind::Gather => "gather",
+            OpKind::Scatter => "scatter",
+            OpKind::Barrier => "barrier",
+            OpKind::DebugCheck => "debug_check",
+        }
+    }
+    /// A readable description of a tag, for error messages.
+    pub fn describe_tag(tag: u64) -> String {
+        if tag >> 63 == 0 {
+            return format!("user tag {tag}");
+        }
+        let op = OpKind::from_code(crate::tag::op_code(tag)).map(OpKind::name).unwrap_or("unknown op");
+        format!("{op} #{} step {}", (tag >> 16) & ((1 << 40) - 1), tag & 0xffff)
+    }
+}
+
 /// Everything a collective implementation needs to know about the call.
 #[derive(Clone, Debug)]
 pub struct OpContext {

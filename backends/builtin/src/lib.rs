@@ -1,0 +1,21 @@
+//! Links weft's built-in backends into the final program.
+//!
+//! Backends register themselves with `inventory`, which only sees crates the
+//! binary actually links. Depending on this crate and calling [`link`] once
+//! (before creating a group) guarantees every backend enabled by this crate's
+//! features is linked and registered.
+
+/// Make sure every enabled built-in backend is linked. Cheap; idempotent.
+pub fn link() {
+    #[cfg(feature = "cpu-tcp")]
+    weft_cpu_tcp::link();
+}
+
+/// Names of the built-in backends this build links.
+pub fn names() -> Vec<&'static str> {
+    let mut v = Vec::new();
+    if cfg!(feature = "cpu-tcp") {
+        v.push("cpu-tcp");
+    }
+    v
+}

@@ -1,0 +1,173 @@
+//! Building the full mesh: every rank listens, publishes its address in the
+//! store, connects to every lower rank and accepts every higher one.
+//!
+//! A connection starts with a handshake (magic, protocol version, both ranks
+//! and the group's nonce); the acceptor answers with a status byte. A stray
+//! connection, a peer of another job or group, or a duplicate is rejected
+//! and the acceptor keeps waiting for the right peer. Every wait, on both
+//! sides, ends at the setup deadline.
+
+use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+use weft::store::Store;
+use weft::{Error, Result};
+
+const MAGIC: u32 = 0x5746_4853; // "WFHS"
+const VERSION: u16 = 1;
+const HELLO: usize = 22;
+
+#[derive(Copy, Clone, Debug, PartialEq)]
+enum Status {
+    Ok = 0,
+    BadNonce = 1,
+    BadRank = 2,
+    Duplicate = 3,
+    BadVersion = 4,
+}
+
+fn hello(from: usize, to: usize, nonce: u64) -> [u8; HELLO] {
+    let mut b = [0u8; HELLO];
+    b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+    b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+    b[6..10].copy_from_slice(&(from as u32).to_le_bytes());
+    b[10..14].copy_from_slice(&(to as u32).to_le_bytes());
+    b[14..22].copy_from_slice(&nonce.to_le_bytes());
+    b
+}
+
+/// A random 64-bit nonce (std's hasher keys are seeded from the OS).
+fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(Instant::now().elapsed().as_nanos() ^ std::process::id() as u128);
+    h.finish()
+}
+
+/// Connect this rank to every other; `peers[r]` is the socket to rank r.
+pub fn mesh(store: &dyn Store, rank: usize, size: usize, ip: IpAddr, deadline: Instant) -> Result<Vec<Option<Socket>>> {
+    let timeout = deadline.saturating_duration_since(Instant::now());
+    let listener = Socket::new(Domain::for_address(SocketAddr::new(ip, 0)), Type::STREAM, Some(Protocol::TCP))?;
+    listener.set_reuse_address(true)?;
+    listener
+        .bind(&SocketAddr::new(ip, 0).into())
+        .map_err(|e| Error::backend(format!("cpu-tcp: cannot bind {ip}: {e}")))?;
+    listener.listen(size as i32 + 16)?;
+    let addr = listener.local_addr()?.as_socket().expect("an IP listener");
+    weft::log::debug(format_args!("cpu-tcp rank {rank} listening on {addr}"));
+    store.set(&format!("addr/{rank}"), addr.to_string().as_bytes())?;
+    let nonce = if rank == 0 {
+        let n = random_u64();
+        store.set("nonce", &n.to_le_bytes())?;
+        n
+    } else {
+        let b = store.get("nonce", timeout)?;
+        u64::from_le_bytes(b.as_slice().try_into().map_err(|_| Error::backend("cpu-tcp: malformed nonce in the store"))?)
+    };
+
+    let mut peers: Vec<Option<Socket>> = (0..size).map(|_| None).collect();
+    std::thread::scope(|s| -> Result<()> {
+        let acceptor = s.spawn(|| accept_all(&listener, rank, size, nonce, deadline));
+        let mut lower = Vec::new();
+        for peer in 0..rank {
+            lower.push(connect_one(store, rank, peer, nonce, deadline)?);
+        }
+        let higher = acceptor.join().expect("acceptor thread does not panic")?;
+        for (p, sock) in lower.into_iter().enumerate() {
+            peers[p] = Some(sock);
+        }
+        for (p, sock) in higher {
+            peers[p] = Some(sock);
+        }
+        Ok(())
+    })?;
+    for sock in peers.iter().flatten() {
+        sock.set_tcp_nodelay(true)?;
+        sock.set_nonblocking(false)?;
+    }
+    Ok(peers)
+}
+
+fn connect_one(store: &dyn Store, rank: usize, peer: usize, nonce: u64, deadline: Instant) -> Result<Socket> {
+    let raw = store.get(&format!("addr/{peer}"), deadline.saturating_duration_since(Instant::now()))?;
+    let addr: SocketAddr = String::from_utf8_lossy(&raw)
+        .parse()
+        .map_err(|_| Error::backend(format!("cpu-tcp: peer rank {peer} published a malformed address {raw:?}")))?;
+    let mut delay = Duration::from_millis(5);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::timeout(format!("cpu-tcp: rank {rank} could not connect to peer rank {peer} at {addr}")));
+        }
+        let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+        match sock.connect_timeout(&SockAddr::from(addr), left.min(Duration::from_secs(5))) {
+            Ok(()) => {}
+            Err(_) => {
+                std::thread::sleep(delay.min(left));
+                delay = (delay * 2).min(Duration::from_millis(200));
+                continue;
+            }
+        }
+        sock.set_read_timeout(Some(left.max(Duration::from_millis(1))))?;
+        sock.set_write_timeout(Some(left.max(Duration::from_millis(1))))?;
+        (&sock).write_all(&hello(rank, peer, nonce))?;
+        let mut ack = [0u8; 5];
+        (&sock).read_exact(&mut ack).map_err(|e| Error::backend(format!("cpu-tcp: no handshake reply from peer rank {peer} at {addr}: {e}")))?;
+        let status = ack[4];
+        if u32::from_le_bytes(ack[..4].try_into().expect("4 bytes")) != MAGIC || status != Status::Ok as u8 {
+            return Err(Error::backend(format!(
+                "cpu-tcp: peer rank {peer} at {addr} rejected the handshake (status {status}: not the same job or group?)"
+            )));
+        }
+        return Ok(sock);
+    }
+}
+
+fn accept_all(listener: &Socket, rank: usize, size: usize, nonce: u64, deadline: Instant) -> Result<Vec<(usize, Socket)>> {
+    let mut got: Vec<(usize, Socket)> = Vec::new();
+    listener.set_nonblocking(true)?;
+    while got.len() < size - rank - 1 {
+        if Instant::now() >= deadline {
+            let missing: Vec<usize> = (rank + 1..size).filter(|r| got.iter().all(|(p, _)| p != r)).collect();
+            return Err(Error::timeout(format!("cpu-tcp: rank {rank} timed out waiting for peer rank(s) {missing:?} to connect")));
+        }
+        let (sock, from) = match listener.accept() {
+            Ok(c) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(2));
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        sock.set_nonblocking(false)?;
+        sock.set_read_timeout(Some(Duration::from_secs(5).min(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)))))?;
+        let mut h = [0u8; HELLO];
+        if (&sock).read_exact(&mut h).is_err() {
+            weft::log::debug(format_args!("cpu-tcp rank {rank}: dropped a connection from {from:?} that sent no handshake"));
+            continue;
+        }
+        let word = |i: usize| u32::from_le_bytes(h[i..i + 4].try_into().expect("4 bytes"));
+        let peer = word(6) as usize;
+        let status = if word(0) != MAGIC || u16::from_le_bytes([h[4], h[5]]) != VERSION {
+            Status::BadVersion
+        } else if u64::from_le_bytes(h[14..22].try_into().expect("8 bytes")) != nonce {
+            Status::BadNonce
+        } else if word(10) as usize != rank || peer <= rank || peer >= size {
+            Status::BadRank
+        } else if got.iter().any(|(p, _)| *p == peer) {
+            Status::Duplicate
+        } else {
+            Status::Ok
+        };
+        let mut ack = MAGIC.to_le_bytes().to_vec();
+        ack.push(status as u8);
+        let _ = (&sock).write_all(&ack);
+        if status == Status::Ok {
+            got.push((peer, sock));
+        } else {
+            weft::log::debug(format_args!("cpu-tcp rank {rank}: rejected a connection from {from:?}: {status:?}"));
+        }
+    }
+    Ok(got)
+}

@@ -1,0 +1,272 @@
+//! The cpu-tcp backend: one TCP connection per peer, a reader thread per
+//! connection that delivers frames to posted receives, and sends written by
+//! the calling thread. Bytes touch the wire only in this file.
+
+use crate::inbox::{Claim, Inbox, RawBuf};
+use crate::wire::{Header, Kind, HEADER};
+use socket2::Socket;
+use std::io::{ErrorKind as IoKind, IoSlice, Read};
+use std::net::Shutdown;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use weft::backend::{Backend, P2p};
+use weft::{Error, Result};
+
+/// How often a blocked socket call wakes to check deadlines and aborts.
+const TICK: Duration = Duration::from_millis(100);
+
+pub struct TcpBackend {
+    rank: usize,
+    inbox: Arc<Inbox>,
+    writers: Vec<Option<Mutex<Socket>>>,
+    readers: Mutex<Vec<JoinHandle<()>>>,
+    closing: Arc<AtomicBool>,
+}
+
+impl TcpBackend {
+    /// Start a reader per connected peer. `stall` bounds how long a frame
+    /// that nobody waits for may take to arrive once it has started.
+    pub fn start(rank: usize, peers: Vec<Option<Socket>>, stall: Duration) -> Result<Self> {
+        let size = peers.len();
+        let inbox = Arc::new(Inbox::new(rank, size));
+        let closing = Arc::new(AtomicBool::new(false));
+        let mut writers = Vec::with_capacity(size);
+        let mut readers = Vec::new();
+        for (peer, sock) in peers.into_iter().enumerate() {
+            let Some(sock) = sock else {
+                writers.push(None);
+                continue;
+            };
+            sock.set_read_timeout(Some(TICK))?;
+            sock.set_write_timeout(Some(TICK))?;
+            let reader = sock.try_clone()?;
+            let (inbox2, closing2) = (inbox.clone(), closing.clone());
+            readers.push(
+                std::thread::Builder::new()
+                    .name(format!("weft-tcp-r{rank}-p{peer}"))
+                    .spawn(move || read_loop(reader, peer, &inbox2, &closing2, stall))?,
+            );
+            writers.push(Some(Mutex::new(sock)));
+        }
+        Ok(TcpBackend { rank, inbox, writers, readers: Mutex::new(readers), closing })
+    }
+
+    fn writer(&self, peer: usize) -> Result<&Mutex<Socket>> {
+        match self.writers.get(peer) {
+            Some(Some(w)) => Ok(w),
+            _ => Err(Error::invalid(format!("cpu-tcp: rank {} has no connection to peer rank {peer}", self.rank))),
+        }
+    }
+
+    fn send(&self, peer: usize, header: Header, data: &[u8], deadline: Instant) -> Result<()> {
+        let sock = self.writer(peer)?.lock().unwrap_or_else(|p| p.into_inner());
+        self.inbox.check(peer)?;
+        let hdr = header.encode();
+        let total = HEADER + data.len();
+        let mut sent = 0;
+        while sent < total {
+            let parts = if sent < HEADER { [IoSlice::new(&hdr[sent..]), IoSlice::new(data)] } else { [IoSlice::new(&data[sent - HEADER..]), IoSlice::new(&[])] };
+            match sock.send_vectored_with_flags(&parts, nix::sys::socket::MsgFlags::MSG_NOSIGNAL.bits()) {
+                Ok(0) => return Err(self.lost(peer, "the connection accepts no more data".into())),
+                Ok(n) => sent += n,
+                Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::TimedOut | IoKind::Interrupted) => {
+                    self.inbox.check(peer)?;
+                    if Instant::now() >= deadline {
+                        let e = Error::timeout(format!("sending {} bytes to peer rank {peer} did not finish before the deadline ({sent} sent)", data.len()));
+                        if sent > 0 {
+                            // Half a frame is on the wire: this stream cannot be used again.
+                            self.inbox.fail_all(e.clone());
+                        }
+                        return Err(e);
+                    }
+                }
+                Err(e) => return Err(self.lost(peer, format!("send failed: {e}"))),
+            }
+        }
+        Ok(())
+    }
+
+    fn lost(&self, peer: usize, why: String) -> Error {
+        let e = Error::peer_lost(peer, format!("connection to peer rank {peer} broke: {why}"));
+        self.inbox.fail_all(e);
+        self.inbox.check(peer).err().expect("just failed")
+    }
+
+    fn close_sockets(&self) {
+        for w in self.writers.iter().flatten() {
+            let _ = w.lock().unwrap_or_else(|p| p.into_inner()).shutdown(Shutdown::Both);
+        }
+    }
+
+    fn join_readers(&self) {
+        for h in self.readers.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Backend for TcpBackend {
+    fn name(&self) -> &str {
+        "cpu-tcp"
+    }
+
+    fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
+        for op in ops.iter() {
+            self.writer(op.peer())?;
+        }
+        let mut posted = Vec::new();
+        for op in ops.iter_mut() {
+            if let P2p::Recv { peer, tag, buf } = op {
+                let raw = RawBuf { ptr: buf.as_mut_ptr(), len: buf.len() };
+                posted.push(self.inbox.post(*peer, *tag, raw, deadline));
+            }
+        }
+        for op in ops.iter() {
+            if let P2p::Send { peer, tag, data } = op {
+                let header = Header { kind: Kind::Data, tag: *tag, len: data.len() as u64 };
+                if let Err(e) = self.send(*peer, header, data, deadline) {
+                    self.inbox.cancel(&posted);
+                    return Err(e);
+                }
+            }
+        }
+        self.inbox.wait(&posted, deadline)
+    }
+
+    fn abort(&self, reason: &Error) {
+        self.inbox.fail_all(reason.clone());
+        self.closing.store(true, Ordering::Release);
+        self.close_sockets();
+    }
+
+    fn shutdown(&self) {
+        self.closing.store(true, Ordering::Release);
+        let bye = Header { kind: Kind::Goodbye, tag: 0, len: 0 };
+        let soon = Instant::now() + Duration::from_millis(500);
+        for peer in 0..self.writers.len() {
+            if self.writers[peer].is_some() && self.inbox.check(peer).is_ok() {
+                let _ = self.send(peer, bye, &[], soon);
+            }
+        }
+        self.close_sockets();
+        self.join_readers();
+    }
+}
+
+impl Drop for TcpBackend {
+    fn drop(&mut self) {
+        self.closing.store(true, Ordering::Release);
+        self.close_sockets();
+        self.join_readers();
+    }
+}
+
+enum ReadEnd {
+    /// The stream ended cleanly between frames.
+    Eof,
+    /// Local shutdown or abort.
+    Closing,
+    Failed(Error),
+}
+
+/// Fill `buf`, waking every tick to honour `closing` and, once part of a
+/// frame has arrived (or `mid_frame`), the `stall` deadline.
+fn read_full(sock: &Socket, buf: &mut [u8], mid_frame: bool, stall: Instant, closing: &AtomicBool, peer: usize) -> std::result::Result<(), ReadEnd> {
+    let mut got = 0;
+    while got < buf.len() {
+        match (&*sock).read(&mut buf[got..]) {
+            Ok(0) if got == 0 && !mid_frame => return Err(ReadEnd::Eof),
+            Ok(0) => return Err(ReadEnd::Failed(Error::peer_lost(peer, format!("connection to peer rank {peer} closed in the middle of a frame")))),
+            Ok(n) => got += n,
+            Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::TimedOut | IoKind::Interrupted) => {
+                if closing.load(Ordering::Acquire) {
+                    return Err(ReadEnd::Closing);
+                }
+                if (mid_frame || got > 0) && Instant::now() >= stall {
+                    return Err(ReadEnd::Failed(Error::timeout(format!("peer rank {peer} stalled in the middle of a frame"))));
+                }
+            }
+            Err(_) if closing.load(Ordering::Acquire) => return Err(ReadEnd::Closing),
+            Err(e) => return Err(ReadEnd::Failed(Error::peer_lost(peer, format!("connection to peer rank {peer} broke: {e}")))),
+        }
+    }
+    Ok(())
+}
+
+fn read_loop(sock: Socket, peer: usize, inbox: &Inbox, closing: &AtomicBool, stall: Duration) {
+    let end = loop {
+        let mut hb = [0u8; HEADER];
+        if let Err(end) = read_full(&sock, &mut hb, false, Instant::now() + stall, closing, peer) {
+            break end;
+        }
+        let header = match Header::decode(&hb, peer) {
+            Ok(h) => h,
+            Err(e) => break ReadEnd::Failed(e),
+        };
+        if header.kind == Kind::Goodbye {
+            inbox.fail_peer(peer, Error::peer_lost(peer, format!("peer rank {peer} left the group (its process group was closed)")));
+            return;
+        }
+        let len = header.len as usize;
+        match inbox.claim(peer, header.tag, len) {
+            Claim::Into(id, buf, deadline) => {
+                // SAFETY: the receive is claimed (state Reading): its poster
+                // waits, keeping the buf.len-byte buffer alive and untouched,
+                // until `complete` is called below.
+                let dst = unsafe { std::slice::from_raw_parts_mut(buf.ptr, buf.len) };
+                match read_full(&sock, dst, true, deadline, closing, peer) {
+                    Ok(()) => inbox.complete(id, Ok(())),
+                    Err(end) => {
+                        let e = end_error(&end, peer);
+                        inbox.complete(id, Err(e));
+                        break end;
+                    }
+                }
+            }
+            Claim::Stash => {
+                let mut msg = vec![0u8; len];
+                if let Err(end) = read_full(&sock, &mut msg, true, Instant::now() + stall, closing, peer) {
+                    break end;
+                }
+                inbox.stash(peer, header.tag, msg);
+            }
+            Claim::Discard => {
+                // Drain the payload in pieces: its size came from the peer.
+                let mut scratch = vec![0u8; len.min(1 << 16)];
+                let mut left = len;
+                let until = Instant::now() + stall;
+                let drained = loop {
+                    let n = left.min(scratch.len());
+                    if n == 0 {
+                        break Ok(());
+                    }
+                    if let Err(end) = read_full(&sock, &mut scratch[..n], true, until, closing, peer) {
+                        break Err(end);
+                    }
+                    left -= n;
+                };
+                if let Err(end) = drained {
+                    break end;
+                }
+            }
+        }
+    };
+    match end {
+        ReadEnd::Closing => {}
+        ReadEnd::Eof => inbox.fail_all(Error::peer_lost(
+            peer,
+            format!("connection to peer rank {peer} closed without a goodbye: the process exited, crashed or aborted its group"),
+        )),
+        ReadEnd::Failed(e) => inbox.fail_all(e),
+    }
+}
+
+fn end_error(end: &ReadEnd, peer: usize) -> Error {
+    match end {
+        ReadEnd::Failed(e) => e.clone(),
+        ReadEnd::Closing => Error::aborted("the group is closing"),
+        ReadEnd::Eof => Error::peer_lost(peer, format!("connection to peer rank {peer} closed")),
+    }
+}
