@@ -18,6 +18,8 @@ trait Arith: Copy {
     fn bor(a: Self, b: Self) -> Self;
     fn bxor(a: Self, b: Self) -> Self;
     fn scale(a: Self, f: f64) -> Self;
+    /// Division by a rank count, rounded once in the element type.
+    fn div(a: Self, n: u32) -> Self;
 }
 
 macro_rules! int_arith {
@@ -31,6 +33,7 @@ macro_rules! int_arith {
             fn bor(a: Self, b: Self) -> Self { a | b }
             fn bxor(a: Self, b: Self) -> Self { a ^ b }
             fn scale(a: Self, _: f64) -> Self { a }
+            fn div(a: Self, _: u32) -> Self { a }
         }
     )*};
 }
@@ -48,6 +51,7 @@ macro_rules! float_arith {
             fn bor(a: Self, _: Self) -> Self { a }
             fn bxor(a: Self, _: Self) -> Self { a }
             fn scale(a: Self, f: f64) -> Self { (a as f64 * f) as $t }
+            fn div(a: Self, n: u32) -> Self { a / n as $t }
         }
     )*};
 }
@@ -64,6 +68,7 @@ macro_rules! half_arith {
             fn bor(a: Self, _: Self) -> Self { a }
             fn bxor(a: Self, _: Self) -> Self { a }
             fn scale(a: Self, f: f64) -> Self { <$t>::from_f64(a.to_f64() * f) }
+            fn div(a: Self, n: u32) -> Self { <$t>::from_f32(a.to_f32() / n as f32) }
         }
     )*};
 }
@@ -81,6 +86,7 @@ impl Arith for BoolByte {
     fn bor(a: Self, b: Self) -> Self { BoolByte(((a.0 != 0) | (b.0 != 0)) as u8) }
     fn bxor(a: Self, b: Self) -> Self { BoolByte(((a.0 != 0) ^ (b.0 != 0)) as u8) }
     fn scale(a: Self, _: f64) -> Self { a }
+    fn div(a: Self, _: u32) -> Self { a }
 }
 
 /// Apply `f(acc[i], src[i])` into `acc[i]` for buffers of `T`.
@@ -175,8 +181,8 @@ pub fn prescale(buf: &mut [u8], dtype: DType, op: ReduceOp) {
 /// Finish a reduced result: divide by `world` for `Avg`; no-op otherwise.
 pub fn finish(buf: &mut [u8], dtype: DType, op: ReduceOp, world: usize) {
     if op == ReduceOp::Avg {
-        let inv = 1.0 / world as f64;
-        by_dtype!(dtype, T => map_apply::<T>(buf, |x| T::scale(x, inv)))
+        let n = world as u32;
+        by_dtype!(dtype, T => map_apply::<T>(buf, |x| T::div(x, n)))
     }
 }
 

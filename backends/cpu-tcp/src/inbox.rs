@@ -94,12 +94,14 @@ impl Inbox {
         let mut g = self.lock();
         let id = g.next_id;
         g.next_id += 1;
-        let early = g.failed.clone().or_else(|| g.peers[peer].closed.clone()).map(Err);
+        // A message that arrived before the peer said goodbye is still
+        // delivered; a group-wide failure wins over everything.
         let stashed = g.peers[peer].stash.get_mut(&tag).and_then(VecDeque::pop_front);
-        let state = match (early, stashed) {
-            (Some(err), _) => State::Done(err),
-            (None, Some(msg)) => State::Done(copy_into(buf, &msg, self.me, peer, tag)),
-            (None, None) => {
+        let state = match (g.failed.clone(), stashed, g.peers[peer].closed.clone()) {
+            (Some(e), _, _) => State::Done(Err(e)),
+            (None, Some(msg), _) => State::Done(copy_into(buf, &msg, self.me, peer, tag)),
+            (None, None, Some(e)) => State::Done(Err(e)),
+            (None, None, None) => {
                 g.peers[peer].posted.entry(tag).or_default().push_back(id);
                 State::Posted
             }
