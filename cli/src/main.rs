@@ -1,0 +1,87 @@
+//! The `weft` command.
+
+mod demo;
+mod info;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use std::time::Duration;
+use weft_cli::launcher::{self, Launch};
+
+#[derive(Parser)]
+#[command(name = "weft", version, about = "Collective communication for Rust: launcher, backend info, demo")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Start N local ranks of a program (torchrun-like).
+    Run {
+        /// Ranks on this node.
+        #[arg(short = 'n', long = "nproc", default_value_t = 1)]
+        nproc: usize,
+        /// Number of nodes.
+        #[arg(long, default_value_t = 1)]
+        nnodes: usize,
+        /// This node's index.
+        #[arg(long, default_value_t = 0)]
+        node_rank: usize,
+        /// Address of node 0 (it hosts the store).
+        #[arg(long, default_value = "127.0.0.1")]
+        master_addr: String,
+        /// Store port (0: any free port; required with --nnodes > 1).
+        #[arg(long, default_value_t = 0)]
+        master_port: u16,
+        /// Backend spec for every rank (sets WEFT_BACKEND).
+        #[arg(long)]
+        backend: Option<String>,
+        /// Kill all ranks after this many seconds (exit status 124).
+        #[arg(long)]
+        timeout: Option<f64>,
+        /// Do not prefix output lines with the rank.
+        #[arg(long)]
+        no_prefix: bool,
+        /// The program and its arguments.
+        #[arg(last = true, required = true)]
+        program: Vec<String>,
+    },
+    /// List backends, whether each is usable here, and the environment weft would use.
+    Info,
+    /// All-reduce across local ranks: sizes, times, bandwidth, verified results.
+    Demo {
+        /// Local ranks (ignored when already started by a launcher).
+        #[arg(short = 'n', long = "nproc", default_value_t = 4)]
+        nproc: usize,
+        /// Backend spec.
+        #[arg(long, default_value = "auto")]
+        backend: String,
+        /// Largest message in bytes.
+        #[arg(long, default_value_t = 64 << 20)]
+        max_bytes: usize,
+        /// Timed iterations per size.
+        #[arg(long, default_value_t = 5)]
+        iters: usize,
+    },
+}
+
+fn main() -> Result<()> {
+    weft_builtin::link();
+    let code = match Cli::parse().cmd {
+        Cmd::Run { nproc, nnodes, node_rank, master_addr, master_port, backend, timeout, no_prefix, program } => launcher::run(&Launch {
+            nproc,
+            nnodes,
+            node_rank,
+            master_addr,
+            master_port,
+            backend,
+            timeout: timeout.map(Duration::from_secs_f64),
+            prefix: !no_prefix,
+            program,
+        })?,
+        Cmd::Info => info::print()?,
+        Cmd::Demo { nproc, backend, max_bytes, iters } => demo::main(nproc, &backend, max_bytes, iters)?,
+    };
+    std::process::exit(code)
+}
