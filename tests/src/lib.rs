@@ -1,6 +1,7 @@
 //! Harness for multi-rank tests: ranks as threads of this process over real
 //! sockets (fast), with an outer time limit so a hang fails the test.
 
+pub mod procs;
 pub mod reference;
 
 use std::sync::mpsc;

@@ -89,6 +89,12 @@ impl Inbox {
         }
     }
 
+    /// Whether `peer` itself has left or its stream broke (ignoring a
+    /// group-wide failure).
+    pub fn peer_gone(&self, peer: usize) -> bool {
+        self.lock().peers[peer].closed.is_some()
+    }
+
     /// Post a receive of exactly `buf.len` bytes; returns its id.
     pub fn post(&self, peer: usize, tag: u64, buf: RawBuf, deadline: Instant) -> u64 {
         let mut g = self.lock();

@@ -17,10 +17,17 @@ use weft::{Error, Result};
 /// How often a blocked socket call wakes to check deadlines and aborts.
 const TICK: Duration = Duration::from_millis(100);
 
+/// The sending half of a connection.
+struct Writer {
+    sock: Socket,
+    /// A send stopped mid-frame: nothing more may be written.
+    torn: bool,
+}
+
 pub struct TcpBackend {
     rank: usize,
     inbox: Arc<Inbox>,
-    writers: Vec<Option<Mutex<Socket>>>,
+    writers: Vec<Option<Mutex<Writer>>>,
     readers: Mutex<Vec<JoinHandle<()>>>,
     closing: Arc<AtomicBool>,
 }
@@ -48,12 +55,12 @@ impl TcpBackend {
                     .name(format!("weft-tcp-r{rank}-p{peer}"))
                     .spawn(move || read_loop(reader, peer, &inbox2, &closing2, stall))?,
             );
-            writers.push(Some(Mutex::new(sock)));
+            writers.push(Some(Mutex::new(Writer { sock, torn: false })));
         }
         Ok(TcpBackend { rank, inbox, writers, readers: Mutex::new(readers), closing })
     }
 
-    fn writer(&self, peer: usize) -> Result<&Mutex<Socket>> {
+    fn writer(&self, peer: usize) -> Result<&Mutex<Writer>> {
         match self.writers.get(peer) {
             Some(Some(w)) => Ok(w),
             _ => Err(Error::invalid(format!("cpu-tcp: rank {} has no connection to peer rank {peer}", self.rank))),
@@ -61,31 +68,21 @@ impl TcpBackend {
     }
 
     fn send(&self, peer: usize, header: Header, data: &[u8], deadline: Instant) -> Result<()> {
-        let sock = self.writer(peer)?.lock().unwrap_or_else(|p| p.into_inner());
+        let mut w = self.writer(peer)?.lock().unwrap_or_else(|p| p.into_inner());
         self.inbox.check(peer)?;
-        let hdr = header.encode();
-        let total = HEADER + data.len();
-        let mut sent = 0;
-        while sent < total {
-            let parts = if sent < HEADER { [IoSlice::new(&hdr[sent..]), IoSlice::new(data)] } else { [IoSlice::new(&data[sent - HEADER..]), IoSlice::new(&[])] };
-            match sock.send_vectored_with_flags(&parts, nix::sys::socket::MsgFlags::MSG_NOSIGNAL.bits()) {
-                Ok(0) => return Err(self.lost(peer, "the connection accepts no more data".into())),
-                Ok(n) => sent += n,
-                Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::TimedOut | IoKind::Interrupted) => {
-                    self.inbox.check(peer)?;
-                    if Instant::now() >= deadline {
-                        let e = Error::timeout(format!("sending {} bytes to peer rank {peer} did not finish before the deadline ({sent} sent)", data.len()));
-                        if sent > 0 {
-                            // Half a frame is on the wire: this stream cannot be used again.
-                            self.inbox.fail_all(e.clone());
-                        }
-                        return Err(e);
-                    }
+        match write_frame(&mut w, header, data, deadline, || self.inbox.check(peer)) {
+            Ok(()) => Ok(()),
+            Err(WriteEnd::Deadline { sent }) => {
+                let e = Error::timeout(format!("sending {} bytes to peer rank {peer} did not finish before the deadline ({sent} sent)", data.len()));
+                if w.torn {
+                    // Half a frame is on the wire: this stream cannot be used again.
+                    self.inbox.fail_all(e.clone());
                 }
-                Err(e) => return Err(self.lost(peer, format!("send failed: {e}"))),
+                Err(e)
             }
+            Err(WriteEnd::Stopped(e)) => Err(e),
+            Err(WriteEnd::Broken(why)) => Err(self.lost(peer, why)),
         }
-        Ok(())
     }
 
     fn lost(&self, peer: usize, why: String) -> Error {
@@ -96,7 +93,29 @@ impl TcpBackend {
 
     fn close_sockets(&self) {
         for w in self.writers.iter().flatten() {
-            let _ = w.lock().unwrap_or_else(|p| p.into_inner()).shutdown(Shutdown::Both);
+            let _ = w.lock().unwrap_or_else(|p| p.into_inner()).sock.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Tell every reachable peer why this rank's group failed: the lost
+    /// rank if that is the cause, else this rank. Best effort and brief; a
+    /// writer busy in another thread or torn mid-frame is skipped.
+    fn send_abort(&self, reason: &Error) {
+        let (blame, why) = match reason.kind() {
+            weft::ErrorKind::PeerLost { rank } if *rank != self.rank => (*rank, reason.message().to_string()),
+            _ => (self.rank, format!("rank {} aborted its group: {reason}", self.rank)),
+        };
+        let mut payload = (blame as u32).to_le_bytes().to_vec();
+        payload.extend_from_slice(why.as_bytes());
+        payload.truncate(crate::wire::MAX_ABORT as usize);
+        let header = Header { kind: Kind::Abort, tag: 0, len: payload.len() as u64 };
+        let soon = Instant::now() + Duration::from_millis(200);
+        for (peer, w) in self.writers.iter().enumerate() {
+            let Some(w) = w else { continue };
+            let Ok(mut w) = w.try_lock() else { continue };
+            if !w.torn && !self.inbox.peer_gone(peer) {
+                let _ = write_frame(&mut w, header, &payload, soon, || Ok(()));
+            }
         }
     }
 
@@ -136,6 +155,7 @@ impl Backend for TcpBackend {
     }
 
     fn abort(&self, reason: &Error) {
+        self.send_abort(reason);
         self.inbox.fail_all(reason.clone());
         self.closing.store(true, Ordering::Release);
         self.close_sockets();
@@ -161,6 +181,38 @@ impl Drop for TcpBackend {
         self.close_sockets();
         self.join_readers();
     }
+}
+
+enum WriteEnd {
+    /// The deadline passed after `sent` bytes.
+    Deadline { sent: usize },
+    /// `check` reported an error (group failed or peer gone).
+    Stopped(Error),
+    /// The connection broke.
+    Broken(String),
+}
+
+/// Write one frame, waking every tick to run `check` and honour `deadline`.
+fn write_frame(w: &mut Writer, header: Header, data: &[u8], deadline: Instant, check: impl Fn() -> Result<()>) -> std::result::Result<(), WriteEnd> {
+    let hdr = header.encode();
+    let total = HEADER + data.len();
+    let mut sent = 0;
+    while sent < total {
+        let parts = if sent < HEADER { [IoSlice::new(&hdr[sent..]), IoSlice::new(data)] } else { [IoSlice::new(&data[sent - HEADER..]), IoSlice::new(&[])] };
+        match w.sock.send_vectored_with_flags(&parts, nix::sys::socket::MsgFlags::MSG_NOSIGNAL.bits()) {
+            Ok(0) => return Err(WriteEnd::Broken("the connection accepts no more data".into())),
+            Ok(n) => sent += n,
+            Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::TimedOut | IoKind::Interrupted) => {
+                let stop = check().err().map(WriteEnd::Stopped).or_else(|| (Instant::now() >= deadline).then_some(WriteEnd::Deadline { sent }));
+                if let Some(end) = stop {
+                    w.torn |= sent > 0;
+                    return Err(end);
+                }
+            }
+            Err(e) => return Err(WriteEnd::Broken(format!("send failed: {e}"))),
+        }
+    }
+    Ok(())
 }
 
 enum ReadEnd {
@@ -205,6 +257,15 @@ fn read_loop(sock: Socket, peer: usize, inbox: &Inbox, closing: &AtomicBool, sta
             Ok(h) => h,
             Err(e) => break ReadEnd::Failed(e),
         };
+        if header.kind == Kind::Abort {
+            let mut payload = vec![0u8; header.len.min(crate::wire::MAX_ABORT) as usize];
+            if let Err(end) = read_full(&sock, &mut payload, true, Instant::now() + stall, closing, peer) {
+                break end;
+            }
+            let blame = payload.get(..4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize).unwrap_or(peer);
+            let why = String::from_utf8_lossy(payload.get(4..).unwrap_or_default());
+            break ReadEnd::Failed(Error::peer_lost(blame, format!("{why} (reported by rank {peer})")));
+        }
         if header.kind == Kind::Goodbye {
             inbox.fail_peer(peer, Error::peer_lost(peer, format!("peer rank {peer} left the group (its process group was closed)")));
             return;

@@ -19,7 +19,13 @@ pub enum Kind {
     Data = 1,
     /// The sender is closing this connection on purpose.
     Goodbye = 2,
+    /// The sender's group failed; the payload names the rank to blame
+    /// (u32 LE) and why (UTF-8), so every rank reports the same cause.
+    Abort = 3,
 }
+
+/// Largest abort payload read.
+pub const MAX_ABORT: u64 = 1 << 16;
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct Header {
@@ -47,6 +53,7 @@ impl Header {
         let kind = match word(4) {
             1 => Kind::Data,
             2 => Kind::Goodbye,
+            3 => Kind::Abort,
             k => return Err(Error::backend(format!("peer rank {peer} sent unknown frame kind {k}"))),
         };
         let len = long(16);

@@ -133,6 +133,14 @@ impl ProcessGroup {
     }
 }
 
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut routes: Vec<String> = self.core.routes.iter().map(|(r, b)| format!("{}-{}: {}", r.0.name(), r.1.name(), b.name())).collect();
+        routes.sort();
+        write!(f, "ProcessGroup(rank {} of {}, {})", self.core.rank, self.core.size, routes.join(", "))
+    }
+}
+
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
         self.core.exec.shutdown();
@@ -197,8 +205,8 @@ impl GroupCore {
     }
 
     /// Run one op; errors are tagged with the op and rank, and any error
-    /// after bytes may have moved poisons the group (peers are told by the
-    /// backend closing its connections).
+    /// after bytes may have moved poisons the group: the backend aborts,
+    /// telling peers the cause, so every rank fails instead of hanging.
     fn run_job(&self, job: Job<'_>, seq: u64) -> Result<()> {
         let Job { name, kind, route, opts, fingerprint, op } = job;
         let result = (|| {
@@ -217,7 +225,9 @@ impl GroupCore {
             };
             let r = self.execute(backend.as_ref(), &ctx, fingerprint.as_ref(), op);
             if let Err(e) = &r {
-                if !matches!(e.kind(), crate::ErrorKind::Unsupported) {
+                // Invalid/unsupported calls are caught before data moves (the
+                // detail check is symmetric on every rank): no need to poison.
+                if !matches!(e.kind(), crate::ErrorKind::Unsupported | crate::ErrorKind::InvalidArgument) {
                     self.poison(e.clone().with_op(name).with_rank(self.rank));
                 }
             }

@@ -95,7 +95,7 @@ pub(super) fn create(store: Arc<dyn Store>, rank: usize, size: usize, options: G
     Ok(GroupCore {
         rank,
         size,
-        debug_detail: std::env::var("WEFT_DEBUG").map(|v| v.eq_ignore_ascii_case("detail")).unwrap_or(false),
+        debug_detail: std::env::var("WEFT_DEBUG").ok().or_else(|| options.hints.get("debug").cloned()).is_some_and(|v| v.eq_ignore_ascii_case("detail")),
         options,
         store,
         routes,

@@ -1,0 +1,74 @@
+//! A rank program for the multi-process tests: `weft-test-worker SCENARIO`.
+//! Exit status 0 means the scenario behaved as expected on this rank.
+
+use std::time::{Duration, Instant};
+use weft::prelude::*;
+use weft::ErrorKind;
+
+fn main() {
+    weft_builtin::link();
+    let scenario = std::env::args().nth(1).unwrap_or_default();
+    let code = match run(&scenario) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("scenario {scenario} failed: {e}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+fn run(scenario: &str) -> anyhow::Result<()> {
+    let pg = ProcessGroup::from_env(GroupOptions::from_env()?)?;
+    let (r, w) = (pg.rank(), pg.size());
+    let o = OpOptions::default();
+    match scenario {
+        "ops" => {
+            let mut v = vec![r as i64 + 1; 1000];
+            pg.all_reduce(&mut v, ReduceOp::Sum, &o)?.wait()?;
+            anyhow::ensure!(v.iter().all(|x| *x == (w * (w + 1) / 2) as i64), "all_reduce");
+            let mut all = vec![0u32; 3 * w];
+            pg.all_gather_single(&mut all, &[r as u32; 3][..], &o)?.wait()?;
+            anyhow::ensure!(all.chunks(3).enumerate().all(|(i, c)| c == [i as u32; 3]), "all_gather");
+            let mut b = vec![r as f64; 17];
+            pg.broadcast(&mut b, w - 1, &o)?.wait()?;
+            anyhow::ensure!(b.iter().all(|x| *x == (w - 1) as f64), "broadcast");
+            pg.barrier(&o)?.wait()?;
+            println!("rank {r} of {w}: ok");
+        }
+        "sigkill" => {
+            // The last rank kills itself in the middle of 64 MiB all_reduces;
+            // every other rank must get PeerLost naming it.
+            let victim = w - 1;
+            if r == victim {
+                std::thread::spawn(|| {
+                    std::thread::sleep(Duration::from_millis(400));
+                    let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+                });
+            }
+            let mut v = vec![1f32; 16 << 20];
+            loop {
+                match pg.all_reduce(&mut v, ReduceOp::Sum, &o)?.wait() {
+                    Ok(()) => continue,
+                    Err(e) => {
+                        let at = Instant::now();
+                        println!("rank {r}: {e}");
+                        anyhow::ensure!(e.kind() == &ErrorKind::PeerLost { rank: victim }, "expected PeerLost {{ rank: {victim} }}, got {e}");
+                        anyhow::ensure!(e.op() == Some("all_reduce"), "the error names the op");
+                        let _ = at;
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        "debug_mismatch" => {
+            let mut v = vec![0f32; 8];
+            let e = if r == 0 { pg.all_reduce(&mut v, ReduceOp::Sum, &o)?.wait() } else { pg.all_gather_single(&mut v[..2 * w], &[0f32; 2][..], &o)?.wait() };
+            let e = e.err().ok_or_else(|| anyhow::anyhow!("mismatch not detected"))?;
+            println!("rank {r}: {e}");
+            anyhow::ensure!(e.to_string().contains("rank(s) [0] called all_reduce"), "detail message: {e}");
+        }
+        other => anyhow::bail!("unknown scenario {other:?}"),
+    }
+    Ok(())
+}

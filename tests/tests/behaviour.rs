@@ -1,0 +1,166 @@
+//! Group behaviour beyond op results: p2p tags, scopes, sub-groups, several
+//! groups, abort.
+
+use std::time::Duration;
+use weft::prelude::*;
+use weft::ErrorKind;
+use weft_tests::{options, run_threads};
+
+fn o() -> OpOptions {
+    OpOptions::default()
+}
+
+#[test]
+fn send_recv_with_tags_received_out_of_order() {
+    run_threads(2, options("cpu-tcp"), |pg| {
+        if pg.rank() == 0 {
+            for tag in [1u32, 2, 3] {
+                let v = vec![tag as i64; tag as usize];
+                pg.send(&v, 1, tag, &o()).unwrap().wait().unwrap();
+            }
+            // Two messages under one tag arrive in send order.
+            pg.send(&[10u8][..], 1, 9, &o()).unwrap().wait().unwrap();
+            pg.send(&[11u8][..], 1, 9, &o()).unwrap().wait().unwrap();
+        } else {
+            for tag in [3u32, 1, 2] {
+                let mut v = vec![0i64; tag as usize];
+                pg.recv(&mut v, 0, tag, &o()).unwrap().wait().unwrap();
+                assert_eq!(v, vec![tag as i64; tag as usize]);
+            }
+            let (mut a, mut b) = ([0u8], [0u8]);
+            pg.recv(&mut a[..], 0, 9, &o()).unwrap().wait().unwrap();
+            pg.recv(&mut b[..], 0, 9, &o()).unwrap().wait().unwrap();
+            assert_eq!((a[0], b[0]), (10, 11));
+        }
+    });
+}
+
+#[test]
+fn scoped_ops_run_in_background_and_in_order() {
+    let out = run_threads(3, options("cpu-tcp"), |pg| {
+        let mut a = vec![1.0f64; 1000];
+        let mut b = vec![pg.rank() as i32; 10];
+        let mut c = vec![0u8; 4];
+        pg.scope(|s| {
+            let wa = s.all_reduce(&mut a, ReduceOp::Sum, &o()).unwrap();
+            let wb = s.broadcast(&mut b, 2, &o()).unwrap();
+            let wc = s.barrier(&o()).unwrap();
+            // Drop a handle without waiting: the scope still waits for it.
+            drop(wc);
+            std::mem::forget(s.all_reduce(&mut c[..], ReduceOp::Max, &o()).unwrap());
+            wb.wait().unwrap();
+            assert!(wa.wait_timeout(Duration::from_secs(20)).unwrap());
+            assert!(wa.is_completed());
+        });
+        // Direct ops after the scope are ordered after it.
+        pg.all_reduce(&mut c[..], ReduceOp::Sum, &o()).unwrap().wait().unwrap();
+        (a[0], b[0], c[0])
+    });
+    assert!(out.iter().all(|x| *x == (3.0, 2, 0)), "{out:?}");
+}
+
+#[test]
+fn work_is_a_future() {
+    run_threads(2, options("cpu-tcp"), |pg| {
+        let mut v = vec![2u32; 3];
+        pg.scope(|s| {
+            let w = s.all_reduce(&mut v, ReduceOp::Product, &o()).unwrap();
+            block_on(w).unwrap();
+        });
+        assert_eq!(v, [4, 4, 4]);
+    });
+}
+
+/// A minimal executor: poll with a thread-parking waker.
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Wake};
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Arc::new(Unpark(std::thread::current())).into();
+    let mut cx = Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park_timeout(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn split_sub_groups_run_concurrently_with_the_parent() {
+    let out = run_threads(5, options("cpu-tcp"), |pg| {
+        let r = pg.rank();
+        let evens = pg.split(&[0, 2, 4]).unwrap();
+        let odds = pg.split(&[3, 1]).unwrap();
+        assert_eq!(evens.is_some(), r % 2 == 0);
+        assert_eq!(odds.is_some(), r % 2 == 1);
+        let sub = evens.or(odds).unwrap();
+        if r == 3 {
+            assert_eq!(sub.rank(), 0, "ranks follow the list order");
+        }
+        // Sub-group and parent ops interleaved from two threads at once.
+        let mut parent_v = vec![1i64; 64];
+        let mut sub_v = vec![r as i64; 64];
+        std::thread::scope(|t| {
+            t.spawn(|| pg.all_reduce(&mut parent_v, ReduceOp::Sum, &o()).unwrap().wait().unwrap());
+            t.spawn(|| sub.all_reduce(&mut sub_v, ReduceOp::Sum, &o()).unwrap().wait().unwrap());
+        });
+        // Invalid lists are errors on every rank.
+        for bad in [&[][..], &[0, 0][..], &[0, 7][..]] {
+            assert_eq!(pg.split(bad).unwrap_err().kind(), &ErrorKind::InvalidArgument);
+        }
+        (parent_v[0], sub_v[0])
+    });
+    for (r, (p, s)) in out.into_iter().enumerate() {
+        assert_eq!(p, 5);
+        assert_eq!(s, if r % 2 == 0 { 6 } else { 4 });
+    }
+}
+
+#[test]
+fn two_groups_in_one_process_are_independent() {
+    run_threads(3, options("cpu-tcp"), |pg| {
+        // A second group on the same store gets its own namespace.
+        let mut a = vec![1u32; 8];
+        let second = pg.split(&[0, 1, 2]).unwrap().unwrap();
+        pg.scope(|s| {
+            let w1 = s.all_reduce(&mut a, ReduceOp::Sum, &o()).unwrap();
+            let mut b = vec![2u32; 8];
+            second.all_reduce(&mut b, ReduceOp::Sum, &o()).unwrap().wait().unwrap();
+            w1.wait().unwrap();
+            assert_eq!(b, vec![6; 8]);
+        });
+        assert_eq!(a, vec![3; 8]);
+    });
+}
+
+#[test]
+fn abort_ends_a_blocked_op_promptly_and_poisons_later_ops() {
+    run_threads(2, options("cpu-tcp"), |pg| {
+        if pg.rank() == 0 {
+            let mut v = [0u8; 4];
+            std::thread::scope(|t| {
+                t.spawn(|| {
+                    std::thread::sleep(Duration::from_millis(200));
+                    pg.abort();
+                });
+                let start = std::time::Instant::now();
+                let e = pg.recv(&mut v[..], 1, 5, &o()).unwrap().wait().unwrap_err();
+                assert_eq!(e.kind(), &ErrorKind::Aborted, "{e}");
+                assert!(start.elapsed() < Duration::from_secs(5));
+            });
+            let e = pg.barrier(&o()).unwrap().wait().unwrap_err();
+            assert_eq!(e.kind(), &ErrorKind::Aborted);
+        } else {
+            // The peer sees rank 0 go away.
+            let e = pg.barrier(&o()).unwrap().wait().unwrap_err();
+            assert_eq!(e.kind(), &ErrorKind::PeerLost { rank: 0 }, "{e}");
+        }
+    });
+}

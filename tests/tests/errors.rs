@@ -1,0 +1,138 @@
+//! Bad input, mismatched ranks and timeouts give clear errors, never hangs.
+
+use std::time::{Duration, Instant};
+use weft::prelude::*;
+use weft::{Device, DType, ErrorKind, Tensor};
+use weft_tests::{options, run_threads};
+
+fn o() -> OpOptions {
+    OpOptions::default()
+}
+
+fn invalid(r: weft::Result<Work<'_>>, needle: &str) {
+    let e = r.err().unwrap_or_else(|| panic!("expected a local validation error mentioning {needle:?}"));
+    assert_eq!(e.kind(), &ErrorKind::InvalidArgument, "{e}");
+    assert!(e.to_string().contains(needle), "{e:?} should mention {needle:?}");
+}
+
+#[test]
+fn bad_local_input_is_rejected_before_any_byte_moves() {
+    run_threads(3, options("cpu-tcp"), |pg| {
+        let mut f = vec![0f32; 6];
+        let mut i = vec![0i32; 6];
+        let small = vec![0f32; 2];
+        invalid(pg.broadcast(&mut f, 3, &o()), "root 3 is out of range");
+        invalid(pg.all_reduce(&mut f, ReduceOp::Band, &o()), "bitwise");
+        invalid(pg.all_reduce(&mut i, ReduceOp::Avg, &o()), "floating-point");
+        invalid(pg.all_gather_single(&mut f[..5], &small, &o()), "has 5 elements, expected 6");
+        invalid(pg.all_gather(vec![(&mut f).into()], &small, &o()), "one per rank");
+        invalid(pg.reduce_scatter_single(&mut f[..4], &small, ReduceOp::Sum, &o()), "expected 12");
+        let g = f.clone();
+        invalid(pg.all_to_all_single(&mut f[..4], &g[..4], &o()), "not divisible");
+        invalid(pg.all_to_all_v_single(&mut f, &small, &[1, 1, 4], &[1, 1], &o()), "input_splits");
+        invalid(pg.all_to_all_v_single(&mut f, &small, &[1, 1, 4], &[1, 1, 1], &o()), "sum of input_splits");
+        invalid(pg.send(&small, pg.rank(), 0, &o()), "this rank");
+        invalid(pg.send(&small, 9, 0, &o()), "out of range");
+        invalid(pg.recv(&mut f, (pg.rank() + 1) % 3, u32::MAX, &o()), "largest user tag");
+        let other = vec![0f64; 2];
+        let (i1, i2) = i.split_at_mut(3);
+        invalid(pg.all_gather(vec![(&mut f[..2]).into(), (&mut i1[..2]).into(), (&mut i2[..2]).into()], &other[..], &o()), "dtype");
+        if pg.rank() == 0 {
+            invalid(pg.gather(vec![], &small, 0, &o()), "one per rank");
+        } else {
+            invalid(pg.gather(vec![(&mut f[..2]).into()], &small, 0, &o()), "must be empty on non-root");
+        }
+        let raw = vec![0f32; 8];
+        // SAFETY: dims (4,2) strides (1,4) reach offsets up to 3 + 4 = 7, inside the 8 elements.
+        let strided = unsafe { Tensor::from_raw_parts(raw.as_ptr() as *const u8, DType::F32, Device::Cpu, &[4, 2], Some(&[1, 4])) }.unwrap();
+        invalid(pg.send(strided, (pg.rank() + 1) % 3, 0, &o()), "not contiguous");
+        // The group is still fine after local errors.
+        pg.all_reduce(&mut f, ReduceOp::Sum, &o()).unwrap().wait().unwrap();
+    });
+}
+
+#[test]
+fn cuda_tensors_without_a_cuda_backend_get_an_error_naming_why() {
+    run_threads(2, options("auto"), |pg| {
+        let mut host = vec![0f32; 4];
+        // SAFETY: the pointer is never dereferenced: no backend handles CUDA here.
+        let t = unsafe { weft::TensorMut::from_raw_parts(host.as_mut_ptr() as *mut u8, DType::F32, Device::Cuda(0), &[4], None) }.unwrap();
+        let e = pg.all_reduce(t, ReduceOp::Sum, &o()).unwrap().wait().unwrap_err();
+        assert_eq!(e.kind(), &ErrorKind::Unsupported);
+        assert!(e.to_string().contains("cuda") && e.to_string().contains("cpu-tcp"), "{e}");
+        // Not poisoned: the op never started.
+        pg.all_reduce(&mut host, ReduceOp::Sum, &o()).unwrap().wait().unwrap();
+    });
+}
+
+#[test]
+fn cross_rank_size_mismatch_errors_on_every_rank_without_hanging() {
+    let start = Instant::now();
+    let out = run_threads(2, options("cpu-tcp"), |pg| {
+        // Rank 0 sends 4 KiB where rank 1 expects 8 bytes.
+        if pg.rank() == 0 {
+            let big = vec![1u8; 4096];
+            let _ = pg.send(&big, 1, 3, &o()).unwrap().wait();
+            let mut v = vec![0f32; 1024];
+            let e = pg.all_reduce(&mut v, ReduceOp::Sum, &o()).unwrap().wait().unwrap_err();
+            e
+        } else {
+            let mut small = [0u8; 8];
+            let e = pg.recv(&mut small[..], 0, 3, &o()).unwrap().wait().unwrap_err();
+            assert!(e.to_string().contains("4096") && e.to_string().contains("8 bytes"), "{e}");
+            e
+        }
+    });
+    assert!(start.elapsed() < Duration::from_secs(20), "errors must come well before the timeout");
+    assert_eq!(out[0].kind(), &ErrorKind::PeerLost { rank: 1 }, "{}", out[0]);
+}
+
+#[test]
+fn mismatched_collectives_fail_fast_and_detail_mode_names_the_ranks() {
+    // Without WEFT_DEBUG: the transport sees messages of another collective
+    // at the same sequence number and fails.
+    let out = run_threads(2, options("cpu-tcp"), |pg| {
+        let mut v = vec![0f32; 8];
+        let w = if pg.rank() == 0 {
+            pg.all_reduce(&mut v, ReduceOp::Sum, &o())
+        } else {
+            pg.broadcast(&mut v, 0, &o())
+        };
+        let e = w.unwrap().wait().unwrap_err();
+        e
+    });
+    assert!(out.iter().any(|e| e.to_string().contains("mismatch")), "{out:?}");
+
+    // With detail checks (WEFT_DEBUG=detail or the group hint), every rank
+    // learns exactly which rank called what.
+    let out = run_threads(3, options("cpu-tcp").hint("debug", "detail"), |pg| {
+        let mut v = vec![0f32; 8];
+        pg.all_reduce(&mut v, ReduceOp::Sum, &o()).unwrap().wait().unwrap(); // agreeing ops pass
+        let w = if pg.rank() == 1 { pg.all_gather_single(&mut v[..6], &[1f32, 2.0][..], &o()) } else { pg.all_reduce(&mut v, ReduceOp::Sum, &o()) };
+        let e = w.unwrap().wait().unwrap_err();
+        e
+    });
+    for e in out {
+        assert_eq!(e.kind(), &ErrorKind::InvalidArgument, "{e}");
+        let m = e.to_string();
+        assert!(m.contains("rank(s) [0, 2] called all_reduce(f32 x 8 op sum)") && m.contains("rank(s) [1] called all_gather_single"), "{m}");
+    }
+}
+
+#[test]
+fn timeouts_are_reported_with_the_op_name() {
+    run_threads(2, options("cpu-tcp"), |pg| {
+        if pg.rank() == 0 {
+            // Stay in the group (leaving would be reported as PeerLost).
+            std::thread::sleep(Duration::from_secs(1));
+        } else {
+            let mut v = [0u8; 4];
+            let start = Instant::now();
+            let e = pg.recv(&mut v[..], 0, 1, &OpOptions::default().timeout(Duration::from_millis(300))).unwrap().wait().unwrap_err();
+            assert_eq!(e.kind(), &ErrorKind::Timeout, "{e}");
+            assert_eq!(e.op(), Some("recv"));
+            assert!(e.to_string().contains("peer rank 0"), "{e}");
+            assert!(start.elapsed() < Duration::from_secs(5));
+        }
+    });
+}
