@@ -9,7 +9,16 @@ use weft_cli::launcher::{self, Launch};
 pub fn main(nproc: usize, backend: &str, max_bytes: usize, iters: usize) -> Result<i32> {
     if std::env::var("RANK").is_err() {
         let exe = std::env::current_exe()?.to_string_lossy().into_owned();
-        let args = vec![exe, "demo".into(), "--backend".into(), backend.into(), "--max-bytes".into(), max_bytes.to_string(), "--iters".into(), iters.to_string()];
+        let args = vec![
+            exe,
+            "demo".into(),
+            "--backend".into(),
+            backend.into(),
+            "--max-bytes".into(),
+            max_bytes.to_string(),
+            "--iters".into(),
+            iters.to_string(),
+        ];
         return launcher::run(&Launch {
             nproc,
             nnodes: 1,
@@ -26,8 +35,14 @@ pub fn main(nproc: usize, backend: &str, max_bytes: usize, iters: usize) -> Resu
     let (r, w) = (pg.rank(), pg.size());
     let o = OpOptions::default();
     if r == 0 {
-        println!("weft demo: all_reduce (sum, f32) on {w} ranks, backend {:?}", pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense)).unwrap_or_default());
-        println!("{:>12} {:>10} {:>12} {:>12} {:>10} {:>10} {:>7}", "size(B)", "count", "median(us)", "min(us)", "algbw", "busbw", "#wrong");
+        println!(
+            "weft demo: all_reduce (sum, f32) on {w} ranks, backend {:?}",
+            pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense)).unwrap_or_default()
+        );
+        println!(
+            "{:>12} {:>10} {:>12} {:>12} {:>10} {:>10} {:>7}",
+            "size(B)", "count", "median(us)", "min(us)", "algbw", "busbw", "#wrong"
+        );
     }
     let mut bytes = 8;
     let mut wrong_total = 0;
@@ -52,7 +67,11 @@ pub fn main(nproc: usize, backend: &str, max_bytes: usize, iters: usize) -> Resu
         let busbw = algbw * 2.0 * (w - 1) as f64 / w as f64;
         wrong_total += wrong;
         if r == 0 {
-            println!("{bytes:>12} {n:>10} {:>12.1} {:>12.1} {algbw:>10.3} {busbw:>10.3} {wrong:>7}", med * 1e6, times[0].as_secs_f64() * 1e6);
+            println!(
+                "{bytes:>12} {n:>10} {:>12.1} {:>12.1} {algbw:>10.3} {busbw:>10.3} {wrong:>7}",
+                med * 1e6,
+                times[0].as_secs_f64() * 1e6
+            );
         }
         bytes *= 8;
     }

@@ -150,6 +150,11 @@ pub fn run(l: &Launch) -> Result<i32> {
             stop_all(&mut children, Signal::SIGKILL);
         }
     }
+    // Ranks are gone; descendants they left in their process groups (which
+    // would keep the output pipes open) go with them.
+    for (_, child) in &children {
+        let _ = signal::killpg(Pid::from_raw(child.id() as i32), Signal::SIGKILL);
+    }
     for p in pumps {
         let _ = p.join();
     }

@@ -78,15 +78,33 @@ half_arith!(f16, bf16);
 #[derive(Copy, Clone)]
 struct BoolByte(u8);
 impl Arith for BoolByte {
-    fn sum(a: Self, b: Self) -> Self { Self::bor(a, b) }
-    fn prod(a: Self, b: Self) -> Self { Self::band(a, b) }
-    fn min(a: Self, b: Self) -> Self { Self::band(a, b) }
-    fn max(a: Self, b: Self) -> Self { Self::bor(a, b) }
-    fn band(a: Self, b: Self) -> Self { BoolByte(((a.0 != 0) & (b.0 != 0)) as u8) }
-    fn bor(a: Self, b: Self) -> Self { BoolByte(((a.0 != 0) | (b.0 != 0)) as u8) }
-    fn bxor(a: Self, b: Self) -> Self { BoolByte(((a.0 != 0) ^ (b.0 != 0)) as u8) }
-    fn scale(a: Self, _: f64) -> Self { a }
-    fn div(a: Self, _: u32) -> Self { a }
+    fn sum(a: Self, b: Self) -> Self {
+        Self::bor(a, b)
+    }
+    fn prod(a: Self, b: Self) -> Self {
+        Self::band(a, b)
+    }
+    fn min(a: Self, b: Self) -> Self {
+        Self::band(a, b)
+    }
+    fn max(a: Self, b: Self) -> Self {
+        Self::bor(a, b)
+    }
+    fn band(a: Self, b: Self) -> Self {
+        BoolByte(((a.0 != 0) & (b.0 != 0)) as u8)
+    }
+    fn bor(a: Self, b: Self) -> Self {
+        BoolByte(((a.0 != 0) | (b.0 != 0)) as u8)
+    }
+    fn bxor(a: Self, b: Self) -> Self {
+        BoolByte(((a.0 != 0) ^ (b.0 != 0)) as u8)
+    }
+    fn scale(a: Self, _: f64) -> Self {
+        a
+    }
+    fn div(a: Self, _: u32) -> Self {
+        a
+    }
 }
 
 /// Apply `f(acc[i], src[i])` into `acc[i]` for buffers of `T`.
@@ -99,10 +117,7 @@ fn zip_apply<T: Arith>(acc: &mut [u8], src: &[u8], f: impl Fn(T, T) -> T) {
         // do not overlap (one is &mut), and every T here is plain data for
         // which any bit pattern is valid (BoolByte wraps u8, not bool).
         let (a, s) = unsafe {
-            (
-                std::slice::from_raw_parts_mut(acc.as_mut_ptr() as *mut T, n),
-                std::slice::from_raw_parts(src.as_ptr() as *const T, n),
-            )
+            (std::slice::from_raw_parts_mut(acc.as_mut_ptr() as *mut T, n), std::slice::from_raw_parts(src.as_ptr() as *const T, n))
         };
         for (x, y) in a.iter_mut().zip(s) {
             *x = f(*x, *y);
@@ -136,17 +151,50 @@ fn map_apply<T: Arith>(buf: &mut [u8], f: impl Fn(T) -> T) {
 macro_rules! by_dtype {
     ($dtype:expr, $T:ident => $body:expr) => {
         match $dtype {
-            DType::F32 => { type $T = f32; $body }
-            DType::F64 => { type $T = f64; $body }
-            DType::F16 => { type $T = f16; $body }
-            DType::BF16 => { type $T = bf16; $body }
-            DType::I8 => { type $T = i8; $body }
-            DType::U8 => { type $T = u8; $body }
-            DType::I32 => { type $T = i32; $body }
-            DType::I64 => { type $T = i64; $body }
-            DType::U32 => { type $T = u32; $body }
-            DType::U64 => { type $T = u64; $body }
-            DType::Bool => { type $T = BoolByte; $body }
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            DType::F16 => {
+                type $T = f16;
+                $body
+            }
+            DType::BF16 => {
+                type $T = bf16;
+                $body
+            }
+            DType::I8 => {
+                type $T = i8;
+                $body
+            }
+            DType::U8 => {
+                type $T = u8;
+                $body
+            }
+            DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            DType::U32 => {
+                type $T = u32;
+                $body
+            }
+            DType::U64 => {
+                type $T = u64;
+                $body
+            }
+            DType::Bool => {
+                type $T = BoolByte;
+                $body
+            }
         }
     };
 }

@@ -54,7 +54,9 @@ impl LaunchEnv {
     /// Read from any variable lookup (for tests and embedding).
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let num = |k: &str| -> Result<Option<usize>> {
-            get(k).map(|v| v.trim().parse::<usize>().map_err(|_| Error::invalid(format!("{k}={v:?} is not a non-negative integer")))).transpose()
+            get(k)
+                .map(|v| v.trim().parse::<usize>().map_err(|_| Error::invalid(format!("{k}={v:?} is not a non-negative integer"))))
+                .transpose()
         };
         let (launcher, rank_var, size_var, local_var, local_size_var) = if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
             (Launcher::Torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

@@ -160,9 +160,7 @@ pub fn plan(spec: &str) -> Result<Plan> {
     }
     let mut seen = Vec::new();
     for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (dev, name) = part
-            .split_once(':')
-            .ok_or_else(|| Error::invalid(format!("backend spec part {part:?} is not DEVICE:NAME")))?;
+        let (dev, name) = part.split_once(':').ok_or_else(|| Error::invalid(format!("backend spec part {part:?} is not DEVICE:NAME")))?;
         let dev = match dev.trim() {
             "cpu" => DeviceKind::Cpu,
             "cuda" => DeviceKind::Cuda,

@@ -174,10 +174,7 @@ macro_rules! view_common {
             }
             fn check_host(&self) -> Result<()> {
                 if self.device != Device::Cpu {
-                    return Err(Error::unsupported(format!(
-                        "tensor on {} is not host memory",
-                        self.device
-                    )));
+                    return Err(Error::unsupported(format!("tensor on {} is not host memory", self.device)));
                 }
                 if !self.is_contiguous() {
                     return Err(Error::invalid(format!(
@@ -245,13 +242,7 @@ impl<'a> Tensor<'a> {
     /// # Safety
     /// `ptr` must be valid for reads of every element the dims and strides
     /// reach, on `device`, for `'a`, and must not be written meanwhile.
-    pub unsafe fn from_raw_parts(
-        ptr: *const u8,
-        dtype: DType,
-        device: Device,
-        dims: &[usize],
-        strides: Option<&[usize]>,
-    ) -> Result<Self> {
+    pub unsafe fn from_raw_parts(ptr: *const u8, dtype: DType, device: Device, dims: &[usize], strides: Option<&[usize]>) -> Result<Self> {
         let shape = make_shape(dims, strides)?;
         Ok(Tensor { ptr, dtype, device, shape, _borrow: PhantomData })
     }
@@ -299,37 +290,19 @@ impl<'a> TensorMut<'a> {
     /// # Safety
     /// `ptr` must be valid for reads and writes of every element the dims and
     /// strides reach, on `device`, for `'a`, with no other access meanwhile.
-    pub unsafe fn from_raw_parts(
-        ptr: *mut u8,
-        dtype: DType,
-        device: Device,
-        dims: &[usize],
-        strides: Option<&[usize]>,
-    ) -> Result<Self> {
+    pub unsafe fn from_raw_parts(ptr: *mut u8, dtype: DType, device: Device, dims: &[usize], strides: Option<&[usize]>) -> Result<Self> {
         let shape = make_shape(dims, strides)?;
         Ok(TensorMut { ptr, dtype, device, shape, _borrow: PhantomData })
     }
 
     /// A read-only view of the same memory, borrowing this one.
     pub fn as_tensor(&self) -> Tensor<'_> {
-        Tensor {
-            ptr: self.ptr,
-            dtype: self.dtype,
-            device: self.device,
-            shape: self.shape.clone(),
-            _borrow: PhantomData,
-        }
+        Tensor { ptr: self.ptr, dtype: self.dtype, device: self.device, shape: self.shape.clone(), _borrow: PhantomData }
     }
 
     /// A shorter-lived mutable view of the same memory.
     pub fn reborrow(&mut self) -> TensorMut<'_> {
-        TensorMut {
-            ptr: self.ptr,
-            dtype: self.dtype,
-            device: self.device,
-            shape: self.shape.clone(),
-            _borrow: PhantomData,
-        }
+        TensorMut { ptr: self.ptr, dtype: self.dtype, device: self.device, shape: self.shape.clone(), _borrow: PhantomData }
     }
 
     /// Mutable host bytes of a contiguous CPU view.
@@ -395,23 +368,14 @@ fn make_shape(dims: &[usize], strides: Option<&[usize]>) -> Result<Shape> {
     let shape = match strides {
         None => Shape::contiguous(dims),
         Some(s) if s.len() == dims.len() => Shape { dims: dims.to_vec(), strides: s.to_vec() },
-        Some(s) => {
-            return Err(Error::invalid(format!(
-                "{} strides given for {} dims",
-                s.len(),
-                dims.len()
-            )))
-        }
+        Some(s) => return Err(Error::invalid(format!("{} strides given for {} dims", s.len(), dims.len()))),
     };
     Ok(shape)
 }
 
 fn check_dtype<T: Element>(dtype: DType) -> Result<()> {
     if T::DTYPE != dtype {
-        return Err(Error::invalid(format!(
-            "tensor has dtype {dtype}, asked for {}",
-            T::DTYPE
-        )));
+        return Err(Error::invalid(format!("tensor has dtype {dtype}, asked for {}", T::DTYPE)));
     }
     Ok(())
 }
@@ -429,9 +393,7 @@ fn split_offsets(numel: usize, counts: &[usize], contiguous: bool) -> Result<Vec
     }
     let total: usize = counts.iter().sum();
     if total != numel {
-        return Err(Error::invalid(format!(
-            "split sizes {counts:?} add up to {total}, tensor has {numel} elements"
-        )));
+        return Err(Error::invalid(format!("split sizes {counts:?} add up to {total}, tensor has {numel} elements")));
     }
     Ok(counts
         .iter()
@@ -478,10 +440,7 @@ impl<'a> SparseCooTensor<'a> {
         }
         let dense: usize = shape[sparse_dims..].iter().product();
         if values.numel() != nnz * dense {
-            return Err(Error::invalid(format!(
-                "COO values have {} elements, expected nnz {nnz} x dense {dense}",
-                values.numel()
-            )));
+            return Err(Error::invalid(format!("COO values have {} elements, expected nnz {nnz} x dense {dense}", values.numel())));
         }
         Ok(SparseCooTensor { indices, values, shape })
     }

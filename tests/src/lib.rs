@@ -57,7 +57,8 @@ pub fn run_threads_on<T: Send + 'static>(
         match rx.recv_timeout(left) {
             Ok((rank, Ok(v))) => results[rank] = Some(v),
             Ok((rank, Err(p))) => {
-                let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+                let msg =
+                    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
                 panic!("rank {rank} panicked: {msg}");
             }
             Err(_) => panic!("multi-rank test exceeded its outer limit of {OUTER_LIMIT:?} (hang?)"),
@@ -102,7 +103,8 @@ impl Buf {
     /// A read-only tensor view.
     pub fn t(&self) -> weft::Tensor<'_> {
         // SAFETY: 8-byte aligned host memory of numel elements, borrowed for the view's life.
-        unsafe { weft::Tensor::from_raw_parts(self.words.as_ptr() as *const u8, self.dtype, weft::Device::Cpu, &[self.numel()], None) }.unwrap()
+        unsafe { weft::Tensor::from_raw_parts(self.words.as_ptr() as *const u8, self.dtype, weft::Device::Cpu, &[self.numel()], None) }
+            .unwrap()
     }
     /// A mutable tensor view.
     pub fn tm(&mut self) -> weft::TensorMut<'_> {
@@ -124,7 +126,11 @@ pub fn assert_close(dtype: weft::DType, op: Option<weft::ReduceOp>, got: &[u8], 
             b.chunks(2)
                 .map(|c| {
                     let bits = u16::from_ne_bytes([c[0], c[1]]);
-                    if dtype == DType::F16 { half::f16::from_bits(bits).to_f32() } else { half::bf16::from_bits(bits).to_f32() }
+                    if dtype == DType::F16 {
+                        half::f16::from_bits(bits).to_f32()
+                    } else {
+                        half::bf16::from_bits(bits).to_f32()
+                    }
                 })
                 .collect()
         };

@@ -9,8 +9,8 @@ use weft::{DType, ReduceOp};
 pub fn value(dtype: DType, rank: usize, i: usize) -> f64 {
     let v = ((rank * 7 + i * 3) % 5) as f64;
     match dtype {
-        DType::Bool => ((rank + i) % 3 == 0) as u8 as f64,
-        d if d.is_float() => v - 2.0 + if (rank + i) % 2 == 0 { 0.5 } else { 0.0 },
+        DType::Bool => (rank + i).is_multiple_of(3) as u8 as f64,
+        d if d.is_float() => v - 2.0 + if (rank + i).is_multiple_of(2) { 0.5 } else { 0.0 },
         DType::U8 | DType::U32 | DType::U64 => v + (i % 3) as f64,
         _ => v - 2.0 + (i % 3) as f64,
     }

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 use weft::prelude::*;
-use weft::{Device, DType, ErrorKind, Tensor};
+use weft::{DType, Device, ErrorKind, Tensor};
 use weft_tests::{options, run_threads};
 
 fn o() -> OpOptions {
@@ -44,7 +44,8 @@ fn bad_local_input_is_rejected_before_any_byte_moves() {
         }
         let raw = vec![0f32; 8];
         // SAFETY: dims (4,2) strides (1,4) reach offsets up to 3 + 4 = 7, inside the 8 elements.
-        let strided = unsafe { Tensor::from_raw_parts(raw.as_ptr() as *const u8, DType::F32, Device::Cpu, &[4, 2], Some(&[1, 4])) }.unwrap();
+        let strided =
+            unsafe { Tensor::from_raw_parts(raw.as_ptr() as *const u8, DType::F32, Device::Cpu, &[4, 2], Some(&[1, 4])) }.unwrap();
         invalid(pg.send(strided, (pg.rank() + 1) % 3, 0, &o()), "not contiguous");
         // The group is still fine after local errors.
         pg.all_reduce(&mut f, ReduceOp::Sum, &o()).unwrap().wait().unwrap();
@@ -93,11 +94,7 @@ fn mismatched_collectives_fail_fast_and_detail_mode_names_the_ranks() {
     // at the same sequence number and fails.
     let out = run_threads(2, options("cpu-tcp"), |pg| {
         let mut v = vec![0f32; 8];
-        let w = if pg.rank() == 0 {
-            pg.all_reduce(&mut v, ReduceOp::Sum, &o())
-        } else {
-            pg.broadcast(&mut v, 0, &o())
-        };
+        let w = if pg.rank() == 0 { pg.all_reduce(&mut v, ReduceOp::Sum, &o()) } else { pg.broadcast(&mut v, 0, &o()) };
         let e = w.unwrap().wait().unwrap_err();
         e
     });
@@ -108,14 +105,21 @@ fn mismatched_collectives_fail_fast_and_detail_mode_names_the_ranks() {
     let out = run_threads(3, options("cpu-tcp").hint("debug", "detail"), |pg| {
         let mut v = vec![0f32; 8];
         pg.all_reduce(&mut v, ReduceOp::Sum, &o()).unwrap().wait().unwrap(); // agreeing ops pass
-        let w = if pg.rank() == 1 { pg.all_gather_single(&mut v[..6], &[1f32, 2.0][..], &o()) } else { pg.all_reduce(&mut v, ReduceOp::Sum, &o()) };
+        let w = if pg.rank() == 1 {
+            pg.all_gather_single(&mut v[..6], &[1f32, 2.0][..], &o())
+        } else {
+            pg.all_reduce(&mut v, ReduceOp::Sum, &o())
+        };
         let e = w.unwrap().wait().unwrap_err();
         e
     });
     for e in out {
         assert_eq!(e.kind(), &ErrorKind::InvalidArgument, "{e}");
         let m = e.to_string();
-        assert!(m.contains("rank(s) [0, 2] called all_reduce(f32 x 8 op sum)") && m.contains("rank(s) [1] called all_gather_single"), "{m}");
+        assert!(
+            m.contains("rank(s) [0, 2] called all_reduce(f32 x 8 op sum)") && m.contains("rank(s) [1] called all_gather_single"),
+            "{m}"
+        );
     }
 }
 

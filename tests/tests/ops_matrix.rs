@@ -100,8 +100,8 @@ fn gathers_scatters_and_all_to_all_with_even_and_uneven_parts() {
                 pg.all_gather(outs.iter_mut().map(|b| b.tm()).collect(), input.t(), &o()).unwrap().wait().unwrap();
                 let mut single = Buf::zeros(d, 3 * w);
                 pg.all_gather_single(single.tm(), input.t(), &o()).unwrap().wait().unwrap();
-                for i in 0..w {
-                    assert_eq!(outs[i].bytes(), make(d, i, 3), "all_gather w={w} {d}");
+                for (i, out) in outs.iter().enumerate() {
+                    assert_eq!(out.bytes(), make(d, i, 3), "all_gather w={w} {d}");
                     assert_eq!(&single.bytes()[3 * i * sz..3 * (i + 1) * sz], make(d, i, 3), "all_gather_single w={w}");
                 }
                 // all_gather_v: rank i contributes (i % 3) elements (zero-length parts included)
@@ -124,7 +124,10 @@ fn gathers_scatters_and_all_to_all_with_even_and_uneven_parts() {
                 // all_to_all list: rank r sends make(100*r + dst, 2) to dst
                 let ins: Vec<Buf> = (0..w).map(|dst| Buf::from_bytes(d, &make(d, 100 * r + dst, 2))).collect();
                 let mut outs: Vec<Buf> = (0..w).map(|_| Buf::zeros(d, 2)).collect();
-                pg.all_to_all(outs.iter_mut().map(|b| b.tm()).collect(), ins.iter().map(|b| b.t()).collect(), &o()).unwrap().wait().unwrap();
+                pg.all_to_all(outs.iter_mut().map(|b| b.tm()).collect(), ins.iter().map(|b| b.t()).collect(), &o())
+                    .unwrap()
+                    .wait()
+                    .unwrap();
                 for (src, b) in outs.iter().enumerate() {
                     assert_eq!(b.bytes(), make(d, 100 * src + r, 2), "all_to_all w={w} {d}");
                 }

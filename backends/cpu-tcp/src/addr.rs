@@ -61,7 +61,9 @@ fn from_ifname(spec: &str) -> Result<IpAddr> {
             }
         }
     }
-    v6.ok_or_else(|| Error::invalid(format!("{ENV_IFNAME}={spec:?} matches no interface with an address (interfaces: {})", seen.join(", "))))
+    v6.ok_or_else(|| {
+        Error::invalid(format!("{ENV_IFNAME}={spec:?} matches no interface with an address (interfaces: {})", seen.join(", ")))
+    })
 }
 
 fn route_to(host: &str) -> Option<IpAddr> {

@@ -50,9 +50,7 @@ pub fn mesh(store: &dyn Store, rank: usize, size: usize, ip: IpAddr, deadline: I
     let timeout = deadline.saturating_duration_since(Instant::now());
     let listener = Socket::new(Domain::for_address(SocketAddr::new(ip, 0)), Type::STREAM, Some(Protocol::TCP))?;
     listener.set_reuse_address(true)?;
-    listener
-        .bind(&SocketAddr::new(ip, 0).into())
-        .map_err(|e| Error::backend(format!("cpu-tcp: cannot bind {ip}: {e}")))?;
+    listener.bind(&SocketAddr::new(ip, 0).into()).map_err(|e| Error::backend(format!("cpu-tcp: cannot bind {ip}: {e}")))?;
     listener.listen(size as i32 + 16)?;
     let addr = listener.local_addr()?.as_socket().expect("an IP listener");
     weft::log::debug(format_args!("cpu-tcp rank {rank} listening on {addr}"));
@@ -113,7 +111,9 @@ fn connect_one(store: &dyn Store, rank: usize, peer: usize, nonce: u64, deadline
         sock.set_write_timeout(Some(left.max(Duration::from_millis(1))))?;
         (&sock).write_all(&hello(rank, peer, nonce))?;
         let mut ack = [0u8; 5];
-        (&sock).read_exact(&mut ack).map_err(|e| Error::backend(format!("cpu-tcp: no handshake reply from peer rank {peer} at {addr}: {e}")))?;
+        (&sock)
+            .read_exact(&mut ack)
+            .map_err(|e| Error::backend(format!("cpu-tcp: no handshake reply from peer rank {peer} at {addr}: {e}")))?;
         let status = ack[4];
         if u32::from_le_bytes(ack[..4].try_into().expect("4 bytes")) != MAGIC || status != Status::Ok as u8 {
             return Err(Error::backend(format!(
@@ -141,7 +141,9 @@ fn accept_all(listener: &Socket, rank: usize, size: usize, nonce: u64, deadline:
             Err(e) => return Err(e.into()),
         };
         sock.set_nonblocking(false)?;
-        sock.set_read_timeout(Some(Duration::from_secs(5).min(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)))))?;
+        sock.set_read_timeout(Some(
+            Duration::from_secs(5).min(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))),
+        ))?;
         let mut h = [0u8; HELLO];
         if (&sock).read_exact(&mut h).is_err() {
             weft::log::debug(format_args!("cpu-tcp rank {rank}: dropped a connection from {from:?} that sent no handshake"));

@@ -71,7 +71,12 @@ impl Inbox {
     pub fn new(me: usize, size: usize) -> Self {
         Inbox {
             me,
-            inner: Mutex::new(Inner { failed: None, peers: (0..size).map(|_| PeerBox::default()).collect(), recvs: HashMap::new(), next_id: 0 }),
+            inner: Mutex::new(Inner {
+                failed: None,
+                peers: (0..size).map(|_| PeerBox::default()).collect(),
+                recvs: HashMap::new(),
+                next_id: 0,
+            }),
             changed: Condvar::new(),
         }
     }

@@ -73,7 +73,10 @@ impl TcpBackend {
         match write_frame(&mut w, header, data, deadline, || self.inbox.check(peer)) {
             Ok(()) => Ok(()),
             Err(WriteEnd::Deadline { sent }) => {
-                let e = Error::timeout(format!("sending {} bytes to peer rank {peer} did not finish before the deadline ({sent} sent)", data.len()));
+                let e = Error::timeout(format!(
+                    "sending {} bytes to peer rank {peer} did not finish before the deadline ({sent} sent)",
+                    data.len()
+                ));
                 if w.torn {
                     // Half a frame is on the wire: this stream cannot be used again.
                     self.inbox.fail_all(e.clone());
@@ -87,8 +90,9 @@ impl TcpBackend {
 
     fn lost(&self, peer: usize, why: String) -> Error {
         let e = Error::peer_lost(peer, format!("connection to peer rank {peer} broke: {why}"));
-        self.inbox.fail_all(e);
-        self.inbox.check(peer).err().expect("just failed")
+        self.inbox.fail_all(e.clone());
+        // The group's first failure wins (it may name another rank).
+        self.inbox.check(peer).err().unwrap_or(e)
     }
 
     fn close_sockets(&self) {
@@ -193,17 +197,28 @@ enum WriteEnd {
 }
 
 /// Write one frame, waking every tick to run `check` and honour `deadline`.
-fn write_frame(w: &mut Writer, header: Header, data: &[u8], deadline: Instant, check: impl Fn() -> Result<()>) -> std::result::Result<(), WriteEnd> {
+fn write_frame(
+    w: &mut Writer,
+    header: Header,
+    data: &[u8],
+    deadline: Instant,
+    check: impl Fn() -> Result<()>,
+) -> std::result::Result<(), WriteEnd> {
     let hdr = header.encode();
     let total = HEADER + data.len();
     let mut sent = 0;
     while sent < total {
-        let parts = if sent < HEADER { [IoSlice::new(&hdr[sent..]), IoSlice::new(data)] } else { [IoSlice::new(&data[sent - HEADER..]), IoSlice::new(&[])] };
+        let parts = if sent < HEADER {
+            [IoSlice::new(&hdr[sent..]), IoSlice::new(data)]
+        } else {
+            [IoSlice::new(&data[sent - HEADER..]), IoSlice::new(&[])]
+        };
         match w.sock.send_vectored_with_flags(&parts, nix::sys::socket::MsgFlags::MSG_NOSIGNAL.bits()) {
             Ok(0) => return Err(WriteEnd::Broken("the connection accepts no more data".into())),
             Ok(n) => sent += n,
             Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::TimedOut | IoKind::Interrupted) => {
-                let stop = check().err().map(WriteEnd::Stopped).or_else(|| (Instant::now() >= deadline).then_some(WriteEnd::Deadline { sent }));
+                let stop =
+                    check().err().map(WriteEnd::Stopped).or_else(|| (Instant::now() >= deadline).then_some(WriteEnd::Deadline { sent }));
                 if let Some(end) = stop {
                     w.torn |= sent > 0;
                     return Err(end);
@@ -225,12 +240,24 @@ enum ReadEnd {
 
 /// Fill `buf`, waking every tick to honour `closing` and, once part of a
 /// frame has arrived (or `mid_frame`), the `stall` deadline.
-fn read_full(sock: &Socket, buf: &mut [u8], mid_frame: bool, stall: Instant, closing: &AtomicBool, peer: usize) -> std::result::Result<(), ReadEnd> {
+fn read_full(
+    sock: &Socket,
+    buf: &mut [u8],
+    mid_frame: bool,
+    stall: Instant,
+    closing: &AtomicBool,
+    peer: usize,
+) -> std::result::Result<(), ReadEnd> {
     let mut got = 0;
     while got < buf.len() {
         match (&*sock).read(&mut buf[got..]) {
             Ok(0) if got == 0 && !mid_frame => return Err(ReadEnd::Eof),
-            Ok(0) => return Err(ReadEnd::Failed(Error::peer_lost(peer, format!("connection to peer rank {peer} closed in the middle of a frame")))),
+            Ok(0) => {
+                return Err(ReadEnd::Failed(Error::peer_lost(
+                    peer,
+                    format!("connection to peer rank {peer} closed in the middle of a frame"),
+                )))
+            }
             Ok(n) => got += n,
             Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::TimedOut | IoKind::Interrupted) => {
                 if closing.load(Ordering::Acquire) {

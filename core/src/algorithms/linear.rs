@@ -12,12 +12,8 @@ pub fn gather(c: &Comm<'_>, input: &[u8], outputs: &mut [&mut [u8]], root: usize
     }
     outputs[r].copy_from_slice(input);
     let tag = c.ctx().tag(0);
-    let mut ops: Vec<P2p<'_>> = outputs
-        .iter_mut()
-        .enumerate()
-        .filter(|(i, _)| *i != r)
-        .map(|(peer, buf)| P2p::Recv { peer, tag, buf: &mut **buf })
-        .collect();
+    let mut ops: Vec<P2p<'_>> =
+        outputs.iter_mut().enumerate().filter(|(i, _)| *i != r).map(|(peer, buf)| P2p::Recv { peer, tag, buf }).collect();
     c.exchange(&mut ops)
 }
 
@@ -29,11 +25,7 @@ pub fn scatter(c: &Comm<'_>, inputs: &[&[u8]], output: &mut [u8], root: usize) -
     }
     output.copy_from_slice(inputs[r]);
     let tag = c.ctx().tag(0);
-    let mut ops: Vec<P2p<'_>> = inputs
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| *i != r)
-        .map(|(peer, data)| P2p::Send { peer, tag, data })
-        .collect();
+    let mut ops: Vec<P2p<'_>> =
+        inputs.iter().enumerate().filter(|(i, _)| *i != r).map(|(peer, data)| P2p::Send { peer, tag, data }).collect();
     c.exchange(&mut ops)
 }

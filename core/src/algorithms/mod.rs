@@ -76,8 +76,12 @@ fn bytes_of_mut<'t>(ts: &'t mut [TensorMut<'_>]) -> Result<Vec<&'t mut [u8]>> {
 pub fn run(backend: &dyn Backend, op: &mut Op<'_>, ctx: &OpContext) -> Result<()> {
     let c = Comm::new(backend, ctx);
     match op {
-        Op::Send { data, peer, tag } => backend.exchange(&mut [P2p::Send { peer: *peer, tag: *tag, data: data.host_bytes()? }], ctx.deadline),
-        Op::Recv { buf, peer, tag } => backend.exchange(&mut [P2p::Recv { peer: *peer, tag: *tag, buf: buf.host_bytes_mut()? }], ctx.deadline),
+        Op::Send { data, peer, tag } => {
+            backend.exchange(&mut [P2p::Send { peer: *peer, tag: *tag, data: data.host_bytes()? }], ctx.deadline)
+        }
+        Op::Recv { buf, peer, tag } => {
+            backend.exchange(&mut [P2p::Recv { peer: *peer, tag: *tag, buf: buf.host_bytes_mut()? }], ctx.deadline)
+        }
         Op::Broadcast { buf, root } => tree::broadcast(&c, buf.host_bytes_mut()?, *root),
         Op::AllReduce { buf, op } => {
             let dtype = buf.dtype();

@@ -7,9 +7,12 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+/// Messages by (source, destination, tag).
+type Queues = HashMap<(usize, usize, u64), VecDeque<Vec<u8>>>;
+
 #[derive(Default)]
 pub struct Mailboxes {
-    queues: Mutex<HashMap<(usize, usize, u64), VecDeque<Vec<u8>>>>,
+    queues: Mutex<Queues>,
     cv: Condvar,
 }
 
@@ -105,7 +108,11 @@ mod tests {
                     let expect: Vec<i64> = (0..n)
                         .map(|i| {
                             let it = (0..w).map(|r| data(r, n)[i]);
-                            if op == ReduceOp::Sum { it.sum() } else { it.max().unwrap() }
+                            if op == ReduceOp::Sum {
+                                it.sum()
+                            } else {
+                                it.max().unwrap()
+                            }
                         })
                         .collect();
                     assert!(out.iter().all(|o| *o == expect), "all_reduce w={w} n={n} {op}");

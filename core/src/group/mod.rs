@@ -135,7 +135,8 @@ impl ProcessGroup {
 
 impl std::fmt::Debug for ProcessGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mut routes: Vec<String> = self.core.routes.iter().map(|(r, b)| format!("{}-{}: {}", r.0.name(), r.1.name(), b.name())).collect();
+        let mut routes: Vec<String> =
+            self.core.routes.iter().map(|(r, b)| format!("{}-{}: {}", r.0.name(), r.1.name(), b.name())).collect();
         routes.sort();
         write!(f, "ProcessGroup(rank {} of {}, {})", self.core.rank, self.core.size, routes.join(", "))
     }

@@ -8,13 +8,13 @@
 use super::debug::Fingerprint;
 use super::work::Work;
 use crate::backend::{Op, OpKind};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::options::OpOptions;
 use crate::reduce_op::ReduceOp;
 use crate::registry::Route;
 use crate::tag::MAX_USER_TAG;
 use crate::tensor::{Device, Layout, Tensor, TensorMut};
-use crate::dtype::DType;
 
 /// An op ready to run: what the executor takes. Opaque outside weft.
 #[doc(hidden)]
@@ -73,7 +73,7 @@ impl Check {
         op.check(dtype).map_err(|e| e.with_op(self.name).with_rank(self.rank))
     }
     /// All tensors share dtype and device, are dense and contiguous; returns the route.
-    fn tensors<'a>(&self, ts: impl IntoIterator<Item = (DType, Device, bool)>) -> Result<(Route, DType, Device)> {
+    fn tensors(&self, ts: impl IntoIterator<Item = (DType, Device, bool)>) -> Result<(Route, DType, Device)> {
         let mut first: Option<(DType, Device)> = None;
         for (i, (dtype, device, contiguous)) in ts.into_iter().enumerate() {
             if !contiguous {
@@ -203,7 +203,13 @@ pub trait Collectives<'t>: sealed::Sealed {
 
     /// `output` becomes the reduction over ranks of their `inputs[rank]`;
     /// every tensor has the same size.
-    fn reduce_scatter(&self, output: impl Into<TensorMut<'t>>, inputs: Vec<Tensor<'t>>, op: ReduceOp, opts: &OpOptions) -> Result<Work<'t>> {
+    fn reduce_scatter(
+        &self,
+        output: impl Into<TensorMut<'t>>,
+        inputs: Vec<Tensor<'t>>,
+        op: ReduceOp,
+        opts: &OpOptions,
+    ) -> Result<Work<'t>> {
         let output = output.into();
         let c = check(self, "reduce_scatter");
         c.list_len("inputs", inputs.len())?;
@@ -214,7 +220,13 @@ pub trait Collectives<'t>: sealed::Sealed {
     }
 
     /// The i-th of W equal parts of every rank's `input` is reduced into rank i's `output`.
-    fn reduce_scatter_single(&self, output: impl Into<TensorMut<'t>>, input: impl Into<Tensor<'t>>, op: ReduceOp, opts: &OpOptions) -> Result<Work<'t>> {
+    fn reduce_scatter_single(
+        &self,
+        output: impl Into<TensorMut<'t>>,
+        input: impl Into<Tensor<'t>>,
+        op: ReduceOp,
+        opts: &OpOptions,
+    ) -> Result<Work<'t>> {
         let (output, input) = (output.into(), input.into());
         let c = check(self, "reduce_scatter_single");
         c.numel("input", input.numel(), output.numel() * c.size)?;
@@ -225,7 +237,13 @@ pub trait Collectives<'t>: sealed::Sealed {
 
     /// `output` becomes the reduction over ranks of their `inputs[rank]`;
     /// sizes may differ per destination (every rank passes the same sizes).
-    fn reduce_scatter_v(&self, output: impl Into<TensorMut<'t>>, inputs: Vec<Tensor<'t>>, op: ReduceOp, opts: &OpOptions) -> Result<Work<'t>> {
+    fn reduce_scatter_v(
+        &self,
+        output: impl Into<TensorMut<'t>>,
+        inputs: Vec<Tensor<'t>>,
+        op: ReduceOp,
+        opts: &OpOptions,
+    ) -> Result<Work<'t>> {
         let output = output.into();
         let c = check(self, "reduce_scatter_v");
         c.list_len("inputs", inputs.len())?;
@@ -344,14 +362,27 @@ fn root_list(c: &Check, root: usize, what: &str, n: usize) -> Result<()> {
     }
 }
 
-fn gather_job<'t, G: Collectives<'t> + ?Sized>(g: &G, c: Check, input: Tensor<'t>, outputs: Vec<TensorMut<'t>>, opts: &OpOptions) -> Result<Work<'t>> {
+fn gather_job<'t, G: Collectives<'t> + ?Sized>(
+    g: &G,
+    c: Check,
+    input: Tensor<'t>,
+    outputs: Vec<TensorMut<'t>>,
+    opts: &OpOptions,
+) -> Result<Work<'t>> {
     let (route, dtype, _) = c.tensors(std::iter::once(meta(&input)).chain(outputs.iter().map(meta_mut)))?;
     let counts: Vec<usize> = outputs.iter().map(|o| o.numel()).collect();
     let fp = Fingerprint::new(c.name, OpKind::AllGather, format!("{dtype} counts {counts:?}"));
     g.submit(job(&c, OpKind::AllGather, route, opts, Some(fp), Op::AllGather { input, outputs }))
 }
 
-fn scatter_reduce_job<'t, G: Collectives<'t> + ?Sized>(g: &G, c: Check, output: TensorMut<'t>, inputs: Vec<Tensor<'t>>, op: ReduceOp, opts: &OpOptions) -> Result<Work<'t>> {
+fn scatter_reduce_job<'t, G: Collectives<'t> + ?Sized>(
+    g: &G,
+    c: Check,
+    output: TensorMut<'t>,
+    inputs: Vec<Tensor<'t>>,
+    op: ReduceOp,
+    opts: &OpOptions,
+) -> Result<Work<'t>> {
     let (route, dtype, _) = c.tensors(std::iter::once(meta_mut(&output)).chain(inputs.iter().map(meta)))?;
     c.reduce_op(op, dtype)?;
     let counts: Vec<usize> = inputs.iter().map(|t| t.numel()).collect();
@@ -359,7 +390,13 @@ fn scatter_reduce_job<'t, G: Collectives<'t> + ?Sized>(g: &G, c: Check, output: 
     g.submit(job(&c, OpKind::ReduceScatter, route, opts, Some(fp), Op::ReduceScatter { inputs, output, op }))
 }
 
-fn all_to_all_job<'t, G: Collectives<'t> + ?Sized>(g: &G, c: Check, outputs: Vec<TensorMut<'t>>, inputs: Vec<Tensor<'t>>, opts: &OpOptions) -> Result<Work<'t>> {
+fn all_to_all_job<'t, G: Collectives<'t> + ?Sized>(
+    g: &G,
+    c: Check,
+    outputs: Vec<TensorMut<'t>>,
+    inputs: Vec<Tensor<'t>>,
+    opts: &OpOptions,
+) -> Result<Work<'t>> {
     let (route, dtype, _) = c.tensors(inputs.iter().map(meta).chain(outputs.iter().map(meta_mut)))?;
     let fp = Fingerprint::new(c.name, OpKind::AllToAll, format!("{dtype}"));
     g.submit(job(&c, OpKind::AllToAll, route, opts, Some(fp), Op::AllToAll { inputs, outputs }))

@@ -27,11 +27,8 @@ pub(super) fn create(store: Arc<dyn Store>, rank: usize, size: usize, options: G
     let mut probes: HashMap<String, std::result::Result<(), String>> = HashMap::new();
     let mut agreed = String::new();
     for (route, cands, _) in &plan.routes {
-        let avail: Vec<&str> = cands
-            .iter()
-            .filter(|c| probes.entry(c.to_string()).or_insert_with(|| probe(c)).is_ok())
-            .map(String::as_str)
-            .collect();
+        let avail: Vec<&str> =
+            cands.iter().filter(|c| probes.entry(c.to_string()).or_insert_with(|| probe(c)).is_ok()).map(String::as_str).collect();
         agreed += &format!("{}-{}={};", route.0.name(), route.1.name(), avail.join("|"));
     }
     agree(&*store, rank, &options, &agreed).map_err(fail)?;
@@ -95,7 +92,10 @@ pub(super) fn create(store: Arc<dyn Store>, rank: usize, size: usize, options: G
     Ok(GroupCore {
         rank,
         size,
-        debug_detail: std::env::var("WEFT_DEBUG").ok().or_else(|| options.hints.get("debug").cloned()).is_some_and(|v| v.eq_ignore_ascii_case("detail")),
+        debug_detail: std::env::var("WEFT_DEBUG")
+            .ok()
+            .or_else(|| options.hints.get("debug").cloned())
+            .is_some_and(|v| v.eq_ignore_ascii_case("detail")),
         options,
         store,
         routes,

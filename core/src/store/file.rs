@@ -76,7 +76,9 @@ impl FileStore {
 
 fn replay(file: &mut File, path: &Path) -> Result<HashMap<String, Vec<u8>>> {
     let mut data = Vec::new();
-    file.seek(SeekFrom::Start(0)).and_then(|_| file.read_to_end(&mut data)).map_err(|e| Error::backend(format!("file store {}: {e}", path.display())))?;
+    file.seek(SeekFrom::Start(0))
+        .and_then(|_| file.read_to_end(&mut data))
+        .map_err(|e| Error::backend(format!("file store {}: {e}", path.display())))?;
     let mut map = HashMap::new();
     let mut d = super::wire::Decoder(&data);
     while !d.0.is_empty() {

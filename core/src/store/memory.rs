@@ -83,12 +83,9 @@ impl Store for MemoryStore {
         Ok(desired.to_vec())
     }
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
-        let missing = |m: &HashMap<String, Vec<u8>>| keys.iter().filter(|k| !m.contains_key(**k)).map(|k| k.to_string()).collect::<Vec<_>>();
-        self.wait_until(
-            timeout,
-            |m| format!("keys {:?}", missing(m)),
-            |m| keys.iter().all(|k| m.contains_key(*k)).then_some(()),
-        )
+        let missing =
+            |m: &HashMap<String, Vec<u8>>| keys.iter().filter(|k| !m.contains_key(**k)).map(|k| k.to_string()).collect::<Vec<_>>();
+        self.wait_until(timeout, |m| format!("keys {:?}", missing(m)), |m| keys.iter().all(|k| m.contains_key(*k)).then_some(()))
     }
     fn check(&self, keys: &[&str]) -> Result<bool> {
         let m = self.lock();

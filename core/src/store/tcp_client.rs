@@ -116,10 +116,7 @@ impl Store for TcpStore {
         Ok(Decoder(&b).u64()? as i64)
     }
     fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>> {
-        let b = self.call(
-            Request::CompareSet { key: key.into(), expected: expected.into(), desired: desired.into() },
-            self.timeout,
-        )?;
+        let b = self.call(Request::CompareSet { key: key.into(), expected: expected.into(), desired: desired.into() }, self.timeout)?;
         Decoder(&b).bytes()
     }
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
@@ -163,10 +160,10 @@ mod tests {
         store.set("k", b"v").unwrap();
         let addr = store.server_addr();
         let attacks: [&[u8]; 4] = [
-            b"\x05\x00\x00\x00\xff\xff\xff\xff\xff",  // unknown opcode
-            b"\xff\xff\xff\xff",                       // oversized length
-            b"\x10\x00\x00\x00\x01\x02",               // truncated, then close
-            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",     // wrong protocol entirely
+            b"\x05\x00\x00\x00\xff\xff\xff\xff\xff", // unknown opcode
+            b"\xff\xff\xff\xff",                     // oversized length
+            b"\x10\x00\x00\x00\x01\x02",             // truncated, then close
+            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",    // wrong protocol entirely
         ];
         for bytes in attacks {
             let mut c = TcpStream::connect(addr).unwrap();

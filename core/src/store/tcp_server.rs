@@ -22,26 +22,21 @@ pub struct TcpStoreServer {
 impl TcpStoreServer {
     /// Bind `addr` (port 0 picks a free one) and serve in background threads.
     pub fn start(addr: SocketAddr) -> Result<Self> {
-        let listener = TcpListener::bind(addr)
-            .map_err(|e| Error::backend(format!("store server cannot bind {addr}: {e}")))?;
+        let listener = TcpListener::bind(addr).map_err(|e| Error::backend(format!("store server cannot bind {addr}: {e}")))?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
         let state = Arc::new(MemoryStore::new(Duration::from_secs(3600)));
         let stop2 = stop.clone();
-        std::thread::Builder::new()
-            .name("weft-store-accept".into())
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    if stop2.load(Ordering::Acquire) {
-                        break;
-                    }
-                    let Ok(conn) = conn else { continue };
-                    let state = state.clone();
-                    let _ = std::thread::Builder::new()
-                        .name("weft-store-client".into())
-                        .spawn(move || serve_client(conn, &state));
+        std::thread::Builder::new().name("weft-store-accept".into()).spawn(move || {
+            for conn in listener.incoming() {
+                if stop2.load(Ordering::Acquire) {
+                    break;
                 }
-            })?;
+                let Ok(conn) = conn else { continue };
+                let state = state.clone();
+                let _ = std::thread::Builder::new().name("weft-store-client".into()).spawn(move || serve_client(conn, &state));
+            }
+        })?;
         crate::log::debug(format_args!("store server listening on {addr}"));
         Ok(TcpStoreServer { addr, stop })
     }

@@ -113,9 +113,7 @@ impl Request {
             Request::Get { key, timeout } => e.u8(2).bytes(key.as_bytes()).u64(ms(timeout)),
             Request::Add { key, delta } => e.u8(3).bytes(key.as_bytes()).u64(*delta as u64),
             Request::CompareSet { key, expected, desired } => e.u8(4).bytes(key.as_bytes()).bytes(expected).bytes(desired),
-            Request::Wait { keys, timeout } => {
-                e.u8(5).keys(&keys.iter().map(String::as_str).collect::<Vec<_>>()).u64(ms(timeout))
-            }
+            Request::Wait { keys, timeout } => e.u8(5).keys(&keys.iter().map(String::as_str).collect::<Vec<_>>()).u64(ms(timeout)),
             Request::Check { keys } => e.u8(6).keys(&keys.iter().map(String::as_str).collect::<Vec<_>>()),
             Request::Delete { key } => e.u8(7).bytes(key.as_bytes()),
             Request::NumKeys => e.u8(8),

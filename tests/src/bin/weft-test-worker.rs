@@ -53,7 +53,10 @@ fn run(scenario: &str) -> anyhow::Result<()> {
                     Err(e) => {
                         let at = Instant::now();
                         println!("rank {r}: {e}");
-                        anyhow::ensure!(e.kind() == &ErrorKind::PeerLost { rank: victim }, "expected PeerLost {{ rank: {victim} }}, got {e}");
+                        anyhow::ensure!(
+                            e.kind() == &ErrorKind::PeerLost { rank: victim },
+                            "expected PeerLost {{ rank: {victim} }}, got {e}"
+                        );
                         anyhow::ensure!(e.op() == Some("all_reduce"), "the error names the op");
                         let _ = at;
                         return Ok(());
@@ -63,7 +66,11 @@ fn run(scenario: &str) -> anyhow::Result<()> {
         }
         "debug_mismatch" => {
             let mut v = vec![0f32; 8];
-            let e = if r == 0 { pg.all_reduce(&mut v, ReduceOp::Sum, &o)?.wait() } else { pg.all_gather_single(&mut v[..2 * w], &[0f32; 2][..], &o)?.wait() };
+            let e = if r == 0 {
+                pg.all_reduce(&mut v, ReduceOp::Sum, &o)?.wait()
+            } else {
+                pg.all_gather_single(&mut v[..2 * w], &[0f32; 2][..], &o)?.wait()
+            };
             let e = e.err().ok_or_else(|| anyhow::anyhow!("mismatch not detected"))?;
             println!("rank {r}: {e}");
             anyhow::ensure!(e.to_string().contains("rank(s) [0] called all_reduce"), "detail message: {e}");

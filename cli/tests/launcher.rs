@@ -1,0 +1,77 @@
+//! `weft run` and `weft demo` as a user runs them.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const WEFT: &str = env!("CARGO_BIN_EXE_weft");
+
+#[test]
+fn ranks_get_the_environment_and_prefixed_output() {
+    let out = Command::new(WEFT)
+        .args([
+            "run",
+            "-n",
+            "3",
+            "--timeout",
+            "60",
+            "--",
+            "sh",
+            "-c",
+            "echo \"r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK/$LOCAL_WORLD_SIZE a=$WEFT_AGENT_STORE\"",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    for r in 0..3 {
+        assert!(text.contains(&format!("[{r}] r={r} w=3 l={r}/3 a=1")), "{text}");
+    }
+}
+
+#[test]
+fn a_failing_rank_stops_the_others_and_sets_the_exit_status() {
+    let start = Instant::now();
+    let out = Command::new(WEFT)
+        .args(["run", "-n", "3", "--timeout", "60", "--", "sh", "-c", "if [ $RANK = 1 ]; then exit 7; fi; sleep 30"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(7));
+    assert!(start.elapsed() < Duration::from_secs(15), "others were stopped promptly");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rank 1 failed (exit status 7)"));
+}
+
+#[test]
+fn the_outer_timeout_kills_a_hung_job() {
+    let out = Command::new(WEFT).args(["run", "-n", "2", "--timeout", "0.5", "--", "sleep", "30"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(124));
+}
+
+#[test]
+fn ctrl_c_is_forwarded_to_every_rank() {
+    let child = Command::new(WEFT)
+        .args(["run", "-n", "2", "--timeout", "60", "--", "sh", "-c", "trap 'echo got-int; exit 3' INT; sleep 20 & wait"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGINT).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text.matches("got-int").count(), 2, "{text}");
+    assert_ne!(out.status.code(), Some(0));
+}
+
+#[test]
+fn demo_runs_a_verified_all_reduce_on_a_local_world() {
+    let out = Command::new(WEFT).args(["demo", "-n", "3", "--max-bytes", "65536", "--iters", "2"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("on 3 ranks") && text.contains("#wrong"), "{text}");
+}
+
+#[test]
+fn info_lists_backends_and_availability() {
+    let out = Command::new(WEFT).arg("info").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("cpu-tcp") && text.contains("available"), "{text}");
+}
