@@ -40,7 +40,7 @@ fn scoped_ops_run_in_background_and_in_order() {
     let out = run_threads(3, options("cpu-tcp"), |pg| {
         let mut a = vec![1.0f64; 1000];
         let mut b = vec![pg.rank() as i32; 10];
-        let mut c = vec![0u8; 4];
+        let mut c = [0u8; 4];
         pg.scope(|s| {
             let wa = s.all_reduce(&mut a, ReduceOp::Sum, &o()).unwrap();
             let wb = s.broadcast(&mut b, 2, &o()).unwrap();

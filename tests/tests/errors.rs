@@ -34,7 +34,7 @@ fn bad_local_input_is_rejected_before_any_byte_moves() {
         invalid(pg.send(&small, pg.rank(), 0, &o()), "this rank");
         invalid(pg.send(&small, 9, 0, &o()), "out of range");
         invalid(pg.recv(&mut f, (pg.rank() + 1) % 3, u32::MAX, &o()), "largest user tag");
-        let other = vec![0f64; 2];
+        let other = [0f64; 2];
         let (i1, i2) = i.split_at_mut(3);
         invalid(pg.all_gather(vec![(&mut f[..2]).into(), (&mut i1[..2]).into(), (&mut i2[..2]).into()], &other[..], &o()), "dtype");
         if pg.rank() == 0 {
@@ -42,7 +42,7 @@ fn bad_local_input_is_rejected_before_any_byte_moves() {
         } else {
             invalid(pg.gather(vec![(&mut f[..2]).into()], &small, 0, &o()), "must be empty on non-root");
         }
-        let raw = vec![0f32; 8];
+        let raw = [0f32; 8];
         // SAFETY: dims (4,2) strides (1,4) reach offsets up to 3 + 4 = 7, inside the 8 elements.
         let strided =
             unsafe { Tensor::from_raw_parts(raw.as_ptr() as *const u8, DType::F32, Device::Cpu, &[4, 2], Some(&[1, 4])) }.unwrap();
@@ -75,8 +75,8 @@ fn cross_rank_size_mismatch_errors_on_every_rank_without_hanging() {
             let big = vec![1u8; 4096];
             let _ = pg.send(&big, 1, 3, &o()).unwrap().wait();
             let mut v = vec![0f32; 1024];
-            let e = pg.all_reduce(&mut v, ReduceOp::Sum, &o()).unwrap().wait().unwrap_err();
-            e
+            let result = pg.all_reduce(&mut v, ReduceOp::Sum, &o()).unwrap().wait();
+            result.unwrap_err()
         } else {
             let mut small = [0u8; 8];
             let e = pg.recv(&mut small[..], 0, 3, &o()).unwrap().wait().unwrap_err();
@@ -95,8 +95,8 @@ fn mismatched_collectives_fail_fast_and_detail_mode_names_the_ranks() {
     let out = run_threads(2, options("cpu-tcp"), |pg| {
         let mut v = vec![0f32; 8];
         let w = if pg.rank() == 0 { pg.all_reduce(&mut v, ReduceOp::Sum, &o()) } else { pg.broadcast(&mut v, 0, &o()) };
-        let e = w.unwrap().wait().unwrap_err();
-        e
+        let result = w.unwrap().wait();
+        result.unwrap_err()
     });
     assert!(out.iter().any(|e| e.to_string().contains("mismatch")), "{out:?}");
 
@@ -110,8 +110,8 @@ fn mismatched_collectives_fail_fast_and_detail_mode_names_the_ranks() {
         } else {
             pg.all_reduce(&mut v, ReduceOp::Sum, &o())
         };
-        let e = w.unwrap().wait().unwrap_err();
-        e
+        let result = w.unwrap().wait();
+        result.unwrap_err()
     });
     for e in out {
         assert_eq!(e.kind(), &ErrorKind::InvalidArgument, "{e}");
