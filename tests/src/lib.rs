@@ -51,6 +51,7 @@ pub fn run_threads_on<T: Send + 'static>(
     }
     drop(tx);
     let mut results: Vec<Option<T>> = (0..w).map(|_| None).collect();
+    let mut failures = Vec::new();
     let deadline = std::time::Instant::now() + OUTER_LIMIT;
     for _ in 0..w {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
@@ -59,11 +60,16 @@ pub fn run_threads_on<T: Send + 'static>(
             Ok((rank, Err(p))) => {
                 let msg =
                     p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
-                panic!("rank {rank} panicked: {msg}");
+                failures.push(format!("rank {rank} panicked: {msg}"));
             }
-            Err(_) => panic!("multi-rank test exceeded its outer limit of {OUTER_LIMIT:?} (hang?)"),
+            Err(_) => {
+                failures.push(format!("multi-rank test exceeded its outer limit of {OUTER_LIMIT:?} (hang?)"));
+                break;
+            }
         }
     }
+    // Every rank's failure, in the order they happened: the first is usually the cause.
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
     results.into_iter().map(|r| r.expect("every rank reported")).collect()
 }
 

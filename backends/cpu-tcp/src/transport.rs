@@ -7,7 +7,7 @@ use crate::wire::{Header, Kind, HEADER};
 use socket2::Socket;
 use std::io::{ErrorKind as IoKind, IoSlice, Read};
 use std::net::Shutdown;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -16,6 +16,35 @@ use weft::{Error, Result};
 
 /// How often a blocked socket call wakes to check deadlines and aborts.
 const TICK: Duration = Duration::from_millis(100);
+/// How long a clean shutdown waits for peers to close their side.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+/// Lifecycle of the connections, shared with the reader threads.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+#[repr(u8)]
+enum Phase {
+    Running = 0,
+    /// Goodbyes sent and write sides closed: readers drain until the peer
+    /// closes too, so no unread data turns our close into a reset.
+    Draining = 1,
+    /// Aborted or closed: readers stop at once, quietly.
+    Stopped = 2,
+}
+
+struct PhaseCell(AtomicU8);
+
+impl PhaseCell {
+    fn get(&self) -> Phase {
+        match self.0.load(Ordering::Acquire) {
+            0 => Phase::Running,
+            1 => Phase::Draining,
+            _ => Phase::Stopped,
+        }
+    }
+    fn set(&self, p: Phase) {
+        self.0.fetch_max(p as u8, Ordering::AcqRel);
+    }
+}
 
 /// The sending half of a connection.
 struct Writer {
@@ -29,7 +58,7 @@ pub struct TcpBackend {
     inbox: Arc<Inbox>,
     writers: Vec<Option<Mutex<Writer>>>,
     readers: Mutex<Vec<JoinHandle<()>>>,
-    closing: Arc<AtomicBool>,
+    phase: Arc<PhaseCell>,
 }
 
 impl TcpBackend {
@@ -38,7 +67,7 @@ impl TcpBackend {
     pub fn start(rank: usize, peers: Vec<Option<Socket>>, stall: Duration) -> Result<Self> {
         let size = peers.len();
         let inbox = Arc::new(Inbox::new(rank, size));
-        let closing = Arc::new(AtomicBool::new(false));
+        let phase = Arc::new(PhaseCell(AtomicU8::new(Phase::Running as u8)));
         let mut writers = Vec::with_capacity(size);
         let mut readers = Vec::new();
         for (peer, sock) in peers.into_iter().enumerate() {
@@ -49,15 +78,15 @@ impl TcpBackend {
             sock.set_read_timeout(Some(TICK))?;
             sock.set_write_timeout(Some(TICK))?;
             let reader = sock.try_clone()?;
-            let (inbox2, closing2) = (inbox.clone(), closing.clone());
+            let (inbox2, phase2) = (inbox.clone(), phase.clone());
             readers.push(
                 std::thread::Builder::new()
                     .name(format!("weft-tcp-r{rank}-p{peer}"))
-                    .spawn(move || read_loop(reader, peer, &inbox2, &closing2, stall))?,
+                    .spawn(move || read_loop(reader, peer, &inbox2, &phase2, stall))?,
             );
             writers.push(Some(Mutex::new(Writer { sock, torn: false })));
         }
-        Ok(TcpBackend { rank, inbox, writers, readers: Mutex::new(readers), closing })
+        Ok(TcpBackend { rank, inbox, writers, readers: Mutex::new(readers), phase })
     }
 
     fn writer(&self, peer: usize) -> Result<&Mutex<Writer>> {
@@ -95,9 +124,9 @@ impl TcpBackend {
         self.inbox.check(peer).err().unwrap_or(e)
     }
 
-    fn close_sockets(&self) {
+    fn close_sockets(&self, how: Shutdown) {
         for w in self.writers.iter().flatten() {
-            let _ = w.lock().unwrap_or_else(|p| p.into_inner()).sock.shutdown(Shutdown::Both);
+            let _ = w.lock().unwrap_or_else(|p| p.into_inner()).sock.shutdown(how);
         }
     }
 
@@ -123,7 +152,10 @@ impl TcpBackend {
         }
     }
 
-    fn join_readers(&self) {
+    /// Stop everything now and wait for the readers.
+    fn stop(&self) {
+        self.phase.set(Phase::Stopped);
+        self.close_sockets(Shutdown::Both);
         for h in self.readers.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
             let _ = h.join();
         }
@@ -161,29 +193,36 @@ impl Backend for TcpBackend {
     fn abort(&self, reason: &Error) {
         self.send_abort(reason);
         self.inbox.fail_all(reason.clone());
-        self.closing.store(true, Ordering::Release);
-        self.close_sockets();
+        self.phase.set(Phase::Stopped);
+        self.close_sockets(Shutdown::Both);
     }
 
     fn shutdown(&self) {
-        self.closing.store(true, Ordering::Release);
+        // Say goodbye to every peer still there (even after a failure: this
+        // close is deliberate), close our write sides, and let the readers
+        // drain until the peers close theirs.
         let bye = Header { kind: Kind::Goodbye, tag: 0, len: 0 };
         let soon = Instant::now() + Duration::from_millis(500);
-        for peer in 0..self.writers.len() {
-            if self.writers[peer].is_some() && self.inbox.check(peer).is_ok() {
-                let _ = self.send(peer, bye, &[], soon);
+        for (peer, w) in self.writers.iter().enumerate() {
+            let Some(w) = w else { continue };
+            let mut w = w.lock().unwrap_or_else(|p| p.into_inner());
+            if !w.torn && !self.inbox.peer_gone(peer) {
+                let _ = write_frame(&mut w, bye, &[], soon, || Ok(()));
             }
         }
-        self.close_sockets();
-        self.join_readers();
+        self.phase.set(Phase::Draining);
+        self.close_sockets(Shutdown::Write);
+        let until = Instant::now() + CLOSE_GRACE;
+        while Instant::now() < until && !self.readers.lock().unwrap_or_else(|p| p.into_inner()).iter().all(|h| h.is_finished()) {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        self.stop();
     }
 }
 
 impl Drop for TcpBackend {
     fn drop(&mut self) {
-        self.closing.store(true, Ordering::Release);
-        self.close_sockets();
-        self.join_readers();
+        self.stop();
     }
 }
 
@@ -238,14 +277,14 @@ enum ReadEnd {
     Failed(Error),
 }
 
-/// Fill `buf`, waking every tick to honour `closing` and, once part of a
+/// Fill `buf`, waking every tick to honour a stop and, once part of a
 /// frame has arrived (or `mid_frame`), the `stall` deadline.
 fn read_full(
     sock: &Socket,
     buf: &mut [u8],
     mid_frame: bool,
     stall: Instant,
-    closing: &AtomicBool,
+    phase: &PhaseCell,
     peer: usize,
 ) -> std::result::Result<(), ReadEnd> {
     let mut got = 0;
@@ -260,24 +299,25 @@ fn read_full(
             }
             Ok(n) => got += n,
             Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::TimedOut | IoKind::Interrupted) => {
-                if closing.load(Ordering::Acquire) {
+                if phase.get() == Phase::Stopped {
                     return Err(ReadEnd::Closing);
                 }
                 if (mid_frame || got > 0) && Instant::now() >= stall {
                     return Err(ReadEnd::Failed(Error::timeout(format!("peer rank {peer} stalled in the middle of a frame"))));
                 }
             }
-            Err(_) if closing.load(Ordering::Acquire) => return Err(ReadEnd::Closing),
+            Err(_) if phase.get() != Phase::Running => return Err(ReadEnd::Closing),
             Err(e) => return Err(ReadEnd::Failed(Error::peer_lost(peer, format!("connection to peer rank {peer} broke: {e}")))),
         }
     }
     Ok(())
 }
 
-fn read_loop(sock: Socket, peer: usize, inbox: &Inbox, closing: &AtomicBool, stall: Duration) {
+fn read_loop(sock: Socket, peer: usize, inbox: &Inbox, phase: &PhaseCell, stall: Duration) {
+    let mut left = false;
     let end = loop {
         let mut hb = [0u8; HEADER];
-        if let Err(end) = read_full(&sock, &mut hb, false, Instant::now() + stall, closing, peer) {
+        if let Err(end) = read_full(&sock, &mut hb, false, Instant::now() + stall, phase, peer) {
             break end;
         }
         let header = match Header::decode(&hb, peer) {
@@ -286,7 +326,7 @@ fn read_loop(sock: Socket, peer: usize, inbox: &Inbox, closing: &AtomicBool, sta
         };
         if header.kind == Kind::Abort {
             let mut payload = vec![0u8; header.len.min(crate::wire::MAX_ABORT) as usize];
-            if let Err(end) = read_full(&sock, &mut payload, true, Instant::now() + stall, closing, peer) {
+            if let Err(end) = read_full(&sock, &mut payload, true, Instant::now() + stall, phase, peer) {
                 break end;
             }
             let blame = payload.get(..4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize).unwrap_or(peer);
@@ -295,7 +335,10 @@ fn read_loop(sock: Socket, peer: usize, inbox: &Inbox, closing: &AtomicBool, sta
         }
         if header.kind == Kind::Goodbye {
             inbox.fail_peer(peer, Error::peer_lost(peer, format!("peer rank {peer} left the group (its process group was closed)")));
-            return;
+            // Keep reading: the peer's FIN follows; leaving its bytes unread
+            // would turn our close into a reset.
+            left = true;
+            continue;
         }
         let len = header.len as usize;
         match inbox.claim(peer, header.tag, len) {
@@ -304,7 +347,7 @@ fn read_loop(sock: Socket, peer: usize, inbox: &Inbox, closing: &AtomicBool, sta
                 // waits, keeping the buf.len-byte buffer alive and untouched,
                 // until `complete` is called below.
                 let dst = unsafe { std::slice::from_raw_parts_mut(buf.ptr, buf.len) };
-                match read_full(&sock, dst, true, deadline, closing, peer) {
+                match read_full(&sock, dst, true, deadline, phase, peer) {
                     Ok(()) => inbox.complete(id, Ok(())),
                     Err(end) => {
                         let e = end_error(&end, peer);
@@ -315,7 +358,7 @@ fn read_loop(sock: Socket, peer: usize, inbox: &Inbox, closing: &AtomicBool, sta
             }
             Claim::Stash => {
                 let mut msg = vec![0u8; len];
-                if let Err(end) = read_full(&sock, &mut msg, true, Instant::now() + stall, closing, peer) {
+                if let Err(end) = read_full(&sock, &mut msg, true, Instant::now() + stall, phase, peer) {
                     break end;
                 }
                 inbox.stash(peer, header.tag, msg);
@@ -330,7 +373,7 @@ fn read_loop(sock: Socket, peer: usize, inbox: &Inbox, closing: &AtomicBool, sta
                     if n == 0 {
                         break Ok(());
                     }
-                    if let Err(end) = read_full(&sock, &mut scratch[..n], true, until, closing, peer) {
+                    if let Err(end) = read_full(&sock, &mut scratch[..n], true, until, phase, peer) {
                         break Err(end);
                     }
                     left -= n;
@@ -341,6 +384,9 @@ fn read_loop(sock: Socket, peer: usize, inbox: &Inbox, closing: &AtomicBool, sta
             }
         }
     };
+    if left || phase.get() != Phase::Running {
+        return; // the peer left cleanly, or we are closing: nothing to report
+    }
     match end {
         ReadEnd::Closing => {}
         ReadEnd::Eof => inbox.fail_all(Error::peer_lost(
