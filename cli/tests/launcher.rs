@@ -75,3 +75,23 @@ fn info_lists_backends_and_availability() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("cpu-tcp") && text.contains("available"), "{text}");
 }
+
+#[test]
+fn two_nodes_on_one_host_form_one_world() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let node = |rank: &str| {
+        Command::new(WEFT)
+            .args(["run", "-n", "2", "--nnodes", "2", "--node-rank", rank, "--master-port", &port, "--timeout", "60", "--"])
+            .args(["sh", "-c", "echo \"r=$RANK w=$WORLD_SIZE l=$LOCAL_RANK\""])
+            .output()
+            .unwrap()
+    };
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(|| node("0"));
+        let b = s.spawn(|| node("1"));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert!(a.status.success() && b.status.success());
+    let b_out = String::from_utf8_lossy(&b.stdout);
+    assert!(b_out.contains("[2] r=2 w=4 l=0") && b_out.contains("[3] r=3 w=4 l=1"), "{b_out}");
+}

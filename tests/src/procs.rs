@@ -19,22 +19,44 @@ pub struct RankEnd {
     pub output: String,
 }
 
-/// Run `program args` as `n` ranks with extra `env`; panic after `limit`.
+/// Run `program args` as `n` ranks with extra `env`, the store hosted here
+/// (as `weft run` does); panic after `limit`.
 pub fn run_world(program: &str, n: usize, args: &[&str], env: &[(&str, &str)], limit: Duration) -> Vec<RankEnd> {
     let server = TcpStoreServer::start(([127, 0, 0, 1], 0).into()).expect("store server");
     let port = server.local_addr().port().to_string();
+    let torchrun = |rank: usize| {
+        vec![
+            ("RANK".to_string(), rank.to_string()),
+            ("WORLD_SIZE".into(), n.to_string()),
+            ("MASTER_ADDR".into(), "127.0.0.1".into()),
+            ("MASTER_PORT".into(), port.clone()),
+            ("WEFT_AGENT_STORE".into(), "1".into()),
+        ]
+    };
+    run_world_with(program, n, args, env, limit, torchrun)
+}
+
+/// A free TCP port on loopback (for a store rank 0 hosts).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// As [`run_world`], with each rank's launcher variables from `vars(rank)`.
+pub fn run_world_with(
+    program: &str,
+    n: usize,
+    args: &[&str],
+    env: &[(&str, &str)],
+    limit: Duration,
+    vars: impl Fn(usize) -> Vec<(String, String)>,
+) -> Vec<RankEnd> {
     let mut children: Vec<(Child, Arc<Mutex<String>>)> = (0..n)
         .map(|rank| {
             let mut cmd = Command::new(program);
-            cmd.args(args)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", n.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("WEFT_AGENT_STORE", "1")
-                .env("WEFT_TIMEOUT_SECONDS", "60")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
+            cmd.args(args).env("WEFT_TIMEOUT_SECONDS", "60").stdout(Stdio::piped()).stderr(Stdio::piped());
+            for (k, v) in vars(rank) {
+                cmd.env(k, v);
+            }
             for (k, v) in env {
                 cmd.env(k, v);
             }

@@ -164,3 +164,24 @@ fn abort_ends_a_blocked_op_promptly_and_poisons_later_ops() {
         }
     });
 }
+
+#[test]
+fn groups_rendezvous_through_a_file_store_and_two_groups_share_one_store() {
+    let path = std::env::temp_dir().join(format!("weft-test-filestore-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let store: std::sync::Arc<dyn weft::store::Store> =
+        std::sync::Arc::new(weft::store::FileStore::new(&path, Duration::from_secs(30)).unwrap());
+    let out = weft_tests::run_threads_on(store.clone(), 3, options("cpu-tcp"), move |pg| {
+        // A second, independently created group on the same store.
+        let store = store.clone();
+        let (r, w) = (pg.rank(), pg.size());
+        let second = ProcessGroup::new(store, r, w, options("cpu-tcp")).unwrap();
+        let mut a = vec![1i64; 4];
+        let mut b = vec![10i64; 4];
+        pg.all_reduce(&mut a, ReduceOp::Sum, &o()).unwrap().wait().unwrap();
+        second.all_reduce(&mut b, ReduceOp::Sum, &o()).unwrap().wait().unwrap();
+        (a[0], b[0])
+    });
+    assert!(out.iter().all(|x| *x == (3, 30)), "{out:?}");
+    std::fs::remove_file(&path).unwrap();
+}

@@ -3,7 +3,7 @@
 
 use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
-use weft_tests::procs::run_world;
+use weft_tests::procs::{free_port, run_world, run_world_with};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_weft-test-worker");
 
@@ -38,4 +38,44 @@ fn sigkill_mid_all_reduce_gives_peer_lost_on_every_other_rank_within_10s() {
 #[test]
 fn weft_debug_detail_names_the_mismatched_rank_across_processes() {
     assert_all_ok(&run_world(WORKER, 3, &["debug_mismatch"], &[("WEFT_DEBUG", "detail")], Duration::from_secs(60)));
+}
+
+#[test]
+fn rank_zero_hosts_the_store_under_open_mpi_and_slurm_variables() {
+    let port = free_port().to_string();
+    let ompi = |r: usize| {
+        vec![
+            ("OMPI_COMM_WORLD_RANK".to_string(), r.to_string()),
+            ("OMPI_COMM_WORLD_SIZE".into(), "3".into()),
+            ("MASTER_ADDR".into(), "127.0.0.1".into()),
+            ("MASTER_PORT".into(), port.clone()),
+        ]
+    };
+    assert_all_ok(&run_world_with(WORKER, 3, &["ops"], &[], Duration::from_secs(60), ompi));
+    let port = free_port().to_string();
+    let slurm = |r: usize| {
+        vec![
+            ("SLURM_PROCID".to_string(), r.to_string()),
+            ("SLURM_NTASKS".into(), "2".into()),
+            ("SLURM_LOCALID".into(), r.to_string()),
+            ("MASTER_ADDR".into(), "localhost".into()),
+            ("MASTER_PORT".into(), port.clone()),
+        ]
+    };
+    assert_all_ok(&run_world_with(WORKER, 2, &["ops"], &[], Duration::from_secs(60), slurm));
+}
+
+#[test]
+fn socket_interface_selection() {
+    assert_all_ok(&run_world(WORKER, 2, &["ops"], &[("WEFT_SOCKET_IFNAME", "lo")], Duration::from_secs(60)));
+    let ends = run_world(WORKER, 2, &["ops"], &[("WEFT_SOCKET_IFNAME", "no-such-if0")], Duration::from_secs(60));
+    for e in ends {
+        assert!(!e.status.success());
+        assert!(e.output.contains("WEFT_SOCKET_IFNAME") && e.output.contains("matches no interface"), "{}", e.output);
+    }
+}
+
+#[test]
+fn the_default_timeout_comes_from_weft_timeout_seconds() {
+    assert_all_ok(&run_world(WORKER, 2, &["default_timeout"], &[("WEFT_TIMEOUT_SECONDS", "1")], Duration::from_secs(60)));
 }

@@ -173,3 +173,39 @@ fn accept_all(listener: &Socket, rank: usize, size: usize, nonce: u64, deadline:
     }
     Ok(got)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use weft::store::MemoryStore;
+
+    #[test]
+    fn strays_and_foreign_handshakes_are_rejected_and_setup_still_succeeds() {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(10)));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        std::thread::scope(|s| {
+            let r0 = s.spawn(|| mesh(&*store, 0, 2, ip, deadline));
+            let addr: SocketAddr = String::from_utf8(store.get("addr/0", Duration::from_secs(5)).unwrap()).unwrap().parse().unwrap();
+            // Garbage, then a well-formed hello from "another job" (wrong nonce).
+            let mut g = std::net::TcpStream::connect(addr).unwrap();
+            g.write_all(b"GET / HTTP/1.0\r\n\r\n....").unwrap();
+            let mut foreign = std::net::TcpStream::connect(addr).unwrap();
+            foreign.write_all(&hello(1, 0, 12345)).unwrap();
+            let mut ack = [0u8; 5];
+            foreign.read_exact(&mut ack).unwrap();
+            assert_eq!(ack[4], Status::BadNonce as u8);
+            let r1 = mesh(&*store, 1, 2, ip, deadline).unwrap();
+            let r0 = r0.join().unwrap().unwrap();
+            assert!(r0[1].is_some() && r1[0].is_some());
+        });
+    }
+
+    #[test]
+    fn a_missing_peer_is_a_timeout_naming_it() {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(10)));
+        let e = mesh(&*store, 0, 3, "127.0.0.1".parse().unwrap(), Instant::now() + Duration::from_millis(300)).err().unwrap();
+        assert!(e.is_timeout() && e.to_string().contains("[1, 2]"), "{e}");
+    }
+}

@@ -404,3 +404,46 @@ fn end_error(end: &ReadEnd, peer: usize) -> Error {
         ReadEnd::Eof => Error::peer_lost(peer, format!("connection to peer rank {peer} closed")),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    /// A rank-0 backend whose only peer is a raw socket the test controls.
+    fn backend_with_raw_peer() -> (TcpBackend, std::net::TcpStream) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let raw = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (ours, _) = l.accept().unwrap();
+        let b = TcpBackend::start(0, vec![None, Some(Socket::from(ours))], Duration::from_secs(5)).unwrap();
+        (b, raw)
+    }
+
+    #[test]
+    fn garbage_on_a_connection_fails_ops_with_a_clear_error() {
+        let (b, mut raw) = backend_with_raw_peer();
+        raw.write_all(b"\x00garbage bytes that are not a weft frame").unwrap();
+        let mut buf = [0u8; 4];
+        let e = b.exchange(&mut [P2p::Recv { peer: 1, tag: 1, buf: &mut buf }], Instant::now() + Duration::from_secs(5)).unwrap_err();
+        assert!(e.to_string().contains("garbage on the connection from peer rank 1"), "{e}");
+    }
+
+    #[test]
+    fn a_frame_then_eof_delivers_the_frame_then_reports_peer_lost() {
+        let (b, mut raw) = backend_with_raw_peer();
+        let h = Header { kind: Kind::Data, tag: 7, len: 3 };
+        raw.write_all(&h.encode()).unwrap();
+        raw.write_all(b"abc").unwrap();
+        drop(raw);
+        let mut buf = [0u8; 3];
+        let deadline = Instant::now() + Duration::from_secs(5);
+        // The message sent before the crash may or may not be delivered
+        // (EOF poisons the group), but the error always names the peer.
+        match b.exchange(&mut [P2p::Recv { peer: 1, tag: 7, buf: &mut buf }], deadline) {
+            Ok(()) => assert_eq!(&buf, b"abc"),
+            Err(e) => assert_eq!(e.kind(), &weft::ErrorKind::PeerLost { rank: 1 }),
+        }
+        let e = b.exchange(&mut [P2p::Recv { peer: 1, tag: 8, buf: &mut buf }], deadline).unwrap_err();
+        assert_eq!(e.kind(), &weft::ErrorKind::PeerLost { rank: 1 }, "{e}");
+    }
+}

@@ -64,6 +64,19 @@ fn run(scenario: &str) -> anyhow::Result<()> {
                 }
             }
         }
+        "default_timeout" => {
+            // No per-op timeout: WEFT_TIMEOUT_SECONDS applies.
+            if r == 1 {
+                let start = Instant::now();
+                let mut v = [0u8; 4];
+                let e = pg.recv(&mut v[..], 0, 1, &o)?.wait().err().ok_or_else(|| anyhow::anyhow!("recv did not time out"))?;
+                anyhow::ensure!(e.kind() == &ErrorKind::Timeout && e.op() == Some("recv"), "{e}");
+                anyhow::ensure!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
+                println!("rank 1: {e}");
+            } else {
+                std::thread::sleep(Duration::from_secs(3));
+            }
+        }
         "debug_mismatch" => {
             let mut v = vec![0f32; 8];
             let e = if r == 0 {
