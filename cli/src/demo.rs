@@ -44,9 +44,11 @@ pub fn main(nproc: usize, backend: &str, max_bytes: usize, iters: usize) -> Resu
             "size(B)", "count", "median(us)", "min(us)", "algbw", "busbw", "#wrong"
         );
     }
-    let mut bytes = 8;
+    // 8 B, then x8 per step, ending exactly at max_bytes.
+    let mut sizes: Vec<usize> = std::iter::successors(Some(8usize), |b| Some(b * 8)).take_while(|b| *b < max_bytes).collect();
+    sizes.push(max_bytes.max(4) / 4 * 4);
     let mut wrong_total = 0;
-    while bytes <= max_bytes {
+    for bytes in sizes {
         let n = bytes / 4;
         let mut v = vec![0f32; n];
         let mut times = Vec::new();
@@ -73,7 +75,6 @@ pub fn main(nproc: usize, backend: &str, max_bytes: usize, iters: usize) -> Resu
                 times[0].as_secs_f64() * 1e6
             );
         }
-        bytes *= 8;
     }
     if wrong_total > 0 {
         bail!("rank {r}: {wrong_total} wrong elements");

@@ -7,11 +7,11 @@
 //!
 //! ```no_run
 //! use weft::prelude::*;
-//! weft_example_link(); // in a real program: weft_builtin::link();
+//! // A program also calls `weft_builtin::link()` first, so that the built-in
+//! // backends are linked and registered.
 //! let pg = ProcessGroup::from_env(GroupOptions::from_env()?)?;
 //! let mut grads = vec![1.0f32; 1024];
 //! pg.all_reduce(&mut grads, ReduceOp::Avg, &OpOptions::default())?.wait()?;
-//! # fn weft_example_link() {}
 //! # Ok::<(), weft::Error>(())
 //! ```
 //!

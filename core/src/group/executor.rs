@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-/// A unit of work the worker runs: it gets the collective sequence number.
+/// A queued op, ready to run on the worker thread.
 pub(crate) type Task = Box<dyn FnOnce() + Send + 'static>;
 
 #[derive(Default)]
