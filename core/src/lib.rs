@@ -28,6 +28,7 @@ pub mod kernels;
 pub mod launch;
 pub mod log;
 mod options;
+pub mod plugin;
 mod reduce_op;
 pub mod registry;
 pub mod store;

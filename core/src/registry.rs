@@ -96,8 +96,10 @@ pub fn register(factory: Arc<dyn BackendFactory>) -> Result<()> {
     Ok(())
 }
 
-/// Every registered backend, highest priority first.
+/// Every registered backend, highest priority first (plugins on
+/// `WEFT_PLUGIN_PATH` are loaded the first time this is called).
 pub fn backends() -> Vec<Arc<dyn BackendFactory>> {
+    crate::plugin::load_env_once();
     let mut v = registry().read().unwrap_or_else(|p| p.into_inner()).clone();
     v.sort_by(|a, b| b.priority().cmp(&a.priority()).then_with(|| a.name().cmp(b.name())));
     v
@@ -129,7 +131,14 @@ pub struct Plan {
 /// Parse a spec against the registry.
 pub fn plan(spec: &str) -> Result<Plan> {
     let regs = backends();
-    let names = || regs.iter().map(|f| f.name().to_string()).collect::<Vec<_>>().join(", ");
+    let names = || {
+        let mut s = regs.iter().map(|f| f.name().to_string()).collect::<Vec<_>>().join(", ");
+        let failed = crate::plugin::load_errors();
+        if !failed.is_empty() {
+            s += &format!("; plugins that failed to load: {}", failed.join("; "));
+        }
+        s
+    };
     let candidates = |name: &str, route: Route| -> Result<(Vec<String>, bool)> {
         if name == "auto" {
             let c = regs
@@ -182,9 +191,10 @@ pub fn plan(spec: &str) -> Result<Plan> {
     Ok(Plan { routes })
 }
 
-/// One line per backend for `weft info`: name, origin, devices, layouts, availability.
+/// One line per backend for `weft info`: name, origin, devices, layouts,
+/// availability; then one line per plugin that failed to load.
 pub fn describe() -> Vec<String> {
-    backends()
+    let mut lines: Vec<String> = backends()
         .iter()
         .map(|f| {
             let devs: Vec<_> = f.devices().iter().map(|d| d.name()).collect();
@@ -203,5 +213,7 @@ pub fn describe() -> Vec<String> {
                 avail
             )
         })
-        .collect()
+        .collect();
+    lines.extend(crate::plugin::load_errors().into_iter().map(|e| format!("failed plugin: {e}")));
+    lines
 }

@@ -1,0 +1,77 @@
+//! Aligned host buffers of any dtype, and result comparison.
+
+/// Aligned bytes of one dtype, viewable as a tensor.
+pub struct Buf {
+    words: Vec<u64>,
+    len: usize,
+    /// Element type.
+    pub dtype: weft::DType,
+}
+
+impl Buf {
+    /// A buffer holding `bytes` (a multiple of the dtype size).
+    pub fn from_bytes(dtype: weft::DType, bytes: &[u8]) -> Buf {
+        let mut b = Buf { words: vec![0; bytes.len().div_ceil(8)], len: bytes.len(), dtype };
+        b.bytes_mut().copy_from_slice(bytes);
+        b
+    }
+    /// `n` zero elements.
+    pub fn zeros(dtype: weft::DType, n: usize) -> Buf {
+        Buf::from_bytes(dtype, &vec![0; n * dtype.size()])
+    }
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: words holds at least len bytes.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const u8, self.len) }
+    }
+    /// The bytes, mutably.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, unique.
+        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr() as *mut u8, self.len) }
+    }
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.len / self.dtype.size()
+    }
+    /// A read-only tensor view.
+    pub fn t(&self) -> weft::Tensor<'_> {
+        // SAFETY: 8-byte aligned host memory of numel elements, borrowed for the view's life.
+        unsafe { weft::Tensor::from_raw_parts(self.words.as_ptr() as *const u8, self.dtype, weft::Device::Cpu, &[self.numel()], None) }
+            .unwrap()
+    }
+    /// A mutable tensor view.
+    pub fn tm(&mut self) -> weft::TensorMut<'_> {
+        let n = self.numel();
+        // SAFETY: as above, uniquely borrowed.
+        unsafe { weft::TensorMut::from_raw_parts(self.words.as_mut_ptr() as *mut u8, self.dtype, weft::Device::Cpu, &[n], None) }.unwrap()
+    }
+}
+
+/// Compare results: exact, except f16/bf16 products (rounding order differs).
+pub fn assert_close(dtype: weft::DType, op: Option<weft::ReduceOp>, got: &[u8], want: &[u8], what: &str) {
+    use weft::DType;
+    if got == want {
+        return;
+    }
+    let tolerant = matches!(dtype, DType::F16 | DType::BF16) && op == Some(weft::ReduceOp::Product);
+    if tolerant {
+        let f = |b: &[u8]| -> Vec<f32> {
+            b.chunks(2)
+                .map(|c| {
+                    let bits = u16::from_ne_bytes([c[0], c[1]]);
+                    if dtype == DType::F16 {
+                        half::f16::from_bits(bits).to_f32()
+                    } else {
+                        half::bf16::from_bits(bits).to_f32()
+                    }
+                })
+                .collect()
+        };
+        let (g, w) = (f(got), f(want));
+        if g.iter().zip(&w).all(|(a, b)| (a - b).abs() <= 0.02 * b.abs().max(1.0)) {
+            return;
+        }
+    }
+    let n = got.len().min(64);
+    panic!("{what}: {dtype} mismatch\n got  {:?}\n want {:?}", &got[..n], &want[..want.len().min(64)]);
+}

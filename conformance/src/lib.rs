@@ -1,0 +1,14 @@
+//! The conformance suite for weft backends.
+//!
+//! [`run`] exercises every op, dtype and reduce op on a group and compares
+//! each result with a reference computed without weft ([`reference`]). It
+//! returns one [`Check`] per case, so a backend author can see exactly what
+//! fails: `weft conformance --backend NAME_OR_PATH -n 4` prints them as a
+//! table, and weft's own tests run it on every backend.
+
+mod buf;
+pub mod reference;
+mod suite;
+
+pub use buf::{assert_close, Buf};
+pub use suite::{run, summary, Check};

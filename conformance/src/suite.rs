@@ -1,0 +1,174 @@
+//! The cases, run in the same order on every rank.
+
+use crate::buf::Buf;
+use crate::reference::{make, reduced_tensor};
+use weft::prelude::*;
+use weft::{DType, ReduceOp};
+
+/// One case's outcome on this rank.
+#[derive(Clone, Debug)]
+pub struct Check {
+    /// Op name.
+    pub op: &'static str,
+    /// Element type.
+    pub dtype: DType,
+    /// Reduce op, where one applies.
+    pub redop: Option<ReduceOp>,
+    /// Passed on this rank.
+    pub passed: bool,
+    /// Why not.
+    pub detail: String,
+}
+
+/// Matches results, allowing f16/bf16 product rounding differences.
+fn same(dtype: DType, op: Option<ReduceOp>, got: &[u8], want: &[u8]) -> bool {
+    std::panic::catch_unwind(|| crate::assert_close(dtype, op, got, want, "")).is_ok()
+}
+
+struct Runner<'g> {
+    pg: &'g ProcessGroup,
+    checks: Vec<Check>,
+    broken: Option<String>,
+}
+
+impl Runner<'_> {
+    /// Record a case: `body` runs the op and returns (got, want) bytes.
+    fn case(&mut self, op: &'static str, dtype: DType, redop: Option<ReduceOp>, body: impl FnOnce(&ProcessGroup) -> weft::Result<(Vec<u8>, Vec<u8>)>) {
+        let (passed, detail) = if let Some(b) = &self.broken {
+            (false, format!("skipped: group unusable after {b}"))
+        } else {
+            match body(self.pg) {
+                Ok((got, want)) if same(dtype, redop, &got, &want) => (true, String::new()),
+                Ok((got, want)) => {
+                    (false, format!("wrong result: got {:?}.. want {:?}..", &got[..got.len().min(16)], &want[..want.len().min(16)]))
+                }
+                Err(e) => {
+                    self.broken = Some(format!("{op}: {e}"));
+                    (false, e.to_string())
+                }
+            }
+        };
+        self.checks.push(Check { op, dtype, redop, passed, detail });
+    }
+}
+
+fn ops_for(d: DType) -> Vec<ReduceOp> {
+    ReduceOp::ALL.into_iter().map(|op| if let ReduceOp::PremulSum(_) = op { ReduceOp::PremulSum(0.5) } else { op }).filter(|op| op.supports(d)).collect()
+}
+
+/// Run every case on `pg` (collective: every rank calls it) with `n`
+/// elements per basic tensor; this rank's results.
+pub fn run(pg: &ProcessGroup, n: usize) -> Vec<Check> {
+    let (r, w) = (pg.rank(), pg.size());
+    let o = OpOptions::default();
+    let mut t = Runner { pg, checks: Vec::new(), broken: None };
+    for d in DType::ALL {
+        let sz = d.size();
+        for op in ops_for(d) {
+            t.case("all_reduce", d, Some(op), |pg| {
+                let mut b = Buf::from_bytes(d, &make(d, r, n));
+                pg.all_reduce(b.tm(), op, &o)?.wait()?;
+                Ok((b.bytes().to_vec(), reduced_tensor(d, op, w, n)))
+            });
+            t.case("reduce", d, Some(op), |pg| {
+                let root = w - 1;
+                let mut b = Buf::from_bytes(d, &make(d, r, n));
+                pg.reduce(b.tm(), root, op, &o)?.wait()?;
+                Ok((b.bytes().to_vec(), if r == root { reduced_tensor(d, op, w, n) } else { make(d, r, n) }))
+            });
+            t.case("reduce_scatter_single", d, Some(op), |pg| {
+                let input = Buf::from_bytes(d, &make(d, r, n * w));
+                let mut out = Buf::zeros(d, n);
+                pg.reduce_scatter_single(out.tm(), input.t(), op, &o)?.wait()?;
+                Ok((out.bytes().to_vec(), reduced_tensor(d, op, w, n * w)[r * n * sz..(r + 1) * n * sz].to_vec()))
+            });
+        }
+        let op = if d == DType::Bool { ReduceOp::Bor } else { ReduceOp::Sum };
+        t.case("reduce_scatter_v", d, Some(op), |pg| {
+            let ins: Vec<Buf> = (0..w).map(|i| Buf::from_bytes(d, &make(d, r, i % 3))).collect();
+            let mut out = Buf::zeros(d, r % 3);
+            pg.reduce_scatter_v(out.tm(), ins.iter().map(Buf::t).collect(), op, &o)?.wait()?;
+            Ok((out.bytes().to_vec(), reduced_tensor(d, op, w, r % 3)))
+        });
+        t.case("broadcast", d, None, |pg| {
+            let mut b = Buf::from_bytes(d, &make(d, r, n));
+            pg.broadcast(b.tm(), w - 1, &o)?.wait()?;
+            Ok((b.bytes().to_vec(), make(d, w - 1, n)))
+        });
+        t.case("all_gather_single", d, None, |pg| {
+            let input = Buf::from_bytes(d, &make(d, r, n));
+            let mut out = Buf::zeros(d, n * w);
+            pg.all_gather_single(out.tm(), input.t(), &o)?.wait()?;
+            Ok((out.bytes().to_vec(), (0..w).flat_map(|i| make(d, i, n)).collect()))
+        });
+        t.case("all_gather_v", d, None, |pg| {
+            let input = Buf::from_bytes(d, &make(d, r, r % 3));
+            let mut outs: Vec<Buf> = (0..w).map(|i| Buf::zeros(d, i % 3)).collect();
+            pg.all_gather_v(outs.iter_mut().map(Buf::tm).collect(), input.t(), &o)?.wait()?;
+            Ok((outs.iter().flat_map(|b| b.bytes().to_vec()).collect(), (0..w).flat_map(|i| make(d, i, i % 3)).collect()))
+        });
+        t.case("all_to_all_single", d, None, |pg| {
+            let input = Buf::from_bytes(d, &(0..w).flat_map(|dst| make(d, 100 * r + dst, n)).collect::<Vec<u8>>());
+            let mut out = Buf::zeros(d, n * w);
+            pg.all_to_all_single(out.tm(), input.t(), &o)?.wait()?;
+            Ok((out.bytes().to_vec(), (0..w).flat_map(|src| make(d, 100 * src + r, n)).collect()))
+        });
+        t.case("all_to_all_v_single", d, None, |pg| {
+            let ins: Vec<usize> = (0..w).map(|dst| (r + dst) % 3).collect();
+            let outs: Vec<usize> = (0..w).map(|src| (src + r) % 3).collect();
+            let input = Buf::from_bytes(d, &(0..w).flat_map(|dst| make(d, 100 * r + dst, ins[dst])).collect::<Vec<u8>>());
+            let mut out = Buf::zeros(d, outs.iter().sum());
+            pg.all_to_all_v_single(out.tm(), input.t(), &outs, &ins, &o)?.wait()?;
+            Ok((out.bytes().to_vec(), (0..w).flat_map(|src| make(d, 100 * src + r, outs[src])).collect()))
+        });
+        t.case("gather", d, None, |pg| {
+            let input = Buf::from_bytes(d, &make(d, r, n));
+            let mut outs: Vec<Buf> = if r == 0 { (0..w).map(|_| Buf::zeros(d, n)).collect() } else { vec![] };
+            pg.gather(outs.iter_mut().map(Buf::tm).collect(), input.t(), 0, &o)?.wait()?;
+            let want: Vec<u8> = if r == 0 { (0..w).flat_map(|i| make(d, i, n)).collect() } else { vec![] };
+            Ok((outs.iter().flat_map(|b| b.bytes().to_vec()).collect(), want))
+        });
+        t.case("scatter", d, None, |pg| {
+            let ins: Vec<Buf> = if r == 0 { (0..w).map(|i| Buf::from_bytes(d, &make(d, 10 + i, n))).collect() } else { vec![] };
+            let mut out = Buf::zeros(d, n);
+            pg.scatter(out.tm(), ins.iter().map(Buf::t).collect(), 0, &o)?.wait()?;
+            Ok((out.bytes().to_vec(), make(d, 10 + r, n)))
+        });
+        t.case("send_recv", d, None, |pg| {
+            // A ring: send to the right, receive from the left, tags by dtype.
+            if w == 1 {
+                return Ok((vec![], vec![]));
+            }
+            let tag = d as u32;
+            let input = Buf::from_bytes(d, &make(d, r, n));
+            let mut out = Buf::zeros(d, n);
+            pg.scope(|s| -> weft::Result<()> {
+                let a = s.send(input.t(), (r + 1) % w, tag, &o)?;
+                let b = s.recv(out.tm(), (r + w - 1) % w, tag, &o)?;
+                a.wait()?;
+                b.wait()
+            })?;
+            Ok((out.bytes().to_vec(), make(d, (r + w - 1) % w, n)))
+        });
+    }
+    t.case("barrier", DType::U8, None, |pg| {
+        pg.barrier(&o)?.wait()?;
+        Ok((vec![], vec![]))
+    });
+    t.checks
+}
+
+/// A table of the checks (failures first) and whether all passed.
+pub fn summary(checks: &[Check]) -> (String, bool) {
+    let mut rows: Vec<&Check> = checks.iter().collect();
+    rows.sort_by_key(|c| c.passed);
+    let mut out = format!("{:<24} {:<6} {:<16} result\n", "op", "dtype", "redop");
+    for c in &rows {
+        let redop = c.redop.map(|o| o.to_string()).unwrap_or_else(|| "-".into());
+        let res = if c.passed { "pass".to_string() } else { format!("FAIL {}", c.detail) };
+        out += &format!("{:<24} {:<6} {:<16} {res}\n", c.op, c.dtype.name(), redop);
+    }
+    let failed = checks.iter().filter(|c| !c.passed).count();
+    out += &format!("{} passed, {} failed\n", checks.len() - failed, failed);
+    (out, failed == 0)
+}

@@ -1,0 +1,45 @@
+//! Building test plugins with the system C compiler.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The repository root.
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ is in the repo").to_path_buf()
+}
+
+/// A fresh directory for build outputs of this test process.
+pub fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("weft-plugins-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Compile C `source` (a file) into `out` as a shared library with `cc`.
+pub fn cc(source: &Path, out: &Path, defines: &[&str]) {
+    let include = repo().join("core/include");
+    let mut cmd = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()));
+    cmd.args(["-O2", "-Wall", "-Werror", "-shared", "-fPIC", "-I"]).arg(&include).arg("-o").arg(out).arg(source);
+    for d in defines {
+        cmd.arg(format!("-D{d}"));
+    }
+    let res = cmd.output().expect("run the C compiler (cc)");
+    assert!(res.status.success(), "cc failed:\n{}", String::from_utf8_lossy(&res.stderr));
+}
+
+/// Compile C source text into `dir/libweft-backend-{name}.so`.
+pub fn cc_text(dir: &Path, name: &str, text: &str, defines: &[&str]) -> PathBuf {
+    let src = dir.join(format!("{name}.c"));
+    std::fs::write(&src, text).unwrap();
+    let out = dir.join(format!("libweft-backend-{name}.so"));
+    cc(&src, &out, defines);
+    out
+}
+
+/// The C example plugin, built into `dir` (optionally with defines).
+pub fn c_uds(dir: &Path, file_name: &str, defines: &[&str]) -> PathBuf {
+    let out = dir.join(file_name);
+    cc(&repo().join("examples/plugins/c-uds/weft_uds.c"), &out, defines);
+    out
+}
