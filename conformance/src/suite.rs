@@ -33,7 +33,13 @@ struct Runner<'g> {
 
 impl Runner<'_> {
     /// Record a case: `body` runs the op and returns (got, want) bytes.
-    fn case(&mut self, op: &'static str, dtype: DType, redop: Option<ReduceOp>, body: impl FnOnce(&ProcessGroup) -> weft::Result<(Vec<u8>, Vec<u8>)>) {
+    fn case(
+        &mut self,
+        op: &'static str,
+        dtype: DType,
+        redop: Option<ReduceOp>,
+        body: impl FnOnce(&ProcessGroup) -> weft::Result<(Vec<u8>, Vec<u8>)>,
+    ) {
         let (passed, detail) = if let Some(b) = &self.broken {
             (false, format!("skipped: group unusable after {b}"))
         } else {
@@ -53,7 +59,11 @@ impl Runner<'_> {
 }
 
 fn ops_for(d: DType) -> Vec<ReduceOp> {
-    ReduceOp::ALL.into_iter().map(|op| if let ReduceOp::PremulSum(_) = op { ReduceOp::PremulSum(0.5) } else { op }).filter(|op| op.supports(d)).collect()
+    ReduceOp::ALL
+        .into_iter()
+        .map(|op| if let ReduceOp::PremulSum(_) = op { ReduceOp::PremulSum(0.5) } else { op })
+        .filter(|op| op.supports(d))
+        .collect()
 }
 
 /// Run every case on `pg` (collective: every rank calls it) with `n`

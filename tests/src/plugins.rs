@@ -43,3 +43,14 @@ pub fn c_uds(dir: &Path, file_name: &str, defines: &[&str]) -> PathBuf {
     cc(&repo().join("examples/plugins/c-uds/weft_uds.c"), &out, defines);
     out
 }
+
+/// A cdylib example of this package, built by `cargo test` next to the tests.
+pub fn example_lib(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps");
+    let lib = dir.join("examples").join(format!("lib{name}.so"));
+    // `cargo test` without `--test` filters (re)builds examples; a filtered
+    // run uses whatever an earlier build left.
+    assert!(lib.exists(), "{} is missing: run `cargo test -p weft-tests` (or `cargo build -p weft-tests --examples`)", lib.display());
+    lib
+}

@@ -5,7 +5,8 @@
 use std::time::Duration;
 use weft::prelude::*;
 use weft::ErrorKind;
-use weft_tests::plugins::{c_uds, cc_text, scratch};
+use weft_tests::plugins::{c_uds, cc_text, example_lib, scratch};
+use weft_tests::procs::run_world;
 use weft_tests::{options, run_threads};
 
 fn conformance(spec: &str, w: usize) {
@@ -104,5 +105,70 @@ fn an_op_failing_on_one_rank_is_an_error_there_and_never_a_hang_elsewhere() {
     // may see a neighbour's reset first).
     for r in [0, 2] {
         assert!(matches!(errors[r].kind(), ErrorKind::PeerLost { .. }), "rank {r}: {}", errors[r]);
+    }
+}
+
+#[test]
+fn rust_sdk_builds_cpu_tcp_as_a_plugin_that_passes_conformance() {
+    let lib = example_lib("cpu_tcp_plugin");
+    assert_eq!(weft::plugin::load(&lib).unwrap(), "cpu-tcp-plugin");
+    conformance("cpu-tcp-plugin", 3);
+    // Across processes, found through WEFT_PLUGIN_PATH (a file entry).
+    let path = lib.to_str().unwrap();
+    let ends = run_world(
+        env!("CARGO_BIN_EXE_weft-test-worker"),
+        3,
+        &["conformance"],
+        &[("WEFT_PLUGIN_PATH", path), ("WEFT_BACKEND", "cpu-tcp-plugin")],
+        Duration::from_secs(120),
+    );
+    for (r, e) in ends.iter().enumerate() {
+        assert!(e.status.success() && e.output.contains("cpu-tcp-plugin"), "rank {r}: {}", e.output);
+    }
+}
+
+#[test]
+fn plugin_path_directories_resolve_names_to_libweft_backend_files() {
+    let dir = scratch("dir");
+    c_uds(&dir, "libweft-backend-c-uds.so", &[]);
+    let d = dir.to_str().unwrap();
+    let ends = run_world(
+        env!("CARGO_BIN_EXE_weft-test-worker"),
+        2,
+        &["conformance"],
+        &[("WEFT_PLUGIN_PATH", d), ("WEFT_BACKEND", "c-uds")],
+        Duration::from_secs(120),
+    );
+    for (r, e) in ends.iter().enumerate() {
+        assert!(e.status.success() && e.output.contains("c-uds"), "rank {r}: {}", e.output);
+    }
+    // A file whose name and exported backend disagree is refused, precisely.
+    std::fs::rename(dir.join("libweft-backend-c-uds.so"), dir.join("libweft-backend-other.so")).unwrap();
+    let ends = run_world(
+        env!("CARGO_BIN_EXE_weft-test-worker"),
+        1,
+        &["conformance"],
+        &[("WEFT_PLUGIN_PATH", d), ("WEFT_BACKEND", "c-uds")],
+        Duration::from_secs(60),
+    );
+    assert!(!ends[0].status.success());
+    assert!(ends[0].output.contains("exports backend \"c-uds\", but its file name says \"other\""), "{}", ends[0].output);
+}
+
+#[test]
+fn a_panicking_rust_plugin_reports_an_error_and_the_host_survives() {
+    let lib = example_lib("panicking_plugin");
+    assert_eq!(weft::plugin::load(&lib).unwrap(), "panicking");
+    let store: std::sync::Arc<dyn weft::store::Store> = std::sync::Arc::new(weft::store::MemoryStore::new(Duration::from_secs(5)));
+    let e = ProcessGroup::new(store, 0, 1, options("panicking").hint("panic_in", "init")).unwrap_err();
+    assert!(e.to_string().contains("init panicked: deliberate panic in init"), "{e}");
+    let errors = run_threads(2, options("panicking"), |pg| {
+        let mut v = [1u8; 4];
+        let result = pg.all_reduce(&mut v[..], ReduceOp::Max, &OpOptions::default()).unwrap().wait();
+        result.unwrap_err()
+    });
+    for e in errors {
+        assert_eq!(e.kind(), &ErrorKind::Backend, "{e}");
+        assert!(e.to_string().contains("plugin panicked: deliberate panic inside the plugin"), "{e}");
     }
 }

@@ -88,11 +88,8 @@ impl BackendFactory for PluginFactory {
     fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
         let host = Box::new(HostState { store: ctx.store.clone(), plugin: self.name.clone() });
         let table = Box::new(host::table(&host));
-        let hints: Vec<(CString, CString)> = ctx
-            .hints
-            .iter()
-            .filter_map(|(k, v)| Some((CString::new(k.as_str()).ok()?, CString::new(v.as_str()).ok()?)))
-            .collect();
+        let hints: Vec<(CString, CString)> =
+            ctx.hints.iter().filter_map(|(k, v)| Some((CString::new(k.as_str()).ok()?, CString::new(v.as_str()).ok()?))).collect();
         let keys: Vec<*const c_char> = hints.iter().map(|(k, _)| k.as_ptr()).collect();
         let values: Vec<*const c_char> = hints.iter().map(|(_, v)| v.as_ptr()).collect();
         let args = InitV1 {
@@ -118,7 +115,14 @@ impl BackendFactory for PluginFactory {
         if pctx.is_null() {
             return Err(Error::backend(format!("{}: init returned no context", self.describe())));
         }
-        Ok(Arc::new(PluginBackend { table: self.table.clone_table(), ctx: pctx, name: self.name.clone(), path: self.path.clone(), _host: host, _host_table: table }))
+        Ok(Arc::new(PluginBackend {
+            table: self.table.clone_table(),
+            ctx: pctx,
+            name: self.name.clone(),
+            path: self.path.clone(),
+            _host: host,
+            _host_table: table,
+        }))
     }
 }
 
@@ -189,7 +193,8 @@ impl Backend for PluginBackend {
                 }
             })
             .collect();
-        let (start, wait, cancel) = (self.table.start.expect("validated"), self.table.wait.expect("validated"), self.table.cancel.expect("validated"));
+        let (start, wait, cancel) =
+            (self.table.start.expect("validated"), self.table.wait.expect("validated"), self.table.cancel.expect("validated"));
         let mut req: *mut c_void = std::ptr::null_mut();
         let left = deadline.saturating_duration_since(Instant::now());
         // SAFETY: the buffers behind `batch` are borrowed by `ops` and stay

@@ -74,11 +74,9 @@ pub(crate) fn load_env_once() {
             };
             for (file, expected) in files {
                 let r = open(&file).and_then(|f| match &expected {
-                    Some(n) if *n != f.name => Err(Error::invalid(format!(
-                        "{} exports backend {:?}, but its file name says {n:?}",
-                        file.display(),
-                        f.name
-                    ))),
+                    Some(n) if *n != f.name => {
+                        Err(Error::invalid(format!("{} exports backend {:?}, but its file name says {n:?}", file.display(), f.name)))
+                    }
                     _ => Ok(f),
                 });
                 match r.and_then(|f| crate::registry::register(Arc::new(f))) {
@@ -129,9 +127,7 @@ pub fn open(path: &Path) -> Result<PluginFactory> {
     // SAFETY: every table starts with two u32s; the library stays loaded.
     let (size, version) = unsafe { (*(ptr as *const u32), *(ptr as *const u32).add(1)) };
     if version != ABI_VERSION {
-        return Err(Error::unsupported(format!(
-            "plugin {shown}: weft_backend_v1 says ABI version {version}, expected {ABI_VERSION}"
-        )));
+        return Err(Error::unsupported(format!("plugin {shown}: weft_backend_v1 says ABI version {version}, expected {ABI_VERSION}")));
     }
     if (size as usize) < abi::BACKEND_V1_REQUIRED {
         return Err(Error::invalid(format!(
@@ -143,7 +139,11 @@ pub fn open(path: &Path) -> Result<PluginFactory> {
     // None functions); we copy at most `size` bytes the plugin provides.
     let table: BackendV1 = unsafe {
         let mut t: BackendV1 = std::mem::zeroed();
-        std::ptr::copy_nonoverlapping(ptr as *const u8, &mut t as *mut BackendV1 as *mut u8, (size as usize).min(std::mem::size_of::<BackendV1>()));
+        std::ptr::copy_nonoverlapping(
+            ptr as *const u8,
+            &mut t as *mut BackendV1 as *mut u8,
+            (size as usize).min(std::mem::size_of::<BackendV1>()),
+        );
         t
     };
     let missing: Vec<&str> = [
@@ -160,10 +160,16 @@ pub fn open(path: &Path) -> Result<PluginFactory> {
     .filter_map(|(n, m)| m.then_some(n))
     .collect();
     if table.name.is_null() || !missing.is_empty() {
-        return Err(Error::invalid(format!("plugin {shown}: weft_backend_v1 lacks required entries: name={} {missing:?}", !table.name.is_null())));
+        return Err(Error::invalid(format!(
+            "plugin {shown}: weft_backend_v1 lacks required entries: name={} {missing:?}",
+            !table.name.is_null()
+        )));
     }
     // SAFETY: non-null, NUL-terminated per the header, in a library never unloaded.
-    let name = unsafe { CStr::from_ptr(table.name) }.to_str().map_err(|_| Error::invalid(format!("plugin {shown}: name is not UTF-8")))?.to_string();
+    let name = unsafe { CStr::from_ptr(table.name) }
+        .to_str()
+        .map_err(|_| Error::invalid(format!("plugin {shown}: name is not UTF-8")))?
+        .to_string();
     if name.is_empty() || name == "auto" || name.contains([':', ',']) {
         return Err(Error::invalid(format!("plugin {shown}: invalid backend name {name:?}")));
     }

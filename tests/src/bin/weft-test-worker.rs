@@ -77,6 +77,12 @@ fn run(scenario: &str) -> anyhow::Result<()> {
                 std::thread::sleep(Duration::from_secs(3));
             }
         }
+        "conformance" => {
+            let checks = weft_conformance::run(&pg, 5);
+            let (table, ok) = weft_conformance::summary(&checks);
+            anyhow::ensure!(ok, "rank {r}:\n{table}");
+            println!("rank {r}: {} checks passed on {:?}", checks.len(), pg);
+        }
         "debug_mismatch" => {
             let mut v = vec![0f32; 8];
             let e = if r == 0 {

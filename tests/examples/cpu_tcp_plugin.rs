@@ -1,0 +1,3 @@
+//! Builds the user-facing example `examples/plugins/rust-cpu-tcp` as a test
+//! artifact (cargo test builds examples, not other crates' cdylibs).
+include!("../../examples/plugins/rust-cpu-tcp/src/export.rs");
