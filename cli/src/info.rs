@@ -9,7 +9,16 @@ pub fn print() -> Result<i32> {
         println!("  {line}");
     }
     println!("\nenvironment:");
-    for var in [weft::ENV_BACKEND, weft::ENV_TIMEOUT, weft_cpu_tcp::ENV_IFNAME, "WEFT_DEBUG", "WEFT_LOG", "MASTER_ADDR", "MASTER_PORT"] {
+    for var in [
+        weft::ENV_BACKEND,
+        weft::ENV_TIMEOUT,
+        weft::plugin::ENV_PLUGIN_PATH,
+        weft_cpu_tcp::ENV_IFNAME,
+        "WEFT_DEBUG",
+        "WEFT_LOG",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ] {
         println!("  {var:<22} {}", std::env::var(var).unwrap_or_else(|_| "(unset)".into()));
     }
     match weft::GroupOptions::from_env() {

@@ -1,5 +1,6 @@
 //! The `weft` command.
 
+mod conformance;
 mod demo;
 mod info;
 
@@ -49,6 +50,18 @@ enum Cmd {
     },
     /// List backends, whether each is usable here, and the environment weft would use.
     Info,
+    /// Check a backend (name or plugin file) against the conformance suite on N local ranks.
+    Conformance {
+        /// A registered backend name, or the path of a plugin library.
+        #[arg(long)]
+        backend: String,
+        /// Local ranks.
+        #[arg(short = 'n', long = "nproc", default_value_t = 4)]
+        nproc: usize,
+        /// Elements per tensor in each case.
+        #[arg(long, default_value_t = 7)]
+        count: usize,
+    },
     /// All-reduce across local ranks: sizes, times, bandwidth, verified results.
     Demo {
         /// Local ranks (ignored when already started by a launcher).
@@ -67,6 +80,10 @@ enum Cmd {
 }
 
 fn main() -> Result<()> {
+    // Like other command-line tools, end quietly when the reader of our
+    // output goes away (`weft info | head`) instead of panicking.
+    // SAFETY: restoring the default disposition of SIGPIPE.
+    unsafe { nix::sys::signal::signal(nix::sys::signal::Signal::SIGPIPE, nix::sys::signal::SigHandler::SigDfl) }.ok();
     weft_builtin::link();
     let code = match Cli::parse().cmd {
         Cmd::Run { nproc, nnodes, node_rank, master_addr, master_port, backend, timeout, no_prefix, program } => launcher::run(&Launch {
@@ -81,6 +98,7 @@ fn main() -> Result<()> {
             program,
         })?,
         Cmd::Info => info::print()?,
+        Cmd::Conformance { nproc, backend, count } => conformance::main(nproc, &backend, count)?,
         Cmd::Demo { nproc, backend, max_bytes, iters } => demo::main(nproc, &backend, max_bytes, iters)?,
     };
     std::process::exit(code)

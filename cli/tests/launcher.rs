@@ -95,3 +95,14 @@ fn two_nodes_on_one_host_form_one_world() {
     let b_out = String::from_utf8_lossy(&b.stdout);
     assert!(b_out.contains("[2] r=2 w=4 l=0") && b_out.contains("[3] r=3 w=4 l=1"), "{b_out}");
 }
+
+#[test]
+fn conformance_prints_a_pass_fail_table() {
+    let out = Command::new(WEFT).args(["conformance", "--backend", "cpu-tcp", "-n", "2", "--count", "3"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("all_reduce") && text.contains("premul_sum(0.5)") && text.contains(" 0 failed"), "{text}");
+    let out = Command::new(WEFT).args(["conformance", "--backend", "/nonexistent/libweft-backend-x.so", "-n", "1"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("does not exist"));
+}

@@ -15,8 +15,9 @@
  *
  * Ownership
  *  - Strings and arrays passed by weft are valid only during the call,
- *    except the p2p buffers of a started request, which stay valid until
- *    that request completes or is cancelled.
+ *    except (a) the p2p buffers of a started request, which stay valid
+ *    until that request completes or is cancelled, and (b) the host table
+ *    `weft_init_v1_t.host`, which stays valid until `destroy`.
  *  - `name` and the strings returned by `last_error` are owned by the
  *    plugin (`last_error`'s until the next call on the same ctx).
  *  - Host services never hand out memory: the caller provides buffers.

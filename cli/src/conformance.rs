@@ -1,0 +1,41 @@
+//! `weft conformance`: run the public conformance suite on a backend (a
+//! registered name or a plugin file) across N local ranks.
+
+use anyhow::{bail, Result};
+use std::time::Duration;
+use weft::prelude::*;
+use weft_cli::launcher::{self, Launch};
+
+pub fn main(nproc: usize, backend: &str, count: usize) -> Result<i32> {
+    if std::env::var("RANK").is_err() {
+        let exe = std::env::current_exe()?.to_string_lossy().into_owned();
+        let program = vec![exe, "conformance".into(), "--backend".into(), backend.into(), "--count".into(), count.to_string()];
+        return launcher::run(&Launch {
+            nproc,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+            backend: None,
+            timeout: Some(Duration::from_secs(600)),
+            prefix: false,
+            program,
+        });
+    }
+    // A path loads that plugin; a name must be registered (built-in or on WEFT_PLUGIN_PATH).
+    let name = if backend.contains('/') || backend.ends_with(".so") { weft::plugin::load(backend)? } else { backend.to_string() };
+    let pg = ProcessGroup::from_env(GroupOptions::from_env()?.backend(name.as_str()).timeout(Duration::from_secs(60)))?;
+    let checks = weft_conformance::run(&pg, count);
+    let (table, ok) = weft_conformance::summary(&checks);
+    let r = pg.rank();
+    if r == 0 {
+        println!("weft conformance: backend {name:?} on {} ranks, {count} elements per tensor", pg.size());
+        print!("{table}");
+    } else if !ok {
+        eprint!("rank {r}:\n{table}");
+    }
+    if !ok {
+        bail!("rank {r}: conformance failures");
+    }
+    Ok(0)
+}
