@@ -127,7 +127,10 @@ typedef struct weft_init_v1_t {
 
 /* One transfer of a batch. A receive must get exactly `len` bytes; a
  * message of another length is WEFT_ERR_BACKEND. Receives match the oldest
- * message from `peer` with the same `tag`. */
+ * message from `peer` with the same `tag`.
+ * Unlike the other structs this one is an array element, so it has no
+ * size/version header: its layout is fixed for ABI v1, and a change to it
+ * comes with a new major version (weft_backend_v2). */
 typedef struct weft_p2p_v1_t {
     uint32_t kind; /* WEFT_P2P_SEND or WEFT_P2P_RECV */
     uint32_t peer;
