@@ -37,7 +37,7 @@ pub struct Launch {
     pub backend: Option<String>,
     /// Kill everything after this long (exit status 124).
     pub timeout: Option<Duration>,
-    /// Prefix output lines with the rank.
+    /// Prefix output lines with the rank (else ranks share our stdio).
     pub prefix: bool,
     /// Program and arguments.
     pub program: Vec<String>,
@@ -87,8 +87,10 @@ pub fn run(l: &Launch) -> Result<i32> {
             .env("MASTER_PORT", port.to_string())
             .env(weft::launch::ENV_AGENT_STORE, "1")
             .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
+            // Prefixed output is pumped line by line; otherwise ranks write
+            // straight to our stdout/stderr (a terminal keeps its features).
+            .stdout(if l.prefix { Stdio::piped() } else { Stdio::inherit() })
+            .stderr(if l.prefix { Stdio::piped() } else { Stdio::inherit() })
             // Own process group: Ctrl-C reaches ranks once, through us.
             .process_group(0);
         if let Some(b) = &l.backend {
@@ -101,11 +103,11 @@ pub fn run(l: &Launch) -> Result<i32> {
                 return Err(e).with_context(|| format!("starting rank {rank}: {}", l.program[0]));
             }
         };
-        let prefix = if l.prefix { format!("[{rank}] ") } else { String::new() };
-        let out = child.stdout.take().expect("piped");
-        let err = child.stderr.take().expect("piped");
-        pumps.push(pump(out, prefix.clone(), false));
-        pumps.push(pump(err, prefix, true));
+        if let (Some(out), Some(err)) = (child.stdout.take(), child.stderr.take()) {
+            let prefix = format!("[{rank}] ");
+            pumps.push(pump(out, prefix.clone(), false));
+            pumps.push(pump(err, prefix, true));
+        }
         children.push((rank, child));
     }
 

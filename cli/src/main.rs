@@ -1,5 +1,6 @@
 //! The `weft` command.
 
+mod bench;
 mod conformance;
 mod demo;
 mod info;
@@ -48,6 +49,9 @@ enum Cmd {
         #[arg(last = true, required = true)]
         program: Vec<String>,
     },
+    /// Measure every op over a size sweep (nccl-tests style). With no
+    /// arguments: 4 local ranks, the auto backend, all ops, 8 B to 64 MiB.
+    Bench(bench::BenchArgs),
     /// List backends, whether each is usable here, and the environment weft would use.
     Info,
     /// Check a backend (name or plugin file) against the conformance suite on N local ranks.
@@ -98,6 +102,7 @@ fn main() -> Result<()> {
             program,
         })?,
         Cmd::Info => info::print()?,
+        Cmd::Bench(args) => bench::main(args)?,
         Cmd::Conformance { nproc, backend, count } => conformance::main(nproc, &backend, count)?,
         Cmd::Demo { nproc, backend, max_bytes, iters } => demo::main(nproc, &backend, max_bytes, iters)?,
     };

@@ -106,3 +106,64 @@ fn conformance_prints_a_pass_fail_table() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("does not exist"));
 }
+
+#[test]
+fn bench_checks_every_op_over_a_short_sweep_and_writes_csv_json_and_a_plot() {
+    let dir = std::env::temp_dir().join(format!("weft-bench-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (json, csv, svg) = (dir.join("a.json"), dir.join("a.csv"), dir.join("p.svg"));
+    let out = Command::new(WEFT)
+        .args([
+            "bench",
+            "--world",
+            "3",
+            "-b",
+            "8",
+            "-e",
+            "64K",
+            "-f",
+            "16",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "--json",
+            json.to_str().unwrap(),
+            "--csv",
+            csv.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    for op in ["all_reduce", "all_gather", "reduce_scatter", "all_to_all_v", "broadcast", "reduce", "gather", "scatter", "p2p", "barrier"] {
+        assert!(text.contains(op), "{op} missing:\n{text}");
+    }
+    assert!(text.contains("# total wrong: 0"), "{text}");
+    assert!(std::fs::read_to_string(&csv).unwrap().starts_with("backend,world,op,bytes"));
+    // A second run draws itself and the first on one picture.
+    let out = Command::new(WEFT)
+        .args([
+            "bench",
+            "--world",
+            "2",
+            "--ops",
+            "all_reduce,p2p",
+            "-e",
+            "4K",
+            "-f",
+            "8",
+            "-n",
+            "2",
+            "--plot",
+            svg.to_str().unwrap(),
+            "--plot-add",
+            json.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let picture = std::fs::read_to_string(&svg).unwrap();
+    assert!(picture.contains("<svg") && picture.contains("W=2 all_reduce") && picture.contains("W=3 all_gather"), "plot lacks series");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,0 +1,258 @@
+//! `weft bench`: nccl-tests-style measurements of every op over a size
+//! sweep, on a local world (stand-alone) or under any launcher.
+//!
+//! Timing: after warm-ups, each iteration starts after a barrier and is
+//! timed on every rank; an iteration's time is the slowest rank's.
+//! Iteration counts adapt to `--time-per-size` so large sizes stay quick;
+//! ranks agree on them through an all_reduce, so they never diverge.
+//! With `--check` (default) one more run per size is verified element by
+//! element against the conformance references.
+
+mod ops;
+mod plot;
+mod report;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use ops::Case;
+use report::Row;
+use std::io::IsTerminal;
+use std::time::Instant;
+use weft::prelude::*;
+use weft::{DType, ReduceOp};
+use weft_cli::launcher::{self, Launch};
+
+/// Flags (named as in nccl-tests where they overlap).
+#[derive(Args, Clone, Debug)]
+pub struct BenchArgs {
+    /// Ops, comma-separated, or "all": all_reduce, all_gather, reduce_scatter,
+    /// all_to_all, all_to_all_v, broadcast, reduce, gather, scatter, p2p, barrier.
+    #[arg(long = "ops", default_value = "all")]
+    ops: String,
+    /// Smallest size in bytes per rank (suffixes K, M, G).
+    #[arg(short = 'b', long = "minbytes", default_value = "8")]
+    minbytes: String,
+    /// Largest size in bytes per rank.
+    #[arg(short = 'e', long = "maxbytes", default_value = "64M")]
+    maxbytes: String,
+    /// Multiplication factor between sizes.
+    #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
+    factor: usize,
+    /// Data type.
+    #[arg(short = 'd', long = "datatype", default_value = "f32")]
+    dtype: String,
+    /// Reduce op (sum, product, min, max, avg, band, bor, bxor, premul_sum(x)).
+    #[arg(short = 'o', long = "op", default_value = "sum")]
+    redop: String,
+    /// Root of rooted ops.
+    #[arg(short = 'r', long = "root", default_value_t = 0)]
+    root: usize,
+    /// Timed iterations per size (at most; see --time-per-size).
+    #[arg(short = 'n', long = "iters", default_value_t = 20)]
+    iters: usize,
+    /// Warm-up iterations per size (at most).
+    #[arg(short = 'w', long = "warmup-iters", default_value_t = 5)]
+    warmup: usize,
+    /// Time budget per size in seconds: fewer iterations for slow sizes.
+    #[arg(long = "time-per-size", default_value_t = 1.0)]
+    budget: f64,
+    /// Skip verifying results.
+    #[arg(long = "no-check")]
+    no_check: bool,
+    /// Backend spec.
+    #[arg(long, default_value = "auto")]
+    backend: String,
+    /// Local ranks when run stand-alone (ignored under a launcher).
+    #[arg(long = "world", default_value_t = 4)]
+    world: usize,
+    /// Write results as CSV to this file ("-" for stdout instead of the table).
+    #[arg(long)]
+    csv: Option<String>,
+    /// Write results as JSON to this file ("-" for stdout instead of the table).
+    #[arg(long)]
+    json: Option<String>,
+    /// Draw busbw against size to this SVG file.
+    #[arg(long)]
+    plot: Option<String>,
+    /// Earlier runs (JSON files from --json) to draw on the same plot.
+    #[arg(long = "plot-add")]
+    plot_add: Vec<String>,
+}
+
+fn parse_size(s: &str) -> Result<usize> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1usize << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    Ok(num.parse::<usize>().with_context(|| format!("bad size {s:?}"))? * mul)
+}
+
+pub fn main(args: BenchArgs) -> Result<i32> {
+    if std::env::var("RANK").is_err() && std::env::var("SLURM_PROCID").is_err() && std::env::var("OMPI_COMM_WORLD_RANK").is_err() {
+        // Stand-alone: start a local world running this same command.
+        let mut program = vec![std::env::current_exe()?.to_string_lossy().into_owned()];
+        program.extend(std::env::args().skip(1));
+        return launcher::run(&Launch {
+            nproc: args.world,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+            backend: None,
+            timeout: None,
+            prefix: false,
+            program,
+        });
+    }
+    run_rank(&args)
+}
+
+fn run_rank(a: &BenchArgs) -> Result<i32> {
+    let dtype: DType = a.dtype.parse()?;
+    let redop: ReduceOp = a.redop.parse()?;
+    redop.check(dtype)?;
+    let (min, max) = (parse_size(&a.minbytes)?, parse_size(&a.maxbytes)?);
+    if a.factor < 2 || min == 0 || min > max {
+        bail!("need 0 < minbytes <= maxbytes and stepfactor >= 2");
+    }
+    let ops: Vec<&'static str> = if a.ops == "all" {
+        ops::ALL.to_vec()
+    } else {
+        a.ops
+            .split(',')
+            .map(|o| {
+                ops::ALL
+                    .iter()
+                    .find(|k| **k == o.trim())
+                    .copied()
+                    .with_context(|| format!("unknown op {o:?} (known: {})", ops::ALL.join(", ")))
+            })
+            .collect::<Result<_>>()?
+    };
+    let sizes: Vec<usize> = std::iter::successors(Some(min), |s| s.checked_mul(a.factor)).take_while(|s| *s <= max).collect();
+
+    let pg = ProcessGroup::from_env(GroupOptions::from_env()?.backend(a.backend.as_str()))?;
+    let (r, w) = (pg.rank(), pg.size());
+    if a.root >= w {
+        bail!("root {} is out of range for {w} ranks", a.root);
+    }
+    let backend = pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense)).unwrap_or_default();
+    let o = OpOptions::default();
+    let table_to_stdout = a.csv.as_deref() != Some("-") && a.json.as_deref() != Some("-");
+    let total = ops.iter().map(|op| if *op == "barrier" { 1 } else { sizes.len() }).sum::<usize>() as u64;
+    let bar = if r == 0 && std::io::stderr().is_terminal() { ProgressBar::new(total) } else { ProgressBar::hidden() };
+    bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg} [{elapsed}]").expect("valid template"));
+    let say = |line: String| {
+        if r == 0 && table_to_stdout {
+            // A hidden bar (no terminal) prints nothing itself.
+            if bar.is_hidden() {
+                println!("{line}");
+            } else {
+                bar.println(line);
+            }
+        }
+    };
+    say(format!("# weft bench: backend {backend}, {w} ranks, dtype {dtype}, redop {redop}, root {}, check {}", a.root, !a.no_check));
+    say(report::table_header());
+    let mut rows = Vec::new();
+    for op in &ops {
+        let op_sizes = if *op == "barrier" { vec![0] } else { sizes.clone() };
+        for &bytes in &op_sizes {
+            bar.set_message(format!("{op} {bytes} B"));
+            let mut case = Case::new(op, dtype, redop, a.root, bytes, r, w);
+            let row = measure(&pg, &mut case, op, a, &o)?;
+            let row = Row {
+                backend: backend.clone(),
+                dtype: dtype.to_string(),
+                redop: if Case::uses_redop(op) { redop.to_string() } else { "-".into() },
+                root: if Case::uses_root(op) { a.root.to_string() } else { "-".into() },
+                ..row
+            };
+            say(report::table_row(&row));
+            rows.push(row);
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+    let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+    if r == 0 {
+        say(format!("# total wrong: {wrong}; times are the slowest rank's, per iteration; busbw as nccl-tests"));
+        for (dest, text) in [(&a.csv, report::csv(&rows)), (&a.json, report::json(&rows))] {
+            match dest.as_deref() {
+                Some("-") => print!("{text}"),
+                Some(path) => std::fs::write(path, text).with_context(|| format!("writing {path}"))?,
+                None => {}
+            }
+        }
+        if let Some(path) = &a.plot {
+            let mut runs = vec![(format!("{backend} W={w}"), rows.clone())];
+            for f in &a.plot_add {
+                let earlier = report::from_json(&std::fs::read_to_string(f).with_context(|| format!("reading {f}"))?)?;
+                let label = earlier.first().map(|r| format!("{} W={}", r.backend, r.world)).unwrap_or_else(|| f.clone());
+                runs.push((label, earlier));
+            }
+            plot::svg(path, &runs)?;
+        }
+    }
+    Ok(if wrong > 0 { 1 } else { 0 })
+}
+
+/// Time one (op, size) on every rank; the row as rank 0 reports it.
+fn measure(pg: &ProcessGroup, case: &mut Case, op: &'static str, a: &BenchArgs, o: &OpOptions) -> Result<Row> {
+    let (r, w) = (pg.rank(), pg.size());
+    // One untimed run, then agree on the slowest rank's time to size the loops.
+    let t = Instant::now();
+    case.run(pg, o)?;
+    let mut first = [t.elapsed().as_secs_f64()];
+    pg.all_reduce(&mut first[..], ReduceOp::Max, o)?.wait()?;
+    let per = first[0].max(1e-7);
+    let iters = ((a.budget / per) as usize).clamp(1, a.iters.max(1));
+    let warm = ((a.budget * 0.25 / per) as usize).min(a.warmup);
+    for _ in 0..warm {
+        case.run(pg, o)?;
+    }
+    let mut times = vec![0f64; iters];
+    for slot in times.iter_mut() {
+        // Every iteration starts together, so eager senders cannot run
+        // ahead and the time covers one whole op.
+        pg.barrier(o)?.wait()?;
+        let t = Instant::now();
+        case.run(pg, o)?;
+        *slot = t.elapsed().as_secs_f64();
+    }
+    pg.all_reduce(&mut times, ReduceOp::Max, o)?.wait()?;
+    let mut wrong = [0u64];
+    if !a.no_check {
+        case.reset(r);
+        case.run(pg, o)?;
+        wrong[0] = case.wrong(r, w) as u64;
+        pg.all_reduce(&mut wrong[..], ReduceOp::Sum, o)?.wait()?;
+    }
+    times.sort_by(f64::total_cmp);
+    let pick = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize] * 1e6;
+    let median = pick(0.5);
+    let size = case.count * case.dtype_size();
+    let algbw = if median > 0.0 { size as f64 / (median * 1e-6) / 1e9 } else { 0.0 };
+    Ok(Row {
+        backend: String::new(),
+        world: w,
+        op: op.to_string(),
+        bytes: size,
+        count: case.count,
+        dtype: String::new(),
+        redop: String::new(),
+        root: String::new(),
+        iters,
+        median_us: median,
+        min_us: pick(0.0),
+        max_us: pick(1.0),
+        p99_us: pick(0.99),
+        algbw,
+        busbw: algbw * ops::bus_factor(op, w),
+        wrong: wrong[0],
+    })
+}

@@ -1,0 +1,198 @@
+//! The benchmarked ops: buffer shapes (N = bytes per rank from the size
+//! sweep, W = world size, as nccl-tests), one timed call, and a check of
+//! the result against the conformance references.
+
+use weft::prelude::*;
+use weft::{DType, ReduceOp};
+use weft_conformance::reference::{make, reduced_tensor};
+use weft_conformance::Buf;
+
+/// The ops `weft bench` knows.
+pub const ALL: [&str; 11] = [
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "all_to_all_v",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "p2p",
+    "barrier",
+];
+
+/// Bus-bandwidth factor (nccl-tests' formulas).
+pub fn bus_factor(op: &str, w: usize) -> f64 {
+    let w = w as f64;
+    match op {
+        "all_reduce" => 2.0 * (w - 1.0) / w,
+        "all_gather" | "reduce_scatter" | "all_to_all" | "all_to_all_v" | "gather" | "scatter" => (w - 1.0) / w,
+        _ => 1.0,
+    }
+}
+
+/// Buffers for one (op, size): inputs, outputs and what to expect.
+pub struct Case {
+    op: &'static str,
+    dtype: DType,
+    redop: ReduceOp,
+    root: usize,
+    /// Elements per rank (N / element size, rounded to what the op needs).
+    pub count: usize,
+    input: Buf,
+    output: Buf,
+    splits_in: Vec<usize>,
+    splits_out: Vec<usize>,
+}
+
+/// Period of the reference patterns (see weft_conformance::reference).
+const PERIOD: usize = 30;
+
+impl Case {
+    /// Set up `op` for `bytes` per rank.
+    pub fn new(op: &'static str, dtype: DType, redop: ReduceOp, root: usize, bytes: usize, r: usize, w: usize) -> Case {
+        let per = (bytes / dtype.size()).max(1);
+        // Ops that split a buffer in W parts need a multiple of W elements.
+        let count = match op {
+            "all_gather" | "reduce_scatter" | "all_to_all" | "all_to_all_v" | "gather" | "scatter" => (per / w).max(1) * w,
+            "barrier" => 0,
+            _ => per,
+        };
+        let part = count / w;
+        let (input, output) = match op {
+            "all_gather" | "gather" => (Buf::from_bytes(dtype, &make(dtype, r, part)), Buf::zeros(dtype, count)),
+            "reduce_scatter" => (Buf::from_bytes(dtype, &make(dtype, r, count)), Buf::zeros(dtype, part)),
+            "scatter" => (Buf::from_bytes(dtype, &make(dtype, r, count)), Buf::zeros(dtype, part)),
+            "all_to_all" | "all_to_all_v" | "p2p" => (Buf::from_bytes(dtype, &make(dtype, r, count)), Buf::zeros(dtype, count)),
+            _ => (Buf::from_bytes(dtype, &make(dtype, r, count)), Buf::zeros(dtype, 0)),
+        };
+        let (splits_in, splits_out) = if op == "all_to_all_v" {
+            (skewed_splits(count, w, r), (0..w).map(|s| skewed_splits(count, w, s)[r]).collect())
+        } else {
+            (vec![], vec![])
+        };
+        let output = if op == "all_to_all_v" { Buf::zeros(dtype, splits_out.iter().sum()) } else { output };
+        Case { op, dtype, redop, root, count, input, output, splits_in, splits_out }
+    }
+
+    /// Bytes per element.
+    pub fn dtype_size(&self) -> usize {
+        self.dtype.size()
+    }
+
+    /// Restore inputs that an in-place op overwrote.
+    pub fn reset(&mut self, r: usize) {
+        if matches!(self.op, "all_reduce" | "reduce" | "broadcast") {
+            self.input = Buf::from_bytes(self.dtype, &make(self.dtype, r, self.count));
+        }
+    }
+
+    /// Run the op once.
+    pub fn run(&mut self, pg: &ProcessGroup, o: &OpOptions) -> weft::Result<()> {
+        let (r, w) = (pg.rank(), pg.size());
+        let part = self.count / w.max(1);
+        match self.op {
+            "all_reduce" => pg.all_reduce(self.input.tm(), self.redop, o)?.wait(),
+            "reduce" => pg.reduce(self.input.tm(), self.root, self.redop, o)?.wait(),
+            "broadcast" => pg.broadcast(self.input.tm(), self.root, o)?.wait(),
+            "all_gather" => pg.all_gather_single(self.output.tm(), self.input.t(), o)?.wait(),
+            "reduce_scatter" => pg.reduce_scatter_single(self.output.tm(), self.input.t(), self.redop, o)?.wait(),
+            "all_to_all" => pg.all_to_all_single(self.output.tm(), self.input.t(), o)?.wait(),
+            "all_to_all_v" => pg.all_to_all_v_single(self.output.tm(), self.input.t(), &self.splits_out, &self.splits_in, o)?.wait(),
+            "gather" => {
+                let outs = if r == self.root { self.output.tm().split_mut(&vec![part; w])? } else { vec![] };
+                pg.gather(outs, self.input.t(), self.root, o)?.wait()
+            }
+            "scatter" => {
+                let t = self.input.t();
+                let ins = if r == self.root { t.split(&vec![part; w])? } else { vec![] };
+                pg.scatter(self.output.tm(), ins, self.root, o)?.wait()
+            }
+            "p2p" => {
+                // A chain 0 -> 1 -> ... -> W-1, each rank forwarding what it received.
+                if r > 0 {
+                    pg.recv(self.output.tm(), r - 1, 0, o)?.wait()?;
+                }
+                if r + 1 < w {
+                    let src = if r == 0 { self.input.t() } else { self.output.t() };
+                    pg.send(src, r + 1, 0, o)?.wait()?;
+                }
+                Ok(())
+            }
+            _ => pg.barrier(o)?.wait(),
+        }
+    }
+
+    /// Number of wrong elements in this rank's result after a fresh run.
+    pub fn wrong(&self, r: usize, w: usize) -> usize {
+        let (d, sz, part) = (self.dtype, self.dtype.size(), self.count / w.max(1));
+        // Compare `got` with a pattern that repeats every PERIOD elements.
+        let cmp = |got: &[u8], pattern: &[u8]| -> usize {
+            got.chunks(sz).enumerate().filter(|(i, e)| *e != &pattern[(i % PERIOD) * sz..(i % PERIOD + 1) * sz]).count()
+        };
+        let pat = |rank: usize| make(d, rank, PERIOD);
+        match self.op {
+            "all_reduce" => cmp(self.input.bytes(), &reduced_tensor(d, self.redop, w, PERIOD)),
+            "reduce" if r == self.root => cmp(self.input.bytes(), &reduced_tensor(d, self.redop, w, PERIOD)),
+            "reduce" => cmp(self.input.bytes(), &pat(r)),
+            "broadcast" => cmp(self.input.bytes(), &pat(self.root)),
+            "all_gather" => (0..w).map(|k| cmp(&self.output.bytes()[k * part * sz..(k + 1) * part * sz], &pat(k))).sum(),
+            "gather" if r == self.root => (0..w).map(|k| cmp(&self.output.bytes()[k * part * sz..(k + 1) * part * sz], &pat(k))).sum(),
+            "reduce_scatter" => {
+                // Rank r's part starts at element r*part of the full reduced pattern.
+                let full = reduced_tensor(d, self.redop, w, PERIOD);
+                let shifted: Vec<u8> =
+                    (0..PERIOD).flat_map(|i| full[((r * part + i) % PERIOD) * sz..((r * part + i) % PERIOD + 1) * sz].to_vec()).collect();
+                cmp(self.output.bytes(), &shifted)
+            }
+            "scatter" => {
+                let full = pat(self.root);
+                let shifted: Vec<u8> =
+                    (0..PERIOD).flat_map(|i| full[((r * part + i) % PERIOD) * sz..((r * part + i) % PERIOD + 1) * sz].to_vec()).collect();
+                cmp(self.output.bytes(), &shifted)
+            }
+            "p2p" if r > 0 => cmp(self.output.bytes(), &pat(0)),
+            "all_to_all" | "all_to_all_v" => {
+                // From each source s, its part for this rank: offset of r in s's splits.
+                let mut off = 0;
+                let mut bad = 0;
+                for s in 0..w {
+                    let (start, n) = if self.op == "all_to_all" { (r * part, part) } else { self.part_of(s, r) };
+                    let full = pat(s);
+                    let shifted: Vec<u8> =
+                        (0..PERIOD).flat_map(|i| full[((start + i) % PERIOD) * sz..((start + i) % PERIOD + 1) * sz].to_vec()).collect();
+                    bad += cmp(&self.output.bytes()[off * sz..(off + n) * sz], &shifted);
+                    off += n;
+                }
+                bad
+            }
+            _ => 0,
+        }
+    }
+
+    /// Start and length of the part source `s` sends to `dst` in all_to_all_v.
+    fn part_of(&self, s: usize, dst: usize) -> (usize, usize) {
+        let v = skewed_splits(self.count, self.splits_out.len(), s);
+        (v[..dst].iter().sum(), v[dst])
+    }
+
+    /// Whether the reduce op applies to this op.
+    pub fn uses_redop(op: &str) -> bool {
+        matches!(op, "all_reduce" | "reduce" | "reduce_scatter")
+    }
+    /// Whether the root applies to this op.
+    pub fn uses_root(op: &str) -> bool {
+        matches!(op, "broadcast" | "reduce" | "gather" | "scatter")
+    }
+}
+
+/// all_to_all_v's skew: source `s` sends destination d a share of its
+/// `count` elements proportional to 1 + (s + d) % W.
+fn skewed_splits(count: usize, w: usize, s: usize) -> Vec<usize> {
+    let share = |d: usize| 1 + (s + d) % w;
+    let total: usize = (0..w).map(share).sum();
+    let mut v: Vec<usize> = (0..w).map(|d| count * share(d) / total).collect();
+    v[w - 1] += count - v.iter().sum::<usize>();
+    v
+}
