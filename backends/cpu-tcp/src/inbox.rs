@@ -8,6 +8,7 @@
 //! `Reading`), which is what makes handing out the pointer sound.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 use weft::backend::OpKind;
@@ -65,7 +66,13 @@ pub struct Inbox {
     me: usize,
     inner: Mutex<Inner>,
     changed: Condvar,
+    /// Bumped on every completion, so a spinning waiter can poll it without the lock.
+    generation: AtomicU64,
 }
+
+/// How long a waiter spins in total before sleeping, and per check of its receives.
+const SPIN: std::time::Duration = std::time::Duration::from_micros(50);
+const SPIN_SLICE: std::time::Duration = std::time::Duration::from_micros(5);
 
 impl Inbox {
     pub fn new(me: usize, size: usize) -> Self {
@@ -78,6 +85,7 @@ impl Inbox {
                 next_id: 0,
             }),
             changed: Condvar::new(),
+            generation: AtomicU64::new(0),
         }
     }
 
@@ -198,6 +206,11 @@ impl Inbox {
         }
     }
 
+    /// Whether anything completed since `seen` (checked without the lock).
+    fn any_change(&self, seen: u64) -> bool {
+        self.generation.load(Ordering::Acquire) != seen
+    }
+
     fn finish(&self, g: &mut Inner, id: u64, result: Result<()>) {
         if let Some(r) = g.recvs.get_mut(&id) {
             if matches!(r.state, State::Posted) {
@@ -207,6 +220,7 @@ impl Inbox {
             }
             r.state = State::Done(result);
         }
+        self.generation.fetch_add(1, Ordering::AcqRel);
         self.changed.notify_all();
     }
 
@@ -215,8 +229,10 @@ impl Inbox {
     /// timeout; one being read is waited for (its reader ends by the same
     /// deadline).
     pub fn wait(&self, ids: &[u64], deadline: Instant) -> Result<()> {
+        let mut spun = std::time::Duration::ZERO;
         let mut g = self.lock();
         loop {
+            let seen = self.generation.load(Ordering::Acquire);
             let now = Instant::now();
             if now >= deadline {
                 let late: Vec<u64> = ids.iter().copied().filter(|id| matches!(g.recvs[id].state, State::Posted)).collect();
@@ -241,6 +257,19 @@ impl Inbox {
                     }
                 }
                 return first;
+            }
+            // Spin briefly before sleeping: a small message usually lands
+            // within microseconds, and waking a sleeping thread costs tens
+            // of them. Yielding lets the reader thread run on a busy core.
+            if spun < SPIN {
+                drop(g);
+                let t = std::time::Instant::now();
+                while t.elapsed() < SPIN_SLICE && !self.any_change(seen) {
+                    std::thread::yield_now();
+                }
+                spun += t.elapsed();
+                g = self.lock();
+                continue;
             }
             let wait = deadline.saturating_duration_since(now).max(std::time::Duration::from_millis(1));
             g = self.changed.wait_timeout(g, wait).unwrap_or_else(|p| p.into_inner()).0;

@@ -5,18 +5,12 @@
 use super::Comm;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::kernels::{finish, prescale, reduce_into, AlignedBuf};
+use crate::kernels::{finish, prescale, reduce_into, AlignedBuf, Scratch};
 use crate::reduce_op::ReduceOp;
 
 /// Ring reduce-scatter over blocks given by `input(i)`; returns this rank's
 /// fully reduced block (finished: `Avg` divided).
-fn reduce_scatter_blocks<'b>(
-    c: &Comm<'_>,
-    input: impl Fn(usize) -> &'b [u8],
-    dtype: DType,
-    op: ReduceOp,
-    step0: u32,
-) -> Result<AlignedBuf> {
+fn reduce_scatter_blocks<'b>(c: &Comm<'_>, input: impl Fn(usize) -> &'b [u8], dtype: DType, op: ReduceOp, step0: u32) -> Result<Scratch> {
     let (w, r) = (c.size(), c.rank());
     // PremulSum scales each rank's own contribution once, before it is used.
     let scaled: Option<Vec<AlignedBuf>> = matches!(op, ReduceOp::PremulSum(_)).then(|| {
@@ -37,20 +31,21 @@ fn reduce_scatter_blocks<'b>(
     let max = (0..w).map(|i| block(i).len()).max().unwrap_or(0);
     let (right, left) = ((r + 1) % w, (r + w - 1) % w);
     let first = block((r + w - 1) % w);
-    let mut acc = AlignedBuf::zeroed(max);
-    acc.as_mut()[..first.len()].copy_from_slice(first);
-    let mut recv = AlignedBuf::zeroed(max);
+    let mut acc = Scratch::take(max);
+    acc[..first.len()].copy_from_slice(first);
+    let mut recv = Scratch::take(max);
     let mut send_len = first.len();
     for k in 0..w.saturating_sub(1) {
         let rb = (r + 2 * w - k - 2) % w;
         let rlen = block(rb).len();
-        c.send_recv(step0 + k as u32, right, &acc.as_ref()[..send_len], left, &mut recv.as_mut()[..rlen])?;
-        reduce_into(&mut recv.as_mut()[..rlen], block(rb), dtype, op);
+        c.send_recv(step0 + k as u32, right, &acc[..send_len], left, &mut recv[..rlen])?;
+        reduce_into(&mut recv[..rlen], block(rb), dtype, op);
         std::mem::swap(&mut acc, &mut recv);
         send_len = rlen;
     }
-    let mut out = AlignedBuf::copy_of(&acc.as_ref()[..send_len]);
-    finish(out.as_mut(), dtype, op, w);
+    let mut out = Scratch::take(send_len);
+    out.copy_from_slice(&acc[..send_len]);
+    finish(&mut out, dtype, op, w);
     Ok(out)
 }
 
@@ -75,23 +70,33 @@ pub fn all_gather(c: &Comm<'_>, input: &[u8], outputs: &mut [&mut [u8]]) -> Resu
 /// `output` = reduction over ranks of their `inputs[rank]`.
 pub fn reduce_scatter(c: &Comm<'_>, inputs: &[&[u8]], output: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     let mine = reduce_scatter_blocks(c, |i| inputs[i], dtype, op, 0)?;
-    output.copy_from_slice(mine.as_ref());
+    output.copy_from_slice(&mine);
     Ok(())
 }
 
-/// In-place all-reduce: reduce-scatter the W blocks of `buf`, then all-gather them.
+/// In-place all-reduce: a ring reduce-scatter that accumulates in `buf`
+/// itself (each step sends the partial block it just reduced and adds the
+/// received one into the next), then a ring all-gather of the W blocks.
+/// One block of scratch, taken from the pool.
 pub fn all_reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-    let w = c.size();
+    let (w, r) = (c.size(), c.rank());
     let esize = dtype.size();
     let n = buf.len() / esize;
     // Block i covers elements [n*i/w, n*(i+1)/w): sizes differ by at most one.
     let bounds: Vec<usize> = (0..=w).map(|i| n * i / w * esize).collect();
-    let mine = {
-        let ro: &[u8] = buf;
-        reduce_scatter_blocks(c, |i| &ro[bounds[i]..bounds[i + 1]], dtype, op, 0)?
-    };
-    let r = c.rank();
-    buf[bounds[r]..bounds[r + 1]].copy_from_slice(mine.as_ref());
+    let range = |i: usize| bounds[i]..bounds[i + 1];
+    prescale(buf, dtype, op);
+    let (right, left) = ((r + 1) % w, (r + w - 1) % w);
+    let mut tmp = Scratch::take(bounds[1..].iter().zip(&bounds).map(|(b, a)| b - a).max().unwrap_or(0));
+    for k in 0..w.saturating_sub(1) {
+        let (sb, rb) = ((r + 2 * w - k - 1) % w, (r + 2 * w - k - 2) % w);
+        let rlen = range(rb).len();
+        c.send_recv(k as u32, right, &buf[range(sb)], left, &mut tmp[..rlen])?;
+        reduce_into(&mut buf[range(rb)], &tmp[..rlen], dtype, op);
+    }
+    // After W-1 steps this rank holds the full reduction of block r.
+    finish(&mut buf[range(r)], dtype, op, w);
+    drop(tmp);
     let mut blocks: Vec<&mut [u8]> = Vec::with_capacity(w);
     let mut rest = buf;
     for i in 0..w {

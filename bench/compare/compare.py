@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Side-by-side comparison: weft bench vs Gloo vs Open MPI on this machine.
+
+Builds gloo_bench.cc (Debian libgloo-dev) and mpi_bench.c (openmpi-bin,
+libopenmpi-dev), then runs weft, Gloo and Open MPI alternately, ROUNDS
+times, at each size, with the same timing method (barrier before each
+iteration, slowest rank per iteration, median). Prints one table: the
+median over rounds of each tool's time, the spread (min-max over rounds),
+and weft's speed relative to each anchor (>1 means weft is faster).
+
+Usage: bench/compare/compare.py [--world 2] [--rounds 5] [--backend cpu-tcp]
+       [--ops all_reduce,...] [--sizes 8,1048576,67108864] [--iters 10]
+Needs: apt-get install libgloo-dev openmpi-bin libopenmpi-dev g++
+"""
+import argparse, os, statistics, subprocess, sys, tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def sh(cmd, **kw):
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw).stdout
+
+
+def build(out):
+    os.makedirs(out, exist_ok=True)
+    sh(["cargo", "build", "--release", "-q", "-p", "weft-cli"], cwd=ROOT)
+    sh(["g++", "-O2", "-std=c++17", "-o", f"{out}/gloo_bench", f"{HERE}/gloo_bench.cc", "-lgloo", "-lpthread"])
+    sh(["mpicc", "-O2", "-o", f"{out}/mpi_bench", f"{HERE}/mpi_bench.c"])
+
+
+def parse_lines(text):
+    res = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 3:
+            res[(parts[0], int(parts[1]))] = float(parts[2])
+    return res
+
+
+def run_weft(a, size, weft):
+    csv = sh([weft, "bench", "--world", str(a.world), "--backend", a.backend, "--ops", a.ops, "-b", str(size), "-e", str(size),
+              "-n", str(a.iters), "-w", "3", "--time-per-size", "1000", "--no-check", "--csv", "-"])
+    res = {}
+    for line in csv.splitlines()[1:]:
+        f = line.split(",")
+        res[(f[2], int(f[3]))] = float(f[9])
+    return res
+
+
+def run_gloo(a, size, out, weft):
+    ops = ",".join(o for o in a.ops.split(",") if o not in ("reduce_scatter", "scatter", "gather", "all_to_all_v"))
+    with tempfile.TemporaryDirectory() as store:
+        env = dict(os.environ, GLOO_STORE_DIR=store)
+        text = sh([weft, "run", "-n", str(a.world), "--no-prefix", "--timeout", "600", "--",
+                   f"{out}/gloo_bench", ops, str(size), str(size), "2", str(a.iters)], env=env)
+    return parse_lines(text)
+
+
+def run_mpi(a, size, out, btl):
+    ops = ",".join(o for o in a.ops.split(",") if o not in ("scatter", "gather", "all_to_all_v"))
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(a.world), "--mca", "pml", "ob1", "--mca", "btl", btl]
+    if btl.startswith("tcp"):
+        cmd += ["--mca", "btl_tcp_if_include", "lo"]
+    return parse_lines(sh(cmd + [f"{out}/mpi_bench", ops, str(size), str(size), "2", str(a.iters)]))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--backend", default="cpu-tcp")
+    p.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,p2p,barrier")
+    p.add_argument("--sizes", default="8,1048576,67108864")
+    p.add_argument("--out", default=os.path.join(ROOT, "target", "compare"))
+    a = p.parse_args()
+    build(a.out)
+    weft = os.path.join(ROOT, "target", "release", "weft")
+    tools = {
+        "weft": lambda s: run_weft(a, s, weft),
+        "gloo": lambda s: run_gloo(a, s, a.out, weft),
+        "mpi-tcp": lambda s: run_mpi(a, s, a.out, "tcp,self"),
+        "mpi-shm": lambda s: run_mpi(a, s, a.out, "vader,self"),
+    }
+    samples = {}  # (tool, op, bytes) -> [median_us per round]
+    for rnd in range(a.rounds):
+        for size in [int(s) for s in a.sizes.split(",")]:
+            for tool, run in tools.items():  # alternate tools within each round
+                for key, us in run(size).items():
+                    samples.setdefault((tool,) + key, []).append(us)
+        print(f"round {rnd + 1}/{a.rounds} done", file=sys.stderr)
+    keys = sorted({k[1:] for k in samples if k[0] == "weft"}, key=lambda k: (k[0], k[1]))
+    print(f"# W={a.world}, backend {a.backend}, {a.rounds} alternating rounds, {a.iters} iterations each; "
+          f"time = median over rounds of each run's median (us), [min-max over rounds]; x = anchor time / weft time (>1: weft faster)")
+    hdr = f"{'op':<15} {'bytes':>10} " + " ".join(f"{t:>24}" for t in tools) + "  " + " ".join(f"{'x ' + t:>10}" for t in tools if t != "weft")
+    print(hdr)
+    for op, b in keys:
+        cells, med = [], {}
+        for t in tools:
+            v = samples.get((t, op, b))
+            if v:
+                med[t] = statistics.median(v)
+                cells.append(f"{med[t]:>10.1f} [{min(v):.0f}-{max(v):.0f}]".rjust(24))
+            else:
+                cells.append(f"{'-':>24}")
+        ratios = [f"{med[t] / med['weft']:>10.2f}" if t in med and "weft" in med else f"{'-':>10}" for t in tools if t != "weft"]
+        print(f"{op:<15} {b:>10} " + " ".join(cells) + "  " + " ".join(ratios))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+/* Open MPI anchor for weft's comparison harness: times MPI collectives the
+ * way `weft bench` times its own (a barrier before each iteration, the
+ * slowest rank's time per iteration, the median over iterations).
+ * Usage: mpirun -np 2 [--mca btl tcp,self | vader,self] mpi_bench OPS MINBYTES MAXBYTES FACTOR ITERS
+ * Prints: "op bytes median_us" per size on rank 0. */
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int cmp(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static int rank, size, iters;
+static float *A, *B;
+
+static int want(const char *ops, const char *op) {
+    char pat[64], list[512];
+    snprintf(list, sizeof list, ",%s,", ops);
+    snprintf(pat, sizeof pat, ",%s,", op);
+    return strstr(list, pat) != NULL;
+}
+
+typedef void (*op_fn)(size_t n, size_t part);
+
+static double timeit(op_fn f, size_t n, size_t part) {
+    double *t = malloc(sizeof(double) * iters);
+    for (int i = 0; i < 3; i++) f(n, part);
+    for (int i = 0; i < iters; i++) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        double a = MPI_Wtime();
+        f(n, part);
+        t[i] = (MPI_Wtime() - a) * 1e6;
+    }
+    MPI_Allreduce(MPI_IN_PLACE, t, iters, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    qsort(t, iters, sizeof(double), cmp);
+    double m = t[iters / 2];
+    free(t);
+    return m;
+}
+
+static void all_reduce(size_t n, size_t p) { (void)p; MPI_Allreduce(MPI_IN_PLACE, A, (int)n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); }
+static void all_gather(size_t n, size_t p) { (void)n; MPI_Allgather(A, (int)p, MPI_FLOAT, B, (int)p, MPI_FLOAT, MPI_COMM_WORLD); }
+static void reduce_scatter(size_t n, size_t p) { (void)n; MPI_Reduce_scatter_block(A, B, (int)p, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); }
+static void all_to_all(size_t n, size_t p) { (void)n; MPI_Alltoall(A, (int)p, MPI_FLOAT, B, (int)p, MPI_FLOAT, MPI_COMM_WORLD); }
+static void broadcast(size_t n, size_t p) { (void)p; MPI_Bcast(A, (int)n, MPI_FLOAT, 0, MPI_COMM_WORLD); }
+static void reduce(size_t n, size_t p) { (void)p; MPI_Reduce(A, B, (int)n, MPI_FLOAT, MPI_SUM, 0, MPI_COMM_WORLD); }
+static void p2p(size_t n, size_t p) { /* chain 0 -> 1 -> ... -> W-1 */
+    (void)p;
+    if (rank > 0) MPI_Recv(A, (int)n, MPI_FLOAT, rank - 1, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    if (rank + 1 < size) MPI_Send(A, (int)n, MPI_FLOAT, rank + 1, 0, MPI_COMM_WORLD);
+}
+static void barrier(size_t n, size_t p) { (void)n; (void)p; MPI_Barrier(MPI_COMM_WORLD); }
+
+int main(int argc, char **argv) {
+    MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    if (argc != 6) {
+        if (rank == 0) fprintf(stderr, "usage: mpi_bench OPS MINBYTES MAXBYTES FACTOR ITERS\n");
+        MPI_Finalize();
+        return 2;
+    }
+    const char *ops = argv[1];
+    size_t minb = strtoull(argv[2], 0, 10), maxb = strtoull(argv[3], 0, 10), factor = strtoull(argv[4], 0, 10);
+    iters = atoi(argv[5]);
+    struct { const char *name; op_fn f; int full; } table[] = {
+        {"all_reduce", all_reduce, 0}, {"all_gather", all_gather, 1}, {"reduce_scatter", reduce_scatter, 1},
+        {"all_to_all", all_to_all, 1}, {"broadcast", broadcast, 0}, {"reduce", reduce, 0}, {"p2p", p2p, 0},
+    };
+    for (size_t bytes = minb; bytes <= maxb; bytes *= factor) {
+        size_t n = bytes / 4 ? bytes / 4 : 1;
+        size_t part = n / size ? n / size : 1, full = part * size;
+        A = calloc(full > n ? full : n, sizeof(float));
+        B = calloc(full > n ? full : n, sizeof(float));
+        for (size_t k = 0; k < sizeof table / sizeof *table; k++) {
+            if (!want(ops, table[k].name)) continue;
+            double us = timeit(table[k].f, n, part);
+            if (rank == 0) printf("%s %zu %.3f\n", table[k].name, (table[k].full ? full : n) * 4, us);
+        }
+        if (want(ops, "barrier") && bytes == minb) {
+            double us = timeit(barrier, 0, 0);
+            if (rank == 0) printf("barrier 0 %.3f\n", us);
+        }
+        free(A);
+        free(B);
+    }
+    MPI_Finalize();
+    return 0;
+}
