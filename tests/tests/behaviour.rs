@@ -185,3 +185,22 @@ fn groups_rendezvous_through_a_file_store_and_two_groups_share_one_store() {
     assert!(out.iter().all(|x| *x == (3, 30)), "{out:?}");
     std::fs::remove_file(&path).unwrap();
 }
+
+#[test]
+fn algorithm_hints_select_and_unknown_names_are_clear_errors() {
+    run_threads(3, options("cpu-tcp"), |pg| {
+        for algo in ["ring", "recursive_doubling"] {
+            let mut v = vec![pg.rank() as f32; 7];
+            pg.all_reduce(&mut v, ReduceOp::Sum, &o().hint("algorithm", algo)).unwrap().wait().unwrap();
+            assert_eq!(v, vec![3.0; 7], "{algo}");
+        }
+        let mut b = vec![pg.rank() as u8; 1000];
+        pg.broadcast(&mut b, 1, &o().hint("algorithm", "scatter_allgather")).unwrap().wait().unwrap();
+        assert!(b.iter().all(|x| *x == 1));
+        let result = pg.all_reduce(&mut b, ReduceOp::Sum, &o().hint("algorithm", "butterfly")).unwrap().wait();
+        let e = result.unwrap_err();
+        assert_eq!(e.kind(), &ErrorKind::InvalidArgument, "{e}");
+        // Every rank rejected it before moving bytes: the group still works.
+        pg.barrier(&o()).unwrap().wait().unwrap();
+    });
+}

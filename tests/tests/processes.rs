@@ -76,6 +76,12 @@ fn socket_interface_selection() {
 }
 
 #[test]
+fn weft_algorithm_forces_algorithms_for_the_whole_group() {
+    let env = [("WEFT_ALGORITHM", "all_reduce=ring,broadcast=scatter_allgather")];
+    assert_all_ok(&run_world(WORKER, 3, &["ops"], &env, Duration::from_secs(60)));
+}
+
+#[test]
 fn the_default_timeout_comes_from_weft_timeout_seconds() {
     assert_all_ok(&run_world(WORKER, 2, &["default_timeout"], &[("WEFT_TIMEOUT_SECONDS", "1")], Duration::from_secs(60)));
 }

@@ -4,10 +4,14 @@
 //!
 //! | op | algorithm | file |
 //! |---|---|---|
-//! | all_reduce | ring reduce-scatter + ring all-gather | `ring.rs` |
+//! | all_reduce | recursive doubling (small), ring reduce-scatter + all-gather (large) | `recursive.rs`, `ring.rs` |
 //! | reduce_scatter(_v) | ring | `ring.rs` |
 //! | all_gather(_v) | ring | `ring.rs` |
-//! | broadcast, reduce | binomial tree | `tree.rs` |
+//! | broadcast | binomial tree (small), scatter + ring all-gather (large) | `tree.rs`, `ring.rs` |
+//! | reduce | binomial tree | `tree.rs` |
+//!
+//! `select.rs` picks per op by size; the hint `algorithm=NAME` or
+//! `WEFT_ALGORITHM` forces one.
 //! | gather, scatter | root exchanges with every rank at once | `linear.rs` |
 //! | all_to_all(_v) | pairwise exchange | `pairwise.rs` |
 //! | barrier | dissemination | `barrier.rs` |
@@ -15,7 +19,9 @@
 mod barrier;
 mod linear;
 mod pairwise;
+mod recursive;
 mod ring;
+pub mod select;
 mod tree;
 
 use crate::backend::{Backend, Op, OpContext, P2p};
@@ -82,10 +88,16 @@ pub fn run(backend: &dyn Backend, op: &mut Op<'_>, ctx: &OpContext) -> Result<()
         Op::Recv { buf, peer, tag } => {
             backend.exchange(&mut [P2p::Recv { peer: *peer, tag: *tag, buf: buf.host_bytes_mut()? }], ctx.deadline)
         }
-        Op::Broadcast { buf, root } => tree::broadcast(&c, buf.host_bytes_mut()?, *root),
+        Op::Broadcast { buf, root } => match select::pick(ctx, "broadcast", buf.nbytes())? {
+            "scatter_allgather" => ring::broadcast_scatter_allgather(&c, buf.host_bytes_mut()?, *root),
+            _ => tree::broadcast(&c, buf.host_bytes_mut()?, *root),
+        },
         Op::AllReduce { buf, op } => {
             let dtype = buf.dtype();
-            ring::all_reduce(&c, buf.host_bytes_mut()?, dtype, *op)
+            match select::pick(ctx, "all_reduce", buf.nbytes())? {
+                "recursive_doubling" => recursive::all_reduce(&c, buf.host_bytes_mut()?, dtype, *op),
+                _ => ring::all_reduce(&c, buf.host_bytes_mut()?, dtype, *op),
+            }
         }
         Op::Reduce { buf, root, op } => {
             let dtype = buf.dtype();

@@ -106,3 +106,30 @@ pub fn all_reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> R
     }
     all_gather_blocks(c, &mut blocks, w as u32)
 }
+
+/// Broadcast for large buffers: the root scatters W blocks (one to each
+/// rank), then a ring all-gather completes every copy. The root sends the
+/// buffer about once instead of log2(W) times.
+pub fn broadcast_scatter_allgather(c: &Comm<'_>, buf: &mut [u8], root: usize) -> Result<()> {
+    let (w, r) = (c.size(), c.rank());
+    let n = buf.len();
+    let bounds: Vec<usize> = (0..=w).map(|i| n * i / w).collect();
+    if r == root {
+        let tag = c.ctx().tag(0);
+        let mut ops: Vec<crate::backend::P2p<'_>> = (0..w)
+            .filter(|i| *i != root)
+            .map(|i| crate::backend::P2p::Send { peer: i, tag, data: &buf[bounds[i]..bounds[i + 1]] })
+            .collect();
+        c.exchange(&mut ops)?;
+    } else {
+        c.recv(0, root, &mut buf[bounds[r]..bounds[r + 1]])?;
+    }
+    let mut blocks: Vec<&mut [u8]> = Vec::with_capacity(w);
+    let mut rest = buf;
+    for i in 0..w {
+        let (head, tail) = rest.split_at_mut(bounds[i + 1] - bounds[i]);
+        blocks.push(head);
+        rest = tail;
+    }
+    all_gather_blocks(c, &mut blocks, 1)
+}

@@ -58,12 +58,23 @@ impl Backend for MailBackend {
 
 /// Run `f(rank, backend, ctx)` on `w` threads and collect the results in rank order.
 pub fn run_ranks<T: Send>(w: usize, kind: OpKind, f: impl Fn(usize, &dyn Backend, &OpContext) -> T + Sync) -> Vec<T> {
+    run_ranks_with(w, kind, &[], f)
+}
+
+/// As [`run_ranks`], with op hints (e.g. `("algorithm", "ring")`).
+pub fn run_ranks_with<T: Send>(
+    w: usize,
+    kind: OpKind,
+    hints: &[(&str, &str)],
+    f: impl Fn(usize, &dyn Backend, &OpContext) -> T + Sync,
+) -> Vec<T> {
+    let hints: std::collections::HashMap<String, String> = hints.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
     let boxes = Arc::new(Mailboxes::default());
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..w)
             .map(|rank| {
                 let b = MailBackend { rank, boxes: boxes.clone() };
-                let f = &f;
+                let (f, hints) = (&f, &hints);
                 s.spawn(move || {
                     let ctx = OpContext {
                         rank,
@@ -72,7 +83,7 @@ pub fn run_ranks<T: Send>(w: usize, kind: OpKind, f: impl Fn(usize, &dyn Backend
                         kind,
                         seq: 0,
                         deadline: Instant::now() + Duration::from_secs(20),
-                        hints: Default::default(),
+                        hints: hints.clone(),
                     };
                     f(rank, &b, &ctx)
                 })
@@ -173,5 +184,65 @@ mod tests {
                 let _ = run_ranks(w, OpKind::Barrier, |_, b, c| run(b, &mut Op::Barrier, c).unwrap());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod algorithm_tests {
+    use super::*;
+    use crate::algorithms::run;
+    use crate::backend::Op;
+    use crate::reduce_op::ReduceOp;
+    use crate::tensor::TensorMut;
+
+    #[test]
+    fn every_all_reduce_and_broadcast_algorithm_at_every_world_size() {
+        for w in 1..=8 {
+            // 0, 1, odd, not divisible by W, and more than W elements.
+            for n in [0usize, 1, 5, 7 * w + 3] {
+                for algo in ["ring", "recursive_doubling"] {
+                    for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::PremulSum(0.5)] {
+                        let out = run_ranks_with(w, OpKind::AllReduce, &[("algorithm", algo)], |r, b, c| {
+                            let mut v: Vec<f64> = (0..n).map(|i| (r * 3 + i) as f64).collect();
+                            run(b, &mut Op::AllReduce { buf: TensorMut::from_slice(&mut v), op }, c).unwrap();
+                            v
+                        });
+                        let expect: Vec<f64> = (0..n)
+                            .map(|i| {
+                                let s: f64 = (0..w).map(|r| (r * 3 + i) as f64).sum();
+                                match op {
+                                    ReduceOp::Avg => s / w as f64,
+                                    ReduceOp::PremulSum(f) => s * f,
+                                    _ => s,
+                                }
+                            })
+                            .collect();
+                        for (r, o) in out.iter().enumerate() {
+                            assert_eq!(o, &expect, "{algo} w={w} n={n} {op} rank {r}");
+                        }
+                    }
+                }
+                for algo in ["binomial", "scatter_allgather"] {
+                    for root in [0, w - 1] {
+                        let out = run_ranks_with(w, OpKind::Broadcast, &[("algorithm", algo)], |r, b, c| {
+                            let mut v: Vec<u8> = (0..n).map(|i| (r * 31 + i) as u8).collect();
+                            run(b, &mut Op::Broadcast { buf: TensorMut::from_slice(&mut v), root }, c).unwrap();
+                            v
+                        });
+                        let expect: Vec<u8> = (0..n).map(|i| (root * 31 + i) as u8).collect();
+                        assert!(out.iter().all(|o| *o == expect), "{algo} w={w} n={n} root={root}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn unknown_algorithms_are_invalid_arguments() {
+        let out = run_ranks_with(2, OpKind::AllReduce, &[("algorithm", "butterfly")], |_, b, c| {
+            let mut v = [1u8];
+            run(b, &mut Op::AllReduce { buf: TensorMut::from_slice(&mut v[..]), op: ReduceOp::Sum }, c).unwrap_err()
+        });
+        assert!(out[0].to_string().contains("no algorithm \"butterfly\" (choices: auto, ring, recursive_doubling)"), "{}", out[0]);
     }
 }
