@@ -25,6 +25,30 @@ pub fn make(dtype: DType, rank: usize, n: usize) -> Vec<u8> {
     out
 }
 
+/// `v` as one element of `dtype`.
+pub fn encode(dtype: DType, v: f64) -> Vec<u8> {
+    let mut out = Vec::new();
+    push(&mut out, dtype, v);
+    out
+}
+
+/// One element of `dtype` as f64.
+pub fn decode(dtype: DType, b: &[u8]) -> f64 {
+    match dtype {
+        DType::F32 => f32::from_ne_bytes(b[..4].try_into().unwrap()) as f64,
+        DType::F64 => f64::from_ne_bytes(b[..8].try_into().unwrap()),
+        DType::F16 => f16::from_ne_bytes(b[..2].try_into().unwrap()).to_f64(),
+        DType::BF16 => bf16::from_ne_bytes(b[..2].try_into().unwrap()).to_f64(),
+        DType::I8 => b[0] as i8 as f64,
+        DType::U8 => b[0] as f64,
+        DType::I32 => i32::from_ne_bytes(b[..4].try_into().unwrap()) as f64,
+        DType::I64 => i64::from_ne_bytes(b[..8].try_into().unwrap()) as f64,
+        DType::U32 => u32::from_ne_bytes(b[..4].try_into().unwrap()) as f64,
+        DType::U64 => u64::from_ne_bytes(b[..8].try_into().unwrap()) as f64,
+        DType::Bool => (b[0] != 0) as u8 as f64,
+    }
+}
+
 fn push(out: &mut Vec<u8>, dtype: DType, v: f64) {
     match dtype {
         DType::F32 => out.extend((v as f32).to_ne_bytes()),

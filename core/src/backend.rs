@@ -10,7 +10,7 @@
 use crate::error::{Error, Result};
 use crate::reduce_op::ReduceOp;
 use crate::store::Store;
-use crate::tensor::{Tensor, TensorMut};
+use crate::tensor::{SparseCoo, SparseCooTensor, Tensor, TensorMut};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -138,6 +138,16 @@ pub enum Op<'a> {
     },
     /// No rank leaves before every rank has entered.
     Barrier,
+    /// `output` becomes the coalesced reduction of every rank's sparse
+    /// `input` over the union of their indices (SUM, MIN or MAX).
+    AllReduceSparse {
+        /// This rank's contribution (may be uncoalesced).
+        input: SparseCooTensor<'a>,
+        /// The result, identical on every rank.
+        output: &'a mut SparseCoo,
+        /// Operator.
+        op: ReduceOp,
+    },
 }
 
 impl<'a> Op<'a> {
@@ -152,7 +162,7 @@ impl<'a> Op<'a> {
             Op::Recv { buf, .. } | Op::Broadcast { buf, .. } | Op::AllReduce { buf, .. } | Op::Reduce { buf, .. } => vec![buf],
             Op::AllGather { outputs, .. } | Op::AllToAll { outputs, .. } | Op::Gather { outputs, .. } => outputs.iter_mut().collect(),
             Op::ReduceScatter { output, .. } | Op::Scatter { output, .. } => vec![output],
-            Op::Send { .. } | Op::Barrier => vec![],
+            Op::Send { .. } | Op::Barrier | Op::AllReduceSparse { .. } => vec![],
         }
     }
 }
@@ -185,13 +195,15 @@ pub enum OpKind {
     Barrier = 11,
     /// The `WEFT_DEBUG=detail` consistency check before a collective.
     DebugCheck = 12,
+    /// Sparse all-reduce.
+    AllReduceSparse = 13,
 }
 
 impl OpKind {
     /// The kind with this code (as stored in a collective tag).
     pub fn from_code(code: u8) -> Option<OpKind> {
         use OpKind::*;
-        [Send, Recv, Broadcast, AllReduce, Reduce, AllGather, ReduceScatter, AllToAll, Gather, Scatter, Barrier, DebugCheck]
+        [Send, Recv, Broadcast, AllReduce, Reduce, AllGather, ReduceScatter, AllToAll, Gather, Scatter, Barrier, DebugCheck, AllReduceSparse]
             .into_iter()
             .find(|k| *k as u8 == code)
     }
@@ -210,6 +222,7 @@ impl OpKind {
             OpKind::Scatter => "scatter",
             OpKind::Barrier => "barrier",
             OpKind::DebugCheck => "debug_check",
+            OpKind::AllReduceSparse => "all_reduce_sparse",
         }
     }
     /// A readable description of a tag, for error messages.

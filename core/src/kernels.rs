@@ -234,6 +234,38 @@ pub fn finish(buf: &mut [u8], dtype: DType, op: ReduceOp, world: usize) {
     }
 }
 
+/// One element of `op`'s identity in `dtype` (what an absent entry means):
+/// 0 for SUM, the largest value for MIN, the smallest for MAX.
+pub fn identity(dtype: DType, op: ReduceOp) -> Vec<u8> {
+    macro_rules! bytes {
+        ($v:expr) => {
+            $v.to_ne_bytes().to_vec()
+        };
+    }
+    let max = matches!(op.combiner(), ReduceOp::Min | ReduceOp::Band | ReduceOp::Product);
+    match (op.combiner(), dtype) {
+        (ReduceOp::Sum | ReduceOp::Bor | ReduceOp::Bxor, d) => vec![0; d.size()],
+        (ReduceOp::Product, DType::F32) => bytes!(1f32),
+        (ReduceOp::Product, DType::F64) => bytes!(1f64),
+        (ReduceOp::Product, DType::F16) => bytes!(f16::ONE),
+        (ReduceOp::Product, DType::BF16) => bytes!(bf16::ONE),
+        (_, DType::F32) => bytes!(if max { f32::INFINITY } else { f32::NEG_INFINITY }),
+        (_, DType::F64) => bytes!(if max { f64::INFINITY } else { f64::NEG_INFINITY }),
+        (_, DType::F16) => bytes!(if max { f16::INFINITY } else { f16::NEG_INFINITY }),
+        (_, DType::BF16) => bytes!(if max { bf16::INFINITY } else { bf16::NEG_INFINITY }),
+        (ReduceOp::Product, DType::I8 | DType::U8 | DType::Bool) => vec![1],
+        (ReduceOp::Product, DType::I32 | DType::U32) => bytes!(1u32),
+        (ReduceOp::Product, DType::I64 | DType::U64) => bytes!(1u64),
+        (_, DType::I8) => bytes!(if max { i8::MAX } else { i8::MIN }),
+        (_, DType::U8) => bytes!(if max { u8::MAX } else { u8::MIN }),
+        (_, DType::Bool) => vec![max as u8],
+        (_, DType::I32) => bytes!(if max { i32::MAX } else { i32::MIN }),
+        (_, DType::U32) => bytes!(if max { u32::MAX } else { u32::MIN }),
+        (_, DType::I64) => bytes!(if max { i64::MAX } else { i64::MIN }),
+        (_, DType::U64) => bytes!(if max { u64::MAX } else { u64::MIN }),
+    }
+}
+
 /// Force every byte of a received bool buffer to 0 or 1, so that bytes from a
 /// misbehaving peer can never become an invalid `bool` in user memory.
 pub fn sanitize(buf: &mut [u8], dtype: DType) {

@@ -40,7 +40,7 @@ pub use error::{Error, ErrorKind, Result};
 pub use group::{Collectives, Job, ProcessGroup, Scope, Work};
 pub use options::{timeout_from_env, GroupOptions, OpOptions, DEFAULT_TIMEOUT, ENV_BACKEND, ENV_TIMEOUT};
 pub use reduce_op::ReduceOp;
-pub use tensor::{Device, DeviceKind, Layout, SparseCooTensor, Tensor, TensorMut};
+pub use tensor::{Device, DeviceKind, Layout, SparseCoo, SparseCooTensor, Tensor, TensorMut};
 
 /// Re-exported so backend crates register with the same `inventory`.
 pub use inventory;

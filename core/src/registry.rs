@@ -152,8 +152,21 @@ pub fn plan(spec: &str) -> Result<Plan> {
             .iter()
             .find(|f| f.name() == name)
             .ok_or_else(|| Error::invalid(format!("unknown backend {name:?} (registered: {})", names())))?;
-        let ok = f.devices().contains(&route.0) && f.layouts().contains(&route.1);
-        Ok((if ok { vec![name.to_string()] } else { vec![] }, ok))
+        if f.devices().contains(&route.0) && f.layouts().contains(&route.1) {
+            return Ok((vec![name.to_string()], true));
+        }
+        // A device backend named for dense tensors keeps the layers built
+        // over it (sparse on top of cpu-tcp): other layouts of the same
+        // device fall back to auto's candidates.
+        if f.devices().contains(&route.0) {
+            let c = regs
+                .iter()
+                .filter(|g| g.devices().contains(&route.0) && g.layouts().contains(&route.1) && !g.layouts().contains(&Layout::Dense))
+                .map(|g| g.name().to_string())
+                .collect();
+            return Ok((c, false));
+        }
+        Ok((vec![], false))
     };
     let spec = spec.trim();
     let mut routes = Vec::new();

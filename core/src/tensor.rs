@@ -95,6 +95,9 @@ impl Shape {
     }
     /// True when strides are the row-major strides of the dims.
     fn is_contiguous(&self) -> bool {
+        if self.numel() == 0 {
+            return true; // no element to be out of place
+        }
         let mut expect = 1;
         for (d, s) in self.dims.iter().zip(&self.strides).rev() {
             if *d > 1 && *s != expect {
@@ -454,6 +457,52 @@ impl<'a> SparseCooTensor<'a> {
     }
 }
 
+/// An owned, coalesced sparse COO tensor: the result of a sparse
+/// all-reduce. Entries are sorted by index (row-major over the sparse dims)
+/// and unique.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SparseCoo {
+    /// Full shape: sparse dims then dense dims.
+    pub shape: Vec<usize>,
+    /// Number of leading sparse dims.
+    pub sparse_dims: usize,
+    /// Element type of the values.
+    pub dtype: Option<DType>,
+    /// Indices, `[sparse_dims, nnz]` row-major (as PyTorch's `indices()`).
+    pub indices: Vec<i64>,
+    /// Values, `[nnz, dense dims...]`, as raw bytes of `dtype`.
+    pub values: Vec<u8>,
+}
+
+impl SparseCoo {
+    /// Number of entries.
+    pub fn nnz(&self) -> usize {
+        if self.sparse_dims == 0 {
+            0
+        } else {
+            self.indices.len() / self.sparse_dims
+        }
+    }
+    /// The sparse index of entry `k`.
+    pub fn index(&self, k: usize) -> Vec<i64> {
+        let n = self.nnz();
+        (0..self.sparse_dims).map(|d| self.indices[d * n + k]).collect()
+    }
+    /// The values as a typed slice.
+    pub fn values_as<T: Element>(&self) -> Result<Vec<T>> {
+        if self.dtype != Some(T::DTYPE) {
+            return Err(Error::invalid(format!("values are {:?}, asked for {}", self.dtype, T::DTYPE)));
+        }
+        Ok(self
+            .values
+            .chunks_exact(std::mem::size_of::<T>())
+            // SAFETY: each chunk holds one T's bytes; read_unaligned has no alignment needs,
+            // and the bytes were produced as valid values of T (bools normalized to 0/1).
+            .map(|c| unsafe { std::ptr::read_unaligned(c.as_ptr() as *const T) })
+            .collect())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -479,6 +528,8 @@ mod tests {
         let t = unsafe { Tensor::from_raw_parts(v.as_ptr(), DType::U8, Device::Cpu, &[3, 2], Some(&[4, 1])) }.unwrap();
         assert!(!t.is_contiguous());
         assert_eq!(t.host_bytes().unwrap_err().kind(), &crate::ErrorKind::InvalidArgument);
+        let empty: [i64; 0] = [];
+        assert!(Tensor::from_slice(&empty[..]).reshape(&[2, 0]).unwrap().is_contiguous());
         let c = Tensor::from_slice(&v[..]).reshape(&[3, 4]).unwrap();
         assert!(c.is_contiguous());
         assert_eq!(c.strides(), &[4, 1]);

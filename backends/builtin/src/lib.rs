@@ -9,6 +9,8 @@
 pub fn link() {
     #[cfg(feature = "cpu-tcp")]
     weft_cpu_tcp::link();
+    #[cfg(feature = "sparse")]
+    weft_sparse::link();
 }
 
 /// Names of the built-in backends this build links.
@@ -16,6 +18,9 @@ pub fn names() -> Vec<&'static str> {
     let mut v = Vec::new();
     if cfg!(feature = "cpu-tcp") {
         v.push("cpu-tcp");
+    }
+    if cfg!(feature = "sparse") {
+        v.push("sparse");
     }
     v
 }

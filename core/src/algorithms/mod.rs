@@ -15,12 +15,14 @@
 //! | gather, scatter | root exchanges with every rank at once | `linear.rs` |
 //! | all_to_all(_v) | pairwise exchange | `pairwise.rs` |
 //! | barrier | dissemination | `barrier.rs` |
+//! | sparse all_reduce | all-gather, recursive doubling with merging, or dense | `sparse/` |
 
 mod barrier;
 mod linear;
 mod pairwise;
 mod recursive;
 mod ring;
+pub mod sparse;
 pub mod select;
 mod tree;
 
@@ -29,15 +31,26 @@ use crate::error::{Error, Result};
 use crate::tensor::{Tensor, TensorMut};
 
 /// A backend plus the op being run: what every algorithm talks to.
+#[derive(Clone, Copy)]
 pub struct Comm<'a> {
     backend: &'a dyn Backend,
     ctx: &'a OpContext,
+    /// Added to every step: lets one op run several algorithms in turn.
+    base: u32,
 }
 
 impl<'a> Comm<'a> {
     /// Bind a backend to an op.
     pub fn new(backend: &'a dyn Backend, ctx: &'a OpContext) -> Self {
-        Comm { backend, ctx }
+        Comm { backend, ctx, base: 0 }
+    }
+    /// The same comm for phase `n` of an op (steps of different phases never share a tag).
+    pub fn phase(&self, n: u32) -> Self {
+        Comm { base: n * 4096, ..*self }
+    }
+    /// The tag of `step` in this phase.
+    pub fn tag(&self, step: u32) -> u64 {
+        self.ctx.tag(self.base + step)
     }
     /// This rank.
     pub fn rank(&self) -> usize {
@@ -57,16 +70,16 @@ impl<'a> Comm<'a> {
     }
     /// Send `data` to `to` and receive `buf` from `from` at once, as step `step`.
     pub fn send_recv(&self, step: u32, to: usize, data: &[u8], from: usize, buf: &mut [u8]) -> Result<()> {
-        let tag = self.ctx.tag(step);
+        let tag = self.tag(step);
         self.exchange(&mut [P2p::Send { peer: to, tag, data }, P2p::Recv { peer: from, tag, buf }])
     }
     /// Send only.
     pub fn send(&self, step: u32, to: usize, data: &[u8]) -> Result<()> {
-        self.exchange(&mut [P2p::Send { peer: to, tag: self.ctx.tag(step), data }])
+        self.exchange(&mut [P2p::Send { peer: to, tag: self.tag(step), data }])
     }
     /// Receive only.
     pub fn recv(&self, step: u32, from: usize, buf: &mut [u8]) -> Result<()> {
-        self.exchange(&mut [P2p::Recv { peer: from, tag: self.ctx.tag(step), buf }])
+        self.exchange(&mut [P2p::Recv { peer: from, tag: self.tag(step), buf }])
     }
 }
 
@@ -112,6 +125,7 @@ pub fn run(backend: &dyn Backend, op: &mut Op<'_>, ctx: &OpContext) -> Result<()
         Op::Gather { input, outputs, root } => linear::gather(&c, input.host_bytes()?, &mut bytes_of_mut(outputs)?, *root),
         Op::Scatter { inputs, output, root } => linear::scatter(&c, &bytes_of(inputs)?, output.host_bytes_mut()?, *root),
         Op::Barrier => barrier::dissemination(&c),
+        Op::AllReduceSparse { input, output, op } => sparse::all_reduce(&c, input, output, *op),
         #[allow(unreachable_patterns)]
         _ => Err(Error::unsupported(format!("{}: no generic algorithm", ctx.name))),
     }

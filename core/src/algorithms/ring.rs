@@ -115,7 +115,7 @@ pub fn broadcast_scatter_allgather(c: &Comm<'_>, buf: &mut [u8], root: usize) ->
     let n = buf.len();
     let bounds: Vec<usize> = (0..=w).map(|i| n * i / w).collect();
     if r == root {
-        let tag = c.ctx().tag(0);
+        let tag = c.tag(0);
         let mut ops: Vec<crate::backend::P2p<'_>> = (0..w)
             .filter(|i| *i != root)
             .map(|i| crate::backend::P2p::Send { peer: i, tag, data: &buf[bounds[i]..bounds[i + 1]] })

@@ -14,7 +14,7 @@ use crate::options::OpOptions;
 use crate::reduce_op::ReduceOp;
 use crate::registry::Route;
 use crate::tag::MAX_USER_TAG;
-use crate::tensor::{Device, Layout, Tensor, TensorMut};
+use crate::tensor::{Device, Layout, SparseCoo, SparseCooTensor, Tensor, TensorMut};
 
 /// An op ready to run: what the executor takes. Opaque outside weft.
 #[doc(hidden)]
@@ -326,6 +326,26 @@ pub trait Collectives<'t>: sealed::Sealed {
         let (route, dtype, _) = c.tensors(std::iter::once(meta_mut(&output)).chain(inputs.iter().map(meta)))?;
         let fp = Fingerprint::new(c.name, OpKind::Scatter, format!("{dtype} x {} root {root}", output.numel()));
         self.submit(job(&c, OpKind::Scatter, route, opts, Some(fp), Op::Scatter { inputs, output, root }))
+    }
+
+    /// Reduce every rank's sparse COO tensor (SUM, MIN or MAX over the union
+    /// of indices) into `output`: a new coalesced tensor, identical on every
+    /// rank. All ranks must pass the same shape and dtype; a mismatch is an
+    /// error naming the ranks and both shapes. The hint
+    /// `sparse_algorithm=allgather|recursive_doubling|dense` forces an algorithm.
+    fn all_reduce_sparse(&self, input: SparseCooTensor<'t>, output: &'t mut SparseCoo, op: ReduceOp, opts: &OpOptions) -> Result<Work<'t>> {
+        let c = check(self, "all_reduce_sparse");
+        if !matches!(op, ReduceOp::Sum | ReduceOp::Min | ReduceOp::Max) {
+            return Err(c.fail(format!("sparse all_reduce supports sum, min and max, not {op}")));
+        }
+        let dtype = input.values.dtype();
+        c.reduce_op(op, dtype)?;
+        if !input.indices.is_contiguous() || !input.values.is_contiguous() {
+            return Err(c.fail("sparse indices and values must be contiguous".into()));
+        }
+        let route = (input.device().kind(), Layout::SparseCoo);
+        let fp = Fingerprint::new(c.name, OpKind::AllReduceSparse, format!("{dtype} shape {:?} op {op}", input.shape));
+        self.submit(job(&c, OpKind::AllReduceSparse, route, opts, Some(fp), Op::AllReduceSparse { input, output, op }))
     }
 
     /// Return once every rank has entered the barrier (and, as ops of a group

@@ -1,0 +1,57 @@
+//! `sparse`: sparse COO all-reduce for CPU tensors, layered over whatever
+//! backend the group uses for dense CPU tensors (see the README).
+
+use std::sync::Arc;
+use std::time::Instant;
+use weft::backend::{Backend, BackendContext, P2p};
+use weft::registry::{BackendFactory, StaticBackend};
+use weft::{DeviceKind, Error, Layout, Result};
+
+/// The registration of `sparse`.
+pub struct Sparse;
+
+impl BackendFactory for Sparse {
+    fn name(&self) -> &str {
+        "sparse"
+    }
+    fn devices(&self) -> &[DeviceKind] {
+        &[DeviceKind::Cpu]
+    }
+    fn layouts(&self) -> &[Layout] {
+        &[Layout::SparseCoo]
+    }
+    fn priority(&self) -> i32 {
+        10
+    }
+    fn probe(&self) -> std::result::Result<(), String> {
+        Ok(())
+    }
+    fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
+        let dense = ctx.cpu_backend.ok_or_else(|| Error::unsupported("sparse needs a backend for dense CPU tensors in the same group"))?;
+        Ok(Arc::new(SparseBackend { dense }))
+    }
+}
+
+/// Moves bytes through the group's dense CPU backend; the generic sparse
+/// algorithms do the rest.
+struct SparseBackend {
+    dense: Arc<dyn Backend>,
+}
+
+impl Backend for SparseBackend {
+    fn name(&self) -> &str {
+        "sparse"
+    }
+    fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
+        self.dense.exchange(ops, deadline)
+    }
+    fn abort(&self, reason: &Error) {
+        self.dense.abort(reason)
+    }
+}
+
+static SPARSE: Sparse = Sparse;
+weft::inventory::submit! { StaticBackend(&SPARSE) }
+
+/// Reference this crate so the linker keeps its registration.
+pub fn link() {}
