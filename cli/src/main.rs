@@ -51,7 +51,7 @@ enum Cmd {
     },
     /// Measure every op over a size sweep (nccl-tests style). With no
     /// arguments: 4 local ranks, the auto backend, all ops, 8 B to 64 MiB.
-    Bench(bench::BenchArgs),
+    Bench(Box<bench::BenchArgs>),
     /// List backends, whether each is usable here, and the environment weft would use.
     Info,
     /// Check a backend (name or plugin file) against the conformance suite on N local ranks.
@@ -102,7 +102,7 @@ fn main() -> Result<()> {
             program,
         })?,
         Cmd::Info => info::print()?,
-        Cmd::Bench(args) => bench::main(args)?,
+        Cmd::Bench(args) => bench::main(*args)?,
         Cmd::Conformance { nproc, backend, count } => conformance::main(nproc, &backend, count)?,
         Cmd::Demo { nproc, backend, max_bytes, iters } => demo::main(nproc, &backend, max_bytes, iters)?,
     };

@@ -167,3 +167,28 @@ fn bench_checks_every_op_over_a_short_sweep_and_writes_csv_json_and_a_plot() {
     assert!(picture.contains("<svg") && picture.contains("W=2 all_reduce") && picture.contains("W=3 all_gather"), "plot lacks series");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn bench_sparse_all_reduce_runs_every_algorithm_and_checks_them() {
+    let out = Command::new(WEFT)
+        .args([
+            "bench",
+            "--world",
+            "3",
+            "--ops",
+            "sparse_all_reduce",
+            "-n",
+            "1",
+            "--sparse-rows",
+            "2000",
+            "--sparse-dim",
+            "4",
+            "--densities",
+            "0.01,0.3",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("recursive_doubling") && text.contains("30.00%") && text.contains("# total wrong: 0"), "{text}");
+}

@@ -203,9 +203,23 @@ impl OpKind {
     /// The kind with this code (as stored in a collective tag).
     pub fn from_code(code: u8) -> Option<OpKind> {
         use OpKind::*;
-        [Send, Recv, Broadcast, AllReduce, Reduce, AllGather, ReduceScatter, AllToAll, Gather, Scatter, Barrier, DebugCheck, AllReduceSparse]
-            .into_iter()
-            .find(|k| *k as u8 == code)
+        [
+            Send,
+            Recv,
+            Broadcast,
+            AllReduce,
+            Reduce,
+            AllGather,
+            ReduceScatter,
+            AllToAll,
+            Gather,
+            Scatter,
+            Barrier,
+            DebugCheck,
+            AllReduceSparse,
+        ]
+        .into_iter()
+        .find(|k| *k as u8 == code)
     }
     /// Snake-case name.
     pub fn name(self) -> &'static str {

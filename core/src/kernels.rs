@@ -204,18 +204,17 @@ macro_rules! by_dtype {
 /// The op must already be checked against the dtype.
 pub fn reduce_into(acc: &mut [u8], src: &[u8], dtype: DType, op: ReduceOp) {
     debug_assert_eq!(acc.len(), src.len());
-    by_dtype!(dtype, T => {
-        let f: fn(T, T) -> T = match op.combiner() {
-            ReduceOp::Sum => T::sum,
-            ReduceOp::Product => T::prod,
-            ReduceOp::Min => <T as Arith>::min,
-            ReduceOp::Max => <T as Arith>::max,
-            ReduceOp::Band => T::band,
-            ReduceOp::Bor => T::bor,
-            ReduceOp::Bxor => T::bxor,
-            ReduceOp::Avg | ReduceOp::PremulSum(_) => unreachable!("combiner() maps these to Sum"),
-        };
-        zip_apply::<T>(acc, src, f)
+    // Each arm passes the function item itself (not a fn pointer), so the
+    // loop is monomorphized per op and dtype, inlined and vectorized.
+    by_dtype!(dtype, T => match op.combiner() {
+        ReduceOp::Sum => zip_apply::<T>(acc, src, T::sum),
+        ReduceOp::Product => zip_apply::<T>(acc, src, T::prod),
+        ReduceOp::Min => zip_apply::<T>(acc, src, <T as Arith>::min),
+        ReduceOp::Max => zip_apply::<T>(acc, src, <T as Arith>::max),
+        ReduceOp::Band => zip_apply::<T>(acc, src, T::band),
+        ReduceOp::Bor => zip_apply::<T>(acc, src, T::bor),
+        ReduceOp::Bxor => zip_apply::<T>(acc, src, T::bxor),
+        ReduceOp::Avg | ReduceOp::PremulSum(_) => unreachable!("combiner() maps these to Sum"),
     })
 }
 

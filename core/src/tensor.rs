@@ -477,11 +477,7 @@ pub struct SparseCoo {
 impl SparseCoo {
     /// Number of entries.
     pub fn nnz(&self) -> usize {
-        if self.sparse_dims == 0 {
-            0
-        } else {
-            self.indices.len() / self.sparse_dims
-        }
+        self.indices.len().checked_div(self.sparse_dims).unwrap_or(0)
     }
     /// The sparse index of entry `k`.
     pub fn index(&self, k: usize) -> Vec<i64> {

@@ -142,7 +142,8 @@ fn sparse_errors_are_clear() {
         let idx = vec![0i64, 1];
         let vals = vec![1f32, 2.0];
         let n = if pg.rank() == 2 { 9 } else { 8 };
-        let t = SparseCooTensor::new(weft::Tensor::from_slice(&idx).reshape(&[1, 2]).unwrap(), weft::Tensor::from_slice(&vals), vec![n]).unwrap();
+        let t = SparseCooTensor::new(weft::Tensor::from_slice(&idx).reshape(&[1, 2]).unwrap(), weft::Tensor::from_slice(&vals), vec![n])
+            .unwrap();
         let mut out = SparseCoo::default();
         let r = pg.all_reduce_sparse(t.clone(), &mut out, ReduceOp::Product, &OpOptions::default());
         assert_eq!(r.unwrap_err().kind(), &ErrorKind::InvalidArgument);

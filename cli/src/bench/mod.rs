@@ -11,6 +11,7 @@
 mod ops;
 mod plot;
 mod report;
+mod sparse;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -27,7 +28,8 @@ use weft_cli::launcher::{self, Launch};
 #[derive(Args, Clone, Debug)]
 pub struct BenchArgs {
     /// Ops, comma-separated, or "all": all_reduce, all_gather, reduce_scatter,
-    /// all_to_all, all_to_all_v, broadcast, reduce, gather, scatter, p2p, barrier.
+    /// all_to_all, all_to_all_v, broadcast, reduce, gather, scatter, p2p,
+    /// barrier; and sparse_all_reduce (its own table; not part of "all").
     #[arg(long = "ops", default_value = "all")]
     ops: String,
     /// Smallest size in bytes per rank (suffixes K, M, G).
@@ -78,6 +80,18 @@ pub struct BenchArgs {
     /// Earlier runs (JSON files from --json) to draw on the same plot.
     #[arg(long = "plot-add")]
     plot_add: Vec<String>,
+    /// sparse_all_reduce: rows of the embedding table.
+    #[arg(long = "sparse-rows", default_value_t = 100_000)]
+    sparse_rows: usize,
+    /// sparse_all_reduce: columns (f32 values per row).
+    #[arg(long = "sparse-dim", default_value_t = 64)]
+    sparse_dim: usize,
+    /// sparse_all_reduce: fractions of rows each rank touches.
+    #[arg(long = "densities", default_value = "0.001,0.01,0.05,0.1,0.25,0.5", value_delimiter = ',')]
+    densities: Vec<f64>,
+    /// sparse_all_reduce: Zipf exponent of row popularity.
+    #[arg(long = "zipf", default_value_t = 1.1)]
+    zipf: f64,
 }
 
 fn parse_size(s: &str) -> Result<usize> {
@@ -119,17 +133,19 @@ fn run_rank(a: &BenchArgs) -> Result<i32> {
     if a.factor < 2 || min == 0 || min > max {
         bail!("need 0 < minbytes <= maxbytes and stepfactor >= 2");
     }
+    let want_sparse = a.ops.split(',').any(|o| o.trim() == "sparse_all_reduce");
     let ops: Vec<&'static str> = if a.ops == "all" {
         ops::ALL.to_vec()
     } else {
         a.ops
             .split(',')
+            .filter(|o| o.trim() != "sparse_all_reduce")
             .map(|o| {
                 ops::ALL
                     .iter()
                     .find(|k| **k == o.trim())
                     .copied()
-                    .with_context(|| format!("unknown op {o:?} (known: {})", ops::ALL.join(", ")))
+                    .with_context(|| format!("unknown op {o:?} (known: {}, sparse_all_reduce)", ops::ALL.join(", ")))
             })
             .collect::<Result<_>>()?
     };
@@ -156,9 +172,22 @@ fn run_rank(a: &BenchArgs) -> Result<i32> {
             }
         }
     };
-    say(format!("# weft bench: backend {backend}, {w} ranks, dtype {dtype}, redop {redop}, root {}, check {}", a.root, !a.no_check));
-    say(report::table_header());
+    if !ops.is_empty() {
+        say(format!("# weft bench: backend {backend}, {w} ranks, dtype {dtype}, redop {redop}, root {}, check {}", a.root, !a.no_check));
+        say(report::table_header());
+    }
     let mut rows = Vec::new();
+    let mut sparse_wrong = 0;
+    if want_sparse {
+        let workload = sparse::Workload {
+            rows: a.sparse_rows,
+            dim: a.sparse_dim,
+            densities: a.densities.clone(),
+            zipf: a.zipf,
+            iters: a.iters.clamp(1, 10),
+        };
+        sparse_wrong = sparse::run(&pg, &workload)?;
+    }
     for op in &ops {
         let op_sizes = if *op == "barrier" { vec![0] } else { sizes.clone() };
         for &bytes in &op_sizes {
@@ -178,7 +207,7 @@ fn run_rank(a: &BenchArgs) -> Result<i32> {
         }
     }
     bar.finish_and_clear();
-    let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+    let wrong: u64 = rows.iter().map(|r| r.wrong).sum::<u64>() + sparse_wrong;
     if r == 0 {
         say(format!("# total wrong: {wrong}; times are the slowest rank's, per iteration; busbw as nccl-tests"));
         for (dest, text) in [(&a.csv, report::csv(&rows)), (&a.json, report::json(&rows))] {

@@ -22,8 +22,8 @@ mod linear;
 mod pairwise;
 mod recursive;
 mod ring;
-pub mod sparse;
 pub mod select;
+pub mod sparse;
 mod tree;
 
 use crate::backend::{Backend, Op, OpContext, P2p};

@@ -75,7 +75,8 @@ pub fn coalesce(t: &SparseCooTensor<'_>, l: &Layout, op: ReduceOp) -> Result<Run
 
 /// Merge two coalesced runs into one, reducing rows with equal keys.
 pub fn merge2(a: &Run, b: &Run, row: usize, dtype: DType, op: ReduceOp) -> Run {
-    let mut out = Run { keys: Vec::with_capacity(a.keys.len() + b.keys.len()), values: Vec::with_capacity(a.values.len() + b.values.len()) };
+    let mut out =
+        Run { keys: Vec::with_capacity(a.keys.len() + b.keys.len()), values: Vec::with_capacity(a.values.len() + b.values.len()) };
     let (mut i, mut j) = (0, 0);
     while i < a.keys.len() || j < b.keys.len() {
         let take_a = j == b.keys.len() || (i < a.keys.len() && a.keys[i] <= b.keys[j]);
@@ -106,7 +107,8 @@ pub fn merge_k(runs: &[Run], row: usize, dtype: DType, op: ReduceOp) -> Run {
     use std::collections::BinaryHeap;
     let total: usize = runs.iter().map(|r| r.keys.len()).sum();
     let mut out = Run { keys: Vec::with_capacity(total), values: Vec::with_capacity(total * row) };
-    let mut heap: BinaryHeap<Reverse<(i64, usize)>> = runs.iter().enumerate().filter(|(_, r)| !r.keys.is_empty()).map(|(i, r)| Reverse((r.keys[0], i))).collect();
+    let mut heap: BinaryHeap<Reverse<(i64, usize)>> =
+        runs.iter().enumerate().filter(|(_, r)| !r.keys.is_empty()).map(|(i, r)| Reverse((r.keys[0], i))).collect();
     let mut pos = vec![0usize; runs.len()];
     while let Some(Reverse((key, i))) = heap.pop() {
         let p = pos[i];

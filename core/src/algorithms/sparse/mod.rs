@@ -12,9 +12,10 @@
 //!      a 2-way merge each; traffic follows the union, not W x nnz;
 //!    - `dense`: densify, dense all-reduce plus a presence mask (SparCML's
 //!      switch, cheaper once the union is dense enough).
-//!    `auto` takes `dense` when even the smallest possible union makes the
-//!    sparse exchanges cost more than a dense ring, else `recursive_doubling`
-//!    (which never sends more than `allgather` and takes fewer steps).
+//!
+//! `auto` takes `dense` when even the smallest possible union makes the
+//! sparse exchanges cost more than a dense ring, else `recursive_doubling`
+//! (which never sends more than `allgather` and takes fewer steps).
 
 mod coalesce;
 mod dense;
@@ -53,7 +54,11 @@ pub fn all_reduce(c: &Comm<'_>, input: &SparseCooTensor<'_>, output: &mut Sparse
             let steps = (usize::BITS - w.saturating_sub(1).leading_zeros()) as f64;
             let sparse_min = max_nnz as f64 * steps * (8 + layout.row) as f64;
             let dense = 2.0 * layout.rows as f64 * (layout.row + 1) as f64 * (w - 1) as f64 / w as f64;
-            if w > 1 && sparse_min > dense { "dense" } else { "recursive_doubling" }
+            if w > 1 && sparse_min > dense {
+                "dense"
+            } else {
+                "recursive_doubling"
+            }
         }
         Some(other) => {
             return Err(Error::invalid(format!(
@@ -90,7 +95,8 @@ fn agree(c: &Comm<'_>, l: &Layout, nnz: usize) -> Result<Vec<usize>> {
         let mut outs: Vec<&mut [u8]> = all.iter_mut().map(|v| &mut v[..]).collect();
         super::ring::all_gather(c, &bytes, &mut outs)?;
     }
-    let heads: Vec<Vec<u64>> = all.iter().map(|b| b.chunks(8).map(|x| u64::from_le_bytes(x.try_into().expect("8 bytes"))).collect()).collect();
+    let heads: Vec<Vec<u64>> =
+        all.iter().map(|b| b.chunks(8).map(|x| u64::from_le_bytes(x.try_into().expect("8 bytes"))).collect()).collect();
     let describe = |h: &[u64]| {
         let dims: Vec<u64> = h[4..4 + (h[2] as usize).min(MAX_DIMS)].to_vec();
         let dtype = crate::DType::from_code(h[0] as u8).map(|d| d.name()).unwrap_or("?");

@@ -1,0 +1,124 @@
+//! `weft bench --ops sparse_all_reduce`: embedding-gradient-like sparse
+//! all-reduces. A table of R rows x D columns (f32); every rank touches
+//! nnz = density x R rows drawn from a Zipf distribution (popular rows
+//! overlap across ranks; duplicates within a rank are left uncoalesced, as
+//! in real gradients). Each algorithm is timed side by side; results are
+//! checked against the all-gather baseline's.
+
+use anyhow::Result;
+use std::time::Instant;
+use weft::prelude::*;
+use weft::{ReduceOp, SparseCoo, SparseCooTensor};
+
+/// The workload's knobs.
+pub struct Workload {
+    pub rows: usize,
+    pub dim: usize,
+    pub densities: Vec<f64>,
+    pub zipf: f64,
+    pub iters: usize,
+}
+
+const ALGOS: [&str; 4] = ["allgather", "recursive_doubling", "dense", "auto"];
+
+/// xorshift64*: a small deterministic generator (no dependency needed).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545F4914F6CDD1D) >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Rows drawn from Zipf(s) over `rows` by inverse CDF, with a rank-specific seed.
+fn sample(cdf: &[f64], nnz: usize, seed: u64) -> Vec<i64> {
+    let mut rng = Rng(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1);
+    (0..nnz).map(|_| cdf.partition_point(|c| *c < rng.next()).min(cdf.len() - 1) as i64).collect()
+}
+
+pub fn run(pg: &ProcessGroup, w: &Workload) -> Result<u64> {
+    let (r, size) = (pg.rank(), pg.size());
+    let o = OpOptions::default();
+    let weights: Vec<f64> = (1..=w.rows).map(|k| 1.0 / (k as f64).powf(w.zipf)).collect();
+    let total: f64 = weights.iter().sum();
+    let cdf: Vec<f64> = weights
+        .iter()
+        .scan(0.0, |acc, x| {
+            *acc += x / total;
+            Some(*acc)
+        })
+        .collect();
+    if r == 0 {
+        println!(
+            "# sparse_all_reduce: {} ranks, table {} x {} f32, Zipf s={}, times in us (slowest rank, median of {} iterations)",
+            size, w.rows, w.dim, w.zipf, w.iters
+        );
+        println!(
+            "{:>8} {:>9} {:>9} {}  {:>9} {:>7}",
+            "density",
+            "nnz/rank",
+            "union",
+            ALGOS.iter().map(|a| format!("{a:>19}")).collect::<String>(),
+            "best/ag",
+            "#wrong"
+        );
+    }
+    let mut wrong_total = 0;
+    for &density in &w.densities {
+        let nnz = ((density * w.rows as f64) as usize).max(1);
+        let idx = sample(&cdf, nnz, r as u64 + 1);
+        let vals = vec![1.0f32; nnz * w.dim];
+        let make = || {
+            SparseCooTensor::new(
+                Tensor::from_slice(&idx).reshape(&[1, nnz]).unwrap(),
+                Tensor::from_slice(&vals).reshape(&[nnz, w.dim]).unwrap(),
+                vec![w.rows, w.dim],
+            )
+        };
+        let mut times = Vec::new();
+        let mut baseline: Option<SparseCoo> = None;
+        let mut wrong = 0u64;
+        let mut union = 0;
+        for algo in ALGOS {
+            let opts = OpOptions::default().hint("sparse_algorithm", algo);
+            let mut out = SparseCoo::default();
+            pg.all_reduce_sparse(make()?, &mut out, ReduceOp::Sum, &opts)?.wait()?; // warm-up
+            let mut t = Vec::new();
+            for _ in 0..w.iters {
+                pg.barrier(&o)?.wait()?;
+                let start = Instant::now();
+                pg.all_reduce_sparse(make()?, &mut out, ReduceOp::Sum, &opts)?.wait()?;
+                t.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+            pg.all_reduce(&mut t, ReduceOp::Max, &o)?.wait()?;
+            t.sort_by(f64::total_cmp);
+            times.push(t[t.len() / 2]);
+            match &baseline {
+                None => {
+                    union = out.nnz();
+                    baseline = Some(out);
+                }
+                Some(b) => wrong += (b != &out) as u64,
+            }
+        }
+        let mut w_all = [wrong];
+        pg.all_reduce(&mut w_all[..], ReduceOp::Sum, &o)?.wait()?;
+        wrong_total += w_all[0];
+        if r == 0 {
+            let best = times[1..].iter().cloned().fold(f64::MAX, f64::min);
+            println!(
+                "{:>7.2}% {:>9} {:>9} {}  {:>8.2}x {:>7}",
+                density * 100.0,
+                nnz,
+                union,
+                times.iter().map(|t| format!("{t:>19.0}")).collect::<String>(),
+                times[0] / times[3],
+                w_all[0]
+            );
+            let _ = best;
+        }
+    }
+    Ok(wrong_total)
+}
