@@ -110,7 +110,7 @@ fn run_case(pg: &ProcessGroup, shape: &[usize], sparse: usize, dtype: DType, op:
     assert_eq!(got, want, "{what}");
 }
 
-const ALGOS: [&str; 4] = ["auto", "allgather", "recursive_doubling", "dense"];
+const ALGOS: [&str; 5] = ["auto", "allgather", "recursive_doubling", "split", "dense"];
 
 #[test]
 fn sparse_all_reduce_matches_the_dense_reference() {

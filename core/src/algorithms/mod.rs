@@ -48,6 +48,14 @@ impl<'a> Comm<'a> {
     pub fn phase(&self, n: u32) -> Self {
         Comm { base: n * 4096, ..*self }
     }
+    /// Which phase this comm is in.
+    pub fn phase_index(&self) -> u32 {
+        self.base / 4096
+    }
+    /// The same phase with steps shifted by `offset` (a sub-range of tags).
+    pub fn phase_step(&self, offset: u32) -> Self {
+        Comm { base: self.base + offset, ..*self }
+    }
     /// The tag of `step` in this phase.
     pub fn tag(&self, step: u32) -> u64 {
         self.ctx.tag(self.base + step)

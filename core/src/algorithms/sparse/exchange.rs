@@ -101,3 +101,71 @@ pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp) 
     }
     Ok(run)
 }
+
+/// Sparse reduce-scatter + all-gather: keys are owned by rank `key % W`;
+/// every rank sends each owner its keys (pairwise), merges the keys it owns,
+/// and the reduced shares are all-gathered and merged. Traffic follows the
+/// union when indices overlap, and each rank merges only 1/W of the keys.
+pub fn split(c: &Comm<'_>, run: Run, l: &Layout, op: ReduceOp) -> Result<Run> {
+    let (w, r) = (c.size(), c.rank());
+    // Bucket by owner; a pass in key order keeps every bucket sorted.
+    let mut buckets: Vec<Run> = (0..w).map(|_| Run::default()).collect();
+    for (k, key) in run.keys.iter().enumerate() {
+        let b = &mut buckets[key.rem_euclid(w as i64) as usize];
+        b.keys.push(*key);
+        b.values.extend_from_slice(&run.values[k * l.row..(k + 1) * l.row]);
+    }
+    drop(run);
+    // Pairwise exchange: in step s, send to r+s, receive from r-s.
+    let mut mine: Vec<Run> = Vec::with_capacity(w);
+    for s in 1..w {
+        let (to, from) = ((r + s) % w, (r + w - s) % w);
+        let got = if to == from {
+            swap_run(c, 2 * s as u32, to, &buckets[to], l.row)?
+        } else {
+            // Different peers: counts and payloads in both directions at once.
+            let mut n = [0u8; 8];
+            c.send_recv(2 * s as u32, to, &(buckets[to].keys.len() as u64).to_le_bytes(), from, &mut n)?;
+            let theirs = u64::from_le_bytes(n) as usize;
+            let mut packed = key_bytes(&buckets[to].keys);
+            packed.extend_from_slice(&buckets[to].values);
+            let mut got = vec![0u8; theirs * (8 + l.row)];
+            c.send_recv(2 * s as u32 + 1, to, &packed, from, &mut got)?;
+            let values = got.split_off(theirs * 8);
+            Run { keys: keys_of(&got), values }
+        };
+        mine.push(got);
+    }
+    mine.push(std::mem::take(&mut buckets[r]));
+    let owned = merge_k(&mine, l.row, l.dtype, op);
+    drop(mine);
+    // All-gather the reduced shares (sizes first), then merge the disjoint runs.
+    let ag = c.phase(c_phase_next(c));
+    let mut counts = vec![vec![0u8; 8]; w];
+    {
+        let mut outs: Vec<&mut [u8]> = counts.iter_mut().map(|v| &mut v[..]).collect();
+        ring::all_gather(&ag, &(owned.keys.len() as u64).to_le_bytes(), &mut outs)?;
+    }
+    let sizes: Vec<usize> = counts.iter().map(|b| u64::from_le_bytes(b[..].try_into().expect("8 bytes")) as usize).collect();
+    let mut packed: Vec<Vec<u8>> = sizes.iter().map(|n| vec![0u8; n * (8 + l.row)]).collect();
+    {
+        let mut mine = key_bytes(&owned.keys);
+        mine.extend_from_slice(&owned.values);
+        let mut outs: Vec<&mut [u8]> = packed.iter_mut().map(|v| &mut v[..]).collect();
+        ring::all_gather(&ag.phase_step(1024), &mine, &mut outs)?;
+    }
+    let shares: Vec<Run> = packed
+        .into_iter()
+        .zip(&sizes)
+        .map(|(mut p, n)| {
+            let values = p.split_off(n * 8);
+            Run { keys: keys_of(&p), values }
+        })
+        .collect();
+    Ok(merge_k(&shares, l.row, l.dtype, op))
+}
+
+/// The phase after the one `c` runs in.
+fn c_phase_next(c: &Comm<'_>) -> u32 {
+    c.phase_index() + 1
+}

@@ -10,12 +10,16 @@
 //!      (PyTorch's Gloo path; traffic W x nnz);
 //!    - `recursive_doubling`: log2(W) exchanges of the partial union with
 //!      a 2-way merge each; traffic follows the union, not W x nnz;
+//!    - `split`: keys are owned by rank `key % W`; a pairwise exchange
+//!      sends each owner its keys, owners merge 1/W of the keys, and the
+//!      reduced shares are all-gathered (a sparse reduce-scatter + all-gather);
 //!    - `dense`: densify, dense all-reduce plus a presence mask (SparCML's
 //!      switch, cheaper once the union is dense enough).
 //!
 //! `auto` takes `dense` when even the smallest possible union makes the
-//! sparse exchanges cost more than a dense ring, else `recursive_doubling`
-//! (which never sends more than `allgather` and takes fewer steps).
+//! sparse exchanges cost more than a dense ring; otherwise
+//! `recursive_doubling` for small tensors (fewest steps) and `split` for
+//! larger ones (least traffic and merge work when indices overlap).
 
 mod coalesce;
 mod dense;
@@ -33,6 +37,8 @@ use coalesce::Layout;
 const MAX_DIMS: usize = 32;
 /// Header words: dtype, sparse dims, ndims, nnz, dims.
 const HEADER: usize = 4 + MAX_DIMS;
+/// Below this many bytes per rank, the fewest steps win (recursive doubling).
+const SMALL: usize = 64 << 10;
 
 /// The sparse all-reduce of `input` into `output`.
 pub fn all_reduce(c: &Comm<'_>, input: &SparseCooTensor<'_>, output: &mut SparseCoo, op: ReduceOp) -> Result<()> {
@@ -49,26 +55,31 @@ pub fn all_reduce(c: &Comm<'_>, input: &SparseCooTensor<'_>, output: &mut Sparse
     let algo = match c.ctx().hints.get("sparse_algorithm").map(String::as_str) {
         Some("allgather") => "allgather",
         Some("recursive_doubling") => "recursive_doubling",
+        Some("split") => "split",
         Some("dense") => "dense",
         None | Some("auto") => {
             let steps = (usize::BITS - w.saturating_sub(1).leading_zeros()) as f64;
             let sparse_min = max_nnz as f64 * steps * (8 + layout.row) as f64;
             let dense = 2.0 * layout.rows as f64 * (layout.row + 1) as f64 * (w - 1) as f64 / w as f64;
+            let bytes = max_nnz * (8 + layout.row);
             if w > 1 && sparse_min > dense {
                 "dense"
-            } else {
+            } else if bytes <= SMALL || w <= 2 {
                 "recursive_doubling"
+            } else {
+                "split"
             }
         }
         Some(other) => {
             return Err(Error::invalid(format!(
-                "sparse all_reduce has no algorithm {other:?} (choices: auto, allgather, recursive_doubling, dense)"
+                "sparse all_reduce has no algorithm {other:?} (choices: auto, allgather, recursive_doubling, split, dense)"
             )))
         }
     };
     let result = match algo {
         "allgather" => exchange::allgather(&c.phase(1), run, &nnz, &layout, op)?,
         "recursive_doubling" => exchange::recursive_doubling(&c.phase(1), run, &layout, op)?,
+        "split" => exchange::split(&c.phase(1), run, &layout, op)?,
         _ => dense::all_reduce(&c.phase(1), run, &layout, op)?,
     };
     let mut out = coalesce::to_coo(result, &layout);
