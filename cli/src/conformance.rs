@@ -4,23 +4,12 @@
 use anyhow::{bail, Result};
 use std::time::Duration;
 use weft::prelude::*;
-use weft_cli::launcher::{self, Launch};
+use weft_cli::launcher;
 
 pub fn main(nproc: usize, backend: &str, count: usize) -> Result<i32> {
     if std::env::var("RANK").is_err() {
-        let exe = std::env::current_exe()?.to_string_lossy().into_owned();
-        let program = vec![exe, "conformance".into(), "--backend".into(), backend.into(), "--count".into(), count.to_string()];
-        return launcher::run(&Launch {
-            nproc,
-            nnodes: 1,
-            node_rank: 0,
-            master_addr: "127.0.0.1".into(),
-            master_port: 0,
-            backend: None,
-            timeout: Some(Duration::from_secs(600)),
-            prefix: false,
-            program,
-        });
+        let args = ["conformance", "--backend", backend, "--count", &count.to_string()];
+        return launcher::relaunch_local(nproc, args.iter().map(|a| a.to_string()).collect(), Some(Duration::from_secs(600)));
     }
     // A path loads that plugin; a name must be registered (built-in or on WEFT_PLUGIN_PATH).
     let name = if backend.contains('/') || backend.ends_with(".so") { weft::plugin::load(backend)? } else { backend.to_string() };

@@ -4,32 +4,12 @@
 use anyhow::{bail, Result};
 use std::time::{Duration, Instant};
 use weft::prelude::*;
-use weft_cli::launcher::{self, Launch};
+use weft_cli::launcher;
 
 pub fn main(nproc: usize, backend: &str, max_bytes: usize, iters: usize) -> Result<i32> {
     if std::env::var("RANK").is_err() {
-        let exe = std::env::current_exe()?.to_string_lossy().into_owned();
-        let args = vec![
-            exe,
-            "demo".into(),
-            "--backend".into(),
-            backend.into(),
-            "--max-bytes".into(),
-            max_bytes.to_string(),
-            "--iters".into(),
-            iters.to_string(),
-        ];
-        return launcher::run(&Launch {
-            nproc,
-            nnodes: 1,
-            node_rank: 0,
-            master_addr: "127.0.0.1".into(),
-            master_port: 0,
-            backend: None,
-            timeout: Some(Duration::from_secs(600)),
-            prefix: false,
-            program: args,
-        });
+        let args = ["demo", "--backend", backend, "--max-bytes", &max_bytes.to_string(), "--iters", &iters.to_string()];
+        return launcher::relaunch_local(nproc, args.iter().map(|a| a.to_string()).collect(), Some(Duration::from_secs(600)));
     }
     let pg = ProcessGroup::from_env(GroupOptions::from_env()?.backend(backend))?;
     let (r, w) = (pg.rank(), pg.size());

@@ -43,6 +43,25 @@ pub struct Launch {
     pub program: Vec<String>,
 }
 
+/// Start `nproc` local ranks running this same executable with `args`
+/// (how `weft bench`, `demo` and `conformance` run stand-alone); ranks share
+/// our terminal.
+pub fn relaunch_local(nproc: usize, args: Vec<String>, timeout: Option<Duration>) -> Result<i32> {
+    let mut program = vec![std::env::current_exe()?.to_string_lossy().into_owned()];
+    program.extend(args);
+    run(&Launch {
+        nproc,
+        nnodes: 1,
+        node_rank: 0,
+        master_addr: "127.0.0.1".into(),
+        master_port: 0,
+        backend: None,
+        timeout,
+        prefix: false,
+        program,
+    })
+}
+
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_sigint(_: i32) {

@@ -26,10 +26,14 @@ pub trait BackendFactory: Send + Sync {
     fn devices(&self) -> &[DeviceKind];
     /// Layouts it handles.
     fn layouts(&self) -> &[Layout];
-    /// Rank in `auto` (higher first).
-    fn priority(&self) -> i32;
-    /// `Err(why)` when it cannot work on this machine.
-    fn probe(&self) -> std::result::Result<(), String>;
+    /// Rank in `auto` (higher first; built-in cpu-tcp is 10).
+    fn priority(&self) -> i32 {
+        0
+    }
+    /// `Err(why)` when it cannot work on this machine (default: usable).
+    fn probe(&self) -> std::result::Result<(), String> {
+        Ok(())
+    }
     /// Where it comes from (`"built-in"` or a plugin file).
     fn origin(&self) -> String {
         "built-in".into()

@@ -29,12 +29,6 @@ impl BackendFactory for Factory {
     fn layouts(&self) -> &[Layout] {
         &[Layout::Dense]
     }
-    fn priority(&self) -> i32 {
-        0
-    }
-    fn probe(&self) -> std::result::Result<(), String> {
-        Ok(())
-    }
     fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
         if ctx.hints.get("panic_in") == Some(&"init".to_string()) {
             panic!("deliberate panic in init");

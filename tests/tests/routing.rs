@@ -58,9 +58,6 @@ impl BackendFactory for StagingFactory {
     fn priority(&self) -> i32 {
         5
     }
-    fn probe(&self) -> std::result::Result<(), String> {
-        Ok(())
-    }
     fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
         let cpu = ctx.cpu_backend.ok_or_else(|| weft::Error::unsupported("no CPU backend to stage through"))?;
         Ok(Arc::new(Staging { cpu }))

@@ -33,9 +33,6 @@ impl BackendFactory for CpuTcp {
     fn priority(&self) -> i32 {
         10
     }
-    fn probe(&self) -> std::result::Result<(), String> {
-        Ok(())
-    }
     fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
         let (ip, why) = local_addr()?;
         weft::log::debug(format_args!("cpu-tcp rank {}: using address {ip} ({why})", ctx.rank));

@@ -82,7 +82,7 @@ impl TcpBackend {
             readers.push(
                 std::thread::Builder::new()
                     .name(format!("weft-tcp-r{rank}-p{peer}"))
-                    .spawn(move || read_loop(reader, peer, &inbox2, &phase2, stall))?,
+                    .spawn(move || read_loop(reader, rank, peer, &inbox2, &phase2, stall))?,
             );
             writers.push(Some(Mutex::new(Writer { sock, torn: false })));
         }
@@ -191,8 +191,9 @@ impl Backend for TcpBackend {
     }
 
     fn abort(&self, reason: &Error) {
-        self.send_abort(reason);
+        // Our own reason first: a peer's echo of this abort must not win.
         self.inbox.fail_all(reason.clone());
+        self.send_abort(reason);
         self.phase.set(Phase::Stopped);
         self.close_sockets(Shutdown::Both);
     }
@@ -313,7 +314,7 @@ fn read_full(
     Ok(())
 }
 
-fn read_loop(sock: Socket, peer: usize, inbox: &Inbox, phase: &PhaseCell, stall: Duration) {
+fn read_loop(sock: Socket, me: usize, peer: usize, inbox: &Inbox, phase: &PhaseCell, stall: Duration) {
     let mut left = false;
     let end = loop {
         let mut hb = [0u8; HEADER];
@@ -331,7 +332,13 @@ fn read_loop(sock: Socket, peer: usize, inbox: &Inbox, phase: &PhaseCell, stall:
             }
             let blame = payload.get(..4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize).unwrap_or(peer);
             let why = String::from_utf8_lossy(payload.get(4..).unwrap_or_default());
-            break ReadEnd::Failed(Error::peer_lost(blame, format!("{why} (reported by rank {peer})")));
+            // A report blaming this rank is the echo of our own abort.
+            let e = if blame == me {
+                Error::aborted(format!("{why} (reported back by rank {peer})"))
+            } else {
+                Error::peer_lost(blame, format!("{why} (reported by rank {peer})"))
+            };
+            break ReadEnd::Failed(e);
         }
         if header.kind == Kind::Goodbye {
             inbox.fail_peer(peer, Error::peer_lost(peer, format!("peer rank {peer} left the group (its process group was closed)")));

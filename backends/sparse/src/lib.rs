@@ -23,9 +23,6 @@ impl BackendFactory for Sparse {
     fn priority(&self) -> i32 {
         10
     }
-    fn probe(&self) -> std::result::Result<(), String> {
-        Ok(())
-    }
     fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
         let dense = ctx.cpu_backend.ok_or_else(|| Error::unsupported("sparse needs a backend for dense CPU tensors in the same group"))?;
         Ok(Arc::new(SparseBackend { dense }))

@@ -22,7 +22,7 @@ use std::io::IsTerminal;
 use std::time::Instant;
 use weft::prelude::*;
 use weft::{DType, ReduceOp};
-use weft_cli::launcher::{self, Launch};
+use weft_cli::launcher;
 
 /// Flags (named as in nccl-tests where they overlap).
 #[derive(Args, Clone, Debug)]
@@ -108,19 +108,7 @@ fn parse_size(s: &str) -> Result<usize> {
 pub fn main(args: BenchArgs) -> Result<i32> {
     if std::env::var("RANK").is_err() && std::env::var("SLURM_PROCID").is_err() && std::env::var("OMPI_COMM_WORLD_RANK").is_err() {
         // Stand-alone: start a local world running this same command.
-        let mut program = vec![std::env::current_exe()?.to_string_lossy().into_owned()];
-        program.extend(std::env::args().skip(1));
-        return launcher::run(&Launch {
-            nproc: args.world,
-            nnodes: 1,
-            node_rank: 0,
-            master_addr: "127.0.0.1".into(),
-            master_port: 0,
-            backend: None,
-            timeout: None,
-            prefix: false,
-            program,
-        });
+        return launcher::relaunch_local(args.world, std::env::args().skip(1).collect(), None);
     }
     run_rank(&args)
 }

@@ -97,13 +97,7 @@ pub fn all_reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> R
     // After W-1 steps this rank holds the full reduction of block r.
     finish(&mut buf[range(r)], dtype, op, w);
     drop(tmp);
-    let mut blocks: Vec<&mut [u8]> = Vec::with_capacity(w);
-    let mut rest = buf;
-    for i in 0..w {
-        let (head, tail) = rest.split_at_mut(bounds[i + 1] - bounds[i]);
-        blocks.push(head);
-        rest = tail;
-    }
+    let mut blocks = split_blocks(buf, &bounds);
     all_gather_blocks(c, &mut blocks, w as u32)
 }
 
@@ -124,12 +118,18 @@ pub fn broadcast_scatter_allgather(c: &Comm<'_>, buf: &mut [u8], root: usize) ->
     } else {
         c.recv(0, root, &mut buf[bounds[r]..bounds[r + 1]])?;
     }
-    let mut blocks: Vec<&mut [u8]> = Vec::with_capacity(w);
+    let mut blocks = split_blocks(buf, &bounds);
+    all_gather_blocks(c, &mut blocks, 1)
+}
+
+/// `buf` cut at `bounds` (W+1 increasing offsets) into W disjoint blocks.
+fn split_blocks<'b>(buf: &'b mut [u8], bounds: &[usize]) -> Vec<&'b mut [u8]> {
+    let mut blocks = Vec::with_capacity(bounds.len() - 1);
     let mut rest = buf;
-    for i in 0..w {
-        let (head, tail) = rest.split_at_mut(bounds[i + 1] - bounds[i]);
+    for pair in bounds.windows(2) {
+        let (head, tail) = rest.split_at_mut(pair[1] - pair[0]);
         blocks.push(head);
         rest = tail;
     }
-    all_gather_blocks(c, &mut blocks, 1)
+    blocks
 }
