@@ -47,16 +47,22 @@ impl Executor {
         (t, seq)
     }
 
-    /// Run `f` on this thread when `ticket` comes up.
+    /// Run `f` on this thread when `ticket` comes up. The turn passes on
+    /// even if `f` panics, so later ops never wait forever.
     pub(crate) fn run_inline<T>(&self, ticket: u64, f: impl FnOnce() -> T) -> T {
         let mut s = self.lock();
         while s.serving != ticket {
             s = self.turn.wait(s).unwrap_or_else(|p| p.into_inner());
         }
         drop(s);
-        let out = f();
-        self.finish_turn();
-        out
+        struct Turn<'a>(&'a Executor);
+        impl Drop for Turn<'_> {
+            fn drop(&mut self) {
+                self.0.finish_turn();
+            }
+        }
+        let _turn = Turn(self);
+        f()
     }
 
     fn finish_turn(&self) {
@@ -96,7 +102,9 @@ impl Executor {
                     s = self.turn.wait(s).unwrap_or_else(|p| p.into_inner());
                 }
             };
-            task();
+            // A task completes its own Work; catching here keeps the worker
+            // (and every later op of the group) alive if one panics.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task));
             self.finish_turn();
         }
     }

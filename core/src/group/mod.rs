@@ -209,6 +209,18 @@ impl GroupCore {
     /// after bytes may have moved poisons the group: the backend aborts,
     /// telling peers the cause, so every rank fails instead of hanging.
     fn run_job(&self, job: Job<'_>, seq: u64) -> Result<()> {
+        let name = job.name;
+        // A panic inside an op (a bug) becomes that op's error, and poisons
+        // the group like any failure after bytes may have moved.
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_job_inner(job, seq))).unwrap_or_else(|p| {
+            let what = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+            let e = Error::backend(format!("internal error (panic) in {name}: {what}")).with_op(name).with_rank(self.rank);
+            self.poison(e.clone());
+            Err(e)
+        })
+    }
+
+    fn run_job_inner(&self, job: Job<'_>, seq: u64) -> Result<()> {
         let Job { name, kind, route, opts, fingerprint, op } = job;
         let result = (|| {
             self.usable()?;
