@@ -39,13 +39,25 @@ pub struct Launch {
     pub timeout: Option<Duration>,
     /// Prefix output lines with the rank (else ranks share our stdio).
     pub prefix: bool,
+    /// Pin local rank i to CPU i (mod the CPUs we may use), as mpirun binds
+    /// small jobs: stops the scheduler from stacking communicating ranks on
+    /// one core, which halves loopback bandwidth at random.
+    pub bind_cores: bool,
     /// Program and arguments.
     pub program: Vec<String>,
 }
 
+/// The CPUs this process may run on.
+pub fn usable_cpus() -> Vec<usize> {
+    match nix::sched::sched_getaffinity(Pid::from_raw(0)) {
+        Ok(set) => (0..nix::sched::CpuSet::count()).filter(|c| set.is_set(*c).unwrap_or(false)).collect(),
+        Err(_) => vec![],
+    }
+}
+
 /// Start `nproc` local ranks running this same executable with `args`
 /// (how `weft bench`, `demo` and `conformance` run stand-alone); ranks share
-/// our terminal.
+/// our terminal, and are bound to cores when they fit.
 pub fn relaunch_local(nproc: usize, args: Vec<String>, timeout: Option<Duration>) -> Result<i32> {
     let mut program = vec![std::env::current_exe()?.to_string_lossy().into_owned()];
     program.extend(args);
@@ -58,6 +70,7 @@ pub fn relaunch_local(nproc: usize, args: Vec<String>, timeout: Option<Duration>
         backend: None,
         timeout,
         prefix: false,
+        bind_cores: nproc <= usable_cpus().len(),
         program,
     })
 }
@@ -114,6 +127,21 @@ pub fn run(l: &Launch) -> Result<i32> {
             .process_group(0);
         if let Some(b) = &l.backend {
             cmd.env(weft::ENV_BACKEND, b);
+        }
+        if l.bind_cores {
+            let cpus = usable_cpus();
+            if !cpus.is_empty() {
+                let cpu = cpus[local % cpus.len()];
+                // SAFETY: between fork and exec, only an async-signal-safe
+                // syscall (sched_setaffinity) runs in the child.
+                unsafe {
+                    cmd.pre_exec(move || {
+                        let mut set = nix::sched::CpuSet::new();
+                        set.set(cpu).map_err(std::io::Error::from)?;
+                        nix::sched::sched_setaffinity(Pid::from_raw(0), &set).map_err(std::io::Error::from)
+                    });
+                }
+            }
         }
         let mut child = match cmd.spawn() {
             Ok(c) => c,

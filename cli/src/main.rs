@@ -45,6 +45,9 @@ enum Cmd {
         /// Do not prefix output lines with the rank.
         #[arg(long)]
         no_prefix: bool,
+        /// Pin local rank i to CPU i (as mpirun binds small jobs).
+        #[arg(long)]
+        bind_cores: bool,
         /// The program and its arguments.
         #[arg(last = true, required = true)]
         program: Vec<String>,
@@ -90,17 +93,20 @@ fn main() -> Result<()> {
     unsafe { nix::sys::signal::signal(nix::sys::signal::Signal::SIGPIPE, nix::sys::signal::SigHandler::SigDfl) }.ok();
     weft_builtin::link();
     let code = match Cli::parse().cmd {
-        Cmd::Run { nproc, nnodes, node_rank, master_addr, master_port, backend, timeout, no_prefix, program } => launcher::run(&Launch {
-            nproc,
-            nnodes,
-            node_rank,
-            master_addr,
-            master_port,
-            backend,
-            timeout: timeout.map(Duration::from_secs_f64),
-            prefix: !no_prefix,
-            program,
-        })?,
+        Cmd::Run { nproc, nnodes, node_rank, master_addr, master_port, backend, timeout, no_prefix, bind_cores, program } => {
+            launcher::run(&Launch {
+                nproc,
+                nnodes,
+                node_rank,
+                master_addr,
+                master_port,
+                backend,
+                timeout: timeout.map(Duration::from_secs_f64),
+                prefix: !no_prefix,
+                bind_cores,
+                program,
+            })?
+        }
         Cmd::Info => info::print()?,
         Cmd::Bench(args) => bench::main(*args)?,
         Cmd::Conformance { nproc, backend, count } => conformance::main(nproc, &backend, count)?,
