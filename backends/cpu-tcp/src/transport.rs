@@ -28,7 +28,8 @@ const CLOSE_GRACE: Duration = Duration::from_secs(2);
 enum Phase {
     Running = 0,
     /// Goodbyes sent and write sides closed: readers drain until the peer
-    /// closes too, so no unread data turns our close into a reset.
+    /// closes too or the line goes quiet, so no unread data turns our close
+    /// into a reset.
     Draining = 1,
     /// Aborted or closed: readers stop at once, quietly.
     Stopped = 2,
@@ -303,7 +304,10 @@ fn read_full(
             }
             Ok(n) => got += n,
             Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::TimedOut | IoKind::Interrupted) => {
-                if phase.get() == Phase::Stopped {
+                // Stopped: leave now. Draining: a quiet tick between frames
+                // means nothing more is on its way, so closing cannot reset.
+                let idle = got == 0 && !mid_frame;
+                if phase.get() == Phase::Stopped || (phase.get() == Phase::Draining && idle) {
                     return Err(ReadEnd::Closing);
                 }
                 if (mid_frame || got > 0) && Instant::now() >= stall {
