@@ -8,7 +8,7 @@
 //! | reduce_scatter(_v) | ring | `ring.rs` |
 //! | all_gather(_v) | ring | `ring.rs` |
 //! | broadcast | binomial tree (small), scatter + ring all-gather (large) | `tree.rs`, `ring.rs` |
-//! | reduce | binomial tree | `tree.rs` |
+//! | reduce | binomial tree (small), ring reduce-scatter + gather (large) | `tree.rs`, `ring.rs` |
 //!
 //! `select.rs` picks per op by size; the hint `algorithm=NAME` or
 //! `WEFT_ALGORITHM` forces one.
@@ -122,7 +122,19 @@ pub fn run(backend: &dyn Backend, op: &mut Op<'_>, ctx: &OpContext) -> Result<()
         }
         Op::Reduce { buf, root, op } => {
             let dtype = buf.dtype();
-            tree::reduce(&c, buf.host_bytes_mut()?, dtype, *op, *root)
+            match select::pick(ctx, "reduce", buf.nbytes())? {
+                "reduce_scatter_gather" => {
+                    // Non-root buffers stay unchanged: reduce a copy there.
+                    if c.rank() == *root {
+                        ring::reduce_scatter_gather(&c, buf.host_bytes_mut()?, dtype, *op, *root)
+                    } else {
+                        let mut copy = crate::kernels::Scratch::take(buf.nbytes());
+                        copy.copy_from_slice(buf.host_bytes()?);
+                        ring::reduce_scatter_gather(&c, &mut copy, dtype, *op, *root)
+                    }
+                }
+                _ => tree::reduce(&c, buf.host_bytes_mut()?, dtype, *op, *root),
+            }
         }
         Op::AllGather { input, outputs } => ring::all_gather(&c, input.host_bytes()?, &mut bytes_of_mut(outputs)?),
         Op::ReduceScatter { inputs, output, op } => {

@@ -133,3 +133,31 @@ fn split_blocks<'b>(buf: &'b mut [u8], bounds: &[usize]) -> Vec<&'b mut [u8]> {
     }
     blocks
 }
+
+/// Reduce for large buffers: a ring reduce-scatter leaves block i reduced on
+/// rank i, then every rank sends its block to the root. Each byte crosses
+/// the wire about twice instead of log2(W) times in a tree.
+pub fn reduce_scatter_gather(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, root: usize) -> Result<()> {
+    let (w, r) = (c.size(), c.rank());
+    let esize = dtype.size();
+    let n = buf.len() / esize;
+    let bounds: Vec<usize> = (0..=w).map(|i| n * i / w * esize).collect();
+    let mine = {
+        let ro: &[u8] = buf;
+        reduce_scatter_blocks(c, |i| &ro[bounds[i]..bounds[i + 1]], dtype, op, 0)?
+    };
+    let g = c.phase_step(w as u32);
+    if r != root {
+        return g.send(0, root, &mine);
+    }
+    let mut blocks = split_blocks(buf, &bounds);
+    blocks[r].copy_from_slice(&mine);
+    let tag = g.tag(0);
+    let mut ops: Vec<crate::backend::P2p<'_>> = blocks
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, _)| *i != r)
+        .map(|(peer, b)| crate::backend::P2p::Recv { peer, tag, buf: b })
+        .collect();
+    g.exchange(&mut ops)
+}

@@ -13,6 +13,7 @@ pub fn choices(op: &str) -> &'static [&'static str] {
     match op {
         "all_reduce" => &["auto", "ring", "recursive_doubling"],
         "broadcast" => &["auto", "binomial", "scatter_allgather"],
+        "reduce" => &["auto", "binomial", "reduce_scatter_gather"],
         _ => &["auto"],
     }
 }
@@ -39,6 +40,9 @@ pub fn pick(ctx: &OpContext, op: &'static str, bytes: usize) -> Result<&'static 
         // buffers scatter + all-gather sends it about twice in total.
         "broadcast" if bytes >= 512 << 10 && ctx.size > 2 => "scatter_allgather",
         "broadcast" => "binomial",
+        // Likewise a tree reduce moves the whole buffer log2(W) times.
+        "reduce" if bytes >= 512 << 10 && ctx.size > 2 => "reduce_scatter_gather",
+        "reduce" => "binomial",
         _ => "auto",
     })
 }

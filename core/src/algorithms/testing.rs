@@ -222,6 +222,20 @@ mod algorithm_tests {
                         }
                     }
                 }
+                for algo in ["binomial", "reduce_scatter_gather"] {
+                    for root in [0, w - 1] {
+                        let out = run_ranks_with(w, OpKind::Reduce, &[("algorithm", algo)], |r, b, c| {
+                            let mut v: Vec<i64> = (0..n).map(|i| (r * 10 + i) as i64).collect();
+                            run(b, &mut Op::Reduce { buf: TensorMut::from_slice(&mut v), root, op: ReduceOp::Sum }, c).unwrap();
+                            v
+                        });
+                        let sum: Vec<i64> = (0..n).map(|i| (0..w).map(|r| (r * 10 + i) as i64).sum()).collect();
+                        for (r, o) in out.iter().enumerate() {
+                            let own: Vec<i64> = (0..n).map(|i| (r * 10 + i) as i64).collect();
+                            assert_eq!(*o, if r == root { sum.clone() } else { own }, "reduce {algo} w={w} n={n} root={root}");
+                        }
+                    }
+                }
                 for algo in ["binomial", "scatter_allgather"] {
                     for root in [0, w - 1] {
                         let out = run_ranks_with(w, OpKind::Broadcast, &[("algorithm", algo)], |r, b, c| {
