@@ -11,6 +11,8 @@ pub fn link() {
     weft_cpu_tcp::link();
     #[cfg(feature = "sparse")]
     weft_sparse::link();
+    #[cfg(feature = "shm")]
+    weft_shm::link();
 }
 
 /// Names of the built-in backends this build links.
@@ -18,6 +20,9 @@ pub fn names() -> Vec<&'static str> {
     let mut v = Vec::new();
     if cfg!(feature = "cpu-tcp") {
         v.push("cpu-tcp");
+    }
+    if cfg!(feature = "shm") {
+        v.push("shm");
     }
     if cfg!(feature = "sparse") {
         v.push("sparse");

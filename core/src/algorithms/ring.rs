@@ -153,11 +153,7 @@ pub fn reduce_scatter_gather(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: Red
     let mut blocks = split_blocks(buf, &bounds);
     blocks[r].copy_from_slice(&mine);
     let tag = g.tag(0);
-    let mut ops: Vec<crate::backend::P2p<'_>> = blocks
-        .iter_mut()
-        .enumerate()
-        .filter(|(i, _)| *i != r)
-        .map(|(peer, b)| crate::backend::P2p::Recv { peer, tag, buf: b })
-        .collect();
+    let mut ops: Vec<crate::backend::P2p<'_>> =
+        blocks.iter_mut().enumerate().filter(|(i, _)| *i != r).map(|(peer, b)| crate::backend::P2p::Recv { peer, tag, buf: b }).collect();
     g.exchange(&mut ops)
 }

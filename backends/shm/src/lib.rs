@@ -1,0 +1,92 @@
+//! `shm`: CPU tensors between ranks on one host through shared memory.
+//! See the crate README for the design and its current limits.
+
+mod locality;
+mod ring;
+mod segment;
+mod transport;
+
+use std::sync::Arc;
+use weft::backend::{Backend, BackendContext};
+use weft::registry::{BackendFactory, StaticBackend};
+use weft::{DeviceKind, Error, Layout, Result};
+
+/// The registration of `shm`.
+pub struct ShmFactory;
+
+impl BackendFactory for ShmFactory {
+    fn name(&self) -> &str {
+        "shm"
+    }
+    fn devices(&self) -> &[DeviceKind] {
+        &[DeviceKind::Cpu]
+    }
+    fn layouts(&self) -> &[Layout] {
+        &[Layout::Dense]
+    }
+    /// Below cpu-tcp for now: `auto` keeps cpu-tcp until shm's native
+    /// collectives land; name it (`cpu:shm`) to use it.
+    fn priority(&self) -> i32 {
+        5
+    }
+    fn probe(&self) -> std::result::Result<(), String> {
+        if std::path::Path::new("/dev/shm").is_dir() {
+            Ok(())
+        } else {
+            Err("no /dev/shm on this machine".into())
+        }
+    }
+    fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
+        let deadline = ctx.setup_deadline();
+        let left = || deadline.saturating_duration_since(std::time::Instant::now());
+        locality::check(&*ctx.store, ctx.rank, ctx.size, ctx.timeout)?;
+        let len = transport::segment_len(ctx.size);
+        let name = if ctx.rank == 0 {
+            let name = format!("/weft-{}-{:x}", std::process::id(), nonce());
+            ctx.store.set("name", name.as_bytes())?;
+            name
+        } else {
+            String::from_utf8_lossy(&ctx.store.get("name", left())?).into_owned()
+        };
+        let seg = if ctx.rank == 0 {
+            let seg = segment::Segment::map(&name, len, true);
+            // Tell the others whether to go on; unlink whatever happens next.
+            ctx.store.set("created", if seg.is_ok() { b"1" } else { b"0" })?;
+            let seg = seg?;
+            let waited = (1..ctx.size).try_for_each(|r| ctx.store.get(&format!("mapped/{r}"), left()).map(drop));
+            segment::Segment::unlink(&name);
+            waited?;
+            seg
+        } else {
+            if ctx.store.get("created", left())? != b"1" {
+                return Err(Error::backend("shm: rank 0 could not create the segment"));
+            }
+            let seg = segment::Segment::map(&name, len, false)?;
+            ctx.store.set(&format!("mapped/{}", ctx.rank), b"1")?;
+            seg
+        };
+        // Everyone waits until rank 0 has seen every mapping (and unlinked).
+        ctx.store.add("ready", 1)?;
+        let until = std::time::Instant::now() + left();
+        while weft::store::Store::add(&*ctx.store, "ready", 0)? < ctx.size as i64 {
+            if std::time::Instant::now() >= until {
+                return Err(Error::timeout("shm: ranks did not all map the segment"));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        Ok(Arc::new(transport::ShmBackend::new(ctx.rank, ctx.size, seg)))
+    }
+}
+
+fn nonce() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
+    h.finish()
+}
+
+static SHM: ShmFactory = ShmFactory;
+weft::inventory::submit! { StaticBackend(&SHM) }
+
+/// Reference this crate so the linker keeps its registration.
+pub fn link() {}

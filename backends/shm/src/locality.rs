@@ -1,0 +1,31 @@
+//! Are all ranks of the group on this host? Decided through the store
+//! (every rank publishes its host identity), never from LOCAL_WORLD_SIZE.
+
+use std::time::Duration;
+use weft::store::Store;
+use weft::{Error, Result};
+
+/// This host's identity: hostname plus the kernel's boot id (two machines
+/// or containers may share a hostname; they do not share a boot).
+pub fn host_id() -> String {
+    let host = nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    format!("{host}/{}", boot.trim())
+}
+
+/// `Ok` if every rank published the same identity, else `Unsupported`
+/// naming the first rank on another host.
+pub fn check(store: &dyn Store, rank: usize, size: usize, timeout: Duration) -> Result<()> {
+    let me = host_id();
+    store.set(&format!("host/{rank}"), me.as_bytes())?;
+    for r in 0..size {
+        let other = store.get(&format!("host/{r}"), timeout)?;
+        if other != me.as_bytes() {
+            return Err(Error::unsupported(format!(
+                "shm needs every rank on one host: rank {rank} is on {me}, rank {r} on {}",
+                String::from_utf8_lossy(&other)
+            )));
+        }
+    }
+    Ok(())
+}

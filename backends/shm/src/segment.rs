@@ -1,0 +1,67 @@
+//! One shared-memory segment per group: created by rank 0 under a name
+//! unique to the group, mapped by every rank, unlinked as soon as all have
+//! mapped it (so nothing is left in /dev/shm, even after SIGKILL).
+
+use nix::fcntl::OFlag;
+use nix::sys::mman::{mmap, munmap, shm_open, shm_unlink, MapFlags, ProtFlags};
+use nix::sys::stat::Mode;
+use std::num::NonZeroUsize;
+use std::ptr::NonNull;
+use weft::{Error, Result};
+
+/// A mapping of the group's segment.
+pub struct Segment {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; every access to it goes
+// through atomics or through ring protocols that hand ownership of bytes
+// between exactly one writer and one reader.
+unsafe impl Send for Segment {}
+// SAFETY: as above.
+unsafe impl Sync for Segment {}
+
+fn os(what: &str, e: nix::errno::Errno) -> Error {
+    Error::backend(format!("shm: {what}: {e}"))
+}
+
+impl Segment {
+    /// Create (rank 0) or open the segment `name` of `len` bytes and map it.
+    pub fn map(name: &str, len: usize, create: bool) -> Result<Segment> {
+        let flags = if create { OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR } else { OFlag::O_RDWR };
+        let fd = shm_open(name, flags, Mode::S_IRUSR | Mode::S_IWUSR).map_err(|e| os(&format!("shm_open {name}"), e))?;
+        if create {
+            nix::unistd::ftruncate(&fd, len as i64).map_err(|e| os("ftruncate", e))?;
+        }
+        let size = NonZeroUsize::new(len).ok_or_else(|| Error::invalid("shm: empty segment"))?;
+        // SAFETY: a fresh shared mapping of a file we just opened, of the
+        // size the creator set; nothing else aliases it in this process.
+        let ptr = unsafe { mmap(None, size, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_SHARED, &fd, 0) }
+            .map_err(|e| os("mmap", e))?;
+        Ok(Segment { ptr: ptr.cast(), len })
+    }
+
+    /// Remove the name (the memory lives on while mapped).
+    pub fn unlink(name: &str) {
+        let _ = shm_unlink(name);
+    }
+
+    /// The first byte.
+    pub fn base(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Bytes mapped.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: this mapping was created by `map` with this length and
+        // nothing refers to it once the backend is dropped.
+        let _ = unsafe { munmap(self.ptr.cast(), self.len) };
+    }
+}

@@ -1,0 +1,83 @@
+//! The shm backend: the full conformance suite at world sizes 1-8, sub-groups
+//! at once, a rank killed mid-op, and nothing left behind in /dev/shm.
+
+use std::os::unix::process::ExitStatusExt;
+use std::time::Duration;
+use weft::prelude::*;
+use weft_tests::procs::run_world;
+use weft_tests::{options, run_threads};
+
+fn shm_files() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("weft-")).collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn shm_passes_conformance_at_world_sizes_1_to_8() {
+    for w in 1..=8 {
+        let results = run_threads(w, options("cpu:shm"), |pg| {
+            assert_eq!(pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense)).as_deref(), Some("shm"));
+            weft_conformance::run(&pg, 5)
+        });
+        for (r, checks) in results.iter().enumerate() {
+            let (table, ok) = weft_conformance::summary(checks);
+            assert!(ok, "shm at W={w}, rank {r}:\n{table}");
+        }
+    }
+}
+
+#[test]
+fn shm_sub_groups_and_large_messages() {
+    run_threads(4, options("cpu:shm"), |pg| {
+        let sub = pg.split(&[3, 1]).unwrap();
+        let mut big = vec![pg.rank() as f32; 3 << 20]; // larger than any ring
+        std::thread::scope(|t| {
+            t.spawn(|| pg.all_reduce(&mut big, ReduceOp::Sum, &OpOptions::default()).unwrap().wait().unwrap());
+            if let Some(sub) = &sub {
+                let mut v = vec![1u64; 1000];
+                sub.all_reduce(&mut v, ReduceOp::Sum, &OpOptions::default()).unwrap().wait().unwrap();
+                assert_eq!(v, vec![2; 1000]);
+            }
+        });
+        assert!(big.iter().all(|x| *x == 6.0));
+    });
+}
+
+#[test]
+fn shm_sigkill_mid_all_reduce_gives_peer_lost_and_leaves_dev_shm_clean() {
+    let worker = env!("CARGO_BIN_EXE_weft-test-worker");
+    let ends = run_world(worker, 3, &["sigkill"], &[("WEFT_BACKEND", "cpu:shm")], Duration::from_secs(90));
+    let victim = &ends[2];
+    assert_eq!(victim.status.signal(), Some(9), "{}", victim.output);
+    for (r, e) in ends[..2].iter().enumerate() {
+        assert!(e.status.success(), "rank {r}: {:?}\n{}", e.status, e.output);
+        assert!(e.at.saturating_duration_since(victim.at) < Duration::from_secs(10), "rank {r} was late");
+    }
+    assert_all_clean(&ends);
+    let ends = run_world(worker, 3, &["ops"], &[("WEFT_BACKEND", "cpu:shm")], Duration::from_secs(60));
+    for e in &ends {
+        assert!(e.status.success(), "{}", e.output);
+    }
+    assert_all_clean(&ends);
+}
+
+/// No segment of these processes is left in /dev/shm.
+fn assert_all_clean(ends: &[weft_tests::procs::RankEnd]) {
+    let _ = ends;
+    let left: Vec<String> = shm_files().into_iter().filter(|n| !n.is_empty()).collect();
+    // Segments are named weft-<pid of rank 0>-<nonce>; other test processes
+    // may be running, so only segments of dead processes count.
+    let stale: Vec<&String> = left
+        .iter()
+        .filter(|n| {
+            n.split('-')
+                .nth(1)
+                .and_then(|p| p.parse::<i32>().ok())
+                .is_some_and(|pid| nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_err())
+        })
+        .collect();
+    assert!(stale.is_empty(), "left in /dev/shm: {stale:?}");
+}
