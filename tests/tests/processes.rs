@@ -7,6 +7,14 @@ use weft_tests::procs::{free_port, run_world, run_world_with};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_weft-test-worker");
 
+/// These are cpu-tcp's process tests (`auto` would take shm on one host;
+/// tests/tests/shm.rs covers that backend).
+fn world(n: usize, args: &[&str], env: &[(&str, &str)], limit: Duration) -> Vec<weft_tests::procs::RankEnd> {
+    let mut env = env.to_vec();
+    env.push(("WEFT_BACKEND", "cpu-tcp"));
+    run_world(WORKER, n, args, &env, limit)
+}
+
 fn assert_all_ok(ends: &[weft_tests::procs::RankEnd]) {
     for (r, e) in ends.iter().enumerate() {
         assert!(e.status.success(), "rank {r} failed: {:?}\n{}", e.status, e.output);
@@ -16,14 +24,14 @@ fn assert_all_ok(ends: &[weft_tests::procs::RankEnd]) {
 #[test]
 fn ops_across_processes_at_several_world_sizes() {
     for n in [1, 2, 3, 5] {
-        assert_all_ok(&run_world(WORKER, n, &["ops"], &[], Duration::from_secs(60)));
+        assert_all_ok(&world(n, &["ops"], &[], Duration::from_secs(60)));
     }
 }
 
 #[test]
 fn sigkill_mid_all_reduce_gives_peer_lost_on_every_other_rank_within_10s() {
     for n in [2, 4] {
-        let ends = run_world(WORKER, n, &["sigkill"], &[], Duration::from_secs(90));
+        let ends = world(n, &["sigkill"], &[], Duration::from_secs(90));
         let victim = &ends[n - 1];
         assert_eq!(victim.status.signal(), Some(9), "the victim was killed: {}", victim.output);
         for (r, e) in ends[..n - 1].iter().enumerate() {
@@ -37,7 +45,7 @@ fn sigkill_mid_all_reduce_gives_peer_lost_on_every_other_rank_within_10s() {
 
 #[test]
 fn weft_debug_detail_names_the_mismatched_rank_across_processes() {
-    assert_all_ok(&run_world(WORKER, 3, &["debug_mismatch"], &[("WEFT_DEBUG", "detail")], Duration::from_secs(60)));
+    assert_all_ok(&world(3, &["debug_mismatch"], &[("WEFT_DEBUG", "detail")], Duration::from_secs(60)));
 }
 
 #[test]
@@ -49,6 +57,7 @@ fn rank_zero_hosts_the_store_under_open_mpi_and_slurm_variables() {
             ("OMPI_COMM_WORLD_SIZE".into(), "3".into()),
             ("MASTER_ADDR".into(), "127.0.0.1".into()),
             ("MASTER_PORT".into(), port.clone()),
+            ("WEFT_BACKEND".into(), "cpu-tcp".into()),
         ]
     };
     assert_all_ok(&run_world_with(WORKER, 3, &["ops"], &[], Duration::from_secs(60), ompi));
@@ -60,6 +69,7 @@ fn rank_zero_hosts_the_store_under_open_mpi_and_slurm_variables() {
             ("SLURM_LOCALID".into(), r.to_string()),
             ("MASTER_ADDR".into(), "localhost".into()),
             ("MASTER_PORT".into(), port.clone()),
+            ("WEFT_BACKEND".into(), "cpu-tcp".into()),
         ]
     };
     assert_all_ok(&run_world_with(WORKER, 2, &["ops"], &[], Duration::from_secs(60), slurm));
@@ -67,8 +77,8 @@ fn rank_zero_hosts_the_store_under_open_mpi_and_slurm_variables() {
 
 #[test]
 fn socket_interface_selection() {
-    assert_all_ok(&run_world(WORKER, 2, &["ops"], &[("WEFT_SOCKET_IFNAME", "lo")], Duration::from_secs(60)));
-    let ends = run_world(WORKER, 2, &["ops"], &[("WEFT_SOCKET_IFNAME", "no-such-if0")], Duration::from_secs(60));
+    assert_all_ok(&world(2, &["ops"], &[("WEFT_SOCKET_IFNAME", "lo")], Duration::from_secs(60)));
+    let ends = world(2, &["ops"], &[("WEFT_SOCKET_IFNAME", "no-such-if0")], Duration::from_secs(60));
     for e in ends {
         assert!(!e.status.success());
         assert!(e.output.contains("WEFT_SOCKET_IFNAME") && e.output.contains("matches no interface"), "{}", e.output);
@@ -78,10 +88,10 @@ fn socket_interface_selection() {
 #[test]
 fn weft_algorithm_forces_algorithms_for_the_whole_group() {
     let env = [("WEFT_ALGORITHM", "all_reduce=ring,broadcast=scatter_allgather")];
-    assert_all_ok(&run_world(WORKER, 3, &["ops"], &env, Duration::from_secs(60)));
+    assert_all_ok(&world(3, &["ops"], &env, Duration::from_secs(60)));
 }
 
 #[test]
 fn the_default_timeout_comes_from_weft_timeout_seconds() {
-    assert_all_ok(&run_world(WORKER, 2, &["default_timeout"], &[("WEFT_TIMEOUT_SECONDS", "1")], Duration::from_secs(60)));
+    assert_all_ok(&world(2, &["default_timeout"], &[("WEFT_TIMEOUT_SECONDS", "1")], Duration::from_secs(60)));
 }

@@ -78,8 +78,10 @@ fn cuda_view(b: &mut Buf) -> weft::TensorMut<'_> {
 fn tensors_route_to_the_backend_of_their_device() {
     for spec in ["cpu:cpu-tcp,cuda:test-staging", "auto"] {
         let before = STAGED_OPS.load(Ordering::Relaxed);
-        run_threads(3, options(spec), |pg| {
-            assert_eq!(pg.backend_name((DeviceKind::Cpu, Layout::Dense)).as_deref(), Some("cpu-tcp"));
+        run_threads(3, options(spec), move |pg| {
+            // auto prefers shm when every rank is on this host.
+            let cpu = if spec == "auto" { "shm" } else { "cpu-tcp" };
+            assert_eq!(pg.backend_name((DeviceKind::Cpu, Layout::Dense)).as_deref(), Some(cpu));
             assert_eq!(pg.backend_name((DeviceKind::Cuda, Layout::Dense)).as_deref(), Some("test-staging"));
             let mut host = vec![pg.rank() as f32; 5];
             let mut dev = Buf::from_bytes(DType::F32, &[1f32.to_ne_bytes(); 5].concat());

@@ -4,7 +4,7 @@
 use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
 use weft::prelude::*;
-use weft_tests::procs::run_world;
+use weft_tests::procs::{free_port, run_world, run_world_with};
 use weft_tests::{options, run_threads};
 
 fn shm_files() -> Vec<String> {
@@ -80,4 +80,30 @@ fn assert_all_clean(ends: &[weft_tests::procs::RankEnd]) {
         })
         .collect();
     assert!(stale.is_empty(), "left in /dev/shm: {stale:?}");
+}
+
+#[test]
+fn auto_picks_shm_on_one_host_and_cpu_tcp_when_a_rank_looks_remote() {
+    let worker = env!("CARGO_BIN_EXE_weft-test-worker");
+    for e in run_world(worker, 3, &["which_backend"], &[("WEFT_BACKEND", "auto")], Duration::from_secs(60)) {
+        assert!(e.status.success() && e.output.contains("backend=shm"), "{}", e.output);
+    }
+    // Rank 2 claims another host: shm refuses the group and auto falls back.
+    let port = free_port().to_string();
+    let vars = |r: usize| {
+        let mut v = vec![
+            ("RANK".to_string(), r.to_string()),
+            ("WORLD_SIZE".into(), "3".into()),
+            ("MASTER_ADDR".into(), "127.0.0.1".into()),
+            ("MASTER_PORT".into(), port.clone()),
+            ("WEFT_BACKEND".into(), "auto".into()),
+        ];
+        if r == 2 {
+            v.push(("WEFT_HOST_ID".into(), "elsewhere".into()));
+        }
+        v
+    };
+    for e in run_world_with(worker, 3, &["which_backend"], &[], Duration::from_secs(60), vars) {
+        assert!(e.status.success() && e.output.contains("backend=cpu-tcp"), "{}", e.output);
+    }
 }

@@ -24,10 +24,10 @@ impl BackendFactory for ShmFactory {
     fn layouts(&self) -> &[Layout] {
         &[Layout::Dense]
     }
-    /// Below cpu-tcp for now: `auto` keeps cpu-tcp until shm's native
-    /// collectives land; name it (`cpu:shm`) to use it.
+    /// Above cpu-tcp: `auto` takes shm when every rank is on one host
+    /// (create() says `Unsupported` otherwise, and auto falls back).
     fn priority(&self) -> i32 {
-        5
+        20
     }
     fn probe(&self) -> std::result::Result<(), String> {
         if std::path::Path::new("/dev/shm").is_dir() {

@@ -5,9 +5,16 @@ use std::time::Duration;
 use weft::store::Store;
 use weft::{Error, Result};
 
+/// Environment variable overriding the host identity (tests; containers
+/// that share a kernel but not /dev/shm).
+pub const ENV_HOST_ID: &str = "WEFT_HOST_ID";
+
 /// This host's identity: hostname plus the kernel's boot id (two machines
 /// or containers may share a hostname; they do not share a boot).
 pub fn host_id() -> String {
+    if let Ok(id) = std::env::var(ENV_HOST_ID) {
+        return id;
+    }
     let host = nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default();
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
     format!("{host}/{}", boot.trim())

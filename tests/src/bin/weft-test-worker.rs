@@ -77,6 +77,13 @@ fn run(scenario: &str) -> anyhow::Result<()> {
                 std::thread::sleep(Duration::from_secs(3));
             }
         }
+        "which_backend" => {
+            let name = pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense)).unwrap_or_default();
+            let mut v = vec![1u32; 100];
+            pg.all_reduce(&mut v, ReduceOp::Sum, &o)?.wait()?;
+            anyhow::ensure!(v.iter().all(|x| *x == w as u32), "all_reduce on {name}");
+            println!("backend={name}");
+        }
         "conformance" => {
             let checks = weft_conformance::run(&pg, 5);
             let (table, ok) = weft_conformance::summary(&checks);
