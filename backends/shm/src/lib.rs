@@ -40,14 +40,19 @@ impl BackendFactory for ShmFactory {
         let deadline = ctx.setup_deadline();
         let left = || deadline.saturating_duration_since(std::time::Instant::now());
         locality::check(&*ctx.store, ctx.rank, ctx.size, ctx.timeout)?;
-        let len = transport::segment_len(ctx.size);
-        let name = if ctx.rank == 0 {
+        // Rank 0 chooses the name and ring size (from the free space it
+        // sees) and publishes them: every rank must use the same layout.
+        let (name, cap) = if ctx.rank == 0 {
+            let cap = transport::ring_cap(ctx.size, segment::available());
             let name = format!("/weft-{}-{:x}", std::process::id(), nonce());
-            ctx.store.set("name", name.as_bytes())?;
-            name
+            ctx.store.set("layout", format!("{name} {cap}").as_bytes())?;
+            (name, cap)
         } else {
-            String::from_utf8_lossy(&ctx.store.get("name", left())?).into_owned()
+            let layout = String::from_utf8_lossy(&ctx.store.get("layout", left())?).into_owned();
+            let (name, cap) = layout.split_once(' ').ok_or_else(|| Error::backend("shm: malformed layout in the store"))?;
+            (name.to_string(), cap.parse().map_err(|_| Error::backend("shm: malformed ring size in the store"))?)
         };
+        let len = transport::segment_len(ctx.size, cap);
         let seg = if ctx.rank == 0 {
             let seg = segment::Segment::map(&name, len, true);
             // Tell the others whether to go on; unlink whatever happens next.
@@ -74,7 +79,7 @@ impl BackendFactory for ShmFactory {
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        Ok(Arc::new(transport::ShmBackend::new(ctx.rank, ctx.size, seg)))
+        Ok(Arc::new(transport::ShmBackend::new(ctx.rank, ctx.size, seg, cap)))
     }
 }
 

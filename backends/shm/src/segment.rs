@@ -33,6 +33,12 @@ impl Segment {
         let fd = shm_open(name, flags, Mode::S_IRUSR | Mode::S_IWUSR).map_err(|e| os(&format!("shm_open {name}"), e))?;
         if create {
             nix::unistd::ftruncate(&fd, len as i64).map_err(|e| os("ftruncate", e))?;
+            // Reserve the pages now: a full /dev/shm is an error here, not a
+            // SIGBUS when a ring first touches a page mid-transfer.
+            nix::fcntl::posix_fallocate(&fd, 0, len as i64).map_err(|e| {
+                let _ = shm_unlink(name);
+                Error::unsupported(format!("shm: cannot reserve {len} bytes of shared memory ({e}); /dev/shm too small?"))
+            })?;
         }
         let size = NonZeroUsize::new(len).ok_or_else(|| Error::invalid("shm: empty segment"))?;
         // SAFETY: a fresh shared mapping of a file we just opened, of the
@@ -64,4 +70,9 @@ impl Drop for Segment {
         // nothing refers to it once the backend is dropped.
         let _ = unsafe { munmap(self.ptr.cast(), self.len) };
     }
+}
+
+/// Bytes free in /dev/shm (0 if unknown).
+pub fn available() -> usize {
+    nix::sys::statvfs::statvfs("/dev/shm").map(|s| (s.blocks_available() * s.fragment_size()) as usize).unwrap_or(0)
 }

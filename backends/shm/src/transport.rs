@@ -36,14 +36,22 @@ pub struct Control {
     blame: AtomicU32,
 }
 
-/// Bytes of data per ring for a group of `w` ranks (64 MiB of rings in all, at most 1 MiB each).
-pub fn ring_cap(w: usize) -> usize {
-    ((64usize << 20) / (w * w).max(1)).clamp(16 << 10, 1 << 20).next_power_of_two() / 2
+/// Shared memory a group may use for its rings, at most.
+const BUDGET: usize = 64 << 20;
+
+/// Data bytes per ring for `w` ranks when `avail` bytes of /dev/shm are
+/// free: a power of two in [16 KiB, 8 MiB], rings taking at most
+/// min(BUDGET, avail / 4) in all. Larger rings keep big transfers streaming.
+pub fn ring_cap(w: usize, avail: usize) -> usize {
+    let budget = BUDGET.min(avail / 4);
+    let per = budget / (w * w).max(1);
+    let cap = if per.is_power_of_two() { per } else { per.next_power_of_two() / 2 };
+    cap.clamp(16 << 10, 8 << 20)
 }
 
-/// Segment size for `w` ranks.
-pub fn segment_len(w: usize) -> usize {
-    w * std::mem::size_of::<Control>() + w * w * footprint(ring_cap(w))
+/// Segment size for `w` ranks with rings of `cap` bytes.
+pub fn segment_len(w: usize, cap: usize) -> usize {
+    w * std::mem::size_of::<Control>() + w * w * footprint(cap)
 }
 
 enum Dest {
@@ -77,11 +85,11 @@ pub struct ShmBackend {
 }
 
 impl ShmBackend {
-    /// Wrap a mapped segment of `size` ranks (zeroed by its creator).
-    pub fn new(rank: usize, size: usize, seg: Segment) -> Self {
-        let cap = ring_cap(size);
+    /// Wrap a mapped segment of `size` ranks with rings of `cap` bytes
+    /// (zeroed by its creator).
+    pub fn new(rank: usize, size: usize, seg: Segment, cap: usize) -> Self {
         let ctl = size * std::mem::size_of::<Control>();
-        assert!(seg.len() >= segment_len(size), "segment sized by segment_len");
+        assert!(seg.len() >= segment_len(size, cap), "segment sized by segment_len");
         let rings = (0..size * size)
             // SAFETY: ring i lies inside the segment (segment_len), is
             // 64-byte aligned (Control and footprint are multiples of 64),
@@ -404,5 +412,19 @@ impl ShmBackend {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_sizes_follow_the_free_space_and_stay_bounded() {
+        assert_eq!(ring_cap(2, 24 << 30), 8 << 20); // 64 MiB budget / 4 rings = 16 MiB, capped at 8
+        assert_eq!(ring_cap(8, 24 << 30), 1 << 20); // 64 MiB / 64 rings
+        assert_eq!(ring_cap(2, 64 << 20), 4 << 20); // a 64 MiB /dev/shm: 16 MiB of rings
+        assert_eq!(ring_cap(64, 1 << 20), 16 << 10); // tiny /dev/shm: the floor
+        assert!(segment_len(8, ring_cap(8, 24 << 30)) <= 65 << 20);
     }
 }
