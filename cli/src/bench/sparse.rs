@@ -1,9 +1,10 @@
 //! `weft bench --ops sparse_all_reduce`: embedding-gradient-like sparse
 //! all-reduces. A table of R rows x D columns (f32); every rank touches
-//! nnz = density x R rows drawn from a Zipf distribution (popular rows
-//! overlap across ranks; duplicates within a rank are left uncoalesced, as
-//! in real gradients). Each algorithm is timed side by side; results are
-//! checked against the all-gather baseline's.
+//! nnz = density x R distinct rows, drawn without replacement with Zipf
+//! popularity (popular rows overlap across ranks), listed in random order
+//! and with a few repeated entries (real gradients are uncoalesced). Each
+//! algorithm is timed side by side; results are checked against the
+//! all-gather baseline's.
 
 use anyhow::Result;
 use std::time::Instant;
@@ -32,24 +33,28 @@ impl Rng {
     }
 }
 
-/// Rows drawn from Zipf(s) over `rows` by inverse CDF, with a rank-specific seed.
-fn sample(cdf: &[f64], nnz: usize, seed: u64) -> Vec<i64> {
+/// `nnz` distinct rows drawn without replacement with probability
+/// proportional to `weights` (Efraimidis-Spirakis: keep the largest
+/// u^(1/w)), plus 5 % repeats, in random order; rank-specific seed.
+fn sample(weights: &[f64], nnz: usize, seed: u64) -> Vec<i64> {
     let mut rng = Rng(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1);
-    (0..nnz).map(|_| cdf.partition_point(|c| *c < rng.next()).min(cdf.len() - 1) as i64).collect()
+    let mut keyed: Vec<(f64, usize)> = weights.iter().enumerate().map(|(i, w)| (rng.next().max(1e-300).ln() / w, i)).collect();
+    let nnz = nnz.min(keyed.len());
+    keyed.select_nth_unstable_by(nnz.saturating_sub(1), |a, b| b.0.total_cmp(&a.0));
+    let mut rows: Vec<i64> = keyed[..nnz].iter().map(|(_, i)| *i as i64).collect();
+    let repeats: Vec<i64> = rows.iter().step_by(20).copied().collect();
+    rows.extend(repeats);
+    // Shuffle (Fisher-Yates): gradients arrive in lookup order, not sorted.
+    for i in (1..rows.len()).rev() {
+        rows.swap(i, (rng.next() * (i + 1) as f64) as usize % (i + 1));
+    }
+    rows
 }
 
 pub fn run(pg: &ProcessGroup, w: &Workload) -> Result<u64> {
     let (r, size) = (pg.rank(), pg.size());
     let o = OpOptions::default();
     let weights: Vec<f64> = (1..=w.rows).map(|k| 1.0 / (k as f64).powf(w.zipf)).collect();
-    let total: f64 = weights.iter().sum();
-    let cdf: Vec<f64> = weights
-        .iter()
-        .scan(0.0, |acc, x| {
-            *acc += x / total;
-            Some(*acc)
-        })
-        .collect();
     if r == 0 {
         println!(
             "# sparse_all_reduce: {} ranks, table {} x {} f32, Zipf s={}, times in us (slowest rank, median of {} iterations)",
@@ -67,8 +72,8 @@ pub fn run(pg: &ProcessGroup, w: &Workload) -> Result<u64> {
     }
     let mut wrong_total = 0;
     for &density in &w.densities {
-        let nnz = ((density * w.rows as f64) as usize).max(1);
-        let idx = sample(&cdf, nnz, r as u64 + 1);
+        let idx = sample(&weights, ((density * w.rows as f64) as usize).max(1), r as u64 + 1);
+        let nnz = idx.len();
         let vals = vec![1.0f32; nnz * w.dim];
         let make = || {
             SparseCooTensor::new(

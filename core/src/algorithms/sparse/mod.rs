@@ -18,8 +18,9 @@
 //!
 //! `auto` takes `dense` when even the smallest possible union makes the
 //! sparse exchanges cost more than a dense ring; otherwise
-//! `recursive_doubling` for small tensors (fewest steps) and `split` for
-//! larger ones (least traffic and merge work when indices overlap).
+//! `recursive_doubling` for small tensors or two ranks, `allgather` up to
+//! 8 MiB per rank, and `split` beyond (least traffic and merge work when
+//! indices overlap).
 
 mod coalesce;
 mod dense;
@@ -39,6 +40,9 @@ const MAX_DIMS: usize = 32;
 const HEADER: usize = 4 + MAX_DIMS;
 /// Below this many bytes per rank, the fewest steps win (recursive doubling).
 const SMALL: usize = 64 << 10;
+/// Up to this many bytes per rank the all-gather's single pipelined phase
+/// beats split's two (measured at W=4 with `weft bench --ops sparse_all_reduce`).
+const MEDIUM: usize = 8 << 20;
 
 /// The sparse all-reduce of `input` into `output`.
 pub fn all_reduce(c: &Comm<'_>, input: &SparseCooTensor<'_>, output: &mut SparseCoo, op: ReduceOp) -> Result<()> {
@@ -66,6 +70,8 @@ pub fn all_reduce(c: &Comm<'_>, input: &SparseCooTensor<'_>, output: &mut Sparse
                 "dense"
             } else if bytes <= SMALL || w <= 2 {
                 "recursive_doubling"
+            } else if bytes <= MEDIUM {
+                "allgather"
             } else {
                 "split"
             }
