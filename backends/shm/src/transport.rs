@@ -36,8 +36,10 @@ pub struct Control {
     blame: AtomicU32,
 }
 
-/// Shared memory a group may use for its rings, at most.
-const BUDGET: usize = 64 << 20;
+/// Shared memory a group may use for its rings, at most. The segment is
+/// reserved up front (no SIGBUS later), so this is real memory per group:
+/// kept modest for programs with many sub-groups.
+const BUDGET: usize = 16 << 20;
 
 /// Data bytes per ring for `w` ranks when `avail` bytes of /dev/shm are
 /// free: a power of two in [16 KiB, 8 MiB], rings taking at most
@@ -421,10 +423,10 @@ mod tests {
 
     #[test]
     fn ring_sizes_follow_the_free_space_and_stay_bounded() {
-        assert_eq!(ring_cap(2, 24 << 30), 8 << 20); // 64 MiB budget / 4 rings = 16 MiB, capped at 8
-        assert_eq!(ring_cap(8, 24 << 30), 1 << 20); // 64 MiB / 64 rings
-        assert_eq!(ring_cap(2, 64 << 20), 4 << 20); // a 64 MiB /dev/shm: 16 MiB of rings
+        assert_eq!(ring_cap(2, 24 << 30), 4 << 20); // 16 MiB budget / 4 rings
+        assert_eq!(ring_cap(8, 24 << 30), 256 << 10); // 16 MiB / 64 rings
+        assert_eq!(ring_cap(2, 16 << 20), 1 << 20); // a 16 MiB /dev/shm: 4 MiB of rings
         assert_eq!(ring_cap(64, 1 << 20), 16 << 10); // tiny /dev/shm: the floor
-        assert!(segment_len(8, ring_cap(8, 24 << 30)) <= 65 << 20);
+        assert!(segment_len(8, ring_cap(8, 24 << 30)) <= 17 << 20);
     }
 }
