@@ -113,6 +113,18 @@ impl Inbox {
         let mut g = self.lock();
         let id = g.next_id;
         g.next_id += 1;
+        // A stashed message of another collective at the same sequence
+        // number means the ranks disagree on the op: fail now, not at the
+        // deadline (the arrival-time check only sees receives posted before).
+        if let Some(other) = g.peers[peer].stash.iter().find(|(t, q)| !q.is_empty() && weft::tag::conflicts(**t, tag)).map(|(t, _)| *t) {
+            let e = Error::backend(format!(
+                "collective mismatch: peer rank {peer} sent a message for {} while this rank waits in {}",
+                OpKind::describe_tag(other),
+                OpKind::describe_tag(tag)
+            ));
+            g.recvs.insert(id, Posted { peer, tag, buf, deadline, state: State::Done(Err(e)) });
+            return id;
+        }
         // A message that arrived before the peer said goodbye is still
         // delivered; a group-wide failure wins over everything.
         let stashed = g.peers[peer].stash.get_mut(&tag).and_then(VecDeque::pop_front);
