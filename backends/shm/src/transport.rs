@@ -253,10 +253,11 @@ impl ShmBackend {
         let (me, w) = (self.rank, self.size);
         let mut idle_since = Instant::now();
         let mut last_check = Instant::now();
+        let mut busy = vec![false; w];
         loop {
             let mut moved = false;
             // Sends: the first unfinished send to each peer streams into its ring.
-            let mut busy = vec![false; w];
+            busy.fill(false);
             for i in 0..ops.len() {
                 let P2p::Send { peer, tag, data } = &ops[i] else { continue };
                 if done[i] || busy[*peer] {
