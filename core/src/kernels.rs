@@ -204,6 +204,11 @@ macro_rules! by_dtype {
 /// The op must already be checked against the dtype.
 pub fn reduce_into(acc: &mut [u8], src: &[u8], dtype: DType, op: ReduceOp) {
     debug_assert_eq!(acc.len(), src.len());
+    // f16 converts in blocks (hardware F16C); bf16's conversion is a shift
+    // that already vectorizes element by element.
+    if dtype == DType::F16 && half_blocks(acc, src, dtype, op) {
+        return;
+    }
     // Each arm passes the function item itself (not a fn pointer), so the
     // loop is monomorphized per op and dtype, inlined and vectorized.
     by_dtype!(dtype, T => match op.combiner() {
@@ -216,6 +221,59 @@ pub fn reduce_into(acc: &mut [u8], src: &[u8], dtype: DType, op: ReduceOp) {
         ReduceOp::Bxor => zip_apply::<T>(acc, src, T::bxor),
         ReduceOp::Avg | ReduceOp::PremulSum(_) => unreachable!("combiner() maps these to Sum"),
     })
+}
+
+/// f16/bf16 in blocks: convert a block of each side to f32 with `half`'s
+/// slice conversions (hardware F16C where the CPU has it), combine in f32,
+/// convert back. Same results as element by element (f16 -> f32 is exact,
+/// and the one rounding back is the same). False if a buffer is unaligned.
+fn half_blocks(acc: &mut [u8], src: &[u8], dtype: DType, op: ReduceOp) -> bool {
+    use half::slice::HalfFloatSliceExt;
+    const BLOCK: usize = 1024;
+    let aligned = |p: *const u8| (p as usize).is_multiple_of(2);
+    if !aligned(acc.as_ptr()) || !aligned(src.as_ptr()) {
+        return false;
+    }
+    let n = acc.len().min(src.len()) / 2;
+    let (mut a32, mut s32) = ([0f32; BLOCK], [0f32; BLOCK]);
+    macro_rules! run {
+        ($t:ty) => {{
+            // SAFETY: both buffers are 2-byte aligned (checked), hold n
+            // elements, do not overlap (acc is &mut), and any bit pattern is
+            // a valid f16/bf16.
+            let (a, s) = unsafe {
+                (std::slice::from_raw_parts_mut(acc.as_mut_ptr() as *mut $t, n), std::slice::from_raw_parts(src.as_ptr() as *const $t, n))
+            };
+            for (ab, sb) in a.chunks_mut(BLOCK).zip(s.chunks(BLOCK)) {
+                let k = ab.len();
+                ab.convert_to_f32_slice(&mut a32[..k]);
+                sb.convert_to_f32_slice(&mut s32[..k]);
+                zip_apply_f32(&mut a32[..k], &s32[..k], op);
+                ab.convert_from_f32_slice(&a32[..k]);
+            }
+        }};
+    }
+    match dtype {
+        DType::F16 => run!(f16),
+        _ => run!(bf16),
+    }
+    true
+}
+
+fn zip_apply_f32(a: &mut [f32], s: &[f32], op: ReduceOp) {
+    macro_rules! each {
+        ($f:expr) => {
+            a.iter_mut().zip(s).for_each(|(x, y)| *x = $f(*x, *y))
+        };
+    }
+    match op.combiner() {
+        ReduceOp::Sum => each!(<f32 as Arith>::sum),
+        ReduceOp::Product => each!(<f32 as Arith>::prod),
+        ReduceOp::Min => each!(<f32 as Arith>::min),
+        ReduceOp::Max => each!(<f32 as Arith>::max),
+        // Bitwise ops never reach floats (checked by ReduceOp::check).
+        _ => {}
+    }
 }
 
 /// Scale a rank's own contribution before reducing (`PremulSum`); no-op otherwise.
@@ -433,6 +491,28 @@ mod tests {
         let mut b = [5u8, 0];
         sanitize(&mut b, DType::Bool);
         assert_eq!(b, [1, 0]);
+    }
+
+    #[test]
+    fn half_blocks_match_element_by_element() {
+        for dtype in [DType::F16, DType::BF16] {
+            for op in [ReduceOp::Sum, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max] {
+                let vals = |k: usize| -> Vec<f32> { (0..3000).map(|i| ((i * 7 + k) % 97) as f32 * 0.37 - 11.0).collect() };
+                let to = |v: &[f32]| -> Vec<u16> {
+                    v.iter().map(|x| if dtype == DType::F16 { f16::from_f32(*x).to_bits() } else { bf16::from_f32(*x).to_bits() }).collect()
+                };
+                let (mut a, b) = (to(&vals(1)), to(&vals(5)));
+                let mut slow = a.clone();
+                reduce_into(bytes_mut(&mut a), bytes(&b), dtype, op);
+                by_dtype!(dtype, T => zip_apply::<T>(bytes_mut(&mut slow), bytes(&b), match op {
+                    ReduceOp::Sum => T::sum,
+                    ReduceOp::Product => T::prod,
+                    ReduceOp::Min => <T as Arith>::min,
+                    _ => <T as Arith>::max,
+                }));
+                assert_eq!(a, slow, "{dtype} {op}");
+            }
+        }
     }
 
     #[test]
