@@ -1,10 +1,12 @@
 //! The conformance suite for weft backends.
 //!
 //! [`run`] exercises every op, dtype and reduce op on a group and compares
-//! each result with a reference computed without weft ([`reference`]). It
+//! each result with a reference computed without weft ([`reference`](mod@reference)). It
 //! returns one [`Check`] per case, so a backend author can see exactly what
 //! fails: `weft conformance --backend NAME_OR_PATH -n 4` prints them as a
 //! table, and weft's own tests run it on every backend.
+
+#![warn(missing_docs)]
 
 mod buf;
 pub mod reference;

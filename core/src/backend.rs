@@ -3,7 +3,7 @@
 //! A backend must move bytes between ranks ([`Backend::exchange`]); that is
 //! enough for every op, because core runs its generic algorithms
 //! ([`crate::algorithms`]) over it. A backend may also run any collective
-//! itself ([`Backend::collective`]), which device backends (CUDA) must do for
+//! itself ([`Backend::native_op`]), which device backends (CUDA) must do for
 //! memory the host cannot touch. Transports never see a collective unless
 //! they ask for it; algorithms never see a socket.
 

@@ -19,6 +19,8 @@
 //! in [`registry`], the generic algorithms in [`algorithms`], the
 //! transport interface in [`backend`], rendezvous in [`store`].
 
+#![warn(missing_docs)]
+
 pub mod algorithms;
 pub mod backend;
 mod dtype;

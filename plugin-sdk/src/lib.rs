@@ -2,6 +2,7 @@
 //! macro, [`export_backend!`]. Every entry point catches panics and maps
 //! errors to statuses, so nothing unwinds across the C boundary.
 
+#![warn(missing_docs)]
 #![allow(clippy::missing_safety_doc)]
 
 mod host_store;

@@ -5,6 +5,8 @@
 //! (before creating a group) guarantees every backend enabled by this crate's
 //! features is linked and registered.
 
+#![warn(missing_docs)]
+
 /// Make sure every enabled built-in backend is linked. Cheap; idempotent.
 pub fn link() {
     #[cfg(feature = "cpu-tcp")]

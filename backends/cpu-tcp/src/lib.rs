@@ -1,8 +1,10 @@
 //! `cpu-tcp`: weft's TCP backend for CPU tensors, within a host or across
 //! hosts (Gloo's role). See the crate README for the protocol.
 //!
-//! It only moves bytes ([`Backend::exchange`](weft::backend::Backend::exchange));
+//! It only moves bytes ([`weft::backend::Backend::exchange`]);
 //! every collective runs on weft's generic algorithms over it.
+
+#![warn(missing_docs)]
 
 mod addr;
 mod connect;

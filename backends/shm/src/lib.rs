@@ -1,6 +1,8 @@
 //! `shm`: CPU tensors between ranks on one host through shared memory.
 //! See the crate README for the design and its current limits.
 
+#![warn(missing_docs)]
+
 mod locality;
 mod ring;
 mod segment;

@@ -1,6 +1,8 @@
 //! `sparse`: sparse COO all-reduce for CPU tensors, layered over whatever
 //! backend the group uses for dense CPU tensors (see the README).
 
+#![warn(missing_docs)]
+
 use std::sync::Arc;
 use std::time::Instant;
 use weft::backend::{Backend, BackendContext, P2p};

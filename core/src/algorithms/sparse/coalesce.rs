@@ -12,7 +12,9 @@ use crate::tensor::{SparseCoo, SparseCooTensor};
 /// A coalesced run: sorted unique `keys`, `values` holding `row` bytes per key.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Run {
+    /// Linear keys (row-major over the sparse dims), sorted and unique.
     pub keys: Vec<i64>,
+    /// One row of value bytes per key.
     pub values: Vec<u8>,
 }
 
