@@ -8,7 +8,7 @@
 
 mod addr;
 mod connect;
-mod inbox;
+mod engine;
 mod transport;
 mod wire;
 
@@ -39,7 +39,7 @@ impl BackendFactory for CpuTcp {
         let (ip, why) = local_addr()?;
         weft::log::debug(format_args!("cpu-tcp rank {}: using address {ip} ({why})", ctx.rank));
         let peers = connect::mesh(&*ctx.store, ctx.rank, ctx.size, ip, ctx.setup_deadline())?;
-        Ok(Arc::new(transport::TcpBackend::start(ctx.rank, peers, ctx.timeout)?))
+        Ok(Arc::new(transport::TcpBackend::start(ctx.rank, peers, ctx.store)?))
     }
 }
 

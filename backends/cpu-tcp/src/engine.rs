@@ -1,0 +1,377 @@
+//! The progress engine: one thread at a time moves every byte of an
+//! exchange itself. It writes pending sends without blocking and reads
+//! whatever every peer has sent (into posted receives, or a stash for
+//! messages that come early), so two ranks sending to each other never
+//! block each other, and no helper thread hands messages over.
+
+use crate::wire::{Header, Kind, HEADER, MAX_ABORT};
+use socket2::Socket;
+use std::collections::{HashMap, VecDeque};
+use std::io::{ErrorKind as IoKind, IoSlice, Read};
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+use weft::backend::{OpKind, P2p};
+use weft::{Error, Result};
+
+/// Spin this long without progress before blocking in poll().
+const SPIN: Duration = Duration::from_micros(50);
+/// Block at most this long per poll() (to re-check aborts).
+const NAP: Duration = Duration::from_millis(100);
+
+/// Where an arriving frame's payload goes.
+enum Dest {
+    Recv(usize),
+    Stash(Vec<u8>),
+    /// An abort report: the payload is read, then reported.
+    Abort(Vec<u8>),
+}
+
+struct Incoming {
+    tag: u64,
+    len: usize,
+    got: usize,
+    dest: Dest,
+}
+
+/// One connection's state.
+pub struct Peer {
+    pub sock: Socket,
+    hdr: [u8; HEADER],
+    hdr_got: usize,
+    frame: Option<Incoming>,
+    stash: HashMap<u64, VecDeque<Vec<u8>>>,
+    /// The peer said goodbye (or its stream ended cleanly after one).
+    pub left: bool,
+    /// A send stopped mid-frame: nothing more may be written.
+    pub torn: bool,
+}
+
+impl Peer {
+    pub fn new(sock: Socket) -> Peer {
+        Peer { sock, hdr: [0; HEADER], hdr_got: 0, frame: None, stash: HashMap::new(), left: false, torn: false }
+    }
+}
+
+/// How a read attempt ended.
+enum Got {
+    Some(usize),
+    None,
+    Eof,
+}
+
+fn read_some(sock: &Socket, buf: &mut [u8], peer: usize) -> Result<Got> {
+    if buf.is_empty() {
+        return Ok(Got::Some(0));
+    }
+    match (&*sock).read(buf) {
+        Ok(0) => Ok(Got::Eof),
+        Ok(n) => Ok(Got::Some(n)),
+        Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::Interrupted) => Ok(Got::None),
+        Err(e) => Err(Error::peer_lost(peer, format!("connection to peer rank {peer} broke: {e}"))),
+    }
+}
+
+/// Write as much of `parts` (header then payload, from offset `sent`) as
+/// the socket takes now; the new offset.
+pub fn write_some(sock: &Socket, hdr: &[u8; HEADER], data: &[u8], sent: usize, peer: usize) -> Result<usize> {
+    let parts = if sent < HEADER {
+        [IoSlice::new(&hdr[sent..]), IoSlice::new(data)]
+    } else {
+        [IoSlice::new(&data[sent - HEADER..]), IoSlice::new(&[])]
+    };
+    let flags = (nix::sys::socket::MsgFlags::MSG_NOSIGNAL | nix::sys::socket::MsgFlags::MSG_DONTWAIT).bits();
+    match sock.send_vectored_with_flags(&parts, flags) {
+        Ok(n) => Ok(sent + n),
+        Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::Interrupted) => Ok(sent),
+        Err(e) => Err(Error::peer_lost(peer, format!("connection to peer rank {peer} broke: send failed: {e}"))),
+    }
+}
+
+fn size_mismatch(peer: usize, me: usize, got: usize, want: usize, tag: u64) -> Error {
+    Error::backend(format!(
+        "size mismatch: peer rank {peer} sent {got} bytes, rank {me} expected {want} bytes ({})",
+        OpKind::describe_tag(tag)
+    ))
+}
+
+fn mismatch(peer: usize, theirs: u64, mine: u64) -> Error {
+    Error::backend(format!(
+        "collective mismatch: peer rank {peer} sent a message for {} while this rank waits in {}",
+        OpKind::describe_tag(theirs),
+        OpKind::describe_tag(mine)
+    ))
+}
+
+/// What the engine needs from its owner on each turn.
+pub trait Watch {
+    /// An error that ends the exchange now (abort, group failure).
+    fn stop(&self) -> Option<Error>;
+}
+
+/// Run one exchange to completion.
+pub fn exchange(me: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>], deadline: Instant, watch: &dyn Watch) -> Result<()> {
+    let n = ops.len();
+    let mut done = vec![false; n];
+    let mut sent = vec![0usize; n];
+    let headers: Vec<[u8; HEADER]> = ops
+        .iter()
+        .map(|op| match op {
+            P2p::Send { tag, data, .. } => Header { kind: Kind::Data, tag: *tag, len: data.len() as u64 }.encode(),
+            P2p::Recv { .. } => [0; HEADER],
+        })
+        .collect();
+    // Receives served by messages that came early; conflicts fail at once.
+    for (i, op) in ops.iter_mut().enumerate() {
+        if let P2p::Recv { peer, tag, buf } = op {
+            let p = peers[*peer].as_mut().expect("validated peers are connected");
+            if let Some(other) = p.stash.iter().find(|(t, q)| !q.is_empty() && weft::tag::conflicts(**t, *tag)).map(|(t, _)| *t) {
+                return Err(mismatch(*peer, other, *tag));
+            }
+            if let Some(msg) = p.stash.get_mut(tag).and_then(VecDeque::pop_front) {
+                if msg.len() != buf.len() {
+                    return Err(size_mismatch(*peer, me, msg.len(), buf.len(), *tag));
+                }
+                buf.copy_from_slice(&msg);
+                done[i] = true;
+            } else if p.left {
+                return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
+            }
+        }
+    }
+    let result = run(me, peers, ops, &mut done, &mut sent, &headers, deadline, watch);
+    if result.is_err() {
+        // A frame arriving into a receive of this batch is kept as a stashed
+        // copy: the caller's buffer is about to be handed back.
+        for p in peers.iter_mut().flatten() {
+            if let Some(f) = &mut p.frame {
+                if let Dest::Recv(i) = f.dest {
+                    if let P2p::Recv { buf, .. } = &ops[i] {
+                        let mut copy = vec![0u8; f.len];
+                        copy[..f.got].copy_from_slice(&buf[..f.got]);
+                        f.dest = Dest::Stash(copy);
+                    }
+                }
+            }
+        }
+        // Half a frame on the wire: that stream cannot be used again.
+        for (i, op) in ops.iter().enumerate() {
+            if let P2p::Send { peer, data, .. } = op {
+                if sent[i] > 0 && sent[i] < HEADER + data.len() {
+                    if let Some(p) = peers[*peer].as_mut() {
+                        p.torn = true;
+                    }
+                }
+            }
+        }
+    }
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    me: usize,
+    peers: &mut [Option<Peer>],
+    ops: &mut [P2p<'_>],
+    done: &mut [bool],
+    sent: &mut [usize],
+    headers: &[[u8; HEADER]],
+    deadline: Instant,
+    watch: &dyn Watch,
+) -> Result<()> {
+    let w = peers.len();
+    let mut busy = vec![false; w];
+    let mut idle_since = Instant::now();
+    loop {
+        if let Some(e) = watch.stop() {
+            return Err(e);
+        }
+        let mut moved = false;
+        // Sends: the first unfinished send to each peer goes out as far as it can.
+        busy.fill(false);
+        for i in 0..ops.len() {
+            let P2p::Send { peer, data, .. } = &ops[i] else { continue };
+            if done[i] || busy[*peer] {
+                continue;
+            }
+            busy[*peer] = true;
+            let p = peers[*peer].as_mut().expect("validated peers are connected");
+            if p.left {
+                return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
+            }
+            let before = sent[i];
+            sent[i] = write_some(&p.sock, &headers[i], data, sent[i], *peer)?;
+            moved |= sent[i] != before;
+            if sent[i] == HEADER + data.len() {
+                done[i] = true;
+                busy[*peer] = false;
+            }
+        }
+        // Receives: read what every peer has sent.
+        for peer in 0..w {
+            if peers[peer].is_some() {
+                moved |= drain(me, peer, peers, ops, done)?;
+            }
+        }
+        if done.iter().all(|d| *d) {
+            return Ok(());
+        }
+        // Receives from a peer that has left can never complete.
+        for (i, op) in ops.iter().enumerate() {
+            if let P2p::Recv { peer, .. } = op {
+                let p = peers[*peer].as_ref().expect("connected");
+                if !done[i] && p.left && p.frame.is_none() {
+                    return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
+                }
+            }
+        }
+        let now = Instant::now();
+        if moved {
+            idle_since = now;
+            continue;
+        }
+        if now >= deadline {
+            let pending: Vec<String> = (0..ops.len())
+                .filter(|i| !done[*i])
+                .map(|i| match &ops[i] {
+                    P2p::Send { peer, tag, .. } => format!("sending to peer rank {peer} ({})", OpKind::describe_tag(*tag)),
+                    P2p::Recv { peer, tag, buf } => {
+                        format!("no message from peer rank {peer} for {} ({} bytes expected)", OpKind::describe_tag(*tag), buf.len())
+                    }
+                })
+                .collect();
+            return Err(Error::timeout(format!("{} before the deadline", pending.join("; "))));
+        }
+        if now.duration_since(idle_since) < SPIN {
+            std::thread::yield_now();
+            continue;
+        }
+        // Block until a socket is readable (or writable, for a pending send).
+        let mut fds: Vec<nix::poll::PollFd<'_>> = Vec::with_capacity(w);
+        for (peer, p) in peers.iter().enumerate() {
+            if let Some(p) = p {
+                let mut ev = nix::poll::PollFlags::POLLIN;
+                if busy[peer] {
+                    ev |= nix::poll::PollFlags::POLLOUT;
+                }
+                fds.push(nix::poll::PollFd::new(p.sock.as_fd(), ev));
+            }
+        }
+        let wait = NAP.min(deadline.saturating_duration_since(now)).max(Duration::from_millis(1));
+        let ms = nix::poll::PollTimeout::try_from(wait.as_millis() as u32).unwrap_or(nix::poll::PollTimeout::MAX);
+        let _ = nix::poll::poll(&mut fds, ms);
+    }
+}
+
+/// Read what `peer` has sent; true if any byte moved.
+fn drain(me: usize, peer: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>], done: &mut [bool]) -> Result<bool> {
+    let p = peers[peer].as_mut().expect("connected");
+    let mut moved = false;
+    loop {
+        if p.frame.is_none() {
+            if p.left {
+                return Ok(moved);
+            }
+            match read_some(&p.sock, &mut p.hdr[p.hdr_got..], peer)? {
+                Got::None => return Ok(moved),
+                Got::Eof if p.hdr_got == 0 => {
+                    return Err(Error::peer_lost(
+                        peer,
+                        format!(
+                            "connection to peer rank {peer} closed without a goodbye: the process exited, crashed or aborted its group"
+                        ),
+                    ))
+                }
+                Got::Eof => return Err(Error::peer_lost(peer, format!("connection to peer rank {peer} closed in the middle of a frame"))),
+                Got::Some(k) => p.hdr_got += k,
+            }
+            moved = true;
+            if p.hdr_got < HEADER {
+                continue;
+            }
+            p.hdr_got = 0;
+            let h = Header::decode(&p.hdr, peer)?;
+            let len = h.len as usize;
+            let dest = match h.kind {
+                Kind::Goodbye => {
+                    p.left = true;
+                    return Ok(true);
+                }
+                Kind::Abort => Dest::Abort(vec![0u8; len.min(MAX_ABORT as usize)]),
+                Kind::Data => {
+                    let wanted = |i: usize| matches!(&ops[i], P2p::Recv { peer: q, tag: t, .. } if *q == peer && *t == h.tag) && !done[i];
+                    match (0..ops.len()).find(|i| wanted(*i)) {
+                        Some(i) => {
+                            let want = if let P2p::Recv { buf, .. } = &ops[i] { buf.len() } else { 0 };
+                            if want != len {
+                                return Err(size_mismatch(peer, me, len, want, h.tag));
+                            }
+                            Dest::Recv(i)
+                        }
+                        None => {
+                            let conflict = ops.iter().enumerate().find(|(i, op)| {
+                                !done[*i]
+                                    && matches!(op, P2p::Recv { peer: q, tag: t, .. } if *q == peer && weft::tag::conflicts(*t, h.tag))
+                            });
+                            if let Some((_, P2p::Recv { tag, .. })) = conflict {
+                                return Err(mismatch(peer, h.tag, *tag));
+                            }
+                            Dest::Stash(vec![0u8; len])
+                        }
+                    }
+                }
+            };
+            p.frame = Some(Incoming { tag: h.tag, len, got: 0, dest });
+        }
+        let f = p.frame.as_mut().expect("a frame is open");
+        if f.got < f.len {
+            let dst: &mut [u8] = match &mut f.dest {
+                Dest::Recv(i) => match &mut ops[*i] {
+                    P2p::Recv { buf, .. } => &mut buf[f.got..],
+                    P2p::Send { .. } => unreachable!("only receives are destinations"),
+                },
+                Dest::Stash(v) | Dest::Abort(v) => &mut v[f.got..],
+            };
+            match read_some(&p.sock, dst, peer)? {
+                Got::None => return Ok(moved),
+                Got::Eof => return Err(Error::peer_lost(peer, format!("connection to peer rank {peer} closed in the middle of a frame"))),
+                Got::Some(k) => {
+                    f.got += k;
+                    moved = true;
+                }
+            }
+            if f.got < f.len {
+                continue;
+            }
+        }
+        // The frame is complete.
+        let f = p.frame.take().expect("a frame is open");
+        match f.dest {
+            Dest::Recv(i) => done[i] = true,
+            Dest::Abort(payload) => {
+                let blame = payload.get(..4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize).unwrap_or(peer);
+                let why = String::from_utf8_lossy(payload.get(4..).unwrap_or_default()).into_owned();
+                return Err(if blame == me {
+                    Error::aborted(format!("{why} (reported back by rank {peer})"))
+                } else {
+                    Error::peer_lost(blame, format!("{why} (reported by rank {peer})"))
+                });
+            }
+            Dest::Stash(msg) => {
+                // Its receive may have been posted while it arrived.
+                let waiting = (0..ops.len())
+                    .find(|i| !done[*i] && matches!(&ops[*i], P2p::Recv { peer: q, tag: t, .. } if *q == peer && *t == f.tag));
+                match waiting {
+                    Some(i) => {
+                        let P2p::Recv { buf, .. } = &mut ops[i] else { unreachable!("matched a receive") };
+                        if buf.len() != msg.len() {
+                            return Err(size_mismatch(peer, me, msg.len(), buf.len(), f.tag));
+                        }
+                        buf.copy_from_slice(&msg);
+                        done[i] = true;
+                    }
+                    None => p.stash.entry(f.tag).or_default().push_back(msg),
+                }
+            }
+        }
+    }
+}
