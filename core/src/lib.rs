@@ -29,6 +29,7 @@ mod group;
 pub mod kernels;
 pub mod launch;
 pub mod log;
+pub mod matching;
 mod options;
 pub mod plugin;
 mod reduce_op;

@@ -6,11 +6,11 @@
 
 use crate::wire::{Header, Kind, HEADER, MAX_ABORT};
 use socket2::Socket;
-use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind as IoKind, IoSlice, Read};
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 use weft::backend::{OpKind, P2p};
+use weft::matching::Inbound;
 use weft::{Error, Result};
 
 /// Spin this long without progress before blocking in poll().
@@ -18,28 +18,12 @@ const SPIN: Duration = Duration::from_micros(50);
 /// Block at most this long per poll() (to re-check aborts).
 const NAP: Duration = Duration::from_millis(100);
 
-/// Where an arriving frame's payload goes.
-enum Dest {
-    Recv(usize),
-    Stash(Vec<u8>),
-    /// An abort report: the payload is read, then reported.
-    Abort(Vec<u8>),
-}
-
-struct Incoming {
-    tag: u64,
-    len: usize,
-    got: usize,
-    dest: Dest,
-}
-
 /// One connection's state.
 pub struct Peer {
     pub sock: Socket,
     hdr: [u8; HEADER],
     hdr_got: usize,
-    frame: Option<Incoming>,
-    stash: HashMap<u64, VecDeque<Vec<u8>>>,
+    inbound: Inbound,
     /// The peer said goodbye (or its stream ended cleanly after one).
     pub left: bool,
     /// A send stopped mid-frame: nothing more may be written.
@@ -48,7 +32,7 @@ pub struct Peer {
 
 impl Peer {
     pub fn new(sock: Socket) -> Peer {
-        Peer { sock, hdr: [0; HEADER], hdr_got: 0, frame: None, stash: HashMap::new(), left: false, torn: false }
+        Peer { sock, hdr: [0; HEADER], hdr_got: 0, inbound: Inbound::default(), left: false, torn: false }
     }
 }
 
@@ -87,21 +71,6 @@ pub fn write_some(sock: &Socket, hdr: &[u8; HEADER], data: &[u8], sent: usize, p
     }
 }
 
-fn size_mismatch(peer: usize, me: usize, got: usize, want: usize, tag: u64) -> Error {
-    Error::backend(format!(
-        "size mismatch: peer rank {peer} sent {got} bytes, rank {me} expected {want} bytes ({})",
-        OpKind::describe_tag(tag)
-    ))
-}
-
-fn mismatch(peer: usize, theirs: u64, mine: u64) -> Error {
-    Error::backend(format!(
-        "collective mismatch: peer rank {peer} sent a message for {} while this rank waits in {}",
-        OpKind::describe_tag(theirs),
-        OpKind::describe_tag(mine)
-    ))
-}
-
 /// What the engine needs from its owner on each turn.
 pub trait Watch {
     /// An error that ends the exchange now (abort, group failure).
@@ -124,14 +93,7 @@ pub fn exchange(me: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>], dead
     for (i, op) in ops.iter_mut().enumerate() {
         if let P2p::Recv { peer, tag, buf } = op {
             let p = peers[*peer].as_mut().expect("validated peers are connected");
-            if let Some(other) = p.stash.iter().find(|(t, q)| !q.is_empty() && weft::tag::conflicts(**t, *tag)).map(|(t, _)| *t) {
-                return Err(mismatch(*peer, other, *tag));
-            }
-            if let Some(msg) = p.stash.get_mut(tag).and_then(VecDeque::pop_front) {
-                if msg.len() != buf.len() {
-                    return Err(size_mismatch(*peer, me, msg.len(), buf.len(), *tag));
-                }
-                buf.copy_from_slice(&msg);
+            if p.inbound.serve_early(me, *peer, *tag, buf)? {
                 done[i] = true;
             } else if p.left {
                 return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
@@ -143,15 +105,7 @@ pub fn exchange(me: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>], dead
         // A frame arriving into a receive of this batch is kept as a stashed
         // copy: the caller's buffer is about to be handed back.
         for p in peers.iter_mut().flatten() {
-            if let Some(f) = &mut p.frame {
-                if let Dest::Recv(i) = f.dest {
-                    if let P2p::Recv { buf, .. } = &ops[i] {
-                        let mut copy = vec![0u8; f.len];
-                        copy[..f.got].copy_from_slice(&buf[..f.got]);
-                        f.dest = Dest::Stash(copy);
-                    }
-                }
-            }
+            p.inbound.detach(ops);
         }
         // Half a frame on the wire: that stream cannot be used again.
         for (i, op) in ops.iter().enumerate() {
@@ -219,7 +173,7 @@ fn run(
         for (i, op) in ops.iter().enumerate() {
             if let P2p::Recv { peer, .. } = op {
                 let p = peers[*peer].as_ref().expect("connected");
-                if !done[i] && p.left && p.frame.is_none() {
+                if !done[i] && p.left && !p.inbound.in_frame() {
                     return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
                 }
             }
@@ -267,7 +221,7 @@ fn drain(me: usize, peer: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>]
     let p = peers[peer].as_mut().expect("connected");
     let mut moved = false;
     loop {
-        if p.frame.is_none() {
+        if !p.inbound.in_frame() {
             if p.left {
                 return Ok(moved);
             }
@@ -290,88 +244,35 @@ fn drain(me: usize, peer: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>]
             }
             p.hdr_got = 0;
             let h = Header::decode(&p.hdr, peer)?;
-            let len = h.len as usize;
-            let dest = match h.kind {
+            match h.kind {
                 Kind::Goodbye => {
                     p.left = true;
                     return Ok(true);
                 }
-                Kind::Abort => Dest::Abort(vec![0u8; len.min(MAX_ABORT as usize)]),
-                Kind::Data => {
-                    let wanted = |i: usize| matches!(&ops[i], P2p::Recv { peer: q, tag: t, .. } if *q == peer && *t == h.tag) && !done[i];
-                    match (0..ops.len()).find(|i| wanted(*i)) {
-                        Some(i) => {
-                            let want = if let P2p::Recv { buf, .. } = &ops[i] { buf.len() } else { 0 };
-                            if want != len {
-                                return Err(size_mismatch(peer, me, len, want, h.tag));
-                            }
-                            Dest::Recv(i)
-                        }
-                        None => {
-                            let conflict = ops.iter().enumerate().find(|(i, op)| {
-                                !done[*i]
-                                    && matches!(op, P2p::Recv { peer: q, tag: t, .. } if *q == peer && weft::tag::conflicts(*t, h.tag))
-                            });
-                            if let Some((_, P2p::Recv { tag, .. })) = conflict {
-                                return Err(mismatch(peer, h.tag, *tag));
-                            }
-                            Dest::Stash(vec![0u8; len])
-                        }
-                    }
-                }
-            };
-            p.frame = Some(Incoming { tag: h.tag, len, got: 0, dest });
+                Kind::Abort => p.inbound.begin_control((h.len as usize).min(MAX_ABORT as usize)),
+                Kind::Data => p.inbound.begin(me, peer, h.tag, h.len as usize, ops, done)?,
+            }
         }
-        let f = p.frame.as_mut().expect("a frame is open");
-        if f.got < f.len {
-            let dst: &mut [u8] = match &mut f.dest {
-                Dest::Recv(i) => match &mut ops[*i] {
-                    P2p::Recv { buf, .. } => &mut buf[f.got..],
-                    P2p::Send { .. } => unreachable!("only receives are destinations"),
-                },
-                Dest::Stash(v) | Dest::Abort(v) => &mut v[f.got..],
-            };
+        let dst = p.inbound.payload(ops);
+        if !dst.is_empty() {
             match read_some(&p.sock, dst, peer)? {
                 Got::None => return Ok(moved),
                 Got::Eof => return Err(Error::peer_lost(peer, format!("connection to peer rank {peer} closed in the middle of a frame"))),
                 Got::Some(k) => {
-                    f.got += k;
+                    p.inbound.advance(k);
                     moved = true;
                 }
             }
-            if f.got < f.len {
-                continue;
-            }
         }
-        // The frame is complete.
-        let f = p.frame.take().expect("a frame is open");
-        match f.dest {
-            Dest::Recv(i) => done[i] = true,
-            Dest::Abort(payload) => {
-                let blame = payload.get(..4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize).unwrap_or(peer);
-                let why = String::from_utf8_lossy(payload.get(4..).unwrap_or_default()).into_owned();
-                return Err(if blame == me {
-                    Error::aborted(format!("{why} (reported back by rank {peer})"))
-                } else {
-                    Error::peer_lost(blame, format!("{why} (reported by rank {peer})"))
-                });
-            }
-            Dest::Stash(msg) => {
-                // Its receive may have been posted while it arrived.
-                let waiting = (0..ops.len())
-                    .find(|i| !done[*i] && matches!(&ops[*i], P2p::Recv { peer: q, tag: t, .. } if *q == peer && *t == f.tag));
-                match waiting {
-                    Some(i) => {
-                        let P2p::Recv { buf, .. } = &mut ops[i] else { unreachable!("matched a receive") };
-                        if buf.len() != msg.len() {
-                            return Err(size_mismatch(peer, me, msg.len(), buf.len(), f.tag));
-                        }
-                        buf.copy_from_slice(&msg);
-                        done[i] = true;
-                    }
-                    None => p.stash.entry(f.tag).or_default().push_back(msg),
-                }
-            }
+        if let Some(payload) = p.inbound.finish(me, peer, ops, done)? {
+            // An abort report: the rank to blame, then why.
+            let blame = payload.get(..4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize).unwrap_or(peer);
+            let why = String::from_utf8_lossy(payload.get(4..).unwrap_or_default()).into_owned();
+            return Err(if blame == me {
+                Error::aborted(format!("{why} (reported back by rank {peer})"))
+            } else {
+                Error::peer_lost(blame, format!("{why} (reported by rank {peer})"))
+            });
         }
     }
 }

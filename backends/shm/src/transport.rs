@@ -8,11 +8,11 @@
 use crate::ring::{footprint, Ring};
 use crate::segment::Segment;
 use linux_futex::{Futex, Shared};
-use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-use weft::backend::{Backend, OpKind, P2p};
+use weft::backend::{Backend, P2p};
+use weft::matching::Inbound;
 use weft::{Error, Result};
 
 const RUNNING: u32 = 0;
@@ -56,24 +56,12 @@ pub fn segment_len(w: usize, cap: usize) -> usize {
     w * std::mem::size_of::<Control>() + w * w * footprint(cap)
 }
 
-enum Dest {
-    Recv(usize),
-    Stash(Vec<u8>),
-}
-
-struct Incoming {
-    tag: u64,
-    len: usize,
-    got: usize,
-    dest: Dest,
-}
-
+/// One peer's inbound state: a partly read header, and the matching state.
 #[derive(Default)]
 struct PeerIn {
     hdr: [u8; HEADER],
     hdr_got: usize,
-    frame: Option<Incoming>,
-    stash: HashMap<u64, VecDeque<Vec<u8>>>,
+    inbound: Inbound,
 }
 
 pub struct ShmBackend {
@@ -166,13 +154,6 @@ impl ShmBackend {
     }
 }
 
-fn size_mismatch(peer: usize, me: usize, got: usize, want: usize, tag: u64) -> Error {
-    Error::backend(format!(
-        "size mismatch: peer rank {peer} sent {got} bytes, rank {me} expected {want} bytes ({})",
-        OpKind::describe_tag(tag)
-    ))
-}
-
 impl Backend for ShmBackend {
     fn name(&self) -> &str {
         "shm"
@@ -192,29 +173,13 @@ impl Backend for ShmBackend {
         // Receives first served by messages that arrived earlier.
         for (i, op) in ops.iter_mut().enumerate() {
             if let P2p::Recv { peer, tag, buf } = op {
-                if let Some(msg) = incoming[*peer].stash.get_mut(tag).and_then(VecDeque::pop_front) {
-                    if msg.len() != buf.len() {
-                        return Err(self.fail(size_mismatch(*peer, self.rank, msg.len(), buf.len(), *tag)));
-                    }
-                    buf.copy_from_slice(&msg);
-                    done[i] = true;
-                }
+                done[i] = incoming[*peer].inbound.serve_early(self.rank, *peer, *tag, buf).map_err(|e| self.fail(e))?;
             }
         }
         let result = self.progress(ops, &mut incoming, &mut done, &mut sent, deadline);
         if result.is_err() {
-            // A frame arriving into a receive buffer of this batch is kept
-            // as a stashed copy: the buffer is about to go back to the caller.
             for p in incoming.iter_mut() {
-                if let Some(f) = &mut p.frame {
-                    if let Dest::Recv(i) = f.dest {
-                        if let P2p::Recv { buf, .. } = &ops[i] {
-                            let mut copy = vec![0u8; f.len];
-                            copy[..f.got].copy_from_slice(&buf[..f.got]);
-                            f.dest = Dest::Stash(copy);
-                        }
-                    }
-                }
+                p.inbound.detach(ops);
             }
         }
         result
@@ -351,7 +316,7 @@ impl ShmBackend {
         let st = &mut incoming[peer];
         let mut moved = false;
         loop {
-            if st.frame.is_none() {
+            if !st.inbound.in_frame() {
                 let n = ring.read(&mut st.hdr[st.hdr_got..]);
                 if n == 0 {
                     return Ok(moved);
@@ -364,70 +329,18 @@ impl ShmBackend {
                 st.hdr_got = 0;
                 let tag = u64::from_le_bytes(st.hdr[..8].try_into().expect("8 bytes"));
                 let len = u64::from_le_bytes(st.hdr[8..].try_into().expect("8 bytes")) as usize;
-                let claimed = |i: usize| matches!(&ops[i], P2p::Recv { peer: p, tag: t, .. } if *p == peer && *t == tag) && !done[i];
-                let dest = match (0..ops.len()).find(|i| claimed(*i)) {
-                    Some(i) => {
-                        let want = if let P2p::Recv { buf, .. } = &ops[i] { buf.len() } else { 0 };
-                        if want != len {
-                            return Err(self.fail(size_mismatch(peer, self.rank, len, want, tag)));
-                        }
-                        Dest::Recv(i)
-                    }
-                    None => Dest::Stash(vec![0u8; len]),
-                };
-                st.frame = Some(Incoming { tag, len, got: 0, dest });
+                st.inbound.begin(self.rank, peer, tag, len, ops, done).map_err(|e| self.fail(e))?;
             }
-            let f = st.frame.as_mut().expect("a frame is open");
-            if f.got < f.len {
-                let dst: &mut [u8] = match &mut f.dest {
-                    Dest::Recv(i) => match &mut ops[*i] {
-                        P2p::Recv { buf, .. } => &mut buf[f.got..],
-                        P2p::Send { .. } => unreachable!("only receives are destinations"),
-                    },
-                    Dest::Stash(v) => &mut v[f.got..],
-                };
+            let dst = st.inbound.payload(ops);
+            if !dst.is_empty() {
                 let n = ring.read(dst);
-                f.got += n;
-                moved |= n > 0;
-                if f.got < f.len {
+                if n == 0 {
                     return Ok(moved);
                 }
+                st.inbound.advance(n);
+                moved = true;
             }
-            // The frame is complete. One that began before its receive was
-            // posted goes to that receive now rather than to the stash.
-            let f = st.frame.take().expect("a frame is open");
-            match f.dest {
-                Dest::Recv(i) => done[i] = true,
-                Dest::Stash(msg) => {
-                    let waiting = (0..ops.len())
-                        .find(|i| !done[*i] && matches!(&ops[*i], P2p::Recv { peer: p, tag: t, .. } if *p == peer && *t == f.tag));
-                    match waiting {
-                        Some(i) => {
-                            let P2p::Recv { buf, .. } = &mut ops[i] else { unreachable!("matched a receive") };
-                            if buf.len() != msg.len() {
-                                return Err(self.fail(size_mismatch(peer, self.rank, msg.len(), buf.len(), f.tag)));
-                            }
-                            buf.copy_from_slice(&msg);
-                            done[i] = true;
-                        }
-                        None => st.stash.entry(f.tag).or_default().push_back(msg),
-                    }
-                }
-            }
+            st.inbound.finish(self.rank, peer, ops, done).map_err(|e| self.fail(e))?;
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ring_sizes_follow_the_free_space_and_stay_bounded() {
-        assert_eq!(ring_cap(2, 24 << 30), 4 << 20); // 16 MiB budget / 4 rings
-        assert_eq!(ring_cap(8, 24 << 30), 256 << 10); // 16 MiB / 64 rings
-        assert_eq!(ring_cap(2, 16 << 20), 1 << 20); // a 16 MiB /dev/shm: 4 MiB of rings
-        assert_eq!(ring_cap(64, 1 << 20), 16 << 10); // tiny /dev/shm: the floor
-        assert!(segment_len(8, ring_cap(8, 24 << 30)) <= 17 << 20);
     }
 }

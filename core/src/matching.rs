@@ -1,0 +1,203 @@
+//! Receive matching for byte-stream transports (cpu-tcp's sockets, shm's
+//! rings): which posted receive an arriving frame fills, what happens to
+//! frames that come before their receive, and how size and collective
+//! mismatches are caught. Transports only read bytes into the slice this
+//! hands them; the rules live here once.
+
+use crate::backend::{OpKind, P2p};
+use crate::error::{Error, Result};
+use std::collections::{HashMap, VecDeque};
+
+enum Dest {
+    Recv(usize),
+    Stash(Vec<u8>),
+    /// A transport's own control message (e.g. an abort report).
+    Control(Vec<u8>),
+}
+
+struct Frame {
+    tag: u64,
+    len: usize,
+    got: usize,
+    dest: Dest,
+}
+
+/// One peer's inbound state, kept across exchanges.
+#[derive(Default)]
+pub struct Inbound {
+    frame: Option<Frame>,
+    stash: HashMap<u64, VecDeque<Vec<u8>>>,
+}
+
+fn size_mismatch(peer: usize, me: usize, got: usize, want: usize, tag: u64) -> Error {
+    Error::backend(format!(
+        "size mismatch: peer rank {peer} sent {got} bytes, rank {me} expected {want} bytes ({})",
+        OpKind::describe_tag(tag)
+    ))
+}
+
+fn collective_mismatch(peer: usize, theirs: u64, mine: u64) -> Error {
+    Error::backend(format!(
+        "collective mismatch: peer rank {peer} sent a message for {} while this rank waits in {}",
+        OpKind::describe_tag(theirs),
+        OpKind::describe_tag(mine)
+    ))
+}
+
+/// The first unfinished receive of the batch waiting for (`peer`, `tag`).
+fn waiting(ops: &[P2p<'_>], done: &[bool], peer: usize, tag: u64) -> Option<usize> {
+    (0..ops.len()).find(|i| !done[*i] && matches!(&ops[*i], P2p::Recv { peer: p, tag: t, .. } if *p == peer && *t == tag))
+}
+
+impl Inbound {
+    /// Whether a frame is partly read.
+    pub fn in_frame(&self) -> bool {
+        self.frame.is_some()
+    }
+
+    /// Serve receive `i` of a new batch (from `peer` under `tag`) from a
+    /// message that came early; true if served. A stashed message of
+    /// another collective at the same sequence number is a mismatch.
+    pub fn serve_early(&mut self, me: usize, peer: usize, tag: u64, buf: &mut [u8]) -> Result<bool> {
+        if let Some(other) = self.stash.iter().find(|(t, q)| !q.is_empty() && crate::tag::conflicts(**t, tag)).map(|(t, _)| *t) {
+            return Err(collective_mismatch(peer, other, tag));
+        }
+        match self.stash.get_mut(&tag).and_then(VecDeque::pop_front) {
+            Some(msg) if msg.len() != buf.len() => Err(size_mismatch(peer, me, msg.len(), buf.len(), tag)),
+            Some(msg) => {
+                buf.copy_from_slice(&msg);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// A data frame of `len` bytes under `tag` starts: it fills the
+    /// matching receive of the batch, or is stashed for a later one.
+    pub fn begin(&mut self, me: usize, peer: usize, tag: u64, len: usize, ops: &[P2p<'_>], done: &[bool]) -> Result<()> {
+        let dest = match waiting(ops, done, peer, tag) {
+            Some(i) => {
+                let want = if let P2p::Recv { buf, .. } = &ops[i] { buf.len() } else { 0 };
+                if want != len {
+                    return Err(size_mismatch(peer, me, len, want, tag));
+                }
+                Dest::Recv(i)
+            }
+            None => {
+                let conflict = ops.iter().enumerate().find_map(|(i, op)| match op {
+                    P2p::Recv { peer: q, tag: t, .. } if !done[i] && *q == peer && crate::tag::conflicts(*t, tag) => Some(*t),
+                    _ => None,
+                });
+                if let Some(mine) = conflict {
+                    return Err(collective_mismatch(peer, tag, mine));
+                }
+                Dest::Stash(vec![0u8; len])
+            }
+        };
+        self.frame = Some(Frame { tag, len, got: 0, dest });
+        Ok(())
+    }
+
+    /// A transport control frame of `len` bytes starts (returned by `finish`).
+    pub fn begin_control(&mut self, len: usize) {
+        self.frame = Some(Frame { tag: 0, len, got: 0, dest: Dest::Control(vec![0u8; len]) });
+    }
+
+    /// Where the open frame's next bytes go (empty once it is complete).
+    pub fn payload<'b>(&'b mut self, ops: &'b mut [P2p<'_>]) -> &'b mut [u8] {
+        let Some(f) = self.frame.as_mut() else { return &mut [] };
+        let got = f.got;
+        match &mut f.dest {
+            Dest::Recv(i) => match &mut ops[*i] {
+                P2p::Recv { buf, .. } => &mut buf[got..],
+                P2p::Send { .. } => unreachable!("only receives are destinations"),
+            },
+            Dest::Stash(v) | Dest::Control(v) => &mut v[got..],
+        }
+    }
+
+    /// `n` more bytes of the open frame arrived.
+    pub fn advance(&mut self, n: usize) {
+        if let Some(f) = self.frame.as_mut() {
+            f.got += n;
+        }
+    }
+
+    /// If the open frame is complete, deliver it: mark its receive done, or
+    /// hand it to a receive posted while it arrived, or stash it. Returns a
+    /// completed control frame's payload.
+    pub fn finish(&mut self, me: usize, peer: usize, ops: &mut [P2p<'_>], done: &mut [bool]) -> Result<Option<Vec<u8>>> {
+        match &self.frame {
+            Some(f) if f.got == f.len => {}
+            _ => return Ok(None),
+        }
+        let f = self.frame.take().expect("checked above");
+        match f.dest {
+            Dest::Recv(i) => done[i] = true,
+            Dest::Control(payload) => return Ok(Some(payload)),
+            Dest::Stash(msg) => match waiting(ops, done, peer, f.tag) {
+                Some(i) => {
+                    let P2p::Recv { buf, .. } = &mut ops[i] else { unreachable!("matched a receive") };
+                    if buf.len() != msg.len() {
+                        return Err(size_mismatch(peer, me, msg.len(), buf.len(), f.tag));
+                    }
+                    buf.copy_from_slice(&msg);
+                    done[i] = true;
+                }
+                None => self.stash.entry(f.tag).or_default().push_back(msg),
+            },
+        }
+        Ok(None)
+    }
+
+    /// Before a failed batch hands its buffers back: a frame arriving into
+    /// one of them continues into a stashed copy instead.
+    pub fn detach(&mut self, ops: &[P2p<'_>]) {
+        if let Some(f) = &mut self.frame {
+            if let Dest::Recv(i) = f.dest {
+                if let P2p::Recv { buf, .. } = &ops[i] {
+                    let mut copy = vec![0u8; f.len];
+                    copy[..f.got].copy_from_slice(&buf[..f.got]);
+                    f.dest = Dest::Stash(copy);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn early_late_and_mismatched_frames() {
+        let mut inb = Inbound::default();
+        // A frame with no receive posted is stashed, then serves one.
+        inb.begin(0, 1, 5, 2, &[], &[]).unwrap();
+        let mut none: Vec<P2p<'_>> = vec![];
+        inb.payload(&mut none).copy_from_slice(b"hi");
+        inb.advance(2);
+        assert_eq!(inb.finish(0, 1, &mut none, &mut []).unwrap(), None);
+        let mut b = [0u8; 2];
+        assert!(inb.serve_early(0, 1, 5, &mut b).unwrap());
+        assert_eq!(&b, b"hi");
+        // A frame that began early goes to a receive posted meanwhile.
+        inb.begin(0, 1, 6, 1, &[], &[]).unwrap();
+        let mut buf = [0u8; 1];
+        let mut ops = vec![P2p::Recv { peer: 1, tag: 6, buf: &mut buf }];
+        let mut done = vec![false];
+        inb.payload(&mut ops)[0] = 9;
+        inb.advance(1);
+        inb.finish(0, 1, &mut ops, &mut done).unwrap();
+        assert!(done[0]);
+        // Size and collective mismatches.
+        let mut small = [0u8; 1];
+        let ops = vec![P2p::Recv { peer: 1, tag: 7, buf: &mut small }];
+        assert!(inb.begin(0, 1, 7, 4, &ops, &[false]).unwrap_err().to_string().contains("sent 4 bytes"));
+        let a = crate::tag::collective(OpKind::AllReduce as u8, 3, 0);
+        let g = crate::tag::collective(OpKind::AllGather as u8, 3, 0);
+        let mut r = [0u8; 1];
+        let ops = vec![P2p::Recv { peer: 1, tag: g, buf: &mut r }];
+        assert!(inb.begin(0, 1, a, 1, &ops, &[false]).unwrap_err().to_string().contains("collective mismatch"));
+    }
+}
