@@ -363,6 +363,13 @@ impl Scratch {
     }
 }
 
+impl Scratch {
+    /// Keep only the first `len` bytes (no copy).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+}
+
 impl std::ops::Deref for Scratch {
     type Target = [u8];
     fn deref(&self) -> &[u8] {

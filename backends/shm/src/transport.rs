@@ -8,7 +8,7 @@
 use crate::ring::{footprint, Ring};
 use crate::segment::Segment;
 use linux_futex::{Futex, Shared};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use weft::backend::{Backend, P2p};
@@ -71,7 +71,6 @@ pub struct ShmBackend {
     rings: Vec<Ring>,
     incoming: Mutex<Vec<PeerIn>>,
     failed: Mutex<Option<Error>>,
-    torn: AtomicBool,
 }
 
 impl ShmBackend {
@@ -93,7 +92,6 @@ impl ShmBackend {
             rings,
             incoming: Mutex::new((0..size).map(|_| PeerIn::default()).collect()),
             failed: Mutex::new(None),
-            torn: AtomicBool::new(false),
         };
         b.control(rank).pid.store(std::process::id(), Ordering::Release);
         b
@@ -290,7 +288,6 @@ impl ShmBackend {
                 let e = Error::timeout(format!("shm: {} not finished before the deadline", pending.join(", ")));
                 if sent.iter().zip(ops.iter()).any(|(s, op)| matches!(op, P2p::Send { data, .. } if *s > 0 && *s < HEADER + data.len())) {
                     // Half a frame sits in a ring: the stream cannot be trusted again.
-                    self.torn.store(true, Ordering::Release);
                     return Err(self.fail(e));
                 }
                 return Err(e);

@@ -142,14 +142,12 @@ impl Case {
             "reduce_scatter" => {
                 // Rank r's part starts at element r*part of the full reduced pattern.
                 let full = reduced_tensor(d, self.redop, w, PERIOD);
-                let shifted: Vec<u8> =
-                    (0..PERIOD).flat_map(|i| full[((r * part + i) % PERIOD) * sz..((r * part + i) % PERIOD + 1) * sz].to_vec()).collect();
+                let shifted = shift(&full, r * part, sz);
                 cmp(self.output.bytes(), &shifted)
             }
             "scatter" => {
                 let full = pat(self.root);
-                let shifted: Vec<u8> =
-                    (0..PERIOD).flat_map(|i| full[((r * part + i) % PERIOD) * sz..((r * part + i) % PERIOD + 1) * sz].to_vec()).collect();
+                let shifted = shift(&full, r * part, sz);
                 cmp(self.output.bytes(), &shifted)
             }
             "p2p" if r > 0 => cmp(self.output.bytes(), &pat(0)),
@@ -160,8 +158,7 @@ impl Case {
                 for s in 0..w {
                     let (start, n) = if self.op == "all_to_all" { (r * part, part) } else { self.part_of(s, r) };
                     let full = pat(s);
-                    let shifted: Vec<u8> =
-                        (0..PERIOD).flat_map(|i| full[((start + i) % PERIOD) * sz..((start + i) % PERIOD + 1) * sz].to_vec()).collect();
+                    let shifted = shift(&full, start, sz);
                     bad += cmp(&self.output.bytes()[off * sz..(off + n) * sz], &shifted);
                     off += n;
                 }
@@ -195,4 +192,9 @@ fn skewed_splits(count: usize, w: usize, s: usize) -> Vec<usize> {
     let mut v: Vec<usize> = (0..w).map(|d| count * share(d) / total).collect();
     v[w - 1] += count - v.iter().sum::<usize>();
     v
+}
+
+/// A PERIOD-element pattern rotated to start at element `start`.
+fn shift(pattern: &[u8], start: usize, sz: usize) -> Vec<u8> {
+    (0..PERIOD).flat_map(|i| pattern[((start + i) % PERIOD) * sz..((start + i) % PERIOD + 1) * sz].to_vec()).collect()
 }

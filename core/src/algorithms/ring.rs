@@ -43,10 +43,9 @@ fn reduce_scatter_blocks<'b>(c: &Comm<'_>, input: impl Fn(usize) -> &'b [u8], dt
         std::mem::swap(&mut acc, &mut recv);
         send_len = rlen;
     }
-    let mut out = Scratch::take(send_len);
-    out.copy_from_slice(&acc[..send_len]);
-    finish(&mut out, dtype, op, w);
-    Ok(out)
+    acc.truncate(send_len);
+    finish(&mut acc, dtype, op, w);
+    Ok(acc)
 }
 
 /// Ring all-gather: `blocks[rank]` already holds this rank's data.
