@@ -1,17 +1,22 @@
-//! Aligned host buffers of any dtype, and result comparison.
+//! Aligned host buffers of any dtype (optionally mirrored on a device),
+//! and result comparison.
 
-/// Aligned bytes of one dtype, viewable as a tensor.
+use crate::placement::SharedPlacement;
+
+/// Aligned bytes of one dtype, viewable as a tensor; after
+/// [`Buf::place`], the views are of a device copy.
 pub struct Buf {
     words: Vec<u64>,
     len: usize,
     /// Element type.
     pub dtype: weft::DType,
+    device: Option<(SharedPlacement, u64)>,
 }
 
 impl Buf {
     /// A buffer holding `bytes` (a multiple of the dtype size).
     pub fn from_bytes(dtype: weft::DType, bytes: &[u8]) -> Buf {
-        let mut b = Buf { words: vec![0; bytes.len().div_ceil(8)], len: bytes.len(), dtype };
+        let mut b = Buf { words: vec![0; bytes.len().div_ceil(8)], len: bytes.len(), dtype, device: None };
         b.bytes_mut().copy_from_slice(bytes);
         b
     }
@@ -19,7 +24,29 @@ impl Buf {
     pub fn zeros(dtype: weft::DType, n: usize) -> Buf {
         Buf::from_bytes(dtype, &vec![0; n * dtype.size()])
     }
-    /// The bytes.
+    /// Move the buffer to `placement` (uploading its contents on the
+    /// placement's stream); `None` keeps it on the host.
+    pub fn place(mut self, placement: Option<&SharedPlacement>) -> weft::Result<Buf> {
+        if let Some(p) = placement {
+            let addr = p.alloc(self.len)?;
+            p.upload(addr, self.bytes())?;
+            self.device = Some((p.clone(), addr));
+        }
+        Ok(self)
+    }
+    /// The contents now: downloaded (after the stream's earlier work) for a
+    /// device buffer.
+    pub fn read(&self) -> weft::Result<Vec<u8>> {
+        match &self.device {
+            None => Ok(self.bytes().to_vec()),
+            Some((p, addr)) => {
+                let mut out = vec![0; self.len];
+                p.download(*addr, &mut out)?;
+                Ok(out)
+            }
+        }
+    }
+    /// The host bytes (the contents before [`Buf::place`], for a device buffer).
     pub fn bytes(&self) -> &[u8] {
         // SAFETY: words holds at least len bytes.
         unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const u8, self.len) }
@@ -35,6 +62,11 @@ impl Buf {
     }
     /// A read-only tensor view.
     pub fn t(&self) -> weft::Tensor<'_> {
+        if let Some((p, addr)) = &self.device {
+            // SAFETY: device memory of numel elements from the placement,
+            // freed only when this Buf drops.
+            return unsafe { weft::Tensor::from_raw_parts(*addr as *const u8, self.dtype, p.device(), &[self.numel()], None) }.unwrap();
+        }
         // SAFETY: 8-byte aligned host memory of numel elements, borrowed for the view's life.
         unsafe { weft::Tensor::from_raw_parts(self.words.as_ptr() as *const u8, self.dtype, weft::Device::Cpu, &[self.numel()], None) }
             .unwrap()
@@ -42,8 +74,20 @@ impl Buf {
     /// A mutable tensor view.
     pub fn tm(&mut self) -> weft::TensorMut<'_> {
         let n = self.numel();
+        if let Some((p, addr)) = &self.device {
+            // SAFETY: as in `t`, uniquely borrowed through &mut self.
+            return unsafe { weft::TensorMut::from_raw_parts(*addr as *mut u8, self.dtype, p.device(), &[n], None) }.unwrap();
+        }
         // SAFETY: as above, uniquely borrowed.
         unsafe { weft::TensorMut::from_raw_parts(self.words.as_mut_ptr() as *mut u8, self.dtype, weft::Device::Cpu, &[n], None) }.unwrap()
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        if let Some((p, addr)) = self.device.take() {
+            p.free(addr);
+        }
     }
 }
 

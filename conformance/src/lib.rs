@@ -4,13 +4,17 @@
 //! each result with a reference computed without weft ([`reference`](mod@reference)). It
 //! returns one [`Check`] per case, so a backend author can see exactly what
 //! fails: `weft conformance --backend NAME_OR_PATH -n 4` prints them as a
-//! table, and weft's own tests run it on every backend.
+//! table, and weft's own tests run it on every backend. [`run_on`] runs the
+//! same cases on device memory ([`cuda::placement`]).
 
 #![warn(missing_docs)]
 
 mod buf;
+pub mod cuda;
+mod placement;
 pub mod reference;
 mod suite;
 
 pub use buf::{assert_close, Buf};
-pub use suite::{run, summary, Check};
+pub use placement::{Placement, SharedPlacement};
+pub use suite::{run, run_on, summary, Check};

@@ -1,6 +1,7 @@
 //! The cases, run in the same order on every rank.
 
 use crate::buf::Buf;
+use crate::placement::SharedPlacement;
 use crate::reference::{make, reduced_tensor};
 use weft::prelude::*;
 use weft::{DType, ReduceOp};
@@ -27,8 +28,30 @@ fn same(dtype: DType, op: Option<ReduceOp>, got: &[u8], want: &[u8]) -> bool {
 
 struct Runner<'g> {
     pg: &'g ProcessGroup,
+    mk: Mk,
     checks: Vec<Check>,
     broken: Option<String>,
+}
+
+/// Makes the cases' buffers where the suite runs.
+struct Mk(Option<SharedPlacement>);
+
+impl Mk {
+    fn buf(&self, d: DType, bytes: &[u8]) -> weft::Result<Buf> {
+        Buf::from_bytes(d, bytes).place(self.0.as_ref())
+    }
+    fn zeros(&self, d: DType, n: usize) -> weft::Result<Buf> {
+        Buf::zeros(d, n).place(self.0.as_ref())
+    }
+}
+
+/// The contents of several buffers, one after the other.
+fn read_all(bufs: &[Buf]) -> weft::Result<Vec<u8>> {
+    let mut v = Vec::new();
+    for b in bufs {
+        v.extend(b.read()?);
+    }
+    Ok(v)
 }
 
 impl Runner<'_> {
@@ -38,12 +61,12 @@ impl Runner<'_> {
         op: &'static str,
         dtype: DType,
         redop: Option<ReduceOp>,
-        body: impl FnOnce(&ProcessGroup) -> weft::Result<(Vec<u8>, Vec<u8>)>,
+        body: impl FnOnce(&ProcessGroup, &Mk) -> weft::Result<(Vec<u8>, Vec<u8>)>,
     ) {
         let (passed, detail) = if let Some(b) = &self.broken {
             (false, format!("skipped: group unusable after {b}"))
         } else {
-            match body(self.pg) {
+            match body(self.pg, &self.mk) {
                 Ok((got, want)) if same(dtype, redop, &got, &want) => (true, String::new()),
                 Ok((got, want)) => {
                     (false, format!("wrong result: got {:?}.. want {:?}..", &got[..got.len().min(16)], &want[..want.len().min(16)]))
@@ -69,99 +92,113 @@ fn ops_for(d: DType) -> Vec<ReduceOp> {
 /// Run every case on `pg` (collective: every rank calls it) with `n`
 /// elements per basic tensor; this rank's results.
 pub fn run(pg: &ProcessGroup, n: usize) -> Vec<Check> {
+    run_on(pg, n, None)
+}
+
+/// As [`run`], with every tensor on `placement`'s device (the host if
+/// `None`) and the ops issued on its stream.
+pub fn run_on(pg: &ProcessGroup, n: usize, placement: Option<SharedPlacement>) -> Vec<Check> {
+    let previous = weft::stream::current_stream();
+    weft::stream::set_current_stream(placement.as_ref().map(|p| p.stream()));
+    let checks = cases(pg, n, placement);
+    weft::stream::set_current_stream(previous);
+    checks
+}
+
+fn cases(pg: &ProcessGroup, n: usize, placement: Option<SharedPlacement>) -> Vec<Check> {
     let (r, w) = (pg.rank(), pg.size());
     let o = OpOptions::default();
-    let mut t = Runner { pg, checks: Vec::new(), broken: None };
+    let mut t = Runner { pg, mk: Mk(placement), checks: Vec::new(), broken: None };
     for d in DType::ALL {
         let sz = d.size();
         for op in ops_for(d) {
-            t.case("all_reduce", d, Some(op), |pg| {
-                let mut b = Buf::from_bytes(d, &make(d, r, n));
+            t.case("all_reduce", d, Some(op), |pg, m| {
+                let mut b = m.buf(d, &make(d, r, n))?;
                 pg.all_reduce(b.tm(), op, &o)?.wait()?;
-                Ok((b.bytes().to_vec(), reduced_tensor(d, op, w, n)))
+                Ok((b.read()?, reduced_tensor(d, op, w, n)))
             });
-            t.case("reduce", d, Some(op), |pg| {
+            t.case("reduce", d, Some(op), |pg, m| {
                 let root = w - 1;
-                let mut b = Buf::from_bytes(d, &make(d, r, n));
+                let mut b = m.buf(d, &make(d, r, n))?;
                 pg.reduce(b.tm(), root, op, &o)?.wait()?;
-                Ok((b.bytes().to_vec(), if r == root { reduced_tensor(d, op, w, n) } else { make(d, r, n) }))
+                Ok((b.read()?, if r == root { reduced_tensor(d, op, w, n) } else { make(d, r, n) }))
             });
-            t.case("reduce_scatter_single", d, Some(op), |pg| {
-                let input = Buf::from_bytes(d, &make(d, r, n * w));
-                let mut out = Buf::zeros(d, n);
+            t.case("reduce_scatter_single", d, Some(op), |pg, m| {
+                let input = m.buf(d, &make(d, r, n * w))?;
+                let mut out = m.zeros(d, n)?;
                 pg.reduce_scatter_single(out.tm(), input.t(), op, &o)?.wait()?;
-                Ok((out.bytes().to_vec(), reduced_tensor(d, op, w, n * w)[r * n * sz..(r + 1) * n * sz].to_vec()))
+                Ok((out.read()?, reduced_tensor(d, op, w, n * w)[r * n * sz..(r + 1) * n * sz].to_vec()))
             });
         }
         let op = if d == DType::Bool { ReduceOp::Bor } else { ReduceOp::Sum };
-        t.case("reduce_scatter_v", d, Some(op), |pg| {
-            let ins: Vec<Buf> = (0..w).map(|i| Buf::from_bytes(d, &make(d, r, i % 3))).collect();
-            let mut out = Buf::zeros(d, r % 3);
+        t.case("reduce_scatter_v", d, Some(op), |pg, m| {
+            let ins: Vec<Buf> = (0..w).map(|i| m.buf(d, &make(d, r, i % 3))).collect::<weft::Result<_>>()?;
+            let mut out = m.zeros(d, r % 3)?;
             pg.reduce_scatter_v(out.tm(), ins.iter().map(Buf::t).collect(), op, &o)?.wait()?;
-            Ok((out.bytes().to_vec(), reduced_tensor(d, op, w, r % 3)))
+            Ok((out.read()?, reduced_tensor(d, op, w, r % 3)))
         });
-        t.case("broadcast", d, None, |pg| {
-            let mut b = Buf::from_bytes(d, &make(d, r, n));
+        t.case("broadcast", d, None, |pg, m| {
+            let mut b = m.buf(d, &make(d, r, n))?;
             pg.broadcast(b.tm(), w - 1, &o)?.wait()?;
-            Ok((b.bytes().to_vec(), make(d, w - 1, n)))
+            Ok((b.read()?, make(d, w - 1, n)))
         });
-        t.case("all_gather_single", d, None, |pg| {
-            let input = Buf::from_bytes(d, &make(d, r, n));
-            let mut out = Buf::zeros(d, n * w);
+        t.case("all_gather_single", d, None, |pg, m| {
+            let input = m.buf(d, &make(d, r, n))?;
+            let mut out = m.zeros(d, n * w)?;
             pg.all_gather_single(out.tm(), input.t(), &o)?.wait()?;
-            Ok((out.bytes().to_vec(), (0..w).flat_map(|i| make(d, i, n)).collect()))
+            Ok((out.read()?, (0..w).flat_map(|i| make(d, i, n)).collect()))
         });
-        t.case("all_gather_v", d, None, |pg| {
-            let input = Buf::from_bytes(d, &make(d, r, r % 3));
-            let mut outs: Vec<Buf> = (0..w).map(|i| Buf::zeros(d, i % 3)).collect();
+        t.case("all_gather_v", d, None, |pg, m| {
+            let input = m.buf(d, &make(d, r, r % 3))?;
+            let mut outs: Vec<Buf> = (0..w).map(|i| m.zeros(d, i % 3)).collect::<weft::Result<_>>()?;
             pg.all_gather_v(outs.iter_mut().map(Buf::tm).collect(), input.t(), &o)?.wait()?;
-            Ok((outs.iter().flat_map(|b| b.bytes().to_vec()).collect(), (0..w).flat_map(|i| make(d, i, i % 3)).collect()))
+            Ok((read_all(&outs)?, (0..w).flat_map(|i| make(d, i, i % 3)).collect()))
         });
-        t.case("all_to_all_single", d, None, |pg| {
-            let input = Buf::from_bytes(d, &(0..w).flat_map(|dst| make(d, 100 * r + dst, n)).collect::<Vec<u8>>());
-            let mut out = Buf::zeros(d, n * w);
+        t.case("all_to_all_single", d, None, |pg, m| {
+            let input = m.buf(d, &(0..w).flat_map(|dst| make(d, 100 * r + dst, n)).collect::<Vec<u8>>())?;
+            let mut out = m.zeros(d, n * w)?;
             pg.all_to_all_single(out.tm(), input.t(), &o)?.wait()?;
-            Ok((out.bytes().to_vec(), (0..w).flat_map(|src| make(d, 100 * src + r, n)).collect()))
+            Ok((out.read()?, (0..w).flat_map(|src| make(d, 100 * src + r, n)).collect()))
         });
-        t.case("all_to_all_v_single", d, None, |pg| {
+        t.case("all_to_all_v_single", d, None, |pg, m| {
             let ins: Vec<usize> = (0..w).map(|dst| (r + dst) % 3).collect();
             let outs: Vec<usize> = (0..w).map(|src| (src + r) % 3).collect();
-            let input = Buf::from_bytes(d, &(0..w).flat_map(|dst| make(d, 100 * r + dst, ins[dst])).collect::<Vec<u8>>());
-            let mut out = Buf::zeros(d, outs.iter().sum());
+            let input = m.buf(d, &(0..w).flat_map(|dst| make(d, 100 * r + dst, ins[dst])).collect::<Vec<u8>>())?;
+            let mut out = m.zeros(d, outs.iter().sum())?;
             pg.all_to_all_v_single(out.tm(), input.t(), &outs, &ins, &o)?.wait()?;
-            Ok((out.bytes().to_vec(), (0..w).flat_map(|src| make(d, 100 * src + r, outs[src])).collect()))
+            Ok((out.read()?, (0..w).flat_map(|src| make(d, 100 * src + r, outs[src])).collect()))
         });
-        t.case("gather", d, None, |pg| {
-            let input = Buf::from_bytes(d, &make(d, r, n));
-            let mut outs: Vec<Buf> = if r == 0 { (0..w).map(|_| Buf::zeros(d, n)).collect() } else { vec![] };
+        t.case("gather", d, None, |pg, m| {
+            let input = m.buf(d, &make(d, r, n))?;
+            let mut outs: Vec<Buf> = if r == 0 { (0..w).map(|_| m.zeros(d, n)).collect::<weft::Result<_>>()? } else { vec![] };
             pg.gather(outs.iter_mut().map(Buf::tm).collect(), input.t(), 0, &o)?.wait()?;
             let want: Vec<u8> = if r == 0 { (0..w).flat_map(|i| make(d, i, n)).collect() } else { vec![] };
-            Ok((outs.iter().flat_map(|b| b.bytes().to_vec()).collect(), want))
+            Ok((read_all(&outs)?, want))
         });
-        t.case("scatter", d, None, |pg| {
-            let ins: Vec<Buf> = if r == 0 { (0..w).map(|i| Buf::from_bytes(d, &make(d, 10 + i, n))).collect() } else { vec![] };
-            let mut out = Buf::zeros(d, n);
+        t.case("scatter", d, None, |pg, m| {
+            let ins: Vec<Buf> = if r == 0 { (0..w).map(|i| m.buf(d, &make(d, 10 + i, n))).collect::<weft::Result<_>>()? } else { vec![] };
+            let mut out = m.zeros(d, n)?;
             pg.scatter(out.tm(), ins.iter().map(Buf::t).collect(), 0, &o)?.wait()?;
-            Ok((out.bytes().to_vec(), make(d, 10 + r, n)))
+            Ok((out.read()?, make(d, 10 + r, n)))
         });
-        t.case("send_recv", d, None, |pg| {
+        t.case("send_recv", d, None, |pg, m| {
             // A ring: send to the right, receive from the left, tags by dtype.
             if w == 1 {
                 return Ok((vec![], vec![]));
             }
             let tag = d as u32;
-            let input = Buf::from_bytes(d, &make(d, r, n));
-            let mut out = Buf::zeros(d, n);
+            let input = m.buf(d, &make(d, r, n))?;
+            let mut out = m.zeros(d, n)?;
             pg.scope(|s| -> weft::Result<()> {
                 let a = s.send(input.t(), (r + 1) % w, tag, &o)?;
                 let b = s.recv(out.tm(), (r + w - 1) % w, tag, &o)?;
                 a.wait()?;
                 b.wait()
             })?;
-            Ok((out.bytes().to_vec(), make(d, (r + w - 1) % w, n)))
+            Ok((out.read()?, make(d, (r + w - 1) % w, n)))
         });
     }
-    t.case("barrier", DType::U8, None, |pg| {
+    t.case("barrier", DType::U8, None, |pg, _| {
         pg.barrier(&o)?.wait()?;
         Ok((vec![], vec![]))
     });

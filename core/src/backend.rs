@@ -266,6 +266,12 @@ pub struct OpContext {
     pub deadline: Instant,
     /// The op's hints merged over the group's.
     pub hints: HashMap<String, String>,
+    /// Device ops: the caller's stream, captured at issue (`None`: the
+    /// device's default stream).
+    pub stream: Option<crate::stream::StreamHandle>,
+    /// Device ops: where the backend leaves the op's device-side completion
+    /// for [`crate::Work::wait`] and [`crate::Work::synchronize`].
+    pub completion: crate::stream::CompletionSlot,
 }
 
 impl OpContext {

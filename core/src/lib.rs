@@ -35,6 +35,7 @@ pub mod plugin;
 mod reduce_op;
 pub mod registry;
 pub mod store;
+pub mod stream;
 pub mod tag;
 mod tensor;
 
@@ -43,6 +44,7 @@ pub use error::{Error, ErrorKind, Result};
 pub use group::{Collectives, Job, ProcessGroup, Scope, Work};
 pub use options::{timeout_from_env, GroupOptions, OpOptions, DEFAULT_TIMEOUT, ENV_BACKEND, ENV_TIMEOUT};
 pub use reduce_op::ReduceOp;
+pub use stream::StreamHandle;
 pub use tensor::{Device, DeviceKind, Layout, SparseCoo, SparseCooTensor, Tensor, TensorMut};
 
 /// Re-exported so backend crates register with the same `inventory`.

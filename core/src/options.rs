@@ -19,6 +19,9 @@ pub struct OpOptions {
     pub timeout: Option<Duration>,
     /// Backend hints; unknown keys are ignored.
     pub hints: HashMap<String, String>,
+    /// For device tensors: the stream the op is ordered after; `None` uses
+    /// this thread's [`crate::stream::current_stream`] at issue time.
+    pub stream: Option<crate::stream::StreamHandle>,
 }
 
 impl OpOptions {
@@ -34,6 +37,11 @@ impl OpOptions {
     /// Add a hint.
     pub fn hint(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.hints.insert(key.into(), value.into());
+        self
+    }
+    /// Order device ops after `stream` (see [`crate::stream`]).
+    pub fn stream(mut self, stream: crate::stream::StreamHandle) -> Self {
+        self.stream = Some(stream);
         self
     }
 }

@@ -103,7 +103,7 @@ impl ReduceOp {
 
     /// The elementwise combiner used during the reduction: `Avg` and
     /// `PremulSum` reduce with `Sum` (scaling happens before or after).
-    pub(crate) fn combiner(self) -> ReduceOp {
+    pub fn combiner(self) -> ReduceOp {
         match self {
             ReduceOp::Avg | ReduceOp::PremulSum(_) => ReduceOp::Sum,
             op => op,

@@ -15,6 +15,8 @@ pub fn link() {
     weft_sparse::link();
     #[cfg(feature = "shm")]
     weft_shm::link();
+    #[cfg(feature = "cuda-host-staging")]
+    weft_cuda_host_staging::link();
 }
 
 /// Names of the built-in backends this build links.
@@ -28,6 +30,9 @@ pub fn names() -> Vec<&'static str> {
     }
     if cfg!(feature = "sparse") {
         v.push("sparse");
+    }
+    if cfg!(feature = "cuda-host-staging") {
+        v.push("cuda-host-staging");
     }
     v
 }

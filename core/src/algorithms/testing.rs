@@ -84,6 +84,8 @@ pub fn run_ranks_with<T: Send>(
                         seq: 0,
                         deadline: Instant::now() + Duration::from_secs(20),
                         hints: hints.clone(),
+                        stream: None,
+                        completion: Default::default(),
                     };
                     f(rank, &b, &ctx)
                 })

@@ -18,6 +18,7 @@ use crate::kernels::sanitize;
 use crate::options::GroupOptions;
 use crate::registry::Route;
 use crate::store::{PrefixStore, Store};
+use crate::stream::{CompletionSlot, DeviceCompletion};
 use crate::tensor::Device;
 use executor::Executor;
 use std::collections::HashMap;
@@ -155,8 +156,8 @@ impl<'t> Collectives<'t> for ProcessGroup {
     fn submit(&self, job: Job<'t>) -> Result<Work<'t>> {
         let (ticket, seq) = self.core.exec.issue(job.is_collective());
         let state = executor::new_state();
-        let result = self.core.exec.run_inline(ticket, || self.core.run_job(job, seq));
-        state.complete(result);
+        let (result, device) = self.core.exec.run_inline(ticket, || self.core.run_job(job, seq));
+        state.complete(result, device);
         Ok(Work::new(state))
     }
     fn rank(&self) -> usize {
@@ -208,19 +209,24 @@ impl GroupCore {
     /// Run one op; errors are tagged with the op and rank, and any error
     /// after bytes may have moved poisons the group: the backend aborts,
     /// telling peers the cause, so every rank fails instead of hanging.
-    fn run_job(&self, job: Job<'_>, seq: u64) -> Result<()> {
+    ///
+    /// Returns the result of the host side, and for device ops the device
+    /// side's completion.
+    fn run_job(&self, job: Job<'_>, seq: u64) -> (Result<()>, Option<Arc<dyn DeviceCompletion>>) {
         let name = job.name;
+        let slot = CompletionSlot::default();
         // A panic inside an op (a bug) becomes that op's error, and poisons
         // the group like any failure after bytes may have moved.
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_job_inner(job, seq))).unwrap_or_else(|p| {
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_job_inner(job, seq, &slot))).unwrap_or_else(|p| {
             let what = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
             let e = Error::backend(format!("internal error (panic) in {name}: {what}")).with_op(name).with_rank(self.rank);
             self.poison(e.clone());
             Err(e)
-        })
+        });
+        (result, slot.take())
     }
 
-    fn run_job_inner(&self, job: Job<'_>, seq: u64) -> Result<()> {
+    fn run_job_inner(&self, job: Job<'_>, seq: u64, completion: &CompletionSlot) -> Result<()> {
         let Job { name, kind, route, opts, fingerprint, op } = job;
         let result = (|| {
             self.usable()?;
@@ -235,6 +241,8 @@ impl GroupCore {
                 seq,
                 deadline: Instant::now() + opts.timeout.unwrap_or(self.options.timeout),
                 hints,
+                stream: opts.stream,
+                completion: completion.clone(),
             };
             let r = self.execute(backend.as_ref(), &ctx, fingerprint.as_ref(), op);
             if let Err(e) = &r {

@@ -362,7 +362,13 @@ fn check<'t, G: Collectives<'t> + ?Sized>(g: &G, name: &'static str) -> Check {
 }
 
 fn job<'t>(c: &Check, kind: OpKind, route: Route, opts: &OpOptions, fingerprint: Option<Fingerprint>, op: Op<'t>) -> Job<'t> {
-    Job { name: c.name, kind, route, opts: opts.clone(), fingerprint, op }
+    let mut opts = opts.clone();
+    // The caller's stream is the one current when the op is issued, not
+    // when a worker thread runs it.
+    if route.0 != crate::tensor::DeviceKind::Cpu && opts.stream.is_none() {
+        opts.stream = crate::stream::current_stream();
+    }
+    Job { name: c.name, kind, route, opts, fingerprint, op }
 }
 
 fn user_tag(c: &Check, tag: u32) -> Result<()> {

@@ -45,7 +45,7 @@ impl ProcessGroup {
         let scope = Scope { group: self, pending: Mutex::new(Vec::new()), _scope: PhantomData, _env: PhantomData };
         let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&scope)));
         for st in scope.pending.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
-            let _ = st.wait();
+            st.settle();
         }
         match out {
             Ok(v) => v,
@@ -69,8 +69,8 @@ impl<'scope, 'env> Collectives<'scope> for Scope<'scope, 'env> {
         exec.enqueue(
             ticket,
             Box::new(move || {
-                let result = core.run_job(job, seq);
-                st.complete(result);
+                let (result, device) = core.run_job(job, seq);
+                st.complete(result, device);
             }),
         );
         self.pending.lock().unwrap_or_else(|p| p.into_inner()).push(state.clone());

@@ -1,0 +1,70 @@
+//! `cuda-host-staging`: dense CUDA tensors through pinned host memory and
+//! the group's CPU backend (cpu-tcp or shm), chunked and pipelined (see
+//! [`Staging`]). Works wherever the group has a CPU backend and this
+//! process has a GPU (or the emulation, `WEFT_CUDA_EMULATION`).
+
+#![warn(missing_docs)]
+
+mod parts;
+mod pipeline;
+
+pub use pipeline::{Staging, DEFAULT_CHUNK_BYTES};
+
+use std::sync::Arc;
+use std::time::Instant;
+use weft::backend::{Backend, BackendContext, Op, OpContext, P2p};
+use weft::registry::{BackendFactory, StaticBackend};
+use weft::{DeviceKind, Error, Layout, Result};
+
+/// The registration of `cuda-host-staging`.
+pub struct HostStaging;
+
+impl BackendFactory for HostStaging {
+    fn name(&self) -> &str {
+        "cuda-host-staging"
+    }
+    fn devices(&self) -> &[DeviceKind] {
+        &[DeviceKind::Cuda]
+    }
+    fn layouts(&self) -> &[Layout] {
+        &[Layout::Dense]
+    }
+    fn priority(&self) -> i32 {
+        10
+    }
+    fn probe(&self) -> std::result::Result<(), String> {
+        weft_cuda_runtime::gpu().map(|_| ())
+    }
+    fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
+        let gpu = weft_cuda_runtime::gpu().map_err(Error::unsupported)?;
+        let cpu = ctx
+            .cpu_backend
+            .ok_or_else(|| Error::unsupported("cuda-host-staging needs a backend for dense CPU tensors in the same group"))?;
+        Ok(Arc::new(HostStagingBackend { staging: Staging::new(gpu, cpu) }))
+    }
+}
+
+struct HostStagingBackend {
+    staging: Staging,
+}
+
+impl Backend for HostStagingBackend {
+    fn name(&self) -> &str {
+        "cuda-host-staging"
+    }
+    fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
+        self.staging.cpu().exchange(ops, deadline)
+    }
+    fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
+        Some(self.staging.run(op, ctx))
+    }
+    fn abort(&self, reason: &Error) {
+        self.staging.cpu().abort(reason)
+    }
+}
+
+static HOST_STAGING: HostStaging = HostStaging;
+weft::inventory::submit! { StaticBackend(&HOST_STAGING) }
+
+/// Reference this crate so the linker keeps its registration.
+pub fn link() {}

@@ -1,0 +1,294 @@
+//! The CUDA driver through `cudarc` (dynamically loaded).
+//!
+//! Probe order, because cudarc panics where a library is missing: is
+//! libcuda present, `cuInit`, device count; NVRTC is probed separately the
+//! first time a kernel is needed. Each failure becomes the "unavailable"
+//! reason `weft info` shows.
+//!
+//! Raw handles are used throughout (streams come from callers and other
+//! frameworks); every call first binds the primary context of the device
+//! the handle belongs to.
+
+mod kernels;
+
+use crate::gpu::{DevicePtr, Event, Gpu};
+use cudarc::driver::{result, sys, CudaContext, DriverError};
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::{Arc, Mutex, OnceLock};
+use weft::{DType, Error, ReduceOp, Result, StreamHandle};
+
+/// The CUDA driver.
+pub struct DriverGpu {
+    contexts: Vec<Arc<CudaContext>>,
+    /// Device of each stream and event weft created or opened.
+    stream_device: Mutex<HashMap<u64, usize>>,
+    event_device: Mutex<HashMap<u64, usize>>,
+    /// Per device: the kernels module and functions looked up so far.
+    functions: Mutex<HashMap<(usize, String), usize>>,
+    modules: Mutex<HashMap<usize, usize>>,
+}
+
+fn err(what: &str, e: DriverError) -> Error {
+    let name = e.error_string().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{:?}", e.0));
+    Error::backend(format!("cuda: {what}: {name}"))
+}
+
+impl DriverGpu {
+    /// Open the driver, or say why it cannot be used here.
+    pub fn open() -> std::result::Result<DriverGpu, String> {
+        // SAFETY: only tries to dlopen libcuda; resolves no symbol.
+        if !unsafe { sys::is_culib_present() } {
+            return Err("the CUDA driver library (libcuda.so) is not installed".into());
+        }
+        result::init().map_err(|e| format!("cuInit failed: {e:?}"))?;
+        let n = result::device::get_count().map_err(|e| format!("cannot count CUDA devices: {e:?}"))?;
+        if n <= 0 {
+            return Err("no CUDA device".into());
+        }
+        let contexts = (0..n as usize)
+            .map(|i| CudaContext::new(i).map_err(|e| format!("cannot open CUDA device {i}: {e:?}")))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        Ok(DriverGpu {
+            contexts,
+            stream_device: Mutex::default(),
+            event_device: Mutex::default(),
+            functions: Mutex::default(),
+            modules: Mutex::default(),
+        })
+    }
+
+    fn bind(&self, device: usize) -> Result<()> {
+        let ctx = self.contexts.get(device).ok_or_else(|| Error::invalid(format!("cuda: no device {device}")))?;
+        ctx.bind_to_thread().map_err(|e| err("binding the context", e))
+    }
+
+    /// Bind the device of `stream` (a caller's stream unknown to weft: device 0).
+    fn bind_stream(&self, stream: StreamHandle) -> Result<sys::CUstream> {
+        let d = self.stream_device.lock().unwrap_or_else(|p| p.into_inner()).get(&stream.0).copied().unwrap_or(0);
+        self.bind(d)?;
+        Ok(stream.0 as sys::CUstream)
+    }
+
+    fn bind_event(&self, event: Event) -> Result<sys::CUevent> {
+        let d = self.event_device.lock().unwrap_or_else(|p| p.into_inner()).get(&event.0).copied().unwrap_or(0);
+        self.bind(d)?;
+        Ok(event.0 as sys::CUevent)
+    }
+
+    /// The compiled kernel `name` on the device of `stream`.
+    fn function(&self, stream: StreamHandle, name: &str) -> Result<sys::CUfunction> {
+        let d = self.stream_device.lock().unwrap_or_else(|p| p.into_inner()).get(&stream.0).copied().unwrap_or(0);
+        if let Some(f) = self.functions.lock().unwrap_or_else(|p| p.into_inner()).get(&(d, name.to_string())) {
+            return Ok(*f as sys::CUfunction);
+        }
+        self.bind(d)?;
+        let module = {
+            let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+            match modules.get(&d) {
+                Some(m) => *m as sys::CUmodule,
+                None => {
+                    let ptx = CString::new(ptx()?).map_err(|_| Error::backend("cuda: PTX contains a NUL byte"))?;
+                    // SAFETY: a NUL-terminated PTX image; the context is bound.
+                    let m = unsafe { result::module::load_data(ptx.as_ptr() as *const c_void) }.map_err(|e| err("loading kernels", e))?;
+                    modules.insert(d, m as usize);
+                    m
+                }
+            }
+        };
+        let cname = CString::new(name).expect("kernel names have no NUL");
+        // SAFETY: a module loaded in the bound context.
+        let f = unsafe { result::module::get_function(module, cname) }.map_err(|e| err(&format!("kernel {name}"), e))?;
+        self.functions.lock().unwrap_or_else(|p| p.into_inner()).insert((d, name.to_string()), f as usize);
+        Ok(f)
+    }
+
+    /// Launch a grid-stride kernel over `n` elements.
+    ///
+    /// # Safety
+    /// `params` match the kernel's signature and stay valid until launch returns.
+    unsafe fn launch(&self, stream: StreamHandle, name: &str, n: usize, params: &mut [*mut c_void]) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(stream, name)?;
+        let s = self.bind_stream(stream)?;
+        let blocks = n.div_ceil(256).min(4096) as u32;
+        // SAFETY: the caller's contract; the context of `s` is bound.
+        unsafe { result::launch_kernel(f, (blocks, 1, 1), (256, 1, 1), 0, s, params) }.map_err(|e| err(name, e))
+    }
+}
+
+/// The kernels' PTX, compiled once per process.
+fn ptx() -> Result<String> {
+    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+    PTX.get_or_init(|| {
+        // SAFETY: only tries to dlopen libnvrtc.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err("NVRTC (libnvrtc.so) is not installed; it compiles weft's reduction kernels".into());
+        }
+        cudarc::nvrtc::compile_ptx(kernels::source()).map(|p| p.to_src()).map_err(|e| format!("compiling the reduction kernels: {e:?}"))
+    })
+    .clone()
+    .map_err(Error::unsupported)
+}
+
+const IPC_LEN: usize = 64;
+
+impl Gpu for DriverGpu {
+    fn name(&self) -> &'static str {
+        "cuda-driver"
+    }
+    fn device_count(&self) -> usize {
+        self.contexts.len()
+    }
+    fn new_stream(&self, device: usize) -> Result<StreamHandle> {
+        self.bind(device)?;
+        let s = result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|e| err("creating a stream", e))?;
+        let h = StreamHandle(s as u64);
+        self.stream_device.lock().unwrap_or_else(|p| p.into_inner()).insert(h.0, device);
+        Ok(h)
+    }
+    fn alloc(&self, device: usize, bytes: usize) -> Result<DevicePtr> {
+        self.bind(device)?;
+        // SAFETY: plain cuMemAlloc (IPC-exportable, unlike pool memory).
+        unsafe { result::malloc_sync(bytes.max(1)) }.map_err(|e| err(&format!("allocating {bytes} bytes"), e))
+    }
+    unsafe fn free(&self, ptr: DevicePtr) {
+        // SAFETY: the caller's contract; cuMemFree synchronizes.
+        let _ = unsafe { result::free_sync(ptr) };
+    }
+    fn alloc_pinned(&self, bytes: usize) -> Result<*mut u8> {
+        self.bind(0)?;
+        // Flags: portable, and not write-combined (the CPU reads it).
+        // SAFETY: plain cuMemHostAlloc.
+        unsafe { result::malloc_host(bytes.max(1), sys::CU_MEMHOSTALLOC_PORTABLE) }
+            .map(|p| p as *mut u8)
+            .map_err(|e| err(&format!("pinning {bytes} host bytes"), e))
+    }
+    unsafe fn free_pinned(&self, ptr: *mut u8) {
+        // SAFETY: the caller's contract.
+        let _ = unsafe { result::free_host(ptr as *mut c_void) };
+    }
+    unsafe fn copy_htod(&self, stream: StreamHandle, dst: DevicePtr, src: *const u8, bytes: usize) -> Result<()> {
+        let s = self.bind_stream(stream)?;
+        // SAFETY: the caller keeps both ranges valid until the stream runs the copy.
+        unsafe { result::memcpy_htod_async(dst, std::slice::from_raw_parts(src, bytes), s) }.map_err(|e| err("host-to-device copy", e))
+    }
+    unsafe fn copy_dtoh(&self, stream: StreamHandle, dst: *mut u8, src: DevicePtr, bytes: usize) -> Result<()> {
+        let s = self.bind_stream(stream)?;
+        // SAFETY: as above.
+        unsafe { result::memcpy_dtoh_async(std::slice::from_raw_parts_mut(dst, bytes), src, s) }.map_err(|e| err("device-to-host copy", e))
+    }
+    unsafe fn copy_dtod(&self, stream: StreamHandle, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
+        let s = self.bind_stream(stream)?;
+        // SAFETY: as above.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, s) }.map_err(|e| err("device-to-device copy", e))
+    }
+    unsafe fn reduce(&self, stream: StreamHandle, dst: DevicePtr, src: DevicePtr, count: usize, dtype: DType, op: ReduceOp) -> Result<()> {
+        let (mut d, mut s, mut n) = (dst, src, count as u64);
+        let mut params = [&mut d as *mut u64 as *mut c_void, &mut s as *mut u64 as *mut c_void, &mut n as *mut u64 as *mut c_void];
+        // SAFETY: (T*, const T*, u64) as the kernel declares; the caller
+        // keeps the memory valid.
+        unsafe { self.launch(stream, &kernels::reduce_name(dtype, op), count, &mut params) }
+    }
+    unsafe fn premul(&self, stream: StreamHandle, buf: DevicePtr, count: usize, dtype: DType, factor: f64) -> Result<()> {
+        let (mut b, mut f, mut n) = (buf, factor, count as u64);
+        let mut params = [&mut b as *mut u64 as *mut c_void, &mut f as *mut f64 as *mut c_void, &mut n as *mut u64 as *mut c_void];
+        // SAFETY: (T*, double, u64) as the kernel declares.
+        unsafe { self.launch(stream, &format!("weft_premul_{}", dtype.name()), count, &mut params) }
+    }
+    unsafe fn divide(&self, stream: StreamHandle, buf: DevicePtr, count: usize, dtype: DType, divisor: u32) -> Result<()> {
+        let (mut b, mut d, mut n) = (buf, divisor, count as u64);
+        let mut params = [&mut b as *mut u64 as *mut c_void, &mut d as *mut u32 as *mut c_void, &mut n as *mut u64 as *mut c_void];
+        // SAFETY: (T*, unsigned, u64) as the kernel declares.
+        unsafe { self.launch(stream, &format!("weft_divide_{}", dtype.name()), count, &mut params) }
+    }
+    fn new_event(&self, device: usize, interprocess: bool) -> Result<Event> {
+        self.bind(device)?;
+        let mut flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        if interprocess {
+            flags |= sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32;
+        }
+        // SAFETY: flags are a valid combination of CUevent_flags bits.
+        let flags: sys::CUevent_flags = unsafe { std::mem::transmute(flags) };
+        let e = result::event::create(flags).map_err(|e| err("creating an event", e))?;
+        self.event_device.lock().unwrap_or_else(|p| p.into_inner()).insert(e as u64, device);
+        Ok(Event(e as u64))
+    }
+    fn destroy_event(&self, event: Event) {
+        if let Ok(e) = self.bind_event(event) {
+            // SAFETY: an event this process created or opened, not used afterwards.
+            let _ = unsafe { result::event::destroy(e) };
+        }
+        self.event_device.lock().unwrap_or_else(|p| p.into_inner()).remove(&event.0);
+    }
+    fn record(&self, event: Event, stream: StreamHandle) -> Result<()> {
+        let e = self.bind_event(event)?;
+        // SAFETY: live handles of the bound context.
+        unsafe { result::event::record(e, stream.0 as sys::CUstream) }.map_err(|e| err("recording an event", e))
+    }
+    fn wait_event(&self, stream: StreamHandle, event: Event) -> Result<()> {
+        let s = self.bind_stream(stream)?;
+        // SAFETY: live handles.
+        unsafe { result::stream::wait_event(s, event.0 as sys::CUevent, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+            .map_err(|e| err("waiting on an event", e))
+    }
+    fn query(&self, event: Event) -> Result<bool> {
+        let e = self.bind_event(event)?;
+        // SAFETY: a live event.
+        match unsafe { result::event::query(e) } {
+            Ok(()) => Ok(true),
+            Err(DriverError(sys::cudaError_enum::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(e) => Err(err("device work failed", e)),
+        }
+    }
+    fn ipc_export(&self, ptr: DevicePtr) -> Result<Vec<u8>> {
+        let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::uninit();
+        // SAFETY: writes the handle of the allocation at `ptr`.
+        unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), ptr) }.result().map_err(|e| err("exporting memory (cuIpcGetMemHandle)", e))?;
+        // SAFETY: initialised by the call above; a plain byte array.
+        let h = unsafe { h.assume_init() };
+        Ok(h.reserved.iter().map(|&c| c as u8).collect())
+    }
+    fn ipc_open(&self, device: usize, handle: &[u8]) -> Result<DevicePtr> {
+        self.bind(device)?;
+        let mut h = sys::CUipcMemHandle { reserved: [0; IPC_LEN] };
+        if handle.len() != IPC_LEN {
+            return Err(Error::invalid("cuda: an IPC memory handle has 64 bytes"));
+        }
+        h.reserved.iter_mut().zip(handle).for_each(|(d, s)| *d = *s as _);
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: a handle exported by another process of this host.
+        unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32) }
+            .result()
+            .map_err(|e| err("opening peer memory (cuIpcOpenMemHandle)", e))?;
+        Ok(ptr)
+    }
+    unsafe fn ipc_close(&self, ptr: DevicePtr) {
+        // SAFETY: the caller's contract; opened memory is closed, never freed.
+        let _ = unsafe { sys::cuIpcCloseMemHandle(ptr) };
+    }
+    fn ipc_export_event(&self, event: Event) -> Result<Vec<u8>> {
+        let e = self.bind_event(event)?;
+        let mut h = std::mem::MaybeUninit::<sys::CUipcEventHandle>::uninit();
+        // SAFETY: an interprocess event of the bound context.
+        unsafe { sys::cuIpcGetEventHandle(h.as_mut_ptr(), e) }.result().map_err(|e| err("exporting an event", e))?;
+        // SAFETY: initialised above.
+        let h = unsafe { h.assume_init() };
+        Ok(h.reserved.iter().map(|&c| c as u8).collect())
+    }
+    fn ipc_open_event(&self, handle: &[u8]) -> Result<Event> {
+        self.bind(0)?;
+        let mut h = sys::CUipcEventHandle { reserved: [0; IPC_LEN] };
+        if handle.len() != IPC_LEN {
+            return Err(Error::invalid("cuda: an IPC event handle has 64 bytes"));
+        }
+        h.reserved.iter_mut().zip(handle).for_each(|(d, s)| *d = *s as _);
+        let mut e = std::ptr::null_mut();
+        // SAFETY: a handle exported by another process of this host.
+        unsafe { sys::cuIpcOpenEventHandle(&mut e, h) }.result().map_err(|e| err("opening a peer event", e))?;
+        self.event_device.lock().unwrap_or_else(|p| p.into_inner()).insert(e as u64, 0);
+        Ok(Event(e as u64))
+    }
+}

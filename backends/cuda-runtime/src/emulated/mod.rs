@@ -1,0 +1,306 @@
+//! A GPU in host memory, for CPU-only CI: the backends' pipelines, ordering
+//! and error paths run against it through the same tests as on a GPU.
+//!
+//! Device memory is host memory in memfd mappings (so other processes can
+//! open it as with CUDA IPC); a stream is a worker thread running its tasks
+//! in order, asynchronously to the host, with a little random delay before
+//! each copy or kernel (`WEFT_CUDA_EMULATION_JITTER_US`, default 20) so that
+//! a missing wait shows up as a wrong result.
+
+mod queue;
+mod shared;
+
+use crate::gpu::{DevicePtr, Event, Gpu};
+use queue::{EventCell, Queue, Task};
+use shared::Mapping;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use weft::{DType, Error, ReduceOp, Result, StreamHandle};
+
+/// The emulated GPU of this process.
+pub struct EmulatedGpu {
+    devices: usize,
+    jitter_us: u64,
+    next_id: AtomicU64,
+    streams: Mutex<HashMap<u64, Arc<Queue>>>,
+    events: Mutex<HashMap<u64, Arc<EventCell>>>,
+    /// Allocations by base address: this process's and opened peers'.
+    memory: Mutex<HashMap<u64, Mapping>>,
+    pinned: Mutex<HashMap<u64, Vec<u64>>>,
+}
+
+/// A raw address moved into a stream task.
+#[derive(Copy, Clone)]
+struct Addr(u64);
+// SAFETY: an address, not a reference; the caller of the unsafe copy and
+// kernel calls guarantees the memory stays valid until the task has run.
+unsafe impl Send for Addr {}
+
+impl Addr {
+    /// # Safety
+    /// `len` bytes at the address are valid and not written meanwhile.
+    unsafe fn bytes<'a>(self, len: usize) -> &'a [u8] {
+        // SAFETY: the caller's contract.
+        unsafe { std::slice::from_raw_parts(self.0 as *const u8, len) }
+    }
+    /// # Safety
+    /// `len` bytes at the address are valid and not accessed meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn bytes_mut<'a>(self, len: usize) -> &'a mut [u8] {
+        // SAFETY: the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.0 as *mut u8, len) }
+    }
+}
+
+impl EmulatedGpu {
+    /// An emulated GPU with `devices` devices.
+    pub fn new(devices: usize) -> EmulatedGpu {
+        let jitter_us = std::env::var("WEFT_CUDA_EMULATION_JITTER_US").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
+        EmulatedGpu {
+            devices,
+            jitter_us,
+            next_id: AtomicU64::new(1),
+            streams: Mutex::default(),
+            events: Mutex::default(),
+            memory: Mutex::default(),
+            pinned: Mutex::default(),
+        }
+    }
+
+    fn id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn stream(&self, s: StreamHandle) -> Result<Arc<Queue>> {
+        let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+        if s.0 == 0 {
+            // The default stream exists from the start, as in CUDA.
+            return Ok(streams.entry(0).or_insert_with(|| Arc::new(Queue::start("weft-emu-stream-0".into()))).clone());
+        }
+        streams.get(&s.0).cloned().ok_or_else(|| Error::invalid(format!("cuda emulation: unknown stream {}", s.0)))
+    }
+
+    fn event(&self, e: Event) -> Result<Arc<EventCell>> {
+        self.events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&e.0)
+            .cloned()
+            .ok_or_else(|| Error::invalid(format!("cuda emulation: unknown event {}", e.0)))
+    }
+
+    fn device(&self, device: usize) -> Result<()> {
+        if device >= self.devices {
+            return Err(Error::invalid(format!("cuda emulation: device {device} does not exist ({} devices)", self.devices)));
+        }
+        Ok(())
+    }
+
+    /// Block until every stream has run what was queued so far.
+    fn synchronize_all(&self) {
+        let streams: Vec<Arc<Queue>> = self.streams.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect();
+        for q in streams {
+            if let Ok(e) = EventCell::create().map(Arc::new) {
+                q.record(&e);
+                while !e.query().unwrap_or(true) {
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            }
+        }
+    }
+
+    /// Queue `work` on `s` after a random short delay.
+    fn enqueue(&self, s: StreamHandle, work: impl FnOnce() + Send + 'static) -> Result<()> {
+        let q = self.stream(s)?;
+        let jitter = if self.jitter_us == 0 { 0 } else { pseudo_random() % (self.jitter_us + 1) };
+        let task: Task = Box::new(move || {
+            if jitter > 0 {
+                std::thread::sleep(Duration::from_micros(jitter));
+            }
+            work();
+            Ok(())
+        });
+        q.push(task);
+        Ok(())
+    }
+}
+
+fn pseudo_random() -> u64 {
+    use std::cell::Cell;
+    thread_local!(static STATE: Cell<u64> = Cell::new(0x9e37_79b9_7f4a_7c15 ^ u64::from(std::process::id())));
+    STATE.with(|s| {
+        let mut x = s.get();
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        s.set(x);
+        x
+    })
+}
+
+impl Gpu for EmulatedGpu {
+    fn name(&self) -> &'static str {
+        "emulated"
+    }
+    fn device_count(&self) -> usize {
+        self.devices
+    }
+    fn new_stream(&self, device: usize) -> Result<StreamHandle> {
+        self.device(device)?;
+        let id = self.id();
+        let q = Arc::new(Queue::start(format!("weft-emu-stream-{id}")));
+        self.streams.lock().unwrap_or_else(|p| p.into_inner()).insert(id, q);
+        Ok(StreamHandle(id))
+    }
+    fn alloc(&self, device: usize, bytes: usize) -> Result<DevicePtr> {
+        self.device(device)?;
+        let m = Mapping::create(bytes)?;
+        let base = m.base() as u64;
+        self.memory.lock().unwrap_or_else(|p| p.into_inner()).insert(base, m);
+        Ok(base)
+    }
+    unsafe fn free(&self, ptr: DevicePtr) {
+        // As cuMemFree: wait for all device work, then release.
+        self.synchronize_all();
+        self.memory.lock().unwrap_or_else(|p| p.into_inner()).remove(&ptr);
+    }
+    fn alloc_pinned(&self, bytes: usize) -> Result<*mut u8> {
+        let words = vec![0u64; bytes.div_ceil(8).max(1)];
+        let ptr = words.as_ptr() as u64;
+        self.pinned.lock().unwrap_or_else(|p| p.into_inner()).insert(ptr, words);
+        Ok(ptr as *mut u8)
+    }
+    unsafe fn free_pinned(&self, ptr: *mut u8) {
+        self.pinned.lock().unwrap_or_else(|p| p.into_inner()).remove(&(ptr as u64));
+    }
+    unsafe fn copy_htod(&self, stream: StreamHandle, dst: DevicePtr, src: *const u8, bytes: usize) -> Result<()> {
+        // SAFETY: the caller keeps both ranges valid until the task runs.
+        unsafe { self.copy_dtod(stream, dst, src as u64, bytes) }
+    }
+    unsafe fn copy_dtoh(&self, stream: StreamHandle, dst: *mut u8, src: DevicePtr, bytes: usize) -> Result<()> {
+        // SAFETY: as above.
+        unsafe { self.copy_dtod(stream, dst as u64, src, bytes) }
+    }
+    unsafe fn copy_dtod(&self, stream: StreamHandle, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
+        let (d, s) = (Addr(dst), Addr(src));
+        self.enqueue(stream, move || {
+            // SAFETY: the caller keeps both ranges valid until the task runs,
+            // and stream order keeps others off them meanwhile.
+            unsafe { std::ptr::copy(s.0 as *const u8, d.0 as *mut u8, bytes) }
+        })
+    }
+    unsafe fn reduce(&self, stream: StreamHandle, dst: DevicePtr, src: DevicePtr, count: usize, dtype: DType, op: ReduceOp) -> Result<()> {
+        let (d, s, len) = (Addr(dst), Addr(src), count * dtype.size());
+        self.enqueue(stream, move || {
+            // SAFETY: as in copy_dtod; the ranges do not overlap (caller).
+            let (acc, src) = unsafe { (d.bytes_mut(len), s.bytes(len)) };
+            weft::kernels::reduce_into(acc, src, dtype, op);
+        })
+    }
+    unsafe fn premul(&self, stream: StreamHandle, buf: DevicePtr, count: usize, dtype: DType, factor: f64) -> Result<()> {
+        let (b, len) = (Addr(buf), count * dtype.size());
+        // SAFETY: as in copy_dtod.
+        self.enqueue(stream, move || weft::kernels::prescale(unsafe { b.bytes_mut(len) }, dtype, ReduceOp::PremulSum(factor)))
+    }
+    unsafe fn divide(&self, stream: StreamHandle, buf: DevicePtr, count: usize, dtype: DType, divisor: u32) -> Result<()> {
+        let (b, len) = (Addr(buf), count * dtype.size());
+        // SAFETY: as in copy_dtod.
+        self.enqueue(stream, move || weft::kernels::finish(unsafe { b.bytes_mut(len) }, dtype, ReduceOp::Avg, divisor as usize))
+    }
+    fn new_event(&self, device: usize, _interprocess: bool) -> Result<Event> {
+        self.device(device)?;
+        let id = self.id();
+        self.events.lock().unwrap_or_else(|p| p.into_inner()).insert(id, Arc::new(EventCell::create()?));
+        Ok(Event(id))
+    }
+    fn destroy_event(&self, event: Event) {
+        self.events.lock().unwrap_or_else(|p| p.into_inner()).remove(&event.0);
+    }
+    fn record(&self, event: Event, stream: StreamHandle) -> Result<()> {
+        self.stream(stream)?.record(&self.event(event)?);
+        Ok(())
+    }
+    fn wait_event(&self, stream: StreamHandle, event: Event) -> Result<()> {
+        let q = self.stream(stream)?;
+        q.push(self.event(event)?.wait_task());
+        Ok(())
+    }
+    fn query(&self, event: Event) -> Result<bool> {
+        self.event(event)?.query()
+    }
+    fn ipc_export(&self, ptr: DevicePtr) -> Result<Vec<u8>> {
+        let mem = self.memory.lock().unwrap_or_else(|p| p.into_inner());
+        let m = mem.get(&ptr).ok_or_else(|| Error::invalid(format!("cuda emulation: {ptr:#x} is not the start of an allocation")))?;
+        Ok(m.handle())
+    }
+    fn ipc_open(&self, device: usize, handle: &[u8]) -> Result<DevicePtr> {
+        self.device(device)?;
+        let m = Mapping::open(handle)?;
+        let base = m.base() as u64;
+        self.memory.lock().unwrap_or_else(|p| p.into_inner()).insert(base, m);
+        Ok(base)
+    }
+    unsafe fn ipc_close(&self, ptr: DevicePtr) {
+        self.memory.lock().unwrap_or_else(|p| p.into_inner()).remove(&ptr);
+    }
+    fn ipc_export_event(&self, event: Event) -> Result<Vec<u8>> {
+        Ok(self.event(event)?.handle())
+    }
+    fn ipc_open_event(&self, handle: &[u8]) -> Result<Event> {
+        let id = self.id();
+        self.events.lock().unwrap_or_else(|p| p.into_inner()).insert(id, Arc::new(EventCell::open(handle)?));
+        Ok(Event(id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_order_and_events() {
+        let g = EmulatedGpu::new(1);
+        let (a, b) = (g.new_stream(0).unwrap(), g.new_stream(0).unwrap());
+        let buf = g.alloc(0, 4096).unwrap();
+        let host = vec![7u8; 4096];
+        let mut out = vec![0u8; 4096];
+        let e = g.new_event(0, false).unwrap();
+        // SAFETY: host, out and buf outlive the synchronisation below.
+        unsafe {
+            g.copy_htod(a, buf, host.as_ptr(), 4096).unwrap();
+            g.record(e, a).unwrap();
+            g.wait_event(b, e).unwrap();
+            g.copy_dtoh(b, out.as_mut_ptr(), buf, 4096).unwrap();
+        }
+        let done = g.new_event(0, false).unwrap();
+        g.record(done, b).unwrap();
+        while !g.query(done).unwrap() {
+            std::thread::yield_now();
+        }
+        assert_eq!(out, host);
+    }
+
+    #[test]
+    fn ipc_memory_and_events_open_in_another_mapping() {
+        let g = EmulatedGpu::new(1);
+        let buf = g.alloc(0, 64).unwrap();
+        let other = g.ipc_open(0, &g.ipc_export(buf).unwrap()).unwrap();
+        assert_ne!(buf, other);
+        // SAFETY: 64 valid bytes each; both map the same pages.
+        unsafe {
+            *(buf as *mut u8) = 42;
+            assert_eq!(*(other as *const u8), 42);
+            g.ipc_close(other);
+            g.free(buf);
+        }
+        let e = g.new_event(0, true).unwrap();
+        let f = g.ipc_open_event(&g.ipc_export_event(e).unwrap()).unwrap();
+        let s = g.new_stream(0).unwrap();
+        g.record(e, s).unwrap();
+        while !g.query(f).unwrap() {
+            std::thread::yield_now();
+        }
+    }
+}

@@ -1,0 +1,95 @@
+//! The GPU interface the CUDA backends are written against.
+
+use weft::{DType, ReduceOp, Result, StreamHandle};
+
+/// A device address (a `CUdeviceptr`, or a host address in the emulation).
+pub type DevicePtr = u64;
+
+/// An event handle of one [`Gpu`] implementation.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Event(pub u64);
+
+/// The GPU calls weft's CUDA backends make; every call is asynchronous on a
+/// stream unless it says otherwise. Implementations: the CUDA driver and a
+/// host-memory emulation ([`crate::gpu`] picks one per process).
+///
+/// The copy and kernel calls are `unsafe`: the caller guarantees the
+/// addresses are valid for the given lengths until the stream reaches them.
+pub trait Gpu: Send + Sync {
+    /// `"cuda-driver"` or `"emulated"`.
+    fn name(&self) -> &'static str;
+    /// Number of devices.
+    fn device_count(&self) -> usize;
+    /// A new non-blocking stream on `device`.
+    fn new_stream(&self, device: usize) -> Result<StreamHandle>;
+    /// Device memory of `bytes` that CUDA IPC can export (`cuMemAlloc`,
+    /// never pool memory).
+    fn alloc(&self, device: usize, bytes: usize) -> Result<DevicePtr>;
+    /// Free memory from [`Gpu::alloc`] (synchronizes with its users).
+    ///
+    /// # Safety
+    /// `ptr` came from `alloc` and is not used afterwards.
+    unsafe fn free(&self, ptr: DevicePtr);
+    /// Page-locked host memory the CPU reads fast (not write-combined).
+    fn alloc_pinned(&self, bytes: usize) -> Result<*mut u8>;
+    /// Free memory from [`Gpu::alloc_pinned`].
+    ///
+    /// # Safety
+    /// `ptr` came from `alloc_pinned` and no stream still uses it.
+    unsafe fn free_pinned(&self, ptr: *mut u8);
+    /// Copy host to device on `stream`.
+    ///
+    /// # Safety
+    /// Both ranges are valid until the stream has run the copy.
+    unsafe fn copy_htod(&self, stream: StreamHandle, dst: DevicePtr, src: *const u8, bytes: usize) -> Result<()>;
+    /// Copy device to host on `stream`.
+    ///
+    /// # Safety
+    /// As [`Gpu::copy_htod`].
+    unsafe fn copy_dtoh(&self, stream: StreamHandle, dst: *mut u8, src: DevicePtr, bytes: usize) -> Result<()>;
+    /// Copy device to device on `stream`.
+    ///
+    /// # Safety
+    /// As [`Gpu::copy_htod`].
+    unsafe fn copy_dtod(&self, stream: StreamHandle, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()>;
+    /// `dst[i] = dst[i] (op) src[i]` for `count` elements (`Avg` and
+    /// `PremulSum` combine as sums).
+    ///
+    /// # Safety
+    /// As [`Gpu::copy_htod`]; the ranges do not overlap.
+    unsafe fn reduce(&self, stream: StreamHandle, dst: DevicePtr, src: DevicePtr, count: usize, dtype: DType, op: ReduceOp) -> Result<()>;
+    /// `buf[i] *= factor` (the `PremulSum` scaling of a rank's contribution).
+    ///
+    /// # Safety
+    /// As [`Gpu::copy_htod`].
+    unsafe fn premul(&self, stream: StreamHandle, buf: DevicePtr, count: usize, dtype: DType, factor: f64) -> Result<()>;
+    /// `buf[i] /= divisor` (finishing `Avg`).
+    ///
+    /// # Safety
+    /// As [`Gpu::copy_htod`].
+    unsafe fn divide(&self, stream: StreamHandle, buf: DevicePtr, count: usize, dtype: DType, divisor: u32) -> Result<()>;
+    /// A new event (timing disabled); `interprocess` makes it exportable.
+    fn new_event(&self, device: usize, interprocess: bool) -> Result<Event>;
+    /// Destroy an event (from `new_event` or `ipc_open_event`).
+    fn destroy_event(&self, event: Event);
+    /// Record `event` on `stream`.
+    fn record(&self, event: Event, stream: StreamHandle) -> Result<()>;
+    /// Make `stream` wait for the latest record of `event` (no host block).
+    fn wait_event(&self, stream: StreamHandle, event: Event) -> Result<()>;
+    /// Whether the latest record of `event` has completed; `Err` when the
+    /// device work before it failed.
+    fn query(&self, event: Event) -> Result<bool>;
+    /// An IPC handle of the allocation starting at `ptr` (from `alloc`).
+    fn ipc_export(&self, ptr: DevicePtr) -> Result<Vec<u8>>;
+    /// Map another process's allocation; close with [`Gpu::ipc_close`].
+    fn ipc_open(&self, device: usize, handle: &[u8]) -> Result<DevicePtr>;
+    /// Unmap what `ipc_open` mapped (never `free` it).
+    ///
+    /// # Safety
+    /// `ptr` came from `ipc_open` and no stream still uses it.
+    unsafe fn ipc_close(&self, ptr: DevicePtr);
+    /// An IPC handle of an interprocess event.
+    fn ipc_export_event(&self, event: Event) -> Result<Vec<u8>>;
+    /// Open another process's event, for `wait_event`.
+    fn ipc_open_event(&self, handle: &[u8]) -> Result<Event>;
+}

@@ -1,0 +1,175 @@
+//! CUDA tensors on the emulated GPU (CPU-only CI): the host-staging
+//! backend through the whole conformance suite, stream ordering, and the
+//! error paths. The same tests run on a real GPU with `scripts/gpu-tests.sh`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use weft::prelude::*;
+use weft::{DType, Device, DeviceKind, ErrorKind, Layout, StreamHandle};
+use weft_cuda_runtime::{synchronize_event, Gpu};
+use weft_tests::{options, run_threads};
+
+/// The emulated GPU, unless `WEFT_TEST_REAL_GPU=1` asks for the real one.
+fn gpu() -> Arc<dyn Gpu> {
+    if std::env::var("WEFT_TEST_REAL_GPU").as_deref() != Ok("1") {
+        weft_cuda_runtime::emulate(1).unwrap();
+    }
+    weft_cuda_runtime::gpu().unwrap()
+}
+
+fn conformance(w: usize, spec: &str, hints: &[(&str, &str)]) {
+    let _ = gpu();
+    let mut opts = options(spec);
+    for (k, v) in hints {
+        opts = opts.hint(*k, *v);
+    }
+    let label = format!("{spec} {hints:?} W={w}");
+    let results = run_threads(w, opts, move |pg| {
+        let placement = weft_conformance::cuda::placement(0).unwrap();
+        weft_conformance::run_on(&pg, 37, Some(placement))
+    });
+    for (r, checks) in results.iter().enumerate() {
+        let (table, ok) = weft_conformance::summary(checks);
+        assert!(ok, "{label}, rank {r}:\n{table}");
+    }
+}
+
+#[test]
+fn host_staging_passes_conformance_pipelined_over_cpu_tcp() {
+    for w in 1..=4 {
+        // 64-byte chunks: every op is cut into many chunks through 3 slots.
+        conformance(w, "cpu:cpu-tcp,cuda:cuda-host-staging", &[("staging_chunk_bytes", "64")]);
+    }
+}
+
+#[test]
+fn host_staging_passes_conformance_over_shm_whole_and_default() {
+    for w in [2, 3] {
+        conformance(w, "cpu:shm,cuda:cuda-host-staging", &[("staging", "whole")]);
+        conformance(w, "cpu:shm,cuda:auto", &[]);
+    }
+}
+
+/// Device memory on the emulated GPU, filled from `data` on `stream`.
+fn upload(g: &dyn Gpu, stream: StreamHandle, data: &[f32]) -> u64 {
+    let addr = g.alloc(0, data.len() * 4).unwrap();
+    // SAFETY: `data` outlives the synchronisation done by `download`/`free`.
+    unsafe { g.copy_htod(stream, addr, data.as_ptr() as *const u8, data.len() * 4).unwrap() };
+    addr
+}
+
+fn download(g: &dyn Gpu, stream: StreamHandle, addr: u64, n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n];
+    // SAFETY: `out` lives until the event below completes.
+    unsafe { g.copy_dtoh(stream, out.as_mut_ptr() as *mut u8, addr, n * 4).unwrap() };
+    let e = g.new_event(0, false).unwrap();
+    g.record(e, stream).unwrap();
+    synchronize_event(g, e, Instant::now() + Duration::from_secs(30), "download").unwrap();
+    out
+}
+
+#[test]
+fn ops_are_ordered_after_the_callers_stream_and_wait_orders_it_back() {
+    let g = gpu();
+    let results = run_threads(2, options("cpu:shm,cuda:cuda-host-staging"), move |pg| {
+        let g = weft_cuda_runtime::gpu().unwrap();
+        let stream = g.new_stream(0).unwrap();
+        // A large upload still in flight on the caller's stream when the op
+        // is issued; the op must see its data, not zeros.
+        let n = 4 << 20;
+        let data = vec![pg.rank() as f32 + 1.0; n];
+        let addr = upload(&*g, stream, &data);
+        // SAFETY: n f32 of device memory, freed below after the stream's work.
+        let t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, DType::F32, 0, &[n]) }.unwrap();
+        let work = pg.all_reduce(t, ReduceOp::Sum, &OpOptions::default().stream(stream)).unwrap();
+        work.wait().unwrap();
+        // Ordered after the op by `wait`, without the host blocking for it.
+        let out = download(&*g, stream, addr, n);
+        work.synchronize().unwrap();
+        assert!(work.is_completed());
+        drop(work);
+        // SAFETY: every use of addr is done (synchronised above).
+        unsafe { g.free(addr) };
+        out.iter().all(|&x| x == 3.0)
+    });
+    assert!(results.iter().all(|ok| *ok), "a rank saw data from before its stream's upload or before the op");
+    drop(g);
+}
+
+#[test]
+fn dropping_an_unwaited_work_blocks_until_the_device_side_is_done() {
+    let _ = gpu();
+    run_threads(2, options("cpu:cpu-tcp,cuda:cuda-host-staging"), |pg| {
+        let g = weft_cuda_runtime::gpu().unwrap();
+        let stream = g.new_stream(0).unwrap();
+        let n = 1 << 20;
+        let data = vec![1f32; n];
+        let addr = upload(&*g, stream, &data);
+        weft::stream::set_current_stream(Some(stream));
+        {
+            // SAFETY: n f32 of device memory.
+            let t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, DType::F32, 0, &[n]) }.unwrap();
+            let _work = pg.all_reduce(t, ReduceOp::Avg, &OpOptions::default()).unwrap();
+        }
+        weft::stream::set_current_stream(None);
+        // No wait: the drop above finished the device side, so a copy on
+        // another stream sees the result.
+        let other = g.new_stream(0).unwrap();
+        let out = download(&*g, other, addr, n);
+        // SAFETY: done with addr.
+        unsafe { g.free(addr) };
+        assert!(out.iter().all(|&x| x == 1.0), "{}", out[0]);
+    });
+}
+
+#[test]
+fn cuda_errors_are_typed_and_nothing_hangs() {
+    let g = gpu();
+    // No CUDA backend in the group: a clear Unsupported error.
+    let results = run_threads(2, options("cpu:cpu-tcp"), |pg| {
+        let g = weft_cuda_runtime::gpu().unwrap();
+        let addr = g.alloc(0, 64).unwrap();
+        // SAFETY: 16 f32 of device memory.
+        let t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, DType::F32, 0, &[16]) }.unwrap();
+        let e = pg.all_reduce(t, ReduceOp::Sum, &OpOptions::default()).unwrap().wait().unwrap_err();
+        // SAFETY: unused now.
+        unsafe { g.free(addr) };
+        (e.kind().clone(), e.to_string())
+    });
+    for (kind, msg) in results {
+        assert_eq!(kind, ErrorKind::Unsupported, "{msg}");
+        assert!(msg.contains("no backend handles cuda dense tensors"), "{msg}");
+    }
+    // Mixed devices in one op: rejected before anything moves.
+    run_threads(1, options("cpu:cpu-tcp,cuda:cuda-host-staging"), |pg| {
+        assert_eq!(pg.backend_name((DeviceKind::Cuda, Layout::Dense)).as_deref(), Some("cuda-host-staging"));
+        let g = weft_cuda_runtime::gpu().unwrap();
+        let addr = g.alloc(0, 64).unwrap();
+        // SAFETY: 16 f32 of device memory.
+        let input = unsafe { weft_cuda_runtime::tensor_from_raw(addr, DType::F32, 0, &[16]) }.unwrap();
+        let mut host = [0f32; 16];
+        let e = pg.all_gather_single(&mut host[..], input, &OpOptions::default()).unwrap_err();
+        assert_eq!(e.kind(), &ErrorKind::InvalidArgument, "{e}");
+        assert!(e.to_string().contains("cuda:0"), "{e}");
+        // SAFETY: unused now.
+        unsafe { g.free(addr) };
+    });
+    // A peer that never joins the op: Timeout, not a hang.
+    run_threads(2, options("cpu:cpu-tcp,cuda:cuda-host-staging"), |pg| {
+        if pg.rank() == 1 {
+            std::thread::sleep(Duration::from_secs(2));
+            return;
+        }
+        let g = weft_cuda_runtime::gpu().unwrap();
+        let addr = g.alloc(0, 64).unwrap();
+        // SAFETY: 16 f32 of device memory.
+        let t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, DType::F32, 0, &[16]) }.unwrap();
+        let start = Instant::now();
+        let e = pg.all_reduce(t, ReduceOp::Sum, &OpOptions::default().timeout(Duration::from_millis(500))).unwrap().wait().unwrap_err();
+        assert_eq!(e.kind(), &ErrorKind::Timeout, "{e}");
+        assert!(start.elapsed() < Duration::from_secs(10));
+        // SAFETY: the failed op drained its streams before returning.
+        unsafe { g.free(addr) };
+    });
+    let _ = (g, Device::Cpu);
+}
