@@ -28,6 +28,7 @@ mod error;
 mod group;
 pub mod kernels;
 pub mod launch;
+pub mod locality;
 pub mod log;
 pub mod matching;
 mod options;

@@ -2,11 +2,13 @@
 //! backend through the whole conformance suite, stream ordering, and the
 //! error paths. The same tests run on a real GPU with `scripts/gpu-tests.sh`.
 
+use std::os::unix::process::ExitStatusExt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weft::prelude::*;
 use weft::{DType, Device, DeviceKind, ErrorKind, Layout, StreamHandle};
 use weft_cuda_runtime::{synchronize_event, Gpu};
+use weft_tests::procs::{free_port, run_world, run_world_with};
 use weft_tests::{options, run_threads};
 
 /// The emulated GPU, unless `WEFT_TEST_REAL_GPU=1` asks for the real one.
@@ -46,7 +48,61 @@ fn host_staging_passes_conformance_pipelined_over_cpu_tcp() {
 fn host_staging_passes_conformance_over_shm_whole_and_default() {
     for w in [2, 3] {
         conformance(w, "cpu:shm,cuda:cuda-host-staging", &[("staging", "whole")]);
-        conformance(w, "cpu:shm,cuda:auto", &[]);
+        conformance(w, "cpu:shm,cuda:cuda-host-staging", &[]);
+    }
+}
+
+#[test]
+fn cuda_device_ring_passes_conformance_with_in_process_peers() {
+    for w in 1..=4 {
+        // 64-byte slots: every block is many pieces cycling through the slots.
+        conformance(w, "cpu:shm,cuda:cuda-device", &[("cuda_slot_bytes", "64")]);
+    }
+    conformance(3, "cpu:cpu-tcp,cuda:auto", &[]);
+}
+
+fn worker() -> &'static str {
+    env!("CARGO_BIN_EXE_weft-test-worker")
+}
+
+#[test]
+fn cuda_device_ring_across_processes_over_ipc() {
+    for w in [2, 3] {
+        let ends = run_world(worker(), w, &["cuda_conformance"], &[("WEFT_CUDA_EMULATION", "1")], Duration::from_secs(120));
+        for (r, e) in ends.iter().enumerate() {
+            assert!(e.status.success(), "W={w} rank {r}:\n{}", e.output);
+            assert!(e.output.contains("cuda=cuda-device cpu=shm"), "auto picks the ring on one host: {}", e.output);
+        }
+    }
+}
+
+#[test]
+fn auto_falls_back_to_host_staging_when_ranks_are_on_different_hosts() {
+    let port = free_port().to_string();
+    let vars = |rank: usize| {
+        vec![
+            ("RANK".to_string(), rank.to_string()),
+            ("WORLD_SIZE".into(), "2".into()),
+            ("MASTER_ADDR".into(), "127.0.0.1".into()),
+            ("MASTER_PORT".into(), port.clone()),
+            ("WEFT_HOST_ID".into(), format!("host{rank}")),
+        ]
+    };
+    let ends = run_world_with(worker(), 2, &["cuda_conformance"], &[("WEFT_CUDA_EMULATION", "1")], Duration::from_secs(120), vars);
+    for (r, e) in ends.iter().enumerate() {
+        assert!(e.status.success(), "rank {r}:\n{}", e.output);
+        assert!(e.output.contains("cuda=cuda-host-staging cpu=cpu-tcp"), "{}", e.output);
+    }
+}
+
+#[test]
+fn a_rank_killed_during_cuda_all_reduce_is_reported_by_the_others() {
+    let ends = run_world(worker(), 3, &["cuda_sigkill"], &[("WEFT_CUDA_EMULATION", "1")], Duration::from_secs(60));
+    assert_eq!(ends[2].status.signal(), Some(9), "{}", ends[2].output);
+    for (r, e) in ends.iter().take(2).enumerate() {
+        assert!(e.status.success(), "rank {r}:\n{}", e.output);
+        let died = ends[2].at;
+        assert!(e.at.saturating_duration_since(died) < Duration::from_secs(15), "rank {r} took {:?}", e.at - died);
     }
 }
 

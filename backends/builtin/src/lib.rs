@@ -17,6 +17,8 @@ pub fn link() {
     weft_shm::link();
     #[cfg(feature = "cuda-host-staging")]
     weft_cuda_host_staging::link();
+    #[cfg(feature = "cuda-device")]
+    weft_cuda_device::link();
 }
 
 /// Names of the built-in backends this build links.
@@ -33,6 +35,9 @@ pub fn names() -> Vec<&'static str> {
     }
     if cfg!(feature = "cuda-host-staging") {
         v.push("cuda-host-staging");
+    }
+    if cfg!(feature = "cuda-device") {
+        v.push("cuda-device");
     }
     v
 }

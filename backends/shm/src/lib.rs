@@ -3,7 +3,6 @@
 
 #![warn(missing_docs)]
 
-mod locality;
 mod ring;
 mod segment;
 mod transport;
@@ -41,7 +40,7 @@ impl BackendFactory for ShmFactory {
     fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
         let deadline = ctx.setup_deadline();
         let left = || deadline.saturating_duration_since(std::time::Instant::now());
-        locality::check(&*ctx.store, ctx.rank, ctx.size, ctx.timeout)?;
+        weft::locality::check("shm", &*ctx.store, ctx.rank, ctx.size, ctx.timeout)?;
         // Rank 0 chooses the name and ring size (from the free space it
         // sees) and publishes them: every rank must use the same layout.
         let (name, cap) = if ctx.rank == 0 {

@@ -84,6 +84,38 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             anyhow::ensure!(v.iter().all(|x| *x == w as u32), "all_reduce on {name}");
             println!("backend={name}");
         }
+        "cuda_conformance" => {
+            // CUDA tensors (the emulated GPU under WEFT_CUDA_EMULATION).
+            let route = pg.backend_name((weft::DeviceKind::Cuda, weft::Layout::Dense)).unwrap_or_default();
+            let cpu = pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense)).unwrap_or_default();
+            let checks = weft_conformance::run_on(&pg, 29, Some(weft_conformance::cuda::placement(0)?));
+            let (table, ok) = weft_conformance::summary(&checks);
+            anyhow::ensure!(ok, "rank {r} on {route}:\n{table}");
+            println!("rank {r}: cuda={route} cpu={cpu}: {} checks passed", checks.len());
+        }
+        "cuda_sigkill" => {
+            // The last rank dies during CUDA all_reduces; the others must
+            // get PeerLost naming it, in seconds.
+            let victim = w - 1;
+            if r == victim {
+                std::thread::spawn(|| {
+                    std::thread::sleep(Duration::from_millis(300));
+                    let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+                });
+            }
+            let g = weft_cuda_runtime::gpu().map_err(anyhow::Error::msg)?;
+            let n = 4 << 20;
+            let addr = g.alloc(0, n * 4)?;
+            // SAFETY: n f32 of device memory, alive until the process exits.
+            let mut t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, weft::DType::F32, 0, &[n]) }?;
+            loop {
+                if let Err(e) = pg.all_reduce(t.reborrow(), ReduceOp::Sum, &o)?.synchronize() {
+                    println!("rank {r}: {e}");
+                    anyhow::ensure!(e.kind() == &ErrorKind::PeerLost { rank: victim }, "expected PeerLost {{ rank: {victim} }}, got {e}");
+                    break;
+                }
+            }
+        }
         "conformance" => {
             let checks = weft_conformance::run(&pg, 5);
             let (table, ok) = weft_conformance::summary(&checks);

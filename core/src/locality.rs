@@ -1,9 +1,10 @@
 //! Are all ranks of the group on this host? Decided through the store
 //! (every rank publishes its host identity), never from LOCAL_WORLD_SIZE.
+//! Backends that need one host (shm, CUDA IPC) check it at creation.
 
+use crate::error::{Error, Result};
+use crate::store::Store;
 use std::time::Duration;
-use weft::store::Store;
-use weft::{Error, Result};
 
 /// Environment variable overriding the host identity (tests; containers
 /// that share a kernel but not /dev/shm).
@@ -21,15 +22,16 @@ pub fn host_id() -> String {
 }
 
 /// `Ok` if every rank published the same identity, else `Unsupported`
-/// naming the first rank on another host.
-pub fn check(store: &dyn Store, rank: usize, size: usize, timeout: Duration) -> Result<()> {
+/// naming the first rank on another host. `who` names the backend asking
+/// (each asks in its own store namespace).
+pub fn check(who: &str, store: &dyn Store, rank: usize, size: usize, timeout: Duration) -> Result<()> {
     let me = host_id();
     store.set(&format!("host/{rank}"), me.as_bytes())?;
     for r in 0..size {
         let other = store.get(&format!("host/{r}"), timeout)?;
         if other != me.as_bytes() {
             return Err(Error::unsupported(format!(
-                "shm needs every rank on one host: rank {rank} is on {me}, rank {r} on {}",
+                "{who} needs every rank on one host: rank {rank} is on {me}, rank {r} on {}",
                 String::from_utf8_lossy(&other)
             )));
         }

@@ -1,0 +1,160 @@
+//! `cuda-device`: the direct GPU ring for ranks on one host (one process
+//! per GPU, or several processes sharing one). Receive slots allocated with
+//! `cuMemAlloc` are shared through CUDA IPC handles exchanged in the group's
+//! store, IPC events order the ranks' streams, and the ring all-reduce
+//! (reduce-scatter + all-gather, pipelined in slot-sized pieces) moves data
+//! GPU to GPU ([`ring`](crate::ring)). The other ops are staged through
+//! the host (the same code as `cuda-host-staging`).
+//!
+//! Created only when every rank is on this host and every rank can export
+//! and open the IPC handles; otherwise creation fails with `Unsupported` on
+//! every rank and `auto` falls back to `cuda-host-staging`.
+
+#![warn(missing_docs)]
+
+mod ring;
+mod setup;
+
+use setup::Ring;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use weft::backend::{Backend, BackendContext, Op, OpContext, P2p};
+use weft::registry::{BackendFactory, StaticBackend};
+use weft::stream::DeviceCompletion;
+use weft::{Device, DeviceKind, Error, Layout, Result, StreamHandle};
+use weft_cuda_host_staging::Staging;
+use weft_cuda_runtime::StreamCompletion;
+
+/// The registration of `cuda-device`.
+pub struct CudaDevice;
+
+impl BackendFactory for CudaDevice {
+    fn name(&self) -> &str {
+        "cuda-device"
+    }
+    fn devices(&self) -> &[DeviceKind] {
+        &[DeviceKind::Cuda]
+    }
+    fn layouts(&self) -> &[Layout] {
+        &[Layout::Dense]
+    }
+    fn priority(&self) -> i32 {
+        20
+    }
+    fn probe(&self) -> std::result::Result<(), String> {
+        weft_cuda_runtime::gpu().map(|_| ())
+    }
+    fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
+        let gpu = weft_cuda_runtime::gpu().map_err(Error::unsupported)?;
+        let cpu = ctx
+            .cpu_backend
+            .clone()
+            .ok_or_else(|| Error::unsupported("cuda-device needs a backend for dense CPU tensors in the same group"))?;
+        weft::locality::check("cuda-device", &*ctx.store, ctx.rank, ctx.size, ctx.timeout)?;
+        let ring = Ring::connect(&ctx, gpu.clone())?;
+        let stream = gpu.new_stream(ring.device)?;
+        Ok(Arc::new(DeviceBackend { staging: Staging::new(gpu, cpu), ring: Mutex::new(ring), stream }))
+    }
+}
+
+struct DeviceBackend {
+    staging: Staging,
+    /// One ring op at a time (ops of a group are serial anyway).
+    ring: Mutex<Ring>,
+    stream: StreamHandle,
+}
+
+impl DeviceBackend {
+    fn all_reduce(&self, buf: &mut weft::TensorMut<'_>, op: weft::ReduceOp, ctx: &OpContext) -> Result<()> {
+        let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        if buf.device() != Device::Cuda(ring.device as u32) {
+            return Err(Error::invalid(format!(
+                "cuda-device: this rank's ring is on cuda:{}, the tensor on {} (choose the device with the group hint cuda_device=N or LOCAL_RANK)",
+                ring.device,
+                buf.device()
+            )));
+        }
+        let g = ring.gpu.clone();
+        let caller = ctx.stream.unwrap_or_default();
+        // Our stream first waits for the caller's (an event on the caller's
+        // stream that ours is ordered after).
+        let start = StreamCompletion::record(g.clone(), ring.device, caller, self.stream)?;
+        start.order_caller_stream()?;
+        let r = ring::all_reduce(&ring, &**self.staging.cpu(), ctx, self.stream, buf, op);
+        let done = RingCompletion {
+            inner: StreamCompletion::record(g, ring.device, self.stream, caller)?,
+            neighbours: ring.neighbours.clone(),
+            op: ctx.name,
+            rank: ctx.rank,
+        };
+        if r.is_err() {
+            // Nothing queued may outlive the failed op (it touches the caller's memory).
+            let _ = done.synchronize(ctx.deadline);
+        }
+        r?;
+        ctx.completion.set(Arc::new(done));
+        Ok(())
+    }
+}
+
+/// The ring op's device side; a failure or timeout while a neighbour's
+/// process is gone is reported as that peer lost (its events will never
+/// complete), not as an anonymous device error.
+struct RingCompletion {
+    inner: StreamCompletion,
+    neighbours: Vec<(usize, u32)>,
+    op: &'static str,
+    rank: usize,
+}
+
+impl RingCompletion {
+    fn explain(&self, e: Error) -> Error {
+        let gone = self.neighbours.iter().find(|(_, pid)| !std::path::Path::new(&format!("/proc/{pid}")).exists());
+        match gone {
+            Some((peer, pid)) => {
+                Error::peer_lost(*peer, format!("rank {peer} (pid {pid}) exited while the ring waited for it on the GPU: {e}"))
+                    .with_op(self.op)
+                    .with_rank(self.rank)
+            }
+            None => e.with_op(self.op).with_rank(self.rank),
+        }
+    }
+}
+
+impl DeviceCompletion for RingCompletion {
+    fn order_caller_stream(&self) -> Result<()> {
+        self.inner.order_caller_stream()
+    }
+    fn is_complete(&self) -> Result<bool> {
+        self.inner.is_complete().map_err(|e| self.explain(e))
+    }
+    fn synchronize(&self, deadline: Instant) -> Result<()> {
+        self.inner.synchronize(deadline).map_err(|e| self.explain(e))
+    }
+}
+
+impl Backend for DeviceBackend {
+    fn name(&self) -> &str {
+        "cuda-device"
+    }
+    fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
+        self.staging.cpu().exchange(ops, deadline)
+    }
+    fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
+        Some(match op {
+            Op::AllReduce { buf, op } if ctx.hints.get("cuda_algorithm").map(String::as_str) != Some("staging") => {
+                self.all_reduce(buf, *op, ctx)
+            }
+            _ => self.staging.run(op, ctx),
+        })
+    }
+    fn abort(&self, reason: &Error) {
+        self.staging.cpu().abort(reason)
+    }
+}
+
+static CUDA_DEVICE: CudaDevice = CudaDevice;
+weft::inventory::submit! { StaticBackend(&CUDA_DEVICE) }
+
+/// Reference this crate so the linker keeps its registration.
+pub fn link() {}

@@ -1,0 +1,224 @@
+//! Connecting the ring: every rank exports its receive slots and events
+//! through the store (CUDA IPC handles), opens its neighbours', and all
+//! ranks agree whether it worked, so that a failure anywhere makes every
+//! rank fall back together.
+
+use std::sync::Arc;
+use weft::backend::BackendContext;
+use weft::{Error, Result};
+use weft_cuda_runtime::{DevicePtr, Event, Gpu};
+
+/// Receive slots per rank: pieces in flight between two neighbours.
+pub const SLOTS: usize = 4;
+/// Default bytes per slot (hint `cuda_slot_bytes`).
+pub const DEFAULT_SLOT_BYTES: usize = 4 << 20;
+
+/// What one rank needs of the ring.
+pub struct Ring {
+    pub gpu: Arc<dyn Gpu>,
+    pub device: usize,
+    pub slot_bytes: usize,
+    /// My receive slots (the previous rank writes into them).
+    pub my_slots: DevicePtr,
+    /// The next rank's receive slots, mapped here (or its pointer, in-process).
+    pub next_slots: DevicePtr,
+    next_opened: bool,
+    /// Recorded by me after writing slot q of the next rank.
+    pub filled: [Event; SLOTS],
+    /// Recorded by me after reading my slot q.
+    pub consumed: [Event; SLOTS],
+    /// The previous rank's `filled`, opened here.
+    pub prev_filled: [Event; SLOTS],
+    /// The next rank's `consumed`, opened here.
+    pub next_consumed: [Event; SLOTS],
+    opened_events: Vec<Event>,
+    /// (rank, pid) of the neighbours in other processes: a stream waiting
+    /// on a dead one's event never finishes, and this names who died.
+    pub neighbours: Vec<(usize, u32)>,
+}
+
+/// One rank's exported handles: `pid device slot_handle filled.. consumed..`.
+fn encode(pid: u32, device: usize, parts: &[Vec<u8>]) -> Vec<u8> {
+    let mut v = pid.to_le_bytes().to_vec();
+    v.extend((device as u32).to_le_bytes());
+    for p in parts {
+        v.extend((p.len() as u32).to_le_bytes());
+        v.extend(p);
+    }
+    v
+}
+
+fn decode(b: &[u8]) -> Result<(u32, usize, Vec<Vec<u8>>)> {
+    let bad = || Error::backend("cuda-device: malformed IPC record in the store");
+    let word = |at: usize| -> Result<u32> { Ok(u32::from_le_bytes(b.get(at..at + 4).ok_or_else(bad)?.try_into().expect("4 bytes"))) };
+    let (pid, device) = (word(0)?, word(4)? as usize);
+    let mut parts = Vec::new();
+    let mut at = 8;
+    while at < b.len() {
+        let n = word(at)? as usize;
+        parts.push(b.get(at + 4..at + 4 + n).ok_or_else(bad)?.to_vec());
+        at += 4 + n;
+    }
+    if parts.len() != 1 + 2 * SLOTS {
+        return Err(bad());
+    }
+    Ok((pid, device, parts))
+}
+
+/// The device this rank uses: hint `cuda_device`, else `LOCAL_RANK` modulo
+/// the device count, else 0.
+pub fn choose_device(ctx: &BackendContext, gpu: &dyn Gpu) -> Result<usize> {
+    let count = gpu.device_count().max(1);
+    if let Some(v) = ctx.hints.get("cuda_device") {
+        return v
+            .parse::<usize>()
+            .ok()
+            .filter(|d| *d < count)
+            .ok_or_else(|| Error::invalid(format!("hint cuda_device={v:?}: this host has {count} devices")));
+    }
+    Ok(std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse::<usize>().ok()).map_or(0, |l| l % count))
+}
+
+impl Ring {
+    /// Set up (collective). `Unsupported` on every rank if any rank failed.
+    pub fn connect(ctx: &BackendContext, gpu: Arc<dyn Gpu>) -> Result<Ring> {
+        let mine = Self::export(ctx, &gpu);
+        // Agree: every rank learns whether every other rank could export.
+        let status = match &mine {
+            Ok(_) => "ok".to_string(),
+            Err(e) => e.to_string(),
+        };
+        ctx.store.set(&format!("export/{}", ctx.rank), status.as_bytes())?;
+        let mut ring = match agree(ctx, "export")? {
+            None => mine?,
+            Some(why) => {
+                if let Ok(r) = mine {
+                    drop(r);
+                }
+                return Err(Error::unsupported(why));
+            }
+        };
+        let opened = ring.open_neighbours(ctx);
+        ctx.store.set(&format!("open/{}", ctx.rank), opened.as_ref().err().map(|e| e.to_string()).unwrap_or("ok".into()).as_bytes())?;
+        match agree(ctx, "open")? {
+            None => {
+                opened?;
+                Ok(ring)
+            }
+            Some(why) => Err(Error::unsupported(why)),
+        }
+    }
+
+    /// Allocate and export this rank's slots and events.
+    fn export(ctx: &BackendContext, gpu: &Arc<dyn Gpu>) -> Result<Ring> {
+        let device = choose_device(ctx, &**gpu)?;
+        let slot_bytes = match ctx.hints.get("cuda_slot_bytes") {
+            None => DEFAULT_SLOT_BYTES,
+            Some(v) => v
+                .parse::<usize>()
+                .ok()
+                .filter(|b| *b >= 64)
+                .ok_or_else(|| Error::invalid(format!("hint cuda_slot_bytes={v:?}: at least 64 bytes")))?,
+        }
+        .next_multiple_of(64);
+        let my_slots = gpu.alloc(device, slot_bytes * SLOTS)?;
+        let ev = || gpu.new_event(device, true);
+        let ring = Ring {
+            gpu: gpu.clone(),
+            device,
+            slot_bytes,
+            my_slots,
+            next_slots: my_slots,
+            next_opened: false,
+            filled: [ev()?, ev()?, ev()?, ev()?],
+            consumed: [ev()?, ev()?, ev()?, ev()?],
+            prev_filled: [Event(0); SLOTS],
+            next_consumed: [Event(0); SLOTS],
+            opened_events: Vec::new(),
+            neighbours: Vec::new(),
+        };
+        let mut parts = vec![gpu.ipc_export(my_slots)?];
+        for e in ring.filled.iter().chain(&ring.consumed) {
+            parts.push(gpu.ipc_export_event(*e)?);
+        }
+        // In-process peers (ranks as threads) use pointers and events as they
+        // are: CUDA IPC cannot open a handle in the process that made it.
+        parts.push(my_slots.to_le_bytes().to_vec());
+        parts.extend(ring.filled.iter().chain(&ring.consumed).map(|e| e.0.to_le_bytes().to_vec()));
+        let record = encode(std::process::id(), device, &parts[..1 + 2 * SLOTS]);
+        let local = encode(std::process::id(), device, &parts[1 + 2 * SLOTS..]);
+        ctx.store.set(&format!("ipc/{}", ctx.rank), &record)?;
+        ctx.store.set(&format!("local/{}", ctx.rank), &local)?;
+        Ok(ring)
+    }
+
+    fn open_neighbours(&mut self, ctx: &BackendContext) -> Result<()> {
+        let (next, prev) = ((ctx.rank + 1) % ctx.size, (ctx.rank + ctx.size - 1) % ctx.size);
+        let fetch =
+            |r: usize, what: &str| -> Result<(u32, usize, Vec<Vec<u8>>)> { decode(&ctx.store.get(&format!("{what}/{r}"), ctx.timeout)?) };
+        let me = std::process::id();
+        let as_u64 = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
+        let (next_pid, _, next_parts) = fetch(next, "ipc")?;
+        if next_pid == me {
+            let (_, _, local) = fetch(next, "local")?;
+            self.next_slots = as_u64(&local[0]);
+            for q in 0..SLOTS {
+                self.next_consumed[q] = Event(as_u64(&local[1 + SLOTS + q]));
+            }
+        } else {
+            self.neighbours.push((next, next_pid));
+            self.next_slots = self.gpu.ipc_open(self.device, &next_parts[0])?;
+            self.next_opened = true;
+            for q in 0..SLOTS {
+                let e = self.gpu.ipc_open_event(&next_parts[1 + SLOTS + q])?;
+                self.opened_events.push(e);
+                self.next_consumed[q] = e;
+            }
+        }
+        let (prev_pid, _, prev_parts) = fetch(prev, "ipc")?;
+        if prev_pid == me {
+            let (_, _, local) = fetch(prev, "local")?;
+            for q in 0..SLOTS {
+                self.prev_filled[q] = Event(as_u64(&local[1 + q]));
+            }
+        } else {
+            self.neighbours.push((prev, prev_pid));
+            for q in 0..SLOTS {
+                let e = self.gpu.ipc_open_event(&prev_parts[1 + q])?;
+                self.opened_events.push(e);
+                self.prev_filled[q] = e;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `None` if every rank wrote "ok" under `what/`, else the first failure.
+fn agree(ctx: &BackendContext, what: &str) -> Result<Option<String>> {
+    for r in 0..ctx.size {
+        let s = ctx.store.get(&format!("{what}/{r}"), ctx.timeout)?;
+        if s != b"ok" {
+            return Ok(Some(format!("cuda-device: rank {r} cannot use CUDA IPC: {}", String::from_utf8_lossy(&s))));
+        }
+    }
+    Ok(None)
+}
+
+impl Drop for Ring {
+    fn drop(&mut self) {
+        let g = &self.gpu;
+        for e in self.opened_events.drain(..) {
+            g.destroy_event(e);
+        }
+        if self.next_opened {
+            // SAFETY: opened by ipc_open; the backend is shutting down and
+            // its stream was drained.
+            unsafe { g.ipc_close(self.next_slots) };
+        }
+        for e in self.filled.iter().chain(&self.consumed) {
+            g.destroy_event(*e);
+        }
+        // SAFETY: allocated in `export`; `free` waits for device work.
+        unsafe { g.free(self.my_slots) };
+    }
+}
