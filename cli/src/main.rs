@@ -68,6 +68,10 @@ enum Cmd {
         /// Elements per tensor in each case.
         #[arg(long, default_value_t = 7)]
         count: usize,
+        /// Where the tensors live: cpu, or cuda (device LOCAL_RANK modulo
+        /// the device count; the emulated GPU under WEFT_CUDA_EMULATION).
+        #[arg(long, default_value = "cpu")]
+        device: String,
     },
     /// All-reduce across local ranks: sizes, times, bandwidth, verified results.
     Demo {
@@ -109,7 +113,7 @@ fn main() -> Result<()> {
         }
         Cmd::Info => info::print()?,
         Cmd::Bench(args) => bench::main(*args)?,
-        Cmd::Conformance { nproc, backend, count } => conformance::main(nproc, &backend, count)?,
+        Cmd::Conformance { nproc, backend, count, device } => conformance::main(nproc, &backend, count, &device)?,
         Cmd::Demo { nproc, backend, max_bytes, iters } => demo::main(nproc, &backend, max_bytes, iters)?,
     };
     std::process::exit(code)

@@ -46,6 +46,10 @@ impl Buf {
             }
         }
     }
+    /// The device address (0 for a host buffer).
+    pub fn addr(&self) -> u64 {
+        self.device.as_ref().map_or(0, |(_, a)| *a)
+    }
     /// The host bytes (the contents before [`Buf::place`], for a device buffer).
     pub fn bytes(&self) -> &[u8] {
         // SAFETY: words holds at least len bytes.

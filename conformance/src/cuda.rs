@@ -14,6 +14,14 @@ pub fn placement(ordinal: usize) -> weft::Result<SharedPlacement> {
     Ok(Arc::new(CudaPlacement { gpu, ordinal, stream }))
 }
 
+/// The device a launcher's local rank uses: `LOCAL_RANK` (else `rank`)
+/// modulo the device count.
+pub fn local_placement(rank: usize) -> weft::Result<SharedPlacement> {
+    let gpu = weft_cuda_runtime::gpu().map_err(Error::unsupported)?;
+    let local: usize = std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(rank);
+    placement(local % gpu.device_count().max(1))
+}
+
 struct CudaPlacement {
     gpu: Arc<dyn Gpu>,
     ordinal: usize,
@@ -48,6 +56,11 @@ impl Placement for CudaPlacement {
     fn download(&self, addr: u64, out: &mut [u8]) -> weft::Result<()> {
         // SAFETY: `out` lives until the sync below returns.
         unsafe { self.gpu.copy_dtoh(self.stream, out.as_mut_ptr(), addr, out.len())? };
+        self.sync()
+    }
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> weft::Result<()> {
+        // SAFETY: both are allocations of this placement of at least `bytes`.
+        unsafe { self.gpu.copy_dtod(self.stream, dst, src, bytes)? };
         self.sync()
     }
     fn free(&self, addr: u64) {

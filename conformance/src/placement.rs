@@ -19,6 +19,9 @@ pub trait Placement: Send + Sync {
     fn upload(&self, addr: u64, data: &[u8]) -> weft::Result<()>;
     /// Copy from `addr` on the stream and wait for it.
     fn download(&self, addr: u64, out: &mut [u8]) -> weft::Result<()>;
+    /// Copy `bytes` between device buffers on the stream and wait for it
+    /// (the memory-bandwidth reference of `weft bench`).
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> weft::Result<()>;
     /// Release memory from `alloc` after the stream's work on it.
     fn free(&self, addr: u64);
 }

@@ -61,6 +61,16 @@ fn cuda_device_ring_passes_conformance_with_in_process_peers() {
     conformance(3, "cpu:cpu-tcp,cuda:auto", &[]);
 }
 
+/// What the worker processes need to find a GPU: the emulation, unless
+/// `WEFT_TEST_REAL_GPU=1`.
+fn gpu_env() -> Vec<(&'static str, &'static str)> {
+    if std::env::var("WEFT_TEST_REAL_GPU").as_deref() == Ok("1") {
+        vec![]
+    } else {
+        vec![("WEFT_CUDA_EMULATION", "1")]
+    }
+}
+
 fn worker() -> &'static str {
     env!("CARGO_BIN_EXE_weft-test-worker")
 }
@@ -68,7 +78,7 @@ fn worker() -> &'static str {
 #[test]
 fn cuda_device_ring_across_processes_over_ipc() {
     for w in [2, 3] {
-        let ends = run_world(worker(), w, &["cuda_conformance"], &[("WEFT_CUDA_EMULATION", "1")], Duration::from_secs(120));
+        let ends = run_world(worker(), w, &["cuda_conformance"], &gpu_env(), Duration::from_secs(120));
         for (r, e) in ends.iter().enumerate() {
             assert!(e.status.success(), "W={w} rank {r}:\n{}", e.output);
             assert!(e.output.contains("cuda=cuda-device cpu=shm"), "auto picks the ring on one host: {}", e.output);
@@ -88,7 +98,7 @@ fn auto_falls_back_to_host_staging_when_ranks_are_on_different_hosts() {
             ("WEFT_HOST_ID".into(), format!("host{rank}")),
         ]
     };
-    let ends = run_world_with(worker(), 2, &["cuda_conformance"], &[("WEFT_CUDA_EMULATION", "1")], Duration::from_secs(120), vars);
+    let ends = run_world_with(worker(), 2, &["cuda_conformance"], &gpu_env(), Duration::from_secs(120), vars);
     for (r, e) in ends.iter().enumerate() {
         assert!(e.status.success(), "rank {r}:\n{}", e.output);
         assert!(e.output.contains("cuda=cuda-host-staging cpu=cpu-tcp"), "{}", e.output);
@@ -97,7 +107,7 @@ fn auto_falls_back_to_host_staging_when_ranks_are_on_different_hosts() {
 
 #[test]
 fn a_rank_killed_during_cuda_all_reduce_is_reported_by_the_others() {
-    let ends = run_world(worker(), 3, &["cuda_sigkill"], &[("WEFT_CUDA_EMULATION", "1")], Duration::from_secs(60));
+    let ends = run_world(worker(), 3, &["cuda_sigkill"], &gpu_env(), Duration::from_secs(60));
     assert_eq!(ends[2].status.signal(), Some(9), "{}", ends[2].output);
     for (r, e) in ends.iter().take(2).enumerate() {
         assert!(e.status.success(), "rank {r}:\n{}", e.output);

@@ -3,7 +3,7 @@
 //! `cuMemAlloc` are shared through CUDA IPC handles exchanged in the group's
 //! store, IPC events order the ranks' streams, and the ring all-reduce
 //! (reduce-scatter + all-gather, pipelined in slot-sized pieces) moves data
-//! GPU to GPU ([`ring`](crate::ring)). The other ops are staged through
+//! GPU to GPU (`ring.rs`). The other ops are staged through
 //! the host (the same code as `cuda-host-staging`).
 //!
 //! Created only when every rank is on this host and every rank can export

@@ -65,6 +65,15 @@ pub struct BenchArgs {
     /// Backend spec.
     #[arg(long, default_value = "auto")]
     backend: String,
+    /// Where the tensors live: cpu, or cuda (device LOCAL_RANK modulo the
+    /// device count; the emulated GPU under WEFT_CUDA_EMULATION). With
+    /// cuda, the op device_copy times a device-to-device copy of N bytes:
+    /// the memory-bandwidth reference.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Group hints KEY=VALUE (repeatable), e.g. staging=whole.
+    #[arg(long = "hint")]
+    hints: Vec<String>,
     /// Local ranks when run stand-alone (ignored under a launcher).
     #[arg(long = "world", default_value_t = 4)]
     world: usize,
@@ -131,20 +140,37 @@ fn run_rank(a: &BenchArgs) -> Result<i32> {
             .map(|o| {
                 ops::ALL
                     .iter()
+                    .chain(&["device_copy"])
                     .find(|k| **k == o.trim())
                     .copied()
-                    .with_context(|| format!("unknown op {o:?} (known: {}, sparse_all_reduce)", ops::ALL.join(", ")))
+                    .with_context(|| format!("unknown op {o:?} (known: {}, sparse_all_reduce, device_copy)", ops::ALL.join(", ")))
             })
             .collect::<Result<_>>()?
     };
     let sizes: Vec<usize> = std::iter::successors(Some(min), |s| s.checked_mul(a.factor)).take_while(|s| *s <= max).collect();
 
-    let pg = ProcessGroup::from_env(GroupOptions::from_env()?.backend(a.backend.as_str()))?;
+    let mut opts = GroupOptions::from_env()?.backend(a.backend.as_str());
+    for h in &a.hints {
+        let (k, v) = h.split_once('=').with_context(|| format!("hint {h:?} is not KEY=VALUE"))?;
+        opts = opts.hint(k, v);
+    }
+    let pg = ProcessGroup::from_env(opts)?;
     let (r, w) = (pg.rank(), pg.size());
     if a.root >= w {
         bail!("root {} is out of range for {w} ranks", a.root);
     }
-    let backend = pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense)).unwrap_or_default();
+    let (kind, place) = match a.device.as_str() {
+        "cpu" => (weft::DeviceKind::Cpu, None),
+        "cuda" => (weft::DeviceKind::Cuda, Some(weft_conformance::cuda::local_placement(r)?)),
+        d => bail!("--device {d:?}: use cpu or cuda"),
+    };
+    if ops.contains(&"device_copy") && place.is_none() {
+        bail!("device_copy needs --device cuda");
+    }
+    // Device ops are ordered after the placement's stream (as a user's
+    // current stream); `synchronize` in each timed call waits for them.
+    weft::stream::set_current_stream(place.as_ref().map(|p| p.stream()));
+    let backend = pg.backend_name((kind, weft::Layout::Dense)).unwrap_or_default();
     let o = OpOptions::default();
     let table_to_stdout = a.csv.as_deref() != Some("-") && a.json.as_deref() != Some("-");
     let total = ops.iter().map(|op| if *op == "barrier" { 1 } else { sizes.len() }).sum::<usize>() as u64;
@@ -180,7 +206,7 @@ fn run_rank(a: &BenchArgs) -> Result<i32> {
         let op_sizes = if *op == "barrier" { vec![0] } else { sizes.clone() };
         for &bytes in &op_sizes {
             bar.set_message(format!("{op} {bytes} B"));
-            let mut case = Case::new(op, dtype, redop, a.root, bytes, r, w);
+            let mut case = Case::new(op, dtype, redop, a.root, bytes, r, w, place.clone())?;
             let row = measure(&pg, &mut case, op, a, &o)?;
             let row = Row {
                 backend: backend.clone(),
@@ -244,9 +270,9 @@ fn measure(pg: &ProcessGroup, case: &mut Case, op: &'static str, a: &BenchArgs, 
     pg.all_reduce(&mut times, ReduceOp::Max, o)?.wait()?;
     let mut wrong = [0u64];
     if !a.no_check {
-        case.reset(r);
+        case.reset(r)?;
         case.run(pg, o)?;
-        wrong[0] = case.wrong(r, w) as u64;
+        wrong[0] = case.wrong(r, w)? as u64;
         pg.all_reduce(&mut wrong[..], ReduceOp::Sum, o)?.wait()?;
     }
     times.sort_by(f64::total_cmp);

@@ -5,7 +5,7 @@
 use weft::prelude::*;
 use weft::{DType, ReduceOp};
 use weft_conformance::reference::{make, reduced_tensor};
-use weft_conformance::Buf;
+use weft_conformance::{Buf, SharedPlacement};
 
 /// The ops `weft bench` knows.
 pub const ALL: [&str; 11] = [
@@ -44,6 +44,8 @@ pub struct Case {
     output: Buf,
     splits_in: Vec<usize>,
     splits_out: Vec<usize>,
+    /// Where the buffers live (host if `None`).
+    place: Option<SharedPlacement>,
 }
 
 /// Period of the reference patterns (see weft_conformance::reference).
@@ -51,7 +53,17 @@ const PERIOD: usize = 30;
 
 impl Case {
     /// Set up `op` for `bytes` per rank.
-    pub fn new(op: &'static str, dtype: DType, redop: ReduceOp, root: usize, bytes: usize, r: usize, w: usize) -> Case {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        op: &'static str,
+        dtype: DType,
+        redop: ReduceOp,
+        root: usize,
+        bytes: usize,
+        r: usize,
+        w: usize,
+        place: Option<SharedPlacement>,
+    ) -> weft::Result<Case> {
         let per = (bytes / dtype.size()).max(1);
         // Ops that split a buffer in W parts need a multiple of W elements.
         let count = match op {
@@ -64,7 +76,9 @@ impl Case {
             "all_gather" | "gather" => (Buf::from_bytes(dtype, &make(dtype, r, part)), Buf::zeros(dtype, count)),
             "reduce_scatter" => (Buf::from_bytes(dtype, &make(dtype, r, count)), Buf::zeros(dtype, part)),
             "scatter" => (Buf::from_bytes(dtype, &make(dtype, r, count)), Buf::zeros(dtype, part)),
-            "all_to_all" | "all_to_all_v" | "p2p" => (Buf::from_bytes(dtype, &make(dtype, r, count)), Buf::zeros(dtype, count)),
+            "all_to_all" | "all_to_all_v" | "p2p" | "device_copy" => {
+                (Buf::from_bytes(dtype, &make(dtype, r, count)), Buf::zeros(dtype, count))
+            }
             _ => (Buf::from_bytes(dtype, &make(dtype, r, count)), Buf::zeros(dtype, 0)),
         };
         let (splits_in, splits_out) = if op == "all_to_all_v" {
@@ -73,7 +87,8 @@ impl Case {
             (vec![], vec![])
         };
         let output = if op == "all_to_all_v" { Buf::zeros(dtype, splits_out.iter().sum()) } else { output };
-        Case { op, dtype, redop, root, count, input, output, splits_in, splits_out }
+        let (input, output) = (input.place(place.as_ref())?, output.place(place.as_ref())?);
+        Ok(Case { op, dtype, redop, root, count, input, output, splits_in, splits_out, place })
     }
 
     /// Bytes per element.
@@ -82,10 +97,11 @@ impl Case {
     }
 
     /// Restore inputs that an in-place op overwrote.
-    pub fn reset(&mut self, r: usize) {
+    pub fn reset(&mut self, r: usize) -> weft::Result<()> {
         if matches!(self.op, "all_reduce" | "reduce" | "broadcast") {
-            self.input = Buf::from_bytes(self.dtype, &make(self.dtype, r, self.count));
+            self.input = Buf::from_bytes(self.dtype, &make(self.dtype, r, self.count)).place(self.place.as_ref())?;
         }
+        Ok(())
     }
 
     /// Run the op once.
@@ -93,64 +109,69 @@ impl Case {
         let (r, w) = (pg.rank(), pg.size());
         let part = self.count / w.max(1);
         match self.op {
-            "all_reduce" => pg.all_reduce(self.input.tm(), self.redop, o)?.wait(),
-            "reduce" => pg.reduce(self.input.tm(), self.root, self.redop, o)?.wait(),
-            "broadcast" => pg.broadcast(self.input.tm(), self.root, o)?.wait(),
-            "all_gather" => pg.all_gather_single(self.output.tm(), self.input.t(), o)?.wait(),
-            "reduce_scatter" => pg.reduce_scatter_single(self.output.tm(), self.input.t(), self.redop, o)?.wait(),
-            "all_to_all" => pg.all_to_all_single(self.output.tm(), self.input.t(), o)?.wait(),
-            "all_to_all_v" => pg.all_to_all_v_single(self.output.tm(), self.input.t(), &self.splits_out, &self.splits_in, o)?.wait(),
+            "all_reduce" => pg.all_reduce(self.input.tm(), self.redop, o)?.synchronize(),
+            "reduce" => pg.reduce(self.input.tm(), self.root, self.redop, o)?.synchronize(),
+            "broadcast" => pg.broadcast(self.input.tm(), self.root, o)?.synchronize(),
+            "all_gather" => pg.all_gather_single(self.output.tm(), self.input.t(), o)?.synchronize(),
+            "reduce_scatter" => pg.reduce_scatter_single(self.output.tm(), self.input.t(), self.redop, o)?.synchronize(),
+            "all_to_all" => pg.all_to_all_single(self.output.tm(), self.input.t(), o)?.synchronize(),
+            "all_to_all_v" => pg.all_to_all_v_single(self.output.tm(), self.input.t(), &self.splits_out, &self.splits_in, o)?.synchronize(),
             "gather" => {
                 let outs = if r == self.root { self.output.tm().split_mut(&vec![part; w])? } else { vec![] };
-                pg.gather(outs, self.input.t(), self.root, o)?.wait()
+                pg.gather(outs, self.input.t(), self.root, o)?.synchronize()
             }
             "scatter" => {
                 let t = self.input.t();
                 let ins = if r == self.root { t.split(&vec![part; w])? } else { vec![] };
-                pg.scatter(self.output.tm(), ins, self.root, o)?.wait()
+                pg.scatter(self.output.tm(), ins, self.root, o)?.synchronize()
             }
             "p2p" => {
                 // A chain 0 -> 1 -> ... -> W-1, each rank forwarding what it received.
                 if r > 0 {
-                    pg.recv(self.output.tm(), r - 1, 0, o)?.wait()?;
+                    pg.recv(self.output.tm(), r - 1, 0, o)?.synchronize()?;
                 }
                 if r + 1 < w {
                     let src = if r == 0 { self.input.t() } else { self.output.t() };
-                    pg.send(src, r + 1, 0, o)?.wait()?;
+                    pg.send(src, r + 1, 0, o)?.synchronize()?;
                 }
                 Ok(())
             }
-            _ => pg.barrier(o)?.wait(),
+            // The memory-bandwidth reference: a device-to-device copy, no communication.
+            "device_copy" => {
+                self.place.as_ref().map_or(Ok(()), |p| p.copy(self.output.addr(), self.input.addr(), self.count * self.dtype.size()))
+            }
+            _ => pg.barrier(o)?.synchronize(),
         }
     }
 
     /// Number of wrong elements in this rank's result after a fresh run.
-    pub fn wrong(&self, r: usize, w: usize) -> usize {
+    pub fn wrong(&self, r: usize, w: usize) -> weft::Result<usize> {
         let (d, sz, part) = (self.dtype, self.dtype.size(), self.count / w.max(1));
+        let (input, output) = (self.input.read()?, self.output.read()?);
         // Compare `got` with a pattern that repeats every PERIOD elements.
         let cmp = |got: &[u8], pattern: &[u8]| -> usize {
             got.chunks(sz).enumerate().filter(|(i, e)| *e != &pattern[(i % PERIOD) * sz..(i % PERIOD + 1) * sz]).count()
         };
         let pat = |rank: usize| make(d, rank, PERIOD);
-        match self.op {
-            "all_reduce" => cmp(self.input.bytes(), &reduced_tensor(d, self.redop, w, PERIOD)),
-            "reduce" if r == self.root => cmp(self.input.bytes(), &reduced_tensor(d, self.redop, w, PERIOD)),
-            "reduce" => cmp(self.input.bytes(), &pat(r)),
-            "broadcast" => cmp(self.input.bytes(), &pat(self.root)),
-            "all_gather" => (0..w).map(|k| cmp(&self.output.bytes()[k * part * sz..(k + 1) * part * sz], &pat(k))).sum(),
-            "gather" if r == self.root => (0..w).map(|k| cmp(&self.output.bytes()[k * part * sz..(k + 1) * part * sz], &pat(k))).sum(),
+        Ok(match self.op {
+            "all_reduce" => cmp(&input, &reduced_tensor(d, self.redop, w, PERIOD)),
+            "reduce" if r == self.root => cmp(&input, &reduced_tensor(d, self.redop, w, PERIOD)),
+            "reduce" => cmp(&input, &pat(r)),
+            "broadcast" => cmp(&input, &pat(self.root)),
+            "all_gather" => (0..w).map(|k| cmp(&output[k * part * sz..(k + 1) * part * sz], &pat(k))).sum(),
+            "gather" if r == self.root => (0..w).map(|k| cmp(&output[k * part * sz..(k + 1) * part * sz], &pat(k))).sum(),
             "reduce_scatter" => {
                 // Rank r's part starts at element r*part of the full reduced pattern.
                 let full = reduced_tensor(d, self.redop, w, PERIOD);
                 let shifted = shift(&full, r * part, sz);
-                cmp(self.output.bytes(), &shifted)
+                cmp(&output, &shifted)
             }
             "scatter" => {
                 let full = pat(self.root);
                 let shifted = shift(&full, r * part, sz);
-                cmp(self.output.bytes(), &shifted)
+                cmp(&output, &shifted)
             }
-            "p2p" if r > 0 => cmp(self.output.bytes(), &pat(0)),
+            "p2p" if r > 0 => cmp(&output, &pat(0)),
             "all_to_all" | "all_to_all_v" => {
                 // From each source s, its part for this rank: offset of r in s's splits.
                 let mut off = 0;
@@ -159,13 +180,14 @@ impl Case {
                     let (start, n) = if self.op == "all_to_all" { (r * part, part) } else { self.part_of(s, r) };
                     let full = pat(s);
                     let shifted = shift(&full, start, sz);
-                    bad += cmp(&self.output.bytes()[off * sz..(off + n) * sz], &shifted);
+                    bad += cmp(&output[off * sz..(off + n) * sz], &shifted);
                     off += n;
                 }
                 bad
             }
+            "device_copy" => cmp(&output, &pat(r)),
             _ => 0,
-        }
+        })
     }
 
     /// Start and length of the part source `s` sends to `dst` in all_to_all_v.
