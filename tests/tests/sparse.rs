@@ -85,20 +85,31 @@ fn reference(shape: &[usize], sparse: usize, dtype: DType, op: ReduceOp, inputs:
 }
 
 fn run_case(pg: &ProcessGroup, shape: &[usize], sparse: usize, dtype: DType, op: ReduceOp, pattern: Pattern, algo: &str) {
+    run_case_on(pg, shape, sparse, dtype, op, pattern, algo, None)
+}
+
+/// As `run_case`, with the input on `place`'s device.
+#[allow(clippy::too_many_arguments)]
+fn run_case_on(
+    pg: &ProcessGroup,
+    shape: &[usize],
+    sparse: usize,
+    dtype: DType,
+    op: ReduceOp,
+    pattern: Pattern,
+    algo: &str,
+    place: Option<&weft_conformance::SharedPlacement>,
+) {
     let (r, w) = (pg.rank(), pg.size());
     let inputs: Vec<Input> = (0..w).map(|k| input(shape, sparse, dtype, k, pattern)).collect();
     let mine = &inputs[r];
     let nnz = mine.idx.first().map_or(0, Vec::len);
-    let flat: Vec<i64> = mine.idx.concat();
-    let vals = Buf::from_bytes(dtype, &mine.vals.iter().flat_map(|v| encode(dtype, *v)).collect::<Vec<u8>>());
+    let flat: Vec<u8> = mine.idx.concat().iter().flat_map(|i| i.to_ne_bytes()).collect();
+    let idx = Buf::from_bytes(DType::I64, &flat).place(place).unwrap();
+    let vals = Buf::from_bytes(dtype, &mine.vals.iter().flat_map(|v| encode(dtype, *v)).collect::<Vec<u8>>()).place(place).unwrap();
     let mut vdims = vec![nnz];
     vdims.extend_from_slice(&shape[sparse..]);
-    let t = SparseCooTensor::new(
-        weft::Tensor::from_slice(&flat).reshape(&[sparse, nnz]).unwrap(),
-        vals.t().reshape(&vdims).unwrap(),
-        shape.to_vec(),
-    )
-    .unwrap();
+    let t = SparseCooTensor::new(idx.t().reshape(&[sparse, nnz]).unwrap(), vals.t().reshape(&vdims).unwrap(), shape.to_vec()).unwrap();
     let mut out = SparseCoo::default();
     pg.all_reduce_sparse(t, &mut out, op, &OpOptions::default().hint("sparse_algorithm", algo)).unwrap().wait().unwrap();
     let (want_idx, want_vals) = reference(shape, sparse, dtype, op, &inputs);
@@ -115,7 +126,7 @@ const ALGOS: [&str; 5] = ["auto", "allgather", "recursive_doubling", "split", "d
 #[test]
 fn sparse_all_reduce_matches_the_dense_reference() {
     for w in 1..=5 {
-        run_threads(w, options("auto"), |pg| {
+        run_threads(w, options("cpu:auto"), |pg| {
             for algo in ALGOS {
                 for pattern in [Pattern::Random, Pattern::Identical, Pattern::Disjoint, Pattern::EmptyOnOdd] {
                     run_case(&pg, &[23], 1, DType::F32, ReduceOp::Sum, pattern, algo);
@@ -130,6 +141,22 @@ fn sparse_all_reduce_matches_the_dense_reference() {
             }
             for dtype in DType::ALL {
                 run_case(&pg, &[11, 2], 1, dtype, ReduceOp::Sum, Pattern::Random, "auto");
+            }
+        });
+    }
+}
+
+#[test]
+fn cuda_sparse_tensors_are_reduced_through_host_staging() {
+    weft_cuda_runtime::emulate(1).unwrap();
+    for w in [1, 2, 3] {
+        run_threads(w, options("cpu:cpu-tcp,cuda:cuda-host-staging"), |pg| {
+            assert_eq!(pg.backend_name((weft::DeviceKind::Cuda, weft::Layout::SparseCoo)).as_deref(), Some("cuda-host-staging"));
+            let place = weft_conformance::cuda::placement(0).unwrap();
+            weft::stream::set_current_stream(Some(place.stream()));
+            for pattern in [Pattern::Random, Pattern::EmptyOnOdd] {
+                run_case_on(&pg, &[4, 3, 5, 2], 2, DType::F32, ReduceOp::Sum, pattern, "auto", Some(&place));
+                run_case_on(&pg, &[9, 2], 1, DType::I64, ReduceOp::Max, pattern, "allgather", Some(&place));
             }
         });
     }

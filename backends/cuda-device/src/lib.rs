@@ -36,7 +36,8 @@ impl BackendFactory for CudaDevice {
         &[DeviceKind::Cuda]
     }
     fn layouts(&self) -> &[Layout] {
-        &[Layout::Dense]
+        // Sparse tensors are staged (the sparse all-reduce runs on the host).
+        &[Layout::Dense, Layout::SparseCoo]
     }
     fn priority(&self) -> i32 {
         20

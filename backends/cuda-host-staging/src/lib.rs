@@ -1,12 +1,14 @@
-//! `cuda-host-staging`: dense CUDA tensors through pinned host memory and
-//! the group's CPU backend (cpu-tcp or shm), chunked and pipelined (see
-//! [`Staging`]). Works wherever the group has a CPU backend and this
+//! `cuda-host-staging`: CUDA tensors through pinned host memory and the
+//! group's CPU backend (cpu-tcp or shm): dense ops chunked and pipelined
+//! (see [`Staging`]); sparse COO all-reduce copied to the host and reduced
+//! there (the result, a `SparseCoo`, is host memory). Works wherever the group has a CPU backend and this
 //! process has a GPU (or the emulation, `WEFT_CUDA_EMULATION`).
 
 #![warn(missing_docs)]
 
 mod parts;
 mod pipeline;
+mod sparse;
 
 pub use pipeline::{Staging, DEFAULT_CHUNK_BYTES};
 
@@ -27,7 +29,7 @@ impl BackendFactory for HostStaging {
         &[DeviceKind::Cuda]
     }
     fn layouts(&self) -> &[Layout] {
-        &[Layout::Dense]
+        &[Layout::Dense, Layout::SparseCoo]
     }
     fn priority(&self) -> i32 {
         10

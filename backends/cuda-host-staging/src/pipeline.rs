@@ -62,6 +62,11 @@ impl Staging {
         &self.cpu
     }
 
+    /// The GPU.
+    pub fn gpu(&self) -> Arc<dyn Gpu> {
+        self.gpu.clone()
+    }
+
     fn device_state(&self, device: usize) -> Result<DeviceState> {
         let g = &self.gpu;
         let ev = || g.new_event(device, false);
@@ -77,8 +82,11 @@ impl Staging {
         })
     }
 
-    /// Run `op` (dense, on one CUDA device) staged through the host.
+    /// Run `op` (on one CUDA device) staged through the host.
     pub fn run(&self, op: &mut Op<'_>, ctx: &OpContext) -> Result<()> {
+        if let Op::AllReduceSparse { .. } = op {
+            return self.run_sparse(op, ctx);
+        }
         let (parts, device) = parts(op, ctx.rank)?;
         let chunks = self.chunk_count(op, &parts, ctx)?;
         let mut devices = self.devices.lock().unwrap_or_else(|p| p.into_inner());
