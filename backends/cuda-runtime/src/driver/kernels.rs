@@ -120,3 +120,23 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod nvrtc_tests {
+    /// Compiles the kernels to PTX where NVRTC is installed (no GPU needed);
+    /// `WEFT_REQUIRE_NVRTC=1` makes its absence a failure (scripts/gpu-tests.sh, CI).
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        // SAFETY: only tries to dlopen libnvrtc.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            assert!(std::env::var("WEFT_REQUIRE_NVRTC").as_deref() != Ok("1"), "NVRTC is required but not installed");
+            return;
+        }
+        let ptx = cudarc::nvrtc::compile_ptx(super::source()).unwrap_or_else(|e| panic!("{e:?}")).to_src();
+        for d in weft::DType::ALL {
+            for op in weft::ReduceOp::ALL.into_iter().filter(|op| op.supports(d)) {
+                assert!(ptx.contains(&super::reduce_name(d, op)), "{d} {op}");
+            }
+        }
+    }
+}
