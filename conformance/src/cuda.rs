@@ -38,6 +38,13 @@ impl CudaPlacement {
     }
 }
 
+impl Drop for CudaPlacement {
+    fn drop(&mut self) {
+        let _ = self.sync();
+        self.gpu.destroy_stream(self.stream);
+    }
+}
+
 impl Placement for CudaPlacement {
     fn device(&self) -> Device {
         Device::Cuda(self.ordinal as u32)

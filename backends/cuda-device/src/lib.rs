@@ -134,6 +134,16 @@ impl DeviceCompletion for RingCompletion {
     }
 }
 
+impl Drop for DeviceBackend {
+    fn drop(&mut self) {
+        let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        if let Ok(c) = StreamCompletion::record(ring.gpu.clone(), ring.device, self.stream, self.stream) {
+            let _ = c.synchronize(Instant::now() + std::time::Duration::from_secs(30));
+        }
+        ring.gpu.destroy_stream(self.stream);
+    }
+}
+
 impl Backend for DeviceBackend {
     fn name(&self) -> &str {
         "cuda-device"

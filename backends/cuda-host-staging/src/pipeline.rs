@@ -246,3 +246,21 @@ fn agreed_bytes(op: &Op<'_>, parts: &[Part], size: usize) -> Option<usize> {
 }
 
 const MAX_CHUNKS: usize = 4096;
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        let devices = std::mem::take(&mut *self.devices.lock().unwrap_or_else(|p| p.into_inner()));
+        for (_, st) in devices {
+            // Let queued copies finish before their pinned memory goes.
+            let c = StreamCompletion::record(self.gpu.clone(), st.device, st.h2d, st.h2d);
+            if let Ok(c) = c {
+                let _ = weft::stream::DeviceCompletion::synchronize(&c, std::time::Instant::now() + std::time::Duration::from_secs(30));
+            }
+            for e in st.in_done.iter().chain(&st.out_done).chain([&st.start]) {
+                self.gpu.destroy_event(*e);
+            }
+            self.gpu.destroy_stream(st.d2h);
+            self.gpu.destroy_stream(st.h2d);
+        }
+    }
+}

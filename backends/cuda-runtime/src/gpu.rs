@@ -22,6 +22,8 @@ pub trait Gpu: Send + Sync {
     fn device_count(&self) -> usize;
     /// A new non-blocking stream on `device`.
     fn new_stream(&self, device: usize) -> Result<StreamHandle>;
+    /// Destroy a stream from `new_stream` (work already queued still runs).
+    fn destroy_stream(&self, stream: StreamHandle);
     /// Device memory of `bytes` that CUDA IPC can export (`cuMemAlloc`,
     /// never pool memory).
     fn alloc(&self, device: usize, bytes: usize) -> Result<DevicePtr>;

@@ -149,6 +149,13 @@ impl Gpu for DriverGpu {
         self.stream_device.lock().unwrap_or_else(|p| p.into_inner()).insert(h.0, device);
         Ok(h)
     }
+    fn destroy_stream(&self, stream: StreamHandle) {
+        if stream.0 != 0 && self.bind_stream(stream).is_ok() {
+            // SAFETY: a stream this process created; queued work still completes.
+            let _ = unsafe { result::stream::destroy(stream.0 as sys::CUstream) };
+            self.stream_device.lock().unwrap_or_else(|p| p.into_inner()).remove(&stream.0);
+        }
+    }
     fn alloc(&self, device: usize, bytes: usize) -> Result<DevicePtr> {
         self.bind(device)?;
         // SAFETY: plain cuMemAlloc (IPC-exportable, unlike pool memory).

@@ -154,6 +154,12 @@ impl Gpu for EmulatedGpu {
         self.streams.lock().unwrap_or_else(|p| p.into_inner()).insert(id, q);
         Ok(StreamHandle(id))
     }
+    fn destroy_stream(&self, stream: StreamHandle) {
+        if stream.0 != 0 {
+            // The worker ends once the queued tasks have run.
+            self.streams.lock().unwrap_or_else(|p| p.into_inner()).remove(&stream.0);
+        }
+    }
     fn alloc(&self, device: usize, bytes: usize) -> Result<DevicePtr> {
         self.device(device)?;
         let m = Mapping::create(bytes)?;
