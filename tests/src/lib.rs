@@ -34,10 +34,20 @@ pub fn run_threads_on<T: Send + 'static>(
     opts: GroupOptions,
     f: impl Fn(ProcessGroup) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
+    run_threads_each(store, w, move |_| opts.clone(), f)
+}
+
+/// As [`run_threads_on`] with each rank's options from `opts(rank)`.
+pub fn run_threads_each<T: Send + 'static>(
+    store: Arc<dyn Store>,
+    w: usize,
+    opts: impl Fn(usize) -> GroupOptions,
+    f: impl Fn(ProcessGroup) -> T + Send + Sync + 'static,
+) -> Vec<T> {
     let f = Arc::new(f);
     let (tx, rx) = mpsc::channel();
     for rank in 0..w {
-        let (store, opts, f, tx) = (store.clone(), opts.clone(), f.clone(), tx.clone());
+        let (store, opts, f, tx) = (store.clone(), opts(rank), f.clone(), tx.clone());
         std::thread::Builder::new()
             .name(format!("rank{rank}"))
             .spawn(move || {

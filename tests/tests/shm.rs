@@ -46,6 +46,67 @@ fn shm_sub_groups_and_large_messages() {
     });
 }
 
+/// Large messages go single-copy (process_vm_readv); a rank that refuses
+/// to read peers' memory (hint `shm_cma=off`) gets them through the ring,
+/// in both directions, with identical results.
+#[test]
+fn shm_single_copy_and_its_refusal_give_the_same_results() {
+    for refusing in [None, Some(1)] {
+        let store: std::sync::Arc<dyn weft::store::Store> = std::sync::Arc::new(weft::store::MemoryStore::new(Duration::from_secs(30)));
+        let opts = move |r: usize| {
+            let o = options("cpu:shm");
+            if Some(r) == refusing {
+                o.hint("shm_cma", "off")
+            } else {
+                o
+            }
+        };
+        weft_tests::run_threads_each(store, 3, opts, |pg| {
+            let (r, w) = (pg.rank(), pg.size());
+            let o = OpOptions::default();
+            let n = 300_001; // 1.2 MB: above the single-copy threshold, odd-sized
+            for _ in 0..3 {
+                let mut b: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 + if r == 2 { 0.5 } else { 0.0 }).collect();
+                pg.broadcast(&mut b, 2, &o).unwrap().wait().unwrap();
+                assert!(b.iter().enumerate().all(|(i, x)| *x == (i % 1000) as f32 + 0.5));
+                let mine: Vec<u32> = (0..n).map(|i| (i * w + r) as u32).collect();
+                let mut all = vec![0u32; n * w];
+                pg.all_gather_single(&mut all, &mine[..], &o).unwrap().wait().unwrap();
+                assert!(all.chunks(n).enumerate().all(|(k, c)| c.iter().enumerate().all(|(i, x)| *x == (i * w + k) as u32)));
+                let input: Vec<u64> = (0..n * w).map(|i| (r * 1_000_000 + i) as u64).collect();
+                let mut out = vec![0u64; n * w];
+                pg.all_to_all_single(&mut out, &input[..], &o).unwrap().wait().unwrap();
+                for (src, c) in out.chunks(n).enumerate() {
+                    assert!(c.iter().enumerate().all(|(i, x)| *x == (src * 1_000_000 + r * n + i) as u64));
+                }
+            }
+        });
+    }
+}
+
+/// A large send nobody receives: the sender times out and withdraws its
+/// offer (its buffer is its own again); the late receiver gets an error,
+/// never the sender's reused memory.
+#[test]
+fn shm_withdrawn_single_copy_offer_is_never_read() {
+    run_threads(2, options("cpu:shm"), |pg| {
+        let o = OpOptions::default().timeout(Duration::from_millis(300));
+        if pg.rank() == 0 {
+            let mut data = vec![7u8; 1 << 20];
+            let e = pg.send(&data[..], 1, 5, &o).unwrap().wait().unwrap_err();
+            assert_eq!(e.kind(), &weft::ErrorKind::Timeout, "{e}");
+            data.fill(0xEE); // reused: a read now would see this
+            std::thread::sleep(Duration::from_millis(600));
+        } else {
+            std::thread::sleep(Duration::from_millis(500));
+            let mut buf = vec![0u8; 1 << 20];
+            let r = pg.recv(&mut buf[..], 0, 5, &OpOptions::default().timeout(Duration::from_secs(5))).unwrap().wait();
+            assert!(r.is_err(), "a withdrawn message was received");
+            assert!(buf.iter().all(|b| *b != 0xEE), "read the sender's reused buffer");
+        }
+    });
+}
+
 #[test]
 fn shm_sigkill_mid_all_reduce_gives_peer_lost_and_leaves_dev_shm_clean() {
     let worker = env!("CARGO_BIN_EXE_weft-test-worker");

@@ -3,6 +3,7 @@
 
 #![warn(missing_docs)]
 
+mod cma;
 mod ring;
 mod segment;
 mod transport;
@@ -80,7 +81,15 @@ impl BackendFactory for ShmFactory {
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        Ok(Arc::new(transport::ShmBackend::new(ctx.rank, ctx.size, seg, cap)))
+        // Single-copy large messages unless the hint `shm_cma=off` (or
+        // WEFT_SHM_CMA=0) says otherwise; a peer that may not read our memory
+        // refuses offers and everything goes through the ring.
+        let cma = match ctx.hints.get("shm_cma").cloned().or_else(|| std::env::var("WEFT_SHM_CMA").ok()).as_deref() {
+            None | Some("on" | "1") => true,
+            Some("off" | "0") => false,
+            Some(v) => return Err(Error::invalid(format!("shm_cma={v:?}: use on or off"))),
+        };
+        Ok(Arc::new(transport::ShmBackend::new(ctx.rank, ctx.size, seg, cap, cma)))
     }
 }
 

@@ -5,6 +5,7 @@
 //! then sleeps on its futex doorbell, which peers ring after writing to it
 //! or reading from it. Dead peers are found by pid while waiting.
 
+use crate::cma::{self, Cell};
 use crate::ring::{footprint, Ring};
 use crate::segment::Segment;
 use linux_futex::{Futex, Shared};
@@ -20,8 +21,12 @@ const CLOSED: u32 = 1;
 const ABORTED: u32 = 2;
 /// Frame header: tag and length.
 const HEADER: usize = 16;
+/// Set in a header's length: a single-copy descriptor follows (see `cma`).
+const CMA_FLAG: u64 = 1 << 63;
 /// Spin this long without progress before sleeping.
 const SPIN: Duration = Duration::from_micros(30);
+/// Spin this long while a peer reads a single-copy offer.
+const CMA_SPIN: Duration = Duration::from_millis(2);
 /// Sleep at most this long before re-checking peers' liveness.
 const NAP: Duration = Duration::from_millis(20);
 
@@ -51,17 +56,29 @@ pub fn ring_cap(w: usize, avail: usize) -> usize {
     cap.clamp(16 << 10, 8 << 20)
 }
 
-/// Segment size for `w` ranks with rings of `cap` bytes.
+/// Segment size for `w` ranks with rings of `cap` bytes: control blocks,
+/// single-copy cells, rings.
 pub fn segment_len(w: usize, cap: usize) -> usize {
-    w * std::mem::size_of::<Control>() + w * w * footprint(cap)
+    rings_at(w) + w * w * footprint(cap)
 }
 
-/// One peer's inbound state: a partly read header, and the matching state.
+fn rings_at(w: usize) -> usize {
+    w * std::mem::size_of::<Control>() + w * w * std::mem::size_of::<Cell>()
+}
+
+/// One peer's state, kept across exchanges: what is arriving from it, and
+/// the single-copy state of what this rank sends it.
 #[derive(Default)]
 struct PeerIn {
-    hdr: [u8; HEADER],
+    hdr: [u8; HEADER + cma::DESCRIPTOR],
     hdr_got: usize,
     inbound: Inbound,
+    /// A single-copy frame whose payload is still to be read: (address, sequence).
+    cma_in: Option<(u64, u64)>,
+    /// Sequence of the last single-copy send to this peer.
+    out_seq: u64,
+    /// The peer cannot read this rank's memory: send inline.
+    refused: bool,
 }
 
 pub struct ShmBackend {
@@ -71,13 +88,15 @@ pub struct ShmBackend {
     rings: Vec<Ring>,
     incoming: Mutex<Vec<PeerIn>>,
     failed: Mutex<Option<Error>>,
+    /// Offer large sends single-copy, and read peers' offers (hint `shm_cma`).
+    cma: std::sync::atomic::AtomicBool,
 }
 
 impl ShmBackend {
     /// Wrap a mapped segment of `size` ranks with rings of `cap` bytes
     /// (zeroed by its creator).
-    pub fn new(rank: usize, size: usize, seg: Segment, cap: usize) -> Self {
-        let ctl = size * std::mem::size_of::<Control>();
+    pub fn new(rank: usize, size: usize, seg: Segment, cap: usize, cma: bool) -> Self {
+        let ctl = rings_at(size);
         assert!(seg.len() >= segment_len(size, cap), "segment sized by segment_len");
         let rings = (0..size * size)
             // SAFETY: ring i lies inside the segment (segment_len), is
@@ -92,6 +111,7 @@ impl ShmBackend {
             rings,
             incoming: Mutex::new((0..size).map(|_| PeerIn::default()).collect()),
             failed: Mutex::new(None),
+            cma: std::sync::atomic::AtomicBool::new(cma),
         };
         b.control(rank).pid.store(std::process::id(), Ordering::Release);
         b
@@ -105,6 +125,12 @@ impl ShmBackend {
 
     fn ring(&self, src: usize, dst: usize) -> &Ring {
         &self.rings[src * self.size + dst]
+    }
+
+    fn cell(&self, src: usize, dst: usize) -> &Cell {
+        // SAFETY: the cells follow the control blocks, one per ordered pair,
+        // 64-byte aligned, touched only through atomics.
+        unsafe { &*(self.seg.base().add(self.size * std::mem::size_of::<Control>()) as *const Cell).add(src * self.size + dst) }
     }
 
     fn wake(&self, r: usize) {
@@ -168,16 +194,30 @@ impl Backend for ShmBackend {
         let n = ops.len();
         let mut done = vec![false; n];
         let mut sent = vec![0usize; n];
+        // Per send: the single-copy sequence, if it went that way.
+        let mut cma_seq: Vec<Option<u64>> = vec![None; n];
         // Receives first served by messages that arrived earlier.
         for (i, op) in ops.iter_mut().enumerate() {
             if let P2p::Recv { peer, tag, buf } = op {
                 done[i] = incoming[*peer].inbound.serve_early(self.rank, *peer, *tag, buf).map_err(|e| self.fail(e))?;
             }
         }
-        let result = self.progress(ops, &mut incoming, &mut done, &mut sent, deadline);
-        if result.is_err() {
+        let result = self.progress(ops, &mut incoming, &mut done, &mut sent, &mut cma_seq, deadline);
+        if let Err(e) = &result {
             for p in incoming.iter_mut() {
                 p.inbound.detach(ops);
+            }
+            // Offers still open are withdrawn before the caller gets its
+            // buffers back; the pair's stream is then out of step for good.
+            let open: Vec<(usize, u64)> = (0..n).filter(|i| !done[*i]).filter_map(|i| cma_seq[i].map(|s| (ops[i].peer(), s))).collect();
+            if !open.is_empty() {
+                // Abort first, so a peer that finds the offer withdrawn also
+                // finds why (and whom to blame) in our control block.
+                self.abort(e);
+                for (peer, seq) in open {
+                    self.revoke(peer, seq);
+                }
+                return Err(self.fail(e.clone()));
             }
         }
         result
@@ -205,12 +245,58 @@ impl Backend for ShmBackend {
 }
 
 impl ShmBackend {
+    /// Withdraw single-copy offer `seq` to `peer`; if the peer is reading
+    /// it right now, wait (one system call) until it is done.
+    fn revoke(&self, peer: usize, seq: u64) {
+        let cell = self.cell(self.rank, peer);
+        if cell.advance(seq, cma::REVOKED) == Err(Some(cma::READING)) {
+            let until = Instant::now() + Duration::from_secs(10);
+            while cell.phase(seq) == Some(cma::READING) && Instant::now() < until && self.peer_problem(peer).is_none() {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+    }
+
+    /// The frame prefix of send `i`: header, plus the descriptor when it
+    /// goes single-copy (decided at its first byte).
+    fn prefix(
+        &self,
+        to: usize,
+        tag: u64,
+        data: &[u8],
+        peer: &mut PeerIn,
+        seq: &mut Option<u64>,
+        first: bool,
+    ) -> ([u8; HEADER + cma::DESCRIPTOR], usize) {
+        let mut p = [0u8; HEADER + cma::DESCRIPTOR];
+        p[..8].copy_from_slice(&tag.to_le_bytes());
+        if first && data.len() >= cma::MIN_BYTES && !peer.refused && self.cma.load(Ordering::Relaxed) {
+            peer.out_seq += 1;
+            *seq = Some(peer.out_seq);
+            // Posted before the descriptor can be seen.
+            self.cell(self.rank, to).post(peer.out_seq);
+        }
+        match seq {
+            Some(s) => {
+                p[8..16].copy_from_slice(&(data.len() as u64 | CMA_FLAG).to_le_bytes());
+                p[16..].copy_from_slice(&cma::descriptor(data.as_ptr() as u64, *s));
+                (p, HEADER + cma::DESCRIPTOR)
+            }
+            None => {
+                p[8..16].copy_from_slice(&(data.len() as u64).to_le_bytes());
+                (p, HEADER)
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn progress(
         &self,
         ops: &mut [P2p<'_>],
         incoming: &mut [PeerIn],
         done: &mut [bool],
         sent: &mut [usize],
+        cma_seq: &mut [Option<u64>],
         deadline: Instant,
     ) -> Result<()> {
         let (me, w) = (self.rank, self.size);
@@ -228,21 +314,36 @@ impl ShmBackend {
                 }
                 busy[*peer] = true;
                 let ring = self.ring(me, *peer);
-                let mut header = [0u8; HEADER];
-                header[..8].copy_from_slice(&tag.to_le_bytes());
-                header[8..].copy_from_slice(&(data.len() as u64).to_le_bytes());
+                let (prefix, plen) = self.prefix(*peer, *tag, data, &mut incoming[*peer], &mut cma_seq[i], sent[i] == 0);
                 let before = sent[i];
-                if sent[i] < HEADER {
-                    sent[i] += ring.write(&header[sent[i]..]);
+                if sent[i] < plen {
+                    sent[i] += ring.write(&prefix[sent[i]..plen]);
                 }
-                if sent[i] >= HEADER {
-                    sent[i] += ring.write(&data[sent[i] - HEADER..]);
+                let mut inline = cma_seq[i].is_none();
+                if let (Some(seq), true) = (cma_seq[i], sent[i] == plen) {
+                    // Offered: done when the peer has read it, inline if it cannot.
+                    match self.cell(me, *peer).phase(seq) {
+                        Some(cma::DONE) => {
+                            done[i] = true;
+                            busy[*peer] = false;
+                            moved = true;
+                            continue;
+                        }
+                        Some(cma::REFUSED) => {
+                            incoming[*peer].refused = true;
+                            inline = true;
+                        }
+                        _ => {}
+                    }
+                }
+                if inline && sent[i] >= plen {
+                    sent[i] += ring.write(&data[sent[i] - plen..]);
                 }
                 if sent[i] != before {
                     moved = true;
                     self.wake(*peer);
                 }
-                if sent[i] == HEADER + data.len() {
+                if inline && sent[i] == plen + data.len() {
                     done[i] = true;
                     busy[*peer] = false;
                 }
@@ -286,13 +387,18 @@ impl ShmBackend {
                     })
                     .collect();
                 let e = Error::timeout(format!("shm: {} not finished before the deadline", pending.join(", ")));
-                if sent.iter().zip(ops.iter()).any(|(s, op)| matches!(op, P2p::Send { data, .. } if *s > 0 && *s < HEADER + data.len())) {
+                let half_sent = |i: usize| matches!(&ops[i], P2p::Send { data, .. } if sent[i] > 0 && sent[i] < HEADER + data.len());
+                if (0..ops.len()).any(|i| !done[i] && cma_seq[i].is_none() && half_sent(i)) {
                     // Half a frame sits in a ring: the stream cannot be trusted again.
                     return Err(self.fail(e));
                 }
                 return Err(e);
             }
-            if now.duration_since(idle_since) < SPIN {
+            // A peer copying our offered buffer finishes in about a
+            // millisecond per 16 MiB: keep spinning for it rather than pay a
+            // wake-up (~50 us) at the end of every large send.
+            let reading = (0..ops.len()).any(|i| !done[i] && cma_seq[i].is_some());
+            if now.duration_since(idle_since) < if reading { CMA_SPIN } else { SPIN } {
                 std::thread::yield_now();
                 continue;
             }
@@ -307,6 +413,58 @@ impl ShmBackend {
         }
     }
 
+    /// Take single-copy offer `seq` from `peer` into the current frame's
+    /// destination, or refuse it (the payload then follows inline).
+    fn read_offer(&self, peer: usize, addr: u64, seq: u64, st: &mut PeerIn, ops: &mut [P2p<'_>]) -> Result<()> {
+        let cell = self.cell(peer, self.rank);
+        // A withdrawn offer means the sender failed and aborted: report its cause.
+        let withdrawn = || {
+            let why = self.peer_problem(peer);
+            self.fail(why.unwrap_or_else(|| Error::backend(format!("shm: peer rank {peer} withdrew a message before this rank read it"))))
+        };
+        if !self.cma.load(Ordering::Relaxed) {
+            if cell.advance(seq, cma::REFUSED).is_err() {
+                return Err(withdrawn());
+            }
+            self.wake(peer);
+            return Ok(());
+        }
+        if cell.advance(seq, cma::READING).is_err() {
+            return Err(withdrawn());
+        }
+        let pid = self.control(peer).pid.load(Ordering::Acquire);
+        let dst = st.inbound.payload(ops);
+        let n = dst.len();
+        let r = cma::read(pid, addr, dst);
+        match r {
+            Ok(()) => {
+                st.inbound.advance(n);
+                cell.done(seq);
+            }
+            Err(cma::ReadError::Forbidden(e)) => {
+                // Not allowed here (a container, a ptrace policy): refuse this
+                // and every later offer; the sender streams inline instead.
+                weft::log::debug(format_args!("shm: reading rank {peer}'s memory is not allowed ({e}); using the ring"));
+                self.cma.store(false, Ordering::Relaxed);
+                cell.advance_from_reading(seq, cma::REFUSED);
+            }
+            Err(cma::ReadError::Failed(e)) => {
+                cell.advance_from_reading(seq, cma::REFUSED);
+                self.wake(peer);
+                // ESRCH: the sender died mid-read (its memory is gone, even
+                // while it is still a zombie that kill(pid, 0) finds).
+                let why = match (e, self.peer_problem(peer)) {
+                    (_, Some(problem)) => problem,
+                    (nix::errno::Errno::ESRCH, None) => Error::peer_lost(peer, format!("peer rank {peer} (pid {pid}) died")),
+                    (e, None) => Error::backend(format!("shm: reading rank {peer}'s message failed: {e}")),
+                };
+                return Err(self.fail(why));
+            }
+        }
+        self.wake(peer);
+        Ok(())
+    }
+
     /// Read what `peer` has written to us; true if any byte moved.
     fn drain(&self, peer: usize, ops: &mut [P2p<'_>], incoming: &mut [PeerIn], done: &mut [bool]) -> Result<bool> {
         let ring = self.ring(peer, self.rank);
@@ -314,19 +472,28 @@ impl ShmBackend {
         let mut moved = false;
         loop {
             if !st.inbound.in_frame() {
-                let n = ring.read(&mut st.hdr[st.hdr_got..]);
+                let raw_len = |h: &[u8]| u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
+                let need = if st.hdr_got >= HEADER && raw_len(&st.hdr) & CMA_FLAG != 0 { HEADER + cma::DESCRIPTOR } else { HEADER };
+                let n = ring.read(&mut st.hdr[st.hdr_got..need]);
                 if n == 0 {
                     return Ok(moved);
                 }
                 moved = true;
                 st.hdr_got += n;
-                if st.hdr_got < HEADER {
-                    return Ok(moved);
+                if st.hdr_got < HEADER || (st.hdr_got == HEADER && raw_len(&st.hdr) & CMA_FLAG != 0) || st.hdr_got < need {
+                    continue;
                 }
                 st.hdr_got = 0;
                 let tag = u64::from_le_bytes(st.hdr[..8].try_into().expect("8 bytes"));
-                let len = u64::from_le_bytes(st.hdr[8..].try_into().expect("8 bytes")) as usize;
-                st.inbound.begin(self.rank, peer, tag, len, ops, done).map_err(|e| self.fail(e))?;
+                let len = raw_len(&st.hdr);
+                if len & CMA_FLAG != 0 {
+                    st.cma_in = Some(cma::parse(&st.hdr[HEADER..]));
+                }
+                st.inbound.begin(self.rank, peer, tag, (len & !CMA_FLAG) as usize, ops, done).map_err(|e| self.fail(e))?;
+            }
+            if let Some((addr, seq)) = st.cma_in.take() {
+                self.read_offer(peer, addr, seq, st, ops)?;
+                moved = true;
             }
             let dst = st.inbound.payload(ops);
             if !dst.is_empty() {
