@@ -20,7 +20,9 @@ use weft::{DType, Error, ReduceOp, Result, StreamHandle};
 
 /// The CUDA driver.
 pub struct DriverGpu {
-    contexts: Vec<Arc<CudaContext>>,
+    /// Primary contexts, retained on first use (a context costs device
+    /// memory: a process touches only the devices it uses).
+    contexts: Vec<OnceLock<std::result::Result<Arc<CudaContext>, String>>>,
     /// Device of each stream and event weft created or opened.
     stream_device: Mutex<HashMap<u64, usize>>,
     event_device: Mutex<HashMap<u64, usize>>,
@@ -46,9 +48,7 @@ impl DriverGpu {
         if n <= 0 {
             return Err("no CUDA device".into());
         }
-        let contexts = (0..n as usize)
-            .map(|i| CudaContext::new(i).map_err(|e| format!("cannot open CUDA device {i}: {e:?}")))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let contexts = (0..n as usize).map(|_| OnceLock::new()).collect();
         Ok(DriverGpu {
             contexts,
             stream_device: Mutex::default(),
@@ -59,7 +59,11 @@ impl DriverGpu {
     }
 
     fn bind(&self, device: usize) -> Result<()> {
-        let ctx = self.contexts.get(device).ok_or_else(|| Error::invalid(format!("cuda: no device {device}")))?;
+        let slot = self.contexts.get(device).ok_or_else(|| Error::invalid(format!("cuda: no device {device}")))?;
+        let ctx = slot
+            .get_or_init(|| CudaContext::new(device).map_err(|e| format!("cannot open CUDA device {device}: {e:?}")))
+            .as_ref()
+            .map_err(|why| Error::backend(why.clone()))?;
         ctx.bind_to_thread().map_err(|e| err("binding the context", e))
     }
 
