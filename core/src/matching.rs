@@ -59,10 +59,15 @@ impl Inbound {
     /// message that came early; true if served. A stashed message of
     /// another collective at the same sequence number is a mismatch.
     pub fn serve_early(&mut self, me: usize, peer: usize, tag: u64, buf: &mut [u8]) -> Result<bool> {
-        if let Some(other) = self.stash.iter().find(|(t, q)| !q.is_empty() && crate::tag::conflicts(**t, tag)).map(|(t, _)| *t) {
+        if let Some(other) = self.stash.keys().find(|t| crate::tag::conflicts(**t, tag)).copied() {
             return Err(collective_mismatch(peer, other, tag));
         }
-        match self.stash.get_mut(&tag).and_then(VecDeque::pop_front) {
+        let msg = self.stash.get_mut(&tag).and_then(VecDeque::pop_front);
+        // No empty queues are kept: the stash stays as small as what is pending.
+        if self.stash.get(&tag).is_some_and(VecDeque::is_empty) {
+            self.stash.remove(&tag);
+        }
+        match msg {
             Some(msg) if msg.len() != buf.len() => Err(size_mismatch(peer, me, msg.len(), buf.len(), tag)),
             Some(msg) => {
                 buf.copy_from_slice(&msg);
@@ -181,6 +186,9 @@ mod tests {
         let mut b = [0u8; 2];
         assert!(inb.serve_early(0, 1, 5, &mut b).unwrap());
         assert_eq!(&b, b"hi");
+        // Nothing is kept for a served tag (tags are per collective: a map
+        // of empty queues would grow with every op).
+        assert!(inb.stash.is_empty());
         // A frame that began early goes to a receive posted meanwhile.
         inb.begin(0, 1, 6, 1, &[], &[]).unwrap();
         let mut buf = [0u8; 1];
