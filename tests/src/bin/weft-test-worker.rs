@@ -18,6 +18,14 @@ fn main() {
     std::process::exit(code);
 }
 
+/// Die by SIGKILL after `delay`, whatever the main thread is doing.
+fn sigkill_self_after(delay: Duration) {
+    std::thread::spawn(move || {
+        std::thread::sleep(delay);
+        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+    });
+}
+
 fn run(scenario: &str) -> anyhow::Result<()> {
     let pg = ProcessGroup::from_env(GroupOptions::from_env()?)?;
     let (r, w) = (pg.rank(), pg.size());
@@ -41,10 +49,7 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             // every other rank must get PeerLost naming it.
             let victim = w - 1;
             if r == victim {
-                std::thread::spawn(|| {
-                    std::thread::sleep(Duration::from_millis(400));
-                    let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
-                });
+                sigkill_self_after(Duration::from_millis(400));
             }
             let mut v = vec![1f32; 16 << 20];
             loop {
@@ -98,10 +103,7 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             // get PeerLost naming it, in seconds.
             let victim = w - 1;
             if r == victim {
-                std::thread::spawn(|| {
-                    std::thread::sleep(Duration::from_millis(300));
-                    let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
-                });
+                sigkill_self_after(Duration::from_millis(300));
             }
             let g = weft_cuda_runtime::gpu().map_err(anyhow::Error::msg)?;
             let n = 4 << 20;
