@@ -166,6 +166,9 @@ impl<'t> Collectives<'t> for ProcessGroup {
     fn size(&self) -> usize {
         self.core.size
     }
+    fn debug_detail(&self) -> bool {
+        self.core.debug_detail
+    }
 }
 
 impl Job<'_> {

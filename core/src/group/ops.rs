@@ -38,9 +38,16 @@ struct Check {
     name: &'static str,
     rank: usize,
     size: usize,
+    /// `WEFT_DEBUG=detail`: ops carry a fingerprint to compare across ranks.
+    detail: bool,
 }
 
 impl Check {
+    /// The op's fingerprint, built only when detail checking is on (the
+    /// formatting would otherwise cost every op).
+    fn fingerprint(&self, kind: OpKind, canon: impl FnOnce() -> String) -> Option<Fingerprint> {
+        self.detail.then(|| Fingerprint::new(self.name, kind, canon()))
+    }
     fn fail(&self, msg: String) -> Error {
         Error::invalid(msg).with_op(self.name).with_rank(self.rank)
     }
@@ -115,6 +122,9 @@ pub trait Collectives<'t>: sealed::Sealed {
     fn rank(&self) -> usize;
     /// Number of ranks in the group.
     fn size(&self) -> usize;
+    #[doc(hidden)]
+    /// Whether ops are fingerprinted for `WEFT_DEBUG=detail`.
+    fn debug_detail(&self) -> bool;
 
     /// Send `tensor` to rank `dst` under `tag` (at most [`MAX_USER_TAG`]).
     /// Messages with different tags may be received in any order.
@@ -144,8 +154,8 @@ pub trait Collectives<'t>: sealed::Sealed {
         let c = check(self, "broadcast");
         c.rank_arg("root", root)?;
         let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
-        let fp = Fingerprint::new(c.name, OpKind::Broadcast, format!("{dtype} x {} root {root}", buf.numel()));
-        self.submit(job(&c, OpKind::Broadcast, route, opts, Some(fp), Op::Broadcast { buf, root }))
+        let fp = c.fingerprint(OpKind::Broadcast, || format!("{dtype} x {} root {root}", buf.numel()));
+        self.submit(job(&c, OpKind::Broadcast, route, opts, fp, Op::Broadcast { buf, root }))
     }
 
     /// Reduce every rank's tensor with `op`; the result replaces each tensor.
@@ -154,8 +164,8 @@ pub trait Collectives<'t>: sealed::Sealed {
         let c = check(self, "all_reduce");
         let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
         c.reduce_op(op, dtype)?;
-        let fp = Fingerprint::new(c.name, OpKind::AllReduce, format!("{dtype} x {} op {op}", buf.numel()));
-        self.submit(job(&c, OpKind::AllReduce, route, opts, Some(fp), Op::AllReduce { buf, op }))
+        let fp = c.fingerprint(OpKind::AllReduce, || format!("{dtype} x {} op {op}", buf.numel()));
+        self.submit(job(&c, OpKind::AllReduce, route, opts, fp, Op::AllReduce { buf, op }))
     }
 
     /// Reduce every rank's tensor with `op` into `root`'s tensor; the other
@@ -166,8 +176,8 @@ pub trait Collectives<'t>: sealed::Sealed {
         c.rank_arg("root", root)?;
         let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
         c.reduce_op(op, dtype)?;
-        let fp = Fingerprint::new(c.name, OpKind::Reduce, format!("{dtype} x {} root {root} op {op}", buf.numel()));
-        self.submit(job(&c, OpKind::Reduce, route, opts, Some(fp), Op::Reduce { buf, root, op }))
+        let fp = c.fingerprint(OpKind::Reduce, || format!("{dtype} x {} root {root} op {op}", buf.numel()));
+        self.submit(job(&c, OpKind::Reduce, route, opts, fp, Op::Reduce { buf, root, op }))
     }
 
     /// `outputs[i]` receives rank i's `input`; every tensor has the same size.
@@ -309,8 +319,8 @@ pub trait Collectives<'t>: sealed::Sealed {
             c.numel(&format!("outputs[{i}]"), o.numel(), input.numel())?;
         }
         let (route, dtype, _) = c.tensors(std::iter::once(meta(&input)).chain(outputs.iter().map(meta_mut)))?;
-        let fp = Fingerprint::new(c.name, OpKind::Gather, format!("{dtype} x {} root {root}", input.numel()));
-        self.submit(job(&c, OpKind::Gather, route, opts, Some(fp), Op::Gather { input, outputs, root }))
+        let fp = c.fingerprint(OpKind::Gather, || format!("{dtype} x {} root {root}", input.numel()));
+        self.submit(job(&c, OpKind::Gather, route, opts, fp, Op::Gather { input, outputs, root }))
     }
 
     /// Every rank's `output` receives `root`'s `inputs[rank]`; pass an empty
@@ -324,8 +334,8 @@ pub trait Collectives<'t>: sealed::Sealed {
             c.numel(&format!("inputs[{i}]"), t.numel(), output.numel())?;
         }
         let (route, dtype, _) = c.tensors(std::iter::once(meta_mut(&output)).chain(inputs.iter().map(meta)))?;
-        let fp = Fingerprint::new(c.name, OpKind::Scatter, format!("{dtype} x {} root {root}", output.numel()));
-        self.submit(job(&c, OpKind::Scatter, route, opts, Some(fp), Op::Scatter { inputs, output, root }))
+        let fp = c.fingerprint(OpKind::Scatter, || format!("{dtype} x {} root {root}", output.numel()));
+        self.submit(job(&c, OpKind::Scatter, route, opts, fp, Op::Scatter { inputs, output, root }))
     }
 
     /// Reduce every rank's sparse COO tensor (SUM, MIN or MAX over the union
@@ -344,21 +354,21 @@ pub trait Collectives<'t>: sealed::Sealed {
             return Err(c.fail("sparse indices and values must be contiguous".into()));
         }
         let route = (input.device().kind(), Layout::SparseCoo);
-        let fp = Fingerprint::new(c.name, OpKind::AllReduceSparse, format!("{dtype} shape {:?} op {op}", input.shape));
-        self.submit(job(&c, OpKind::AllReduceSparse, route, opts, Some(fp), Op::AllReduceSparse { input, output, op }))
+        let fp = c.fingerprint(OpKind::AllReduceSparse, || format!("{dtype} shape {:?} op {op}", input.shape));
+        self.submit(job(&c, OpKind::AllReduceSparse, route, opts, fp, Op::AllReduceSparse { input, output, op }))
     }
 
     /// Return once every rank has entered the barrier (and, as ops of a group
     /// run in order, once this rank's earlier ops have finished).
     fn barrier(&self, opts: &OpOptions) -> Result<Work<'t>> {
         let c = check(self, "barrier");
-        let fp = Fingerprint::new(c.name, OpKind::Barrier, String::new());
-        self.submit(job(&c, OpKind::Barrier, (crate::tensor::DeviceKind::Cpu, Layout::Dense), opts, Some(fp), Op::Barrier))
+        let fp = c.fingerprint(OpKind::Barrier, String::new);
+        self.submit(job(&c, OpKind::Barrier, (crate::tensor::DeviceKind::Cpu, Layout::Dense), opts, fp, Op::Barrier))
     }
 }
 
 fn check<'t, G: Collectives<'t> + ?Sized>(g: &G, name: &'static str) -> Check {
-    Check { name, rank: g.rank(), size: g.size() }
+    Check { name, rank: g.rank(), size: g.size(), detail: g.debug_detail() }
 }
 
 fn job<'t>(c: &Check, kind: OpKind, route: Route, opts: &OpOptions, fingerprint: Option<Fingerprint>, op: Op<'t>) -> Job<'t> {
@@ -396,9 +406,8 @@ fn gather_job<'t, G: Collectives<'t> + ?Sized>(
     opts: &OpOptions,
 ) -> Result<Work<'t>> {
     let (route, dtype, _) = c.tensors(std::iter::once(meta(&input)).chain(outputs.iter().map(meta_mut)))?;
-    let counts: Vec<usize> = outputs.iter().map(|o| o.numel()).collect();
-    let fp = Fingerprint::new(c.name, OpKind::AllGather, format!("{dtype} counts {counts:?}"));
-    g.submit(job(&c, OpKind::AllGather, route, opts, Some(fp), Op::AllGather { input, outputs }))
+    let fp = c.fingerprint(OpKind::AllGather, || format!("{dtype} counts {:?}", outputs.iter().map(|o| o.numel()).collect::<Vec<_>>()));
+    g.submit(job(&c, OpKind::AllGather, route, opts, fp, Op::AllGather { input, outputs }))
 }
 
 fn scatter_reduce_job<'t, G: Collectives<'t> + ?Sized>(
@@ -411,9 +420,10 @@ fn scatter_reduce_job<'t, G: Collectives<'t> + ?Sized>(
 ) -> Result<Work<'t>> {
     let (route, dtype, _) = c.tensors(std::iter::once(meta_mut(&output)).chain(inputs.iter().map(meta)))?;
     c.reduce_op(op, dtype)?;
-    let counts: Vec<usize> = inputs.iter().map(|t| t.numel()).collect();
-    let fp = Fingerprint::new(c.name, OpKind::ReduceScatter, format!("{dtype} counts {counts:?} op {op}"));
-    g.submit(job(&c, OpKind::ReduceScatter, route, opts, Some(fp), Op::ReduceScatter { inputs, output, op }))
+    let fp = c.fingerprint(OpKind::ReduceScatter, || {
+        format!("{dtype} counts {:?} op {op}", inputs.iter().map(|t| t.numel()).collect::<Vec<_>>())
+    });
+    g.submit(job(&c, OpKind::ReduceScatter, route, opts, fp, Op::ReduceScatter { inputs, output, op }))
 }
 
 fn all_to_all_job<'t, G: Collectives<'t> + ?Sized>(
@@ -424,6 +434,6 @@ fn all_to_all_job<'t, G: Collectives<'t> + ?Sized>(
     opts: &OpOptions,
 ) -> Result<Work<'t>> {
     let (route, dtype, _) = c.tensors(inputs.iter().map(meta).chain(outputs.iter().map(meta_mut)))?;
-    let fp = Fingerprint::new(c.name, OpKind::AllToAll, format!("{dtype}"));
-    g.submit(job(&c, OpKind::AllToAll, route, opts, Some(fp), Op::AllToAll { inputs, outputs }))
+    let fp = c.fingerprint(OpKind::AllToAll, || format!("{dtype}"));
+    g.submit(job(&c, OpKind::AllToAll, route, opts, fp, Op::AllToAll { inputs, outputs }))
 }

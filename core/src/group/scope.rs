@@ -82,4 +82,7 @@ impl<'scope, 'env> Collectives<'scope> for Scope<'scope, 'env> {
     fn size(&self) -> usize {
         self.group.size()
     }
+    fn debug_detail(&self) -> bool {
+        self.group.core.debug_detail
+    }
 }
