@@ -18,7 +18,7 @@
 //! REVOKED or REFUSED-and-sent-inline, so the receiver never reads memory
 //! the sender has given back.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use crate::sync::{AtomicU64, Ordering};
 
 /// Messages at least this large go single-copy (below, the ring is faster
 /// than a system call).
@@ -112,7 +112,7 @@ pub fn read(pid: u32, addr: u64, dst: &mut [u8]) -> std::result::Result<(), Read
     Ok(())
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 
@@ -142,5 +142,48 @@ mod tests {
             Err(ReadError::Forbidden(_)) => {} // a sandbox without CMA: the fallback covers it
             Err(ReadError::Failed(e)) => panic!("{e}"),
         }
+    }
+}
+
+/// Model check of claim against withdraw (`RUSTFLAGS="--cfg loom"`): the
+/// receiver reads the sender's buffer only if it claimed the offer, and the
+/// sender reuses it only after DONE or a successful withdrawal. The buffer
+/// is a tracked cell, so a read after reuse is a reported race.
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::cell::UnsafeCell;
+    use loom::sync::Arc;
+
+    #[test]
+    fn loom_a_withdrawn_offer_is_never_read() {
+        loom::model(|| {
+            let cell = Arc::new(Cell(AtomicU64::new(0)));
+            let buffer = Arc::new(UnsafeCell::new(7u8));
+            cell.post(1);
+            let receiver = {
+                let (cell, buffer) = (cell.clone(), buffer.clone());
+                loom::thread::spawn(move || {
+                    if cell.advance(1, READING).is_ok() {
+                        // SAFETY: claimed: the sender keeps the buffer until DONE.
+                        let v = buffer.with(|p| unsafe { *p });
+                        assert_eq!(v, 7);
+                        cell.done(1);
+                    }
+                })
+            };
+            // The sender gives up: withdraw, or wait for a read in progress.
+            match cell.advance(1, REVOKED) {
+                Ok(()) => {}
+                Err(_) => {
+                    while cell.phase(1) != Some(DONE) {
+                        loom::thread::yield_now();
+                    }
+                }
+            }
+            // SAFETY: withdrawn or read: the buffer is the sender's again.
+            buffer.with_mut(|p| unsafe { *p = 0xEE });
+            receiver.join().unwrap();
+        });
     }
 }

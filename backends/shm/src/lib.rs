@@ -6,6 +6,7 @@
 mod cma;
 mod ring;
 mod segment;
+mod sync;
 mod transport;
 
 use std::sync::Arc;

@@ -1,25 +1,57 @@
 //! A single-producer single-consumer byte ring in shared memory. The
 //! producer owns `tail` and the bytes after it; the consumer owns `head`.
 //! Release/acquire on the counters hands bytes from one to the other.
+//!
+//! The bytes are reached through [`Bytes`], so the same code runs over the
+//! segment ([`RawBytes`]) and, under loom, over tracked cells that make a
+//! missing release/acquire a reported data race (see the loom tests).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use crate::sync::{AtomicU64, Ordering};
 
 /// Counters, each on its own cache line.
 #[repr(C, align(64))]
 pub struct Counter(pub AtomicU64);
 
+/// The ring's data bytes.
+pub trait Bytes {
+    /// Copy `src` to offset `at`.
+    ///
+    /// # Safety
+    /// `[at, at + src.len())` is inside the buffer and owned by the caller.
+    unsafe fn put(&self, at: usize, src: &[u8]);
+    /// Copy from offset `at` into `dst`.
+    ///
+    /// # Safety
+    /// As `put`.
+    unsafe fn get(&self, at: usize, dst: &mut [u8]);
+}
+
+/// Bytes in the mapped segment.
+pub struct RawBytes(*mut u8);
+
+impl Bytes for RawBytes {
+    unsafe fn put(&self, at: usize, src: &[u8]) {
+        // SAFETY: the caller's contract; `src` is local memory, not the ring.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.0.add(at), src.len()) }
+    }
+    unsafe fn get(&self, at: usize, dst: &mut [u8]) {
+        // SAFETY: as above.
+        unsafe { std::ptr::copy_nonoverlapping(self.0.add(at), dst.as_mut_ptr(), dst.len()) }
+    }
+}
+
 /// Where one ring lives in the segment.
-pub struct Ring {
+pub struct Ring<B: Bytes = RawBytes> {
     head: *const Counter,
     tail: *const Counter,
-    data: *mut u8,
+    data: B,
     cap: usize,
 }
 
 // SAFETY: see the module doc: each side touches only what it owns.
-unsafe impl Send for Ring {}
+unsafe impl<B: Bytes> Send for Ring<B> {}
 // SAFETY: as above.
-unsafe impl Sync for Ring {}
+unsafe impl<B: Bytes> Sync for Ring<B> {}
 
 /// Bytes a ring of `cap` data bytes takes in the segment.
 pub const fn footprint(cap: usize) -> usize {
@@ -34,9 +66,11 @@ impl Ring {
     /// 64-byte aligned, used by one producer and one consumer only.
     pub unsafe fn at(at: *mut u8, cap: usize) -> Ring {
         let c = std::mem::size_of::<Counter>();
-        Ring { head: at as *const Counter, tail: at.add(c) as *const Counter, data: at.add(2 * c), cap }
+        Ring { head: at as *const Counter, tail: at.add(c) as *const Counter, data: RawBytes(at.add(2 * c)), cap }
     }
+}
 
+impl<B: Bytes> Ring<B> {
     fn head(&self) -> &AtomicU64 {
         // SAFETY: points into the live mapping (constructor contract).
         unsafe { &(*self.head).0 }
@@ -64,8 +98,8 @@ impl Ring {
         // SAFETY: [at, at+first) and [0, n-first) are free space owned by the
         // producer until `tail` is published below.
         unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.data.add(at), first);
-            std::ptr::copy_nonoverlapping(src.as_ptr().add(first), self.data, n - first);
+            self.data.put(at, &src[..first]);
+            self.data.put(0, &src[first..n]);
         }
         self.tail().store(tail + n as u64, Ordering::Release);
         n
@@ -83,15 +117,15 @@ impl Ring {
         // SAFETY: these bytes were published by the producer (acquire above)
         // and stay untouched until `head` moves past them.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.data.add(at), dst.as_mut_ptr(), first);
-            std::ptr::copy_nonoverlapping(self.data, dst.as_mut_ptr().add(first), n - first);
+            self.data.get(at, &mut dst[..first]);
+            self.data.get(0, &mut dst[first..n]);
         }
         self.head().store(head + n as u64, Ordering::Release);
         n
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 
@@ -112,5 +146,66 @@ mod tests {
             got.extend_from_slice(&buf[..n]);
         }
         assert_eq!(got, data);
+    }
+}
+
+/// Model checks of the ring protocol (`RUSTFLAGS="--cfg loom"`): every
+/// interleaving of a producer and a consumer, with each data byte a
+/// tracked cell, so a counter published too early is a reported race.
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::cell::UnsafeCell;
+
+    struct Cells(Vec<UnsafeCell<u8>>);
+
+    impl Bytes for Cells {
+        unsafe fn put(&self, at: usize, src: &[u8]) {
+            for (i, b) in src.iter().enumerate() {
+                // SAFETY: loom checks that no other access overlaps.
+                self.0[at + i].with_mut(|p| unsafe { *p = *b });
+            }
+        }
+        unsafe fn get(&self, at: usize, dst: &mut [u8]) {
+            for (i, b) in dst.iter_mut().enumerate() {
+                // SAFETY: as above.
+                *b = self.0[at + i].with(|p| unsafe { *p });
+            }
+        }
+    }
+
+    #[test]
+    fn loom_ring_hands_over_bytes_in_order_across_wraparound() {
+        loom::model(|| {
+            let cap = 3;
+            let head = Box::leak(Box::new(Counter(AtomicU64::new(0))));
+            let tail = Box::leak(Box::new(Counter(AtomicU64::new(0))));
+            let ring = loom::sync::Arc::new(Ring { head, tail, data: Cells((0..cap).map(|_| UnsafeCell::new(0)).collect()), cap });
+            let producer = {
+                let ring = ring.clone();
+                loom::thread::spawn(move || {
+                    let data = [1u8, 2, 3, 4, 5];
+                    let mut sent = 0;
+                    while sent < data.len() {
+                        let n = ring.write(&data[sent..(sent + 2).min(data.len())]);
+                        if n == 0 {
+                            loom::thread::yield_now();
+                        }
+                        sent += n;
+                    }
+                })
+            };
+            let mut got = Vec::new();
+            while got.len() < 5 {
+                let mut buf = [0u8; 2];
+                let n = ring.read(&mut buf);
+                if n == 0 {
+                    loom::thread::yield_now();
+                }
+                got.extend_from_slice(&buf[..n]);
+            }
+            producer.join().unwrap();
+            assert_eq!(got, [1, 2, 3, 4, 5]);
+        });
     }
 }
