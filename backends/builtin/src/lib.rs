@@ -19,6 +19,8 @@ pub fn link() {
     weft_cuda_host_staging::link();
     #[cfg(feature = "cuda-device")]
     weft_cuda_device::link();
+    #[cfg(feature = "hierarchical")]
+    weft_hierarchical::link();
 }
 
 /// Names of the built-in backends this build links.
@@ -38,6 +40,9 @@ pub fn names() -> Vec<&'static str> {
     }
     if cfg!(feature = "cuda-device") {
         v.push("cuda-device");
+    }
+    if cfg!(feature = "hierarchical") {
+        v.push("hierarchical");
     }
     v
 }

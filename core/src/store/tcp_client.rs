@@ -18,6 +18,9 @@ pub struct TcpStore {
     addr: SocketAddr,
     idle: Mutex<Vec<TcpStream>>,
     timeout: Duration,
+    /// The server answered once: a refused connection now means it is
+    /// gone (its rank exited), not that it has not started yet.
+    reached: std::sync::atomic::AtomicBool,
     _server: Option<TcpStoreServer>,
 }
 
@@ -26,7 +29,7 @@ impl TcpStore {
     /// (the server may start after the client).
     pub fn connect(host: &str, port: u16, timeout: Duration) -> Result<Self> {
         let addr = resolve(host, port)?;
-        let store = TcpStore { addr, idle: Mutex::new(Vec::new()), timeout, _server: None };
+        let store = TcpStore { addr, idle: Mutex::new(Vec::new()), timeout, reached: false.into(), _server: None };
         let first = store.connect_one()?;
         store.idle.lock().unwrap_or_else(|p| p.into_inner()).push(first);
         Ok(store)
@@ -56,6 +59,11 @@ impl TcpStore {
         let stream = loop {
             match TcpStream::connect_timeout(&self.addr, Duration::from_secs(2)) {
                 Ok(s) => break s,
+                // Failing fast matters on error paths (an abort recording
+                // whom it blames) after the hosting rank has died.
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused && self.reached.load(std::sync::atomic::Ordering::Relaxed) => {
+                    return Err(Error::backend(format!("the store at {} is gone (connection refused): its host exited", self.addr)))
+                }
                 Err(e) if Instant::now() + delay >= deadline => {
                     return Err(Error::timeout(format!("cannot reach the store at {} within {:?}: {e}", self.addr, self.timeout)))
                 }
@@ -66,6 +74,7 @@ impl TcpStore {
             }
         };
         stream.set_nodelay(true)?;
+        self.reached.store(true, std::sync::atomic::Ordering::Relaxed);
         Ok(stream)
     }
 
