@@ -57,6 +57,15 @@ fn hierarchical_all_reduce_of_large_buffers() {
 }
 
 #[test]
+fn hierarchical_all_reduce_through_every_hinted_path() {
+    for hosts in [&["a", "a", "b", "b"][..], &["a", "a", "a", "b"][..]] {
+        for (r, e) in on_hosts(hosts, "all_reduce_hints", Duration::from_secs(60)).iter().enumerate() {
+            assert!(e.status.success(), "hosts {hosts:?}, rank {r}:\n{}", e.output);
+        }
+    }
+}
+
+#[test]
 fn a_killed_rank_is_named_on_both_hosts() {
     let ends = on_hosts(&["a", "a", "b", "b"], "sigkill", Duration::from_secs(90));
     assert_eq!(ends[3].status.signal(), Some(9), "{}", ends[3].output);

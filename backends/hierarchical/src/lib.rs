@@ -1,7 +1,8 @@
 //! `hierarchical`: for groups that span hosts with several ranks on some of
-//! them. all_reduce goes shm within each host and cpu-tcp between one
-//! leader per host ([`all_reduce`](crate::all_reduce)), as NCCL's and Open
-//! MPI's HAN do; every other op runs over a flat cpu-tcp mesh.
+//! them. all_reduce goes shm within each host and cpu-tcp between hosts,
+//! each local rank carrying a slice (or one leader per host when hosts
+//! differ in size; see `all_reduce.rs`), as NCCL and Open MPI's HAN do;
+//! every other op runs over a flat cpu-tcp mesh.
 //!
 //! `auto` ranks it between shm (one host) and cpu-tcp. It declines
 //! (`Unsupported`) when every rank is on one host or every host has one
@@ -134,7 +135,12 @@ impl SubGroup {
     /// Run `op` on the sub-group with the generic algorithms, as collective
     /// number `seq` of its transport; errors name group ranks.
     pub(crate) fn run(&self, op: &mut Op<'_>, ctx: &OpContext, seq: u64) -> Result<()> {
-        let sub = OpContext { rank: self.rank, size: self.ranks.len(), seq, ..ctx.clone() };
+        let mut sub = OpContext { rank: self.rank, size: self.ranks.len(), seq, ..ctx.clone() };
+        // `algorithm=hierarchical` chose this backend's path; the steps
+        // inside pick their own algorithms.
+        if sub.hints.get("algorithm").is_some_and(|a| a == "hierarchical") {
+            sub.hints.remove("algorithm");
+        }
         weft::algorithms::run(&*self.backend, op, &sub).map_err(|e| self.translate(e))
     }
 

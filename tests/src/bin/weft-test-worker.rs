@@ -82,6 +82,18 @@ fn run(scenario: &str) -> anyhow::Result<()> {
                 std::thread::sleep(Duration::from_secs(3));
             }
         }
+        "all_reduce_hints" => {
+            // all_reduce through each path a hint can choose.
+            for algo in ["hierarchical", "ring", "recursive_doubling"] {
+                for n in [1usize, 1000, 300_001] {
+                    let mut v: Vec<f64> = (0..n).map(|i| (i % 7) as f64 + r as f64).collect();
+                    pg.all_reduce(&mut v, ReduceOp::Avg, &OpOptions::default().hint("algorithm", algo))?.wait()?;
+                    let mean = (0..w).map(|k| k as f64).sum::<f64>() / w as f64;
+                    anyhow::ensure!(v.iter().enumerate().all(|(i, x)| *x == (i % 7) as f64 + mean), "{algo} n={n}");
+                }
+            }
+            println!("rank {r}: all_reduce hints ok");
+        }
         "which_backend" => {
             let name = pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense)).unwrap_or_default();
             let mut v = vec![1u32; 100];
