@@ -82,31 +82,11 @@ pub fn choose_device(ctx: &BackendContext, gpu: &dyn Gpu) -> Result<usize> {
 impl Ring {
     /// Set up (collective). `Unsupported` on every rank if any rank failed.
     pub fn connect(ctx: &BackendContext, gpu: Arc<dyn Gpu>) -> Result<Ring> {
-        let mine = Self::export(ctx, &gpu);
-        // Agree: every rank learns whether every other rank could export.
-        let status = match &mine {
-            Ok(_) => "ok".to_string(),
-            Err(e) => e.to_string(),
-        };
-        ctx.store.set(&format!("export/{}", ctx.rank), status.as_bytes())?;
-        let mut ring = match agree(ctx, "export")? {
-            None => mine?,
-            Some(why) => {
-                if let Ok(r) = mine {
-                    drop(r);
-                }
-                return Err(Error::unsupported(why));
-            }
-        };
+        let (store, what) = (&*ctx.store, "cuda-device: CUDA IPC");
+        let mut ring = weft::store::all_or_none(store, "export", ctx.rank, ctx.size, ctx.timeout, Self::export(ctx, &gpu), what)?;
         let opened = ring.open_neighbours(ctx);
-        ctx.store.set(&format!("open/{}", ctx.rank), opened.as_ref().err().map(|e| e.to_string()).unwrap_or("ok".into()).as_bytes())?;
-        match agree(ctx, "open")? {
-            None => {
-                opened?;
-                Ok(ring)
-            }
-            Some(why) => Err(Error::unsupported(why)),
-        }
+        weft::store::all_or_none(store, "open", ctx.rank, ctx.size, ctx.timeout, opened, what)?;
+        Ok(ring)
     }
 
     /// Allocate and export this rank's slots and events.
@@ -191,17 +171,6 @@ impl Ring {
         }
         Ok(())
     }
-}
-
-/// `None` if every rank wrote "ok" under `what/`, else the first failure.
-fn agree(ctx: &BackendContext, what: &str) -> Result<Option<String>> {
-    for r in 0..ctx.size {
-        let s = ctx.store.get(&format!("{what}/{r}"), ctx.timeout)?;
-        if s != b"ok" {
-            return Ok(Some(format!("cuda-device: rank {r} cannot use CUDA IPC: {}", String::from_utf8_lossy(&s))));
-        }
-    }
-    Ok(None)
 }
 
 impl Drop for Ring {

@@ -73,25 +73,10 @@ impl BackendFactory for Hierarchical {
     }
 }
 
-/// One step of creation, agreed by every rank: if any rank failed, all
-/// fail with `Unsupported` (so `auto` falls back together) naming it.
+/// One step of creation, agreed by every rank (see [`weft::store::all_or_none`]).
 fn stage<T>(ctx: &BackendContext, what: &str, make: impl FnOnce() -> Result<T>) -> Result<T> {
-    let made = make();
-    let status = match &made {
-        Ok(_) => "ok".to_string(),
-        Err(e) => e.to_string(),
-    };
-    ctx.store.set(&format!("stage/{what}/{}", ctx.rank), status.as_bytes())?;
-    for r in 0..ctx.size {
-        let s = ctx.store.get(&format!("stage/{what}/{r}"), ctx.timeout)?;
-        if s != b"ok" {
-            return Err(Error::unsupported(format!(
-                "hierarchical: rank {r} could not set up its {what} backend: {}",
-                String::from_utf8_lossy(&s)
-            )));
-        }
-    }
-    made
+    let step = format!("hierarchical: setting up the {what} backend");
+    weft::store::all_or_none(&*ctx.store, &format!("stage/{what}"), ctx.rank, ctx.size, ctx.timeout, make(), &step)
 }
 
 /// A backend over some of the group's ranks, and their group ranks.

@@ -18,8 +18,28 @@ pub use prefix::PrefixStore;
 pub use tcp_client::TcpStore;
 pub use tcp_server::TcpStoreServer;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use std::time::Duration;
+
+/// A collective step that must work on every rank or on none: each rank
+/// publishes whether its part (`made`) worked under `key/RANK`, then reads
+/// everyone's. Returns `made` when all succeeded; otherwise, on every rank,
+/// `Unsupported` naming the first rank that failed and why, so that
+/// backend creation can fail together and `auto` fall back together.
+pub fn all_or_none<T>(store: &dyn Store, key: &str, rank: usize, size: usize, timeout: Duration, made: Result<T>, what: &str) -> Result<T> {
+    let status = match &made {
+        Ok(_) => "ok".to_string(),
+        Err(e) => e.to_string(),
+    };
+    store.set(&format!("{key}/{rank}"), status.as_bytes())?;
+    for r in 0..size {
+        let s = store.get(&format!("{key}/{r}"), timeout)?;
+        if s != b"ok" {
+            return Err(Error::unsupported(format!("{what}: rank {r} failed: {}", String::from_utf8_lossy(&s))));
+        }
+    }
+    made
+}
 
 /// A key-value store shared by the ranks of a job.
 ///
