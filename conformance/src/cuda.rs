@@ -5,7 +5,7 @@ use crate::placement::{Placement, SharedPlacement};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weft::{Device, Error, StreamHandle};
-use weft_cuda_runtime::{synchronize_event, Gpu};
+use weft_cuda_runtime::{synchronize_stream, Gpu};
 
 /// CUDA device `ordinal` with a stream of its own as the caller's stream.
 pub fn placement(ordinal: usize) -> weft::Result<SharedPlacement> {
@@ -30,11 +30,13 @@ struct CudaPlacement {
 
 impl CudaPlacement {
     fn sync(&self) -> weft::Result<()> {
-        let e = self.gpu.new_event(self.ordinal, false)?;
-        self.gpu.record(e, self.stream)?;
-        let r = synchronize_event(&*self.gpu, e, Instant::now() + Duration::from_secs(120), "the conformance suite's copies");
-        self.gpu.destroy_event(e);
-        r
+        synchronize_stream(
+            &*self.gpu,
+            self.ordinal,
+            self.stream,
+            Instant::now() + Duration::from_secs(120),
+            "the conformance suite's copies",
+        )
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weft::prelude::*;
 use weft::{DType, Device, DeviceKind, ErrorKind, Layout, StreamHandle};
-use weft_cuda_runtime::{synchronize_event, Gpu};
+use weft_cuda_runtime::{synchronize_stream, Gpu};
 use weft_tests::procs::{free_port, run_world, run_world_with};
 use weft_tests::{options, run_threads};
 
@@ -128,9 +128,7 @@ fn download(g: &dyn Gpu, stream: StreamHandle, addr: u64, n: usize) -> Vec<f32> 
     let mut out = vec![0f32; n];
     // SAFETY: `out` lives until the event below completes.
     unsafe { g.copy_dtoh(stream, out.as_mut_ptr() as *mut u8, addr, n * 4).unwrap() };
-    let e = g.new_event(0, false).unwrap();
-    g.record(e, stream).unwrap();
-    synchronize_event(g, e, Instant::now() + Duration::from_secs(30), "download").unwrap();
+    synchronize_stream(g, 0, stream, Instant::now() + Duration::from_secs(30), "download").unwrap();
     out
 }
 

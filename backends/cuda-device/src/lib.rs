@@ -23,7 +23,7 @@ use weft::registry::{BackendFactory, StaticBackend};
 use weft::stream::DeviceCompletion;
 use weft::{Device, DeviceKind, Error, Layout, Result, StreamHandle};
 use weft_cuda_host_staging::Staging;
-use weft_cuda_runtime::StreamCompletion;
+use weft_cuda_runtime::{order_after, synchronize_stream, StreamCompletion};
 
 /// The registration of `cuda-device`.
 pub struct CudaDevice;
@@ -77,10 +77,7 @@ impl DeviceBackend {
         }
         let g = ring.gpu.clone();
         let caller = ctx.stream.unwrap_or_default();
-        // Our stream first waits for the caller's (an event on the caller's
-        // stream that ours is ordered after).
-        let start = StreamCompletion::record(g.clone(), ring.device, caller, self.stream)?;
-        start.order_caller_stream()?;
+        order_after(&*g, ring.device, self.stream, caller)?;
         let r = ring::all_reduce(&ring, &**self.staging.cpu(), ctx, self.stream, buf, op);
         let done = RingCompletion {
             inner: StreamCompletion::record(g, ring.device, self.stream, caller)?,
@@ -137,9 +134,8 @@ impl DeviceCompletion for RingCompletion {
 impl Drop for DeviceBackend {
     fn drop(&mut self) {
         let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
-        if let Ok(c) = StreamCompletion::record(ring.gpu.clone(), ring.device, self.stream, self.stream) {
-            let _ = c.synchronize(Instant::now() + std::time::Duration::from_secs(30));
-        }
+        let deadline = Instant::now() + std::time::Duration::from_secs(30);
+        let _ = synchronize_stream(&*ring.gpu, ring.device, self.stream, deadline, "closing cuda-device");
         ring.gpu.destroy_stream(self.stream);
     }
 }

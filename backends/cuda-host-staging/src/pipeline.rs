@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use weft::backend::{Backend, Op, OpContext};
 use weft::{Error, Result, StreamHandle};
-use weft_cuda_runtime::{synchronize_event, Event, Gpu, PinnedPool, StreamCompletion};
+use weft_cuda_runtime::{synchronize_event, synchronize_stream, Event, Gpu, PinnedPool, StreamCompletion};
 
 /// Pinned slots in flight per op.
 const SLOTS: usize = 3;
@@ -122,9 +122,7 @@ impl Staging {
 
     fn drain(&self, st: &DeviceState, ctx: &OpContext) {
         for s in [st.d2h, st.h2d] {
-            if let Ok(c) = StreamCompletion::record(self.gpu.clone(), st.device, s, s) {
-                let _ = weft::stream::DeviceCompletion::synchronize(&c, ctx.deadline);
-            }
+            let _ = synchronize_stream(&*self.gpu, st.device, s, ctx.deadline, ctx.name);
         }
     }
 
@@ -252,10 +250,8 @@ impl Drop for Staging {
         let devices = std::mem::take(&mut *self.devices.lock().unwrap_or_else(|p| p.into_inner()));
         for (_, st) in devices {
             // Let queued copies finish before their pinned memory goes.
-            let c = StreamCompletion::record(self.gpu.clone(), st.device, st.h2d, st.h2d);
-            if let Ok(c) = c {
-                let _ = weft::stream::DeviceCompletion::synchronize(&c, std::time::Instant::now() + std::time::Duration::from_secs(30));
-            }
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            let _ = synchronize_stream(&*self.gpu, st.device, st.h2d, deadline, "closing cuda-host-staging");
             for e in st.in_done.iter().chain(&st.out_done).chain([&st.start]) {
                 self.gpu.destroy_event(*e);
             }

@@ -5,28 +5,29 @@
 use crate::pipeline::Staging;
 use weft::backend::{Op, OpContext};
 use weft::{Device, Error, Result, SparseCooTensor, Tensor};
-use weft_cuda_runtime::synchronize_event;
+use weft_cuda_runtime::{order_after, synchronize_stream};
 
-/// A host copy of a device tensor, 8-byte aligned.
-fn download(st: &Staging, t: &Tensor<'_>, ctx: &OpContext, words: &mut Vec<u64>) -> Result<()> {
-    let bytes = t.nbytes();
-    words.resize(bytes.div_ceil(8), 0);
-    let gpu = st.gpu();
-    let Device::Cuda(device) = t.device() else { return Err(Error::invalid("cuda-host-staging: a sparse tensor not on a CUDA device")) };
-    let stream = gpu.new_stream(device as usize)?;
-    let (ready, done) = (gpu.new_event(device as usize, false)?, gpu.new_event(device as usize, false)?);
+/// Host copies (8-byte aligned) of device tensors, taken after the work
+/// already on the caller's stream.
+fn download(st: &Staging, tensors: [&Tensor<'_>; 2], ctx: &OpContext) -> Result<[Vec<u64>; 2]> {
+    let Device::Cuda(device) = tensors[0].device() else {
+        return Err(Error::invalid("cuda-host-staging: a sparse tensor not on a CUDA device"));
+    };
+    let (gpu, device) = (st.gpu(), device as usize);
+    let mut words = tensors.map(|t| vec![0u64; t.nbytes().div_ceil(8)]);
+    let stream = gpu.new_stream(device)?;
     let r = (|| {
-        gpu.record(ready, ctx.stream.unwrap_or_default())?;
-        gpu.wait_event(stream, ready)?;
-        // SAFETY: `words` holds `bytes` and outlives the synchronisation
-        // below; the device range is the caller's tensor, borrowed for the op.
-        unsafe { gpu.copy_dtoh(stream, words.as_mut_ptr() as *mut u8, t.as_ptr() as u64, bytes)? };
-        gpu.record(done, stream)?;
-        synchronize_event(&*gpu, done, ctx.deadline, ctx.name)
+        order_after(&*gpu, device, stream, ctx.stream.unwrap_or_default())?;
+        for (t, w) in tensors.iter().zip(words.iter_mut()) {
+            // SAFETY: `w` holds the tensor's bytes and outlives the
+            // synchronisation below; the device range is the caller's
+            // tensor, borrowed for the op.
+            unsafe { gpu.copy_dtoh(stream, w.as_mut_ptr() as *mut u8, t.as_ptr() as u64, t.nbytes())? };
+        }
+        synchronize_stream(&*gpu, device, stream, ctx.deadline, ctx.name)
     })();
-    gpu.destroy_event(ready);
-    gpu.destroy_event(done);
-    r
+    gpu.destroy_stream(stream);
+    r.map(|()| words)
 }
 
 impl Staging {
@@ -35,9 +36,7 @@ impl Staging {
         let Op::AllReduceSparse { input, output, op: redop } = op else {
             return Err(Error::unsupported("cuda-host-staging: not a sparse op"));
         };
-        let (mut iw, mut vw) = (Vec::new(), Vec::new());
-        download(self, &input.indices, ctx, &mut iw)?;
-        download(self, &input.values, ctx, &mut vw)?;
+        let [iw, vw] = download(self, [&input.indices, &input.values], ctx)?;
         let host = |t: &Tensor<'_>, w: &Vec<u64>| {
             // SAFETY: `w` holds the tensor's bytes (copied above), is 8-byte
             // aligned and lives until the op below returns.

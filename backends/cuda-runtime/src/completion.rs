@@ -20,6 +20,24 @@ pub fn synchronize_event(gpu: &dyn Gpu, event: Event, deadline: Instant, what: &
     Ok(())
 }
 
+/// Make `waiter` wait for the work queued on `stream` so far (no host block).
+pub fn order_after(gpu: &dyn Gpu, device: usize, waiter: StreamHandle, stream: StreamHandle) -> Result<()> {
+    let e = gpu.new_event(device, false)?;
+    // The wait captures the record; the event can go right after.
+    let r = gpu.record(e, stream).and_then(|()| gpu.wait_event(waiter, e));
+    gpu.destroy_event(e);
+    r
+}
+
+/// Block the host until the work queued on `stream` so far has run, or
+/// fail with `Timeout` at `deadline`.
+pub fn synchronize_stream(gpu: &dyn Gpu, device: usize, stream: StreamHandle, deadline: Instant, what: &str) -> Result<()> {
+    let e = gpu.new_event(device, false)?;
+    let r = gpu.record(e, stream).and_then(|()| synchronize_event(gpu, e, deadline, what));
+    gpu.destroy_event(e);
+    r
+}
+
 /// An event recorded after an op's last device work, and the caller's
 /// stream to order after it. Owns the event.
 pub struct StreamCompletion {

@@ -16,10 +16,10 @@ mod gpu;
 mod pinned;
 mod tensor;
 
-pub use completion::{synchronize_event, StreamCompletion};
+pub use completion::{order_after, synchronize_event, synchronize_stream, StreamCompletion};
 pub use gpu::{DevicePtr, Event, Gpu};
 pub use pinned::PinnedPool;
-pub use tensor::{cudarc_views, device_of, tensor_from_raw, tensor_mut_from_raw};
+pub use tensor::{cudarc_views, tensor_from_raw, tensor_mut_from_raw};
 
 use std::sync::{Arc, OnceLock};
 

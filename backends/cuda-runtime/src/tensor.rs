@@ -23,14 +23,6 @@ pub unsafe fn tensor_mut_from_raw<'a>(ptr: DevicePtr, dtype: DType, ordinal: usi
     unsafe { TensorMut::from_raw_parts(ptr as *mut u8, dtype, Device::Cuda(ordinal as u32), dims, None) }
 }
 
-/// The CUDA ordinal of a tensor's device, if it is a CUDA tensor.
-pub fn device_of(device: Device) -> Option<usize> {
-    match device {
-        Device::Cuda(i) => Some(i as usize),
-        Device::Cpu => None,
-    }
-}
-
 /// Views of `cudarc` slices (the device pointer comes with cudarc's own
 /// ordering: `stream` first waits for earlier writes to the slice).
 pub mod cudarc_views {
