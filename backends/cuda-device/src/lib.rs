@@ -46,15 +46,12 @@ impl BackendFactory for CudaDevice {
         weft_cuda_runtime::gpu().map(|_| ())
     }
     fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
-        let gpu = weft_cuda_runtime::gpu().map_err(Error::unsupported)?;
-        let cpu = ctx
-            .cpu_backend
-            .clone()
-            .ok_or_else(|| Error::unsupported("cuda-device needs a backend for dense CPU tensors in the same group"))?;
+        let staging = Staging::for_group(&ctx, "cuda-device")?;
+        let gpu = staging.gpu();
         weft::locality::check("cuda-device", &*ctx.store, ctx.rank, ctx.size, ctx.timeout)?;
         let ring = Ring::connect(&ctx, gpu.clone())?;
         let stream = gpu.new_stream(ring.device)?;
-        Ok(Arc::new(DeviceBackend { staging: Staging::new(gpu, cpu), ring: Mutex::new(ring), stream }))
+        Ok(Arc::new(DeviceBackend { staging, ring: Mutex::new(ring), stream }))
     }
 }
 

@@ -38,11 +38,7 @@ impl BackendFactory for HostStaging {
         weft_cuda_runtime::gpu().map(|_| ())
     }
     fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
-        let gpu = weft_cuda_runtime::gpu().map_err(Error::unsupported)?;
-        let cpu = ctx
-            .cpu_backend
-            .ok_or_else(|| Error::unsupported("cuda-host-staging needs a backend for dense CPU tensors in the same group"))?;
-        Ok(Arc::new(HostStagingBackend { staging: Staging::new(gpu, cpu) }))
+        Ok(Arc::new(HostStagingBackend { staging: Staging::for_group(&ctx, "cuda-host-staging")? }))
     }
 }
 

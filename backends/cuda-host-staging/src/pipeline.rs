@@ -57,6 +57,17 @@ impl Staging {
         Staging { gpu, cpu, devices: Mutex::default() }
     }
 
+    /// Staging for a group being created by backend `who`: this process's
+    /// GPU and the group's CPU backend, or `Unsupported` saying which is missing.
+    pub fn for_group(ctx: &weft::backend::BackendContext, who: &str) -> Result<Staging> {
+        let gpu = weft_cuda_runtime::gpu().map_err(Error::unsupported)?;
+        let cpu = ctx
+            .cpu_backend
+            .clone()
+            .ok_or_else(|| Error::unsupported(format!("{who} needs a backend for dense CPU tensors in the same group")))?;
+        Ok(Staging::new(gpu, cpu))
+    }
+
     /// The CPU backend ops run on.
     pub fn cpu(&self) -> &Arc<dyn Backend> {
         &self.cpu
