@@ -189,10 +189,14 @@ fn groups_rendezvous_through_a_file_store_and_two_groups_share_one_store() {
 #[test]
 fn algorithm_hints_select_and_unknown_names_are_clear_errors() {
     run_threads(3, options("cpu-tcp"), |pg| {
-        for algo in ["ring", "recursive_doubling"] {
+        for algo in ["ring", "recursive_doubling", "halving_doubling"] {
             let mut v = vec![pg.rank() as f32; 7];
             pg.all_reduce(&mut v, ReduceOp::Sum, &o().hint("algorithm", algo)).unwrap().wait().unwrap();
             assert_eq!(v, vec![3.0; 7], "{algo}");
+            // Pipelined in 3-element segments over the real transport.
+            let mut v = vec![pg.rank() as f32; 1001];
+            pg.all_reduce(&mut v, ReduceOp::Sum, &o().hint("algorithm", algo).hint("segment_bytes", "12")).unwrap().wait().unwrap();
+            assert_eq!(v, vec![3.0; 1001], "{algo} segmented");
         }
         let mut b = vec![pg.rank() as u8; 1000];
         pg.broadcast(&mut b, 1, &o().hint("algorithm", "scatter_allgather")).unwrap().wait().unwrap();

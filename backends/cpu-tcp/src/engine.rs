@@ -160,10 +160,14 @@ fn run(
                 busy[*peer] = false;
             }
         }
-        // Receives: read what every peer has sent.
+        // Receives: read from the peers this exchange awaits, and only as
+        // far as it needs; once stalled, read everything every peer sent
+        // (early messages go to the stash) so no cycle of full socket
+        // buffers can block progress.
+        let eager = Instant::now().duration_since(idle_since) >= SPIN;
         for peer in 0..w {
             if peers[peer].is_some() {
-                moved |= drain(me, peer, peers, ops, done)?;
+                moved |= drain(me, peer, peers, ops, done, eager)?;
             }
         }
         if done.iter().all(|d| *d) {
@@ -216,13 +220,19 @@ fn run(
     }
 }
 
-/// Read what `peer` has sent; true if any byte moved.
-fn drain(me: usize, peer: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>], done: &mut [bool]) -> Result<bool> {
+/// Read what `peer` has sent; true if any byte moved. Unless `eager`, stop
+/// at a frame boundary once no receive of `ops` awaits this peer: a frame
+/// left in the socket costs nothing, one read early is copied twice.
+fn drain(me: usize, peer: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>], done: &mut [bool], eager: bool) -> Result<bool> {
     let p = peers[peer].as_mut().expect("connected");
     let mut moved = false;
     loop {
         if !p.inbound.in_frame() {
             if p.left {
+                return Ok(moved);
+            }
+            let awaited = || ops.iter().zip(done.iter()).any(|(op, d)| !d && matches!(op, P2p::Recv { peer: q, .. } if *q == peer));
+            if !eager && p.hdr_got == 0 && !awaited() {
                 return Ok(moved);
             }
             match read_some(&p.sock, &mut p.hdr[p.hdr_got..], peer)? {

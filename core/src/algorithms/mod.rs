@@ -4,7 +4,7 @@
 //!
 //! | op | algorithm | file |
 //! |---|---|---|
-//! | all_reduce | recursive doubling (small), ring reduce-scatter + all-gather (large) | `recursive.rs`, `ring.rs` |
+//! | all_reduce | recursive doubling (small), halving-doubling (medium), pipelined ring reduce-scatter + all-gather (large) | `recursive.rs`, `halving_doubling.rs`, `ring.rs` |
 //! | reduce_scatter(_v) | ring | `ring.rs` |
 //! | all_gather(_v) | ring | `ring.rs` |
 //! | broadcast | binomial tree (small), scatter + ring all-gather (large) | `tree.rs`, `ring.rs` |
@@ -18,6 +18,7 @@
 //! | sparse all_reduce | all-gather, recursive doubling with merging, or dense | `sparse/` |
 
 mod barrier;
+mod halving_doubling;
 mod linear;
 mod pairwise;
 mod recursive;
@@ -117,6 +118,7 @@ pub fn run(backend: &dyn Backend, op: &mut Op<'_>, ctx: &OpContext) -> Result<()
             let dtype = buf.dtype();
             match select::pick(ctx, "all_reduce", buf.nbytes())? {
                 "recursive_doubling" => recursive::all_reduce(&c, buf.host_bytes_mut()?, dtype, *op),
+                "halving_doubling" => halving_doubling::all_reduce(&c, buf.host_bytes_mut()?, dtype, *op),
                 _ => ring::all_reduce(&c, buf.host_bytes_mut()?, dtype, *op),
             }
         }

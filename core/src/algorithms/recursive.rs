@@ -1,8 +1,9 @@
 //! Recursive doubling all-reduce: log2(W) exchange steps of the whole
 //! buffer, for small messages where steps cost more than bytes. Ranks
 //! beyond the largest power of two first fold into a partner and get the
-//! result back at the end (as MPICH does). At every step both partners
-//! combine the same two partial values, so all ranks end bit-identical.
+//! result back at the end (as MPICH does; [`Fold`] is shared with
+//! halving-doubling). At every step both partners combine the same two
+//! partial values, so all ranks end bit-identical.
 
 use super::Comm;
 use crate::dtype::DType;
@@ -10,46 +11,81 @@ use crate::error::Result;
 use crate::kernels::{finish, prescale, reduce_into, Scratch};
 use crate::reduce_op::ReduceOp;
 
+/// The step tag of the unfold, past any exchange step.
+const UNFOLD_STEP: u32 = u16::MAX as u32;
+
+/// Folding W ranks onto the largest power of two p ≤ W: in the first
+/// 2·(W-p) ranks each even rank hands its data to the next odd one, which
+/// stands for both as one virtual rank; the others keep going as rank - (W-p).
+pub(super) struct Fold {
+    /// The power of two the exchange runs on.
+    pub p: usize,
+    rem: usize,
+    rank: usize,
+}
+
+impl Fold {
+    pub fn new(c: &Comm<'_>) -> Fold {
+        let w = c.size();
+        let p = if w == 0 { 0 } else { 1 << (usize::BITS - 1 - w.leading_zeros()) };
+        Fold { p, rem: w - p, rank: c.rank() }
+    }
+
+    /// The real rank standing for virtual rank `v`.
+    pub fn real(&self, v: usize) -> usize {
+        if v < self.rem {
+            2 * v + 1
+        } else {
+            v + self.rem
+        }
+    }
+
+    /// Fold `buf` in (as step 0, reducing with `tmp` of at least its size);
+    /// this rank's virtual rank, or None when it sits the exchange out.
+    pub fn enter(&self, c: &Comm<'_>, buf: &mut [u8], tmp: &mut [u8], dtype: DType, op: ReduceOp) -> Result<Option<usize>> {
+        let r = self.rank;
+        if r >= 2 * self.rem {
+            return Ok(Some(r - self.rem));
+        }
+        if r.is_multiple_of(2) {
+            c.send(0, r + 1, buf)?;
+            return Ok(None);
+        }
+        let tmp = &mut tmp[..buf.len()];
+        c.recv(0, r - 1, tmp)?;
+        reduce_into(buf, tmp, dtype, op);
+        Ok(Some(r / 2))
+    }
+
+    /// Give the finished `buf` back to the ranks that folded in.
+    pub fn leave(&self, c: &Comm<'_>, buf: &mut [u8]) -> Result<()> {
+        let r = self.rank;
+        if r >= 2 * self.rem {
+            Ok(())
+        } else if r % 2 == 1 {
+            c.send(UNFOLD_STEP, r - 1, buf)
+        } else {
+            c.recv(UNFOLD_STEP, r + 1, buf)
+        }
+    }
+}
+
 /// In-place all-reduce of `buf`.
 pub fn all_reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-    let (w, r) = (c.size(), c.rank());
     prescale(buf, dtype, op);
-    let p = if w == 0 { 0 } else { 1 << (usize::BITS - 1 - w.leading_zeros()) };
-    let rem = w - p;
+    let fold = Fold::new(c);
     let mut tmp = Scratch::take(buf.len());
-    // Fold: in the first 2*rem ranks, each even rank hands its data to the next odd one.
-    let virt = if r < 2 * rem {
-        if r % 2 == 0 {
-            c.send(0, r + 1, buf)?;
-            None
-        } else {
-            c.recv(0, r - 1, &mut tmp)?;
-            reduce_into(buf, &tmp, dtype, op);
-            Some(r / 2)
-        }
-    } else {
-        Some(r - rem)
-    };
-    if let Some(v) = virt {
-        let real = |x: usize| if x < rem { 2 * x + 1 } else { x + rem };
+    if let Some(v) = fold.enter(c, buf, &mut tmp, dtype, op)? {
         let mut mask = 1;
         let mut step = 1;
-        while mask < p {
-            let peer = real(v ^ mask);
+        while mask < fold.p {
+            let peer = fold.real(v ^ mask);
             c.send_recv(step, peer, buf, peer, &mut tmp)?;
             reduce_into(buf, &tmp, dtype, op);
             mask <<= 1;
             step += 1;
         }
-        finish(buf, dtype, op, w);
+        finish(buf, dtype, op, c.size());
     }
-    // Unfold: odd ranks give the finished result back to the rank that folded into them.
-    if r < 2 * rem {
-        if r % 2 == 1 {
-            c.send(u16::MAX as u32, r - 1, buf)?;
-        } else {
-            c.recv(u16::MAX as u32, r + 1, buf)?;
-        }
-    }
-    Ok(())
+    fold.leave(c, buf)
 }

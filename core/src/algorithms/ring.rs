@@ -7,10 +7,75 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::{finish, prescale, reduce_into, AlignedBuf, Scratch};
 use crate::reduce_op::ReduceOp;
+use std::ops::Range;
 
-/// Ring reduce-scatter over blocks given by `input(i)`; returns this rank's
-/// fully reduced block (finished: `Avg` divided).
-fn reduce_scatter_blocks<'b>(c: &Comm<'_>, input: impl Fn(usize) -> &'b [u8], dtype: DType, op: ReduceOp, step0: u32) -> Result<Scratch> {
+/// Where a pipelined step lands what it receives.
+pub(super) enum Landing<'a> {
+    /// One segment of scratch, reused for every segment.
+    Scratch(&'a mut [u8]),
+    /// The whole incoming block, received in place.
+    InPlace(&'a mut [u8]),
+}
+
+/// How a ring step is cut: `count` segments of `bytes` each. Every rank
+/// derives it from the largest block, so sender and receiver agree on the
+/// number of messages even where block sizes differ.
+#[derive(Clone, Copy)]
+pub(super) struct Segments {
+    /// Bytes per segment (whole elements).
+    pub bytes: usize,
+    /// Segments per step.
+    pub count: usize,
+}
+
+impl Segments {
+    pub fn new(c: &Comm<'_>, largest_block: usize, esize: usize) -> Result<Segments> {
+        let bytes = super::select::segment_bytes(c.ctx(), esize)?;
+        Ok(Segments { bytes, count: largest_block.div_ceil(bytes) })
+    }
+    /// Segment `j` of a block of `len` bytes (empty past its end).
+    pub fn piece(&self, j: usize, len: usize) -> Range<usize> {
+        (j * self.bytes).min(len)..((j + 1) * self.bytes).min(len)
+    }
+}
+
+/// One ring step in segments: segment j of `send` goes right while segment
+/// j of the `rlen` incoming bytes comes from the left, and
+/// `combine(range, received)` runs on it while it is still in cache. The
+/// segments share the step's tag: a transport delivers one peer's messages
+/// in order.
+pub(super) fn pipelined_step(
+    c: &Comm<'_>,
+    step: u32,
+    (right, send): (usize, &[u8]),
+    (left, rlen, mut landing): (usize, usize, Landing<'_>),
+    seg: Segments,
+    mut combine: impl FnMut(Range<usize>, &mut [u8]),
+) -> Result<()> {
+    for j in 0..seg.count {
+        let rp = seg.piece(j, rlen);
+        let land = match &mut landing {
+            Landing::Scratch(t) => &mut t[..rp.len()],
+            Landing::InPlace(b) => &mut b[rp.clone()],
+        };
+        c.send_recv(step, right, &send[seg.piece(j, send.len())], left, land)?;
+        combine(rp, land);
+    }
+    Ok(())
+}
+
+/// Ring reduce-scatter over blocks given by `input(i)`: `out` gets the
+/// finished (`Avg` divided) reduction of block `rank`. Step k sends the
+/// partial block received at step k-1 (the own input at step 0) and adds
+/// the own input into the one received; the last step receives into `out`.
+fn reduce_scatter_blocks<'b>(
+    c: &Comm<'_>,
+    input: impl Fn(usize) -> &'b [u8],
+    out: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    step0: u32,
+) -> Result<()> {
     let (w, r) = (c.size(), c.rank());
     // PremulSum scales each rank's own contribution once, before it is used.
     let scaled: Option<Vec<AlignedBuf>> = matches!(op, ReduceOp::PremulSum(_)).then(|| {
@@ -28,24 +93,28 @@ fn reduce_scatter_blocks<'b>(c: &Comm<'_>, input: impl Fn(usize) -> &'b [u8], dt
             None => input(i),
         }
     };
-    let max = (0..w).map(|i| block(i).len()).max().unwrap_or(0);
-    let (right, left) = ((r + 1) % w, (r + w - 1) % w);
-    let first = block((r + w - 1) % w);
-    let mut acc = Scratch::take(max);
-    acc[..first.len()].copy_from_slice(first);
-    let mut recv = Scratch::take(max);
-    let mut send_len = first.len();
-    for k in 0..w.saturating_sub(1) {
-        let rb = (r + 2 * w - k - 2) % w;
-        let rlen = block(rb).len();
-        c.send_recv(step0 + k as u32, right, &acc[..send_len], left, &mut recv[..rlen])?;
-        reduce_into(&mut recv[..rlen], block(rb), dtype, op);
-        std::mem::swap(&mut acc, &mut recv);
-        send_len = rlen;
+    if w == 1 {
+        out.copy_from_slice(block(0));
+    } else {
+        let max = (0..w).map(|i| block(i).len()).max().unwrap_or(0);
+        let seg = Segments::new(c, max, dtype.size())?;
+        // Partial blocks in flight: received into one, sent from the other.
+        let (mut sending, mut receiving) = (Scratch::take(if w > 2 { max } else { 0 }), Scratch::take(if w > 2 { max } else { 0 }));
+        let mut send_len = 0;
+        for k in 0..w - 1 {
+            let rb = (r + 2 * w - k - 2) % w;
+            let rlen = block(rb).len();
+            let send: &[u8] = if k == 0 { block((r + w - 1) % w) } else { &sending[..send_len] };
+            let land: &mut [u8] = if k == w - 2 { &mut *out } else { &mut receiving[..rlen] };
+            pipelined_step(c, step0 + k as u32, ((r + 1) % w, send), ((r + w - 1) % w, rlen, Landing::InPlace(land)), seg, |rp, got| {
+                reduce_into(got, &block(rb)[rp], dtype, op)
+            })?;
+            std::mem::swap(&mut sending, &mut receiving);
+            send_len = rlen;
+        }
     }
-    acc.truncate(send_len);
-    finish(&mut acc, dtype, op, w);
-    Ok(acc)
+    finish(out, dtype, op, w);
+    Ok(())
 }
 
 /// Ring all-gather: `blocks[rank]` already holds this rank's data.
@@ -68,9 +137,7 @@ pub fn all_gather(c: &Comm<'_>, input: &[u8], outputs: &mut [&mut [u8]]) -> Resu
 
 /// `output` = reduction over ranks of their `inputs[rank]`.
 pub fn reduce_scatter(c: &Comm<'_>, inputs: &[&[u8]], output: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
-    let mine = reduce_scatter_blocks(c, |i| inputs[i], dtype, op, 0)?;
-    output.copy_from_slice(&mine);
-    Ok(())
+    reduce_scatter_blocks(c, |i| inputs[i], output, dtype, op, 0)
 }
 
 /// In-place all-reduce: a ring reduce-scatter that accumulates in `buf`
@@ -83,20 +150,23 @@ pub fn all_reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> R
     let n = buf.len() / esize;
     // Block i covers elements [n*i/w, n*(i+1)/w): sizes differ by at most one.
     let bounds: Vec<usize> = (0..=w).map(|i| n * i / w * esize).collect();
-    let range = |i: usize| bounds[i]..bounds[i + 1];
     prescale(buf, dtype, op);
     let (right, left) = ((r + 1) % w, (r + w - 1) % w);
-    let mut tmp = Scratch::take(bounds[1..].iter().zip(&bounds).map(|(b, a)| b - a).max().unwrap_or(0));
+    let largest = bounds[1..].iter().zip(&bounds).map(|(b, a)| b - a).max().unwrap_or(0);
+    let seg = Segments::new(c, largest, esize)?;
+    let mut tmp = Scratch::take(seg.bytes.min(largest));
+    let mut blocks = split_blocks(buf, &bounds);
     for k in 0..w.saturating_sub(1) {
         let (sb, rb) = ((r + 2 * w - k - 1) % w, (r + 2 * w - k - 2) % w);
-        let rlen = range(rb).len();
-        c.send_recv(k as u32, right, &buf[range(sb)], left, &mut tmp[..rlen])?;
-        reduce_into(&mut buf[range(rb)], &tmp[..rlen], dtype, op);
+        let [send, acc] = blocks.get_disjoint_mut([sb, rb]).expect("distinct blocks when w > 1");
+        let rlen = acc.len();
+        pipelined_step(c, k as u32, (right, send), (left, rlen, Landing::Scratch(&mut tmp)), seg, |rp, got| {
+            reduce_into(&mut acc[rp], got, dtype, op)
+        })?;
     }
     // After W-1 steps this rank holds the full reduction of block r.
-    finish(&mut buf[range(r)], dtype, op, w);
+    finish(blocks[r], dtype, op, w);
     drop(tmp);
-    let mut blocks = split_blocks(buf, &bounds);
     all_gather_blocks(c, &mut blocks, w as u32)
 }
 
@@ -141,10 +211,11 @@ pub fn reduce_scatter_gather(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: Red
     let esize = dtype.size();
     let n = buf.len() / esize;
     let bounds: Vec<usize> = (0..=w).map(|i| n * i / w * esize).collect();
-    let mine = {
+    let mut mine = Scratch::take(bounds[r + 1] - bounds[r]);
+    {
         let ro: &[u8] = buf;
-        reduce_scatter_blocks(c, |i| &ro[bounds[i]..bounds[i + 1]], dtype, op, 0)?
-    };
+        reduce_scatter_blocks(c, |i| &ro[bounds[i]..bounds[i + 1]], &mut mine, dtype, op, 0)?;
+    }
     let g = c.phase_step(w as u32);
     if r != root {
         return g.send(0, root, &mine);

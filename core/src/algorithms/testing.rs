@@ -202,7 +202,7 @@ mod algorithm_tests {
         for w in 1..=8 {
             // 0, 1, odd, not divisible by W, and more than W elements.
             for n in [0usize, 1, 5, 7 * w + 3] {
-                for algo in ["ring", "recursive_doubling"] {
+                for algo in ["ring", "recursive_doubling", "halving_doubling"] {
                     for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::PremulSum(0.5)] {
                         let out = run_ranks_with(w, OpKind::AllReduce, &[("algorithm", algo)], |r, b, c| {
                             let mut v: Vec<f64> = (0..n).map(|i| (r * 3 + i) as f64).collect();
@@ -253,12 +253,88 @@ mod algorithm_tests {
         }
     }
 
+    /// Pipelined segments of 1–3 elements, at sizes one element either side
+    /// of a whole number of segments per block, through every algorithm
+    /// that segments.
+    #[test]
+    fn segmented_steps_at_segment_boundaries() {
+        for w in 1..=8 {
+            for seg in [1usize, 2, 3] {
+                let hint = (8 * seg).to_string();
+                for n in [seg * w - 1, seg * w, seg * w + 1, 2 * seg * w + 1, 7 * w + 3] {
+                    let expect: Vec<f64> = (0..n).map(|i| (0..w).map(|r| (r * 7 + i) as f64).sum()).collect();
+                    for algo in ["ring", "halving_doubling"] {
+                        let hints = [("algorithm", algo), ("segment_bytes", hint.as_str())];
+                        let out = run_ranks_with(w, OpKind::AllReduce, &hints, |r, b, c| {
+                            let mut v: Vec<f64> = (0..n).map(|i| (r * 7 + i) as f64).collect();
+                            run(b, &mut Op::AllReduce { buf: TensorMut::from_slice(&mut v), op: ReduceOp::Sum }, c).unwrap();
+                            v
+                        });
+                        assert!(out.iter().all(|o| *o == expect), "{algo} w={w} seg={seg} n={n}");
+                    }
+                    // Tree and ring reduces: the root gets the result, other
+                    // ranks keep their input unscaled.
+                    for algo in ["binomial", "reduce_scatter_gather"] {
+                        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::PremulSum(0.5)] {
+                            let root = w - 1;
+                            let hints = [("algorithm", algo), ("segment_bytes", hint.as_str())];
+                            let out = run_ranks_with(w, OpKind::Reduce, &hints, |r, b, c| {
+                                let mut v: Vec<f64> = (0..n).map(|i| (r * 7 + i) as f64).collect();
+                                run(b, &mut Op::Reduce { buf: TensorMut::from_slice(&mut v), root, op }, c).unwrap();
+                                v
+                            });
+                            let reduced: Vec<f64> = expect
+                                .iter()
+                                .map(|s| match op {
+                                    ReduceOp::Avg => s / w as f64,
+                                    ReduceOp::PremulSum(f) => s * f,
+                                    _ => *s,
+                                })
+                                .collect();
+                            for (r, o) in out.iter().enumerate() {
+                                let own: Vec<f64> = (0..n).map(|i| (r * 7 + i) as f64).collect();
+                                assert_eq!(*o, if r == root { reduced.clone() } else { own }, "{algo} {op} w={w} seg={seg} n={n} rank {r}");
+                            }
+                        }
+                    }
+                    // reduce_scatter with uneven blocks: block i has n + i elements.
+                    let hints = [("segment_bytes", hint.as_str())];
+                    let out = run_ranks_with(w, OpKind::ReduceScatter, &hints, |r, b, c| {
+                        let ins: Vec<Vec<f64>> = (0..w).map(|i| (0..n + i).map(|e| (r * 7 + i + e) as f64).collect()).collect();
+                        let mut o = vec![0f64; n + r];
+                        let views = ins.iter().map(|v| crate::tensor::Tensor::from_slice(v)).collect();
+                        run(b, &mut Op::ReduceScatter { inputs: views, output: TensorMut::from_slice(&mut o), op: ReduceOp::Sum }, c)
+                            .unwrap();
+                        o
+                    });
+                    for (r, o) in out.iter().enumerate() {
+                        let e: Vec<f64> = (0..n + r).map(|e| (0..w).map(|s| (s * 7 + r + e) as f64).sum()).collect();
+                        assert_eq!(*o, e, "reduce_scatter w={w} seg={seg} n={n} rank {r}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_segment_sizes_are_invalid_arguments() {
+        let out = run_ranks_with(2, OpKind::AllReduce, &[("algorithm", "ring"), ("segment_bytes", "0")], |_, b, c| {
+            let mut v = [1u8; 4];
+            run(b, &mut Op::AllReduce { buf: TensorMut::from_slice(&mut v[..]), op: ReduceOp::Sum }, c).unwrap_err()
+        });
+        assert!(out[0].to_string().contains("segment_bytes=\"0\""), "{}", out[0]);
+    }
+
     #[test]
     fn unknown_algorithms_are_invalid_arguments() {
         let out = run_ranks_with(2, OpKind::AllReduce, &[("algorithm", "butterfly")], |_, b, c| {
             let mut v = [1u8];
             run(b, &mut Op::AllReduce { buf: TensorMut::from_slice(&mut v[..]), op: ReduceOp::Sum }, c).unwrap_err()
         });
-        assert!(out[0].to_string().contains("no algorithm \"butterfly\" (choices: auto, ring, recursive_doubling)"), "{}", out[0]);
+        assert!(
+            out[0].to_string().contains("no algorithm \"butterfly\" (choices: auto, ring, recursive_doubling, halving_doubling)"),
+            "{}",
+            out[0]
+        );
     }
 }

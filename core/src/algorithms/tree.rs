@@ -1,9 +1,10 @@
 //! Binomial trees rooted at any rank: broadcast and reduce in log2(W) rounds.
 
+use super::ring::Segments;
 use super::Comm;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::kernels::{finish, prescale, reduce_into, AlignedBuf};
+use crate::kernels::{finish, prescale, reduce_into, Scratch};
 use crate::reduce_op::ReduceOp;
 
 /// Root's `buf` is copied to every rank.
@@ -30,27 +31,52 @@ pub fn broadcast(c: &Comm<'_>, buf: &mut [u8], root: usize) -> Result<()> {
 }
 
 /// Root's `buf` becomes the reduction of every rank's `buf`; other ranks'
-/// buffers are left unchanged (partial sums live in scratch space).
+/// buffers are left unchanged (partial sums live in pooled scratch; the
+/// root accumulates in place). Each transfer goes in segments, reduced
+/// while they are still in cache.
 pub fn reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, root: usize) -> Result<()> {
     let (w, r) = (c.size(), c.rank());
     let vr = (r + w - root) % w;
     let real = |v: usize| (v + root) % w;
-    let mut acc = AlignedBuf::copy_of(buf);
-    prescale(acc.as_mut(), dtype, op);
-    let mut tmp = AlignedBuf::zeroed(buf.len());
+    let seg = Segments::new(c, buf.len(), dtype.size())?;
+    // How many children send to this rank: one per low zero bit of vr.
+    let children = (0..usize::BITS).map(|b| 1usize << b).take_while(|m| *m < w && vr & m == 0).filter(|m| vr | m < w).count();
+    // A separate accumulator where `buf` must stay unchanged or be scaled.
+    let scaled = matches!(op, ReduceOp::PremulSum(_));
+    let mut own = (r != root && children > 0 || scaled).then(|| {
+        let mut a = Scratch::take(buf.len());
+        a.copy_from_slice(buf);
+        prescale(&mut a, dtype, op);
+        a
+    });
+    let acc: &mut [u8] = match &mut own {
+        Some(a) => a,
+        None => buf,
+    };
+    let mut tmp = Scratch::take(seg.bytes.min(acc.len()));
     let mut mask = 1;
     while mask < w {
         if vr & mask == 0 {
             if vr | mask < w {
-                c.recv(0, real(vr | mask), tmp.as_mut())?;
-                reduce_into(acc.as_mut(), tmp.as_ref(), dtype, op);
+                let from = real(vr | mask);
+                for j in 0..seg.count {
+                    let p = seg.piece(j, acc.len());
+                    c.recv(0, from, &mut tmp[..p.len()])?;
+                    reduce_into(&mut acc[p.clone()], &tmp[..p.len()], dtype, op);
+                }
             }
         } else {
-            return c.send(0, real(vr & !mask), acc.as_ref());
+            let to = real(vr & !mask);
+            for j in 0..seg.count {
+                c.send(0, to, &acc[seg.piece(j, acc.len())])?;
+            }
+            return Ok(());
         }
         mask <<= 1;
     }
-    finish(acc.as_mut(), dtype, op, w);
-    buf.copy_from_slice(acc.as_ref());
+    finish(acc, dtype, op, w);
+    if let Some(a) = &own {
+        buf.copy_from_slice(a);
+    }
     Ok(())
 }

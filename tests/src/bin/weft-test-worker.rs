@@ -84,7 +84,7 @@ fn run(scenario: &str) -> anyhow::Result<()> {
         }
         "all_reduce_hints" => {
             // all_reduce through each path a hint can choose.
-            for algo in ["hierarchical", "ring", "recursive_doubling"] {
+            for algo in ["hierarchical", "ring", "recursive_doubling", "halving_doubling"] {
                 for n in [1usize, 1000, 300_001] {
                     let mut v: Vec<f64> = (0..n).map(|i| (i % 7) as f64 + r as f64).collect();
                     pg.all_reduce(&mut v, ReduceOp::Avg, &OpOptions::default().hint("algorithm", algo))?.wait()?;
