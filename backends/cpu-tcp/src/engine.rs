@@ -15,6 +15,11 @@ use weft::{Error, Result};
 
 /// Spin this long without progress before blocking in poll().
 const SPIN: Duration = Duration::from_micros(50);
+/// Without progress for this long, read every peer's frames, awaited or
+/// not (early ones go to the stash), so no cycle of full socket buffers
+/// can block progress. Before that, frames no receive awaits stay in the
+/// kernel: stashing them costs an allocation and a second copy.
+const EAGER_AFTER: Duration = Duration::from_millis(2);
 /// Block at most this long per poll() (to re-check aborts).
 const NAP: Duration = Duration::from_millis(100);
 
@@ -160,11 +165,9 @@ fn run(
                 busy[*peer] = false;
             }
         }
-        // Receives: read from the peers this exchange awaits, and only as
-        // far as it needs; once stalled, read everything every peer sent
-        // (early messages go to the stash) so no cycle of full socket
-        // buffers can block progress.
-        let eager = Instant::now().duration_since(idle_since) >= SPIN;
+        // Receives: from the peers this exchange awaits, only as far as it
+        // needs, until stalled (see EAGER_AFTER).
+        let eager = Instant::now().duration_since(idle_since) >= EAGER_AFTER;
         for peer in 0..w {
             if peers[peer].is_some() {
                 moved |= drain(me, peer, peers, ops, done, eager)?;
@@ -207,17 +210,29 @@ fn run(
         let mut fds: Vec<nix::poll::PollFd<'_>> = Vec::with_capacity(w);
         for (peer, p) in peers.iter().enumerate() {
             if let Some(p) = p {
-                let mut ev = nix::poll::PollFlags::POLLIN;
+                let mut ev = nix::poll::PollFlags::empty();
+                // A peer with unread frames nobody awaits would wake poll() at
+                // once: watch it only once reading everything.
+                if eager || awaited(ops, done, peer) {
+                    ev |= nix::poll::PollFlags::POLLIN;
+                }
                 if busy[peer] {
                     ev |= nix::poll::PollFlags::POLLOUT;
                 }
                 fds.push(nix::poll::PollFd::new(p.sock.as_fd(), ev));
             }
         }
-        let wait = NAP.min(deadline.saturating_duration_since(now)).max(Duration::from_millis(1));
+        // Wake by the time reading everything starts, then every NAP.
+        let nap = if eager { NAP } else { EAGER_AFTER.saturating_sub(now.duration_since(idle_since)) };
+        let wait = nap.min(deadline.saturating_duration_since(now)).max(Duration::from_millis(1));
         let ms = nix::poll::PollTimeout::try_from(wait.as_millis() as u32).unwrap_or(nix::poll::PollTimeout::MAX);
         let _ = nix::poll::poll(&mut fds, ms);
     }
+}
+
+/// Whether a receive of `ops` still waits for `peer`.
+fn awaited(ops: &[P2p<'_>], done: &[bool], peer: usize) -> bool {
+    ops.iter().zip(done).any(|(op, d)| !d && matches!(op, P2p::Recv { peer: q, .. } if *q == peer))
 }
 
 /// Read what `peer` has sent; true if any byte moved. Unless `eager`, stop
@@ -231,8 +246,7 @@ fn drain(me: usize, peer: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>]
             if p.left {
                 return Ok(moved);
             }
-            let awaited = || ops.iter().zip(done.iter()).any(|(op, d)| !d && matches!(op, P2p::Recv { peer: q, .. } if *q == peer));
-            if !eager && p.hdr_got == 0 && !awaited() {
+            if !eager && p.hdr_got == 0 && !awaited(ops, done, peer) {
                 return Ok(moved);
             }
             match read_some(&p.sock, &mut p.hdr[p.hdr_got..], peer)? {
