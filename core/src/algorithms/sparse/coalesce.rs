@@ -18,6 +18,22 @@ pub struct Run {
     pub values: Vec<u8>,
 }
 
+/// A borrowed run: part of a [`Run`], or rows as they were received.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RunRef<'a> {
+    /// Sorted unique keys.
+    pub keys: &'a [i64],
+    /// One row of value bytes per key.
+    pub values: &'a [u8],
+}
+
+impl Run {
+    /// The whole run, borrowed.
+    pub fn as_ref(&self) -> RunRef<'_> {
+        RunRef { keys: &self.keys, values: &self.values }
+    }
+}
+
 /// Geometry shared by all ranks: how keys map to indices and rows to bytes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Layout {
@@ -103,18 +119,16 @@ pub fn merge2(a: &Run, b: &Run, row: usize, dtype: DType, op: ReduceOp) -> Run {
     out
 }
 
-/// Merge k coalesced runs with a heap over their heads (k-way merge).
-pub fn merge_k(runs: &[Run], row: usize, dtype: DType, op: ReduceOp) -> Run {
-    use std::cmp::Reverse;
-    use std::collections::BinaryHeap;
+/// Up to this many runs, the smallest head is found by scanning the heads
+/// (predictable branches, no heap upkeep); beyond, a heap.
+const SCAN_RUNS: usize = 16;
+
+/// Merge k coalesced runs (k-way merge), reducing rows with equal keys.
+pub fn merge_k(runs: &[RunRef<'_>], row: usize, dtype: DType, op: ReduceOp) -> Run {
     let total: usize = runs.iter().map(|r| r.keys.len()).sum();
     let mut out = Run { keys: Vec::with_capacity(total), values: Vec::with_capacity(total * row) };
-    let mut heap: BinaryHeap<Reverse<(i64, usize)>> =
-        runs.iter().enumerate().filter(|(_, r)| !r.keys.is_empty()).map(|(i, r)| Reverse((r.keys[0], i))).collect();
     let mut pos = vec![0usize; runs.len()];
-    while let Some(Reverse((key, i))) = heap.pop() {
-        let p = pos[i];
-        let src = &runs[i].values[p * row..(p + 1) * row];
+    let push = |out: &mut Run, key: i64, src: &[u8]| {
         if out.keys.last() == Some(&key) {
             let n = out.values.len();
             reduce_into(&mut out.values[n - row..], src, dtype, op);
@@ -122,6 +136,27 @@ pub fn merge_k(runs: &[Run], row: usize, dtype: DType, op: ReduceOp) -> Run {
             out.keys.push(key);
             out.values.extend_from_slice(src);
         }
+    };
+    if runs.len() <= SCAN_RUNS {
+        loop {
+            let Some(key) = runs.iter().zip(&pos).filter_map(|(r, p)| r.keys.get(*p)).min().copied() else {
+                return out;
+            };
+            for (r, p) in runs.iter().zip(pos.iter_mut()) {
+                if r.keys.get(*p) == Some(&key) {
+                    push(&mut out, key, &r.values[*p * row..(*p + 1) * row]);
+                    *p += 1;
+                }
+            }
+        }
+    }
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let mut heap: BinaryHeap<Reverse<(i64, usize)>> =
+        runs.iter().enumerate().filter(|(_, r)| !r.keys.is_empty()).map(|(i, r)| Reverse((r.keys[0], i))).collect();
+    while let Some(Reverse((key, i))) = heap.pop() {
+        let p = pos[i];
+        push(&mut out, key, &runs[i].values[p * row..(p + 1) * row]);
         pos[i] += 1;
         if let Some(next) = runs[i].keys.get(pos[i]) {
             heap.push(Reverse((*next, i)));
@@ -158,8 +193,20 @@ mod tests {
         let b = run(&[0, 4, 10], &[5, 6, 7]);
         let c = run(&[4], &[100]);
         let m2 = merge2(&merge2(&a, &b, 4, DType::I32, ReduceOp::Sum), &c, 4, DType::I32, ReduceOp::Sum);
-        let mk = merge_k(&[a, b, c, Run::default()], 4, DType::I32, ReduceOp::Sum);
+        let mk = merge_k(&[a.as_ref(), b.as_ref(), c.as_ref(), RunRef::default()], 4, DType::I32, ReduceOp::Sum);
         assert_eq!(m2, mk);
         assert_eq!(mk, run(&[0, 1, 4, 9, 10], &[5, 1, 108, 3, 7]));
+    }
+
+    #[test]
+    fn scanning_and_heap_merges_agree() {
+        // 40 runs (the heap path) against the same merged in pairs.
+        let runs: Vec<Run> = (0..40).map(|i| run(&[i % 7, 10 + i, 100], &[i as i32, 1, 2])).collect();
+        let refs: Vec<RunRef<'_>> = runs.iter().map(Run::as_ref).collect();
+        let heap = merge_k(&refs, 4, DType::I32, ReduceOp::Sum);
+        let scanned = refs.chunks(SCAN_RUNS).map(|c| merge_k(c, 4, DType::I32, ReduceOp::Sum)).collect::<Vec<_>>();
+        let pairwise = scanned.iter().skip(1).fold(scanned[0].clone(), |a, b| merge2(&a, b, 4, DType::I32, ReduceOp::Sum));
+        assert_eq!(heap, pairwise);
+        assert_eq!(heap.keys.len(), 7 + 40 + 1);
     }
 }

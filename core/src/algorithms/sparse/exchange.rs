@@ -1,8 +1,9 @@
 //! The sparse algorithms that move runs: all-gather then k-way merge, and
 //! recursive doubling with a 2-way merge per step.
 
-use super::coalesce::{merge2, merge_k, Layout, Run};
+use super::coalesce::{merge2, merge_k, Layout, Run, RunRef};
 use crate::algorithms::{ring, Comm};
+use crate::backend::P2p;
 use crate::error::Result;
 use crate::reduce_op::ReduceOp;
 
@@ -27,7 +28,8 @@ pub fn allgather(c: &Comm<'_>, run: Run, nnz: &[usize], l: &Layout, op: ReduceOp
         ring::all_gather(&c.phase(3), &run.values, &mut outs)?;
     }
     let runs: Vec<Run> = keys.iter().zip(vals).map(|(k, v)| Run { keys: keys_of(k), values: v }).collect();
-    Ok(merge_k(&runs, l.row, l.dtype, op))
+    let refs: Vec<RunRef<'_>> = runs.iter().map(Run::as_ref).collect();
+    Ok(merge_k(&refs, l.row, l.dtype, op))
 }
 
 /// Send a run: its length, then keys and values in one message.
@@ -102,70 +104,87 @@ pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp) 
     Ok(run)
 }
 
-/// Sparse reduce-scatter + all-gather: keys are owned by rank `key % W`;
-/// every rank sends each owner its keys (pairwise), merges the keys it owns,
-/// and the reduced shares are all-gathered and merged. Traffic follows the
-/// union when indices overlap, and each rank merges only 1/W of the keys.
-pub fn split(c: &Comm<'_>, run: Run, l: &Layout, op: ReduceOp) -> Result<Run> {
+/// Sparse reduce-scatter + all-gather over key ranges: rank i owns keys in
+/// [bounds[i-1], bounds[i]) (ranges holding equal shares of the union, from
+/// the sketch). Each rank's sorted run splits into W slices without
+/// copying; a pairwise exchange sends each owner its slice; owners merge;
+/// the reduced shares, disjoint and in key order, are all-gathered straight
+/// into the result. Traffic follows the union when indices overlap, each
+/// rank merges only its range, and nothing is merged twice.
+pub fn split(c: &Comm<'_>, run: Run, l: &Layout, op: ReduceOp, bounds: &[i64]) -> Result<Run> {
     let (w, r) = (c.size(), c.rank());
-    // Bucket by owner; a pass in key order keeps every bucket sorted.
-    let mut buckets: Vec<Run> = (0..w).map(|_| Run::default()).collect();
-    for (k, key) in run.keys.iter().enumerate() {
-        let b = &mut buckets[key.rem_euclid(w as i64) as usize];
-        b.keys.push(*key);
-        b.values.extend_from_slice(&run.values[k * l.row..(k + 1) * l.row]);
+    debug_assert_eq!(bounds.len() + 1, w);
+    // Slice i of the run: the keys rank i owns.
+    let mut cut = vec![0usize; w + 1];
+    for (i, b) in bounds.iter().enumerate() {
+        cut[i + 1] = run.keys.partition_point(|k| k < b);
     }
-    drop(run);
-    // Pairwise exchange: in step s, send to r+s, receive from r-s.
-    let mut mine: Vec<Run> = Vec::with_capacity(w);
-    for s in 1..w {
-        let (to, from) = ((r + s) % w, (r + w - s) % w);
-        let got = if to == from {
-            swap_run(c, 2 * s as u32, to, &buckets[to], l.row)?
-        } else {
-            // Different peers: counts and payloads in both directions at once.
-            let mut n = [0u8; 8];
-            c.send_recv(2 * s as u32, to, &(buckets[to].keys.len() as u64).to_le_bytes(), from, &mut n)?;
-            let theirs = u64::from_le_bytes(n) as usize;
-            let mut packed = key_bytes(&buckets[to].keys);
-            packed.extend_from_slice(&buckets[to].values);
-            let mut got = vec![0u8; theirs * (8 + l.row)];
-            c.send_recv(2 * s as u32 + 1, to, &packed, from, &mut got)?;
-            let values = got.split_off(theirs * 8);
-            Run { keys: keys_of(&got), values }
-        };
-        mine.push(got);
-    }
-    mine.push(std::mem::take(&mut buckets[r]));
-    let owned = merge_k(&mine, l.row, l.dtype, op);
-    drop(mine);
-    // All-gather the reduced shares (sizes first), then merge the disjoint runs.
-    let ag = c.phase(c_phase_next(c));
-    let mut counts = vec![vec![0u8; 8]; w];
+    cut[w] = run.keys.len();
+    let slice = |i: usize| RunRef { keys: &run.keys[cut[i]..cut[i + 1]], values: &run.values[cut[i] * l.row..cut[i + 1] * l.row] };
+    // How many rows each rank sends each owner: one batch of 8-byte counts.
+    let counts: Vec<[u8; 8]> = (0..w).map(|i| (slice(i).keys.len() as u64).to_le_bytes()).collect();
+    let mut incoming = vec![[0u8; 8]; w];
     {
-        let mut outs: Vec<&mut [u8]> = counts.iter_mut().map(|v| &mut v[..]).collect();
-        ring::all_gather(&ag, &(owned.keys.len() as u64).to_le_bytes(), &mut outs)?;
+        let tag = c.tag(0);
+        let mut ops: Vec<P2p<'_>> = Vec::with_capacity(2 * w);
+        for (peer, (out, inc)) in counts.iter().zip(incoming.iter_mut()).enumerate().filter(|(p, _)| *p != r) {
+            ops.push(P2p::Send { peer, tag, data: out });
+            ops.push(P2p::Recv { peer, tag, buf: inc });
+        }
+        c.exchange(&mut ops)?;
     }
-    let sizes: Vec<usize> = counts.iter().map(|b| u64::from_le_bytes(b[..].try_into().expect("8 bytes")) as usize).collect();
-    let mut packed: Vec<Vec<u8>> = sizes.iter().map(|n| vec![0u8; n * (8 + l.row)]).collect();
-    {
-        let mut mine = key_bytes(&owned.keys);
-        mine.extend_from_slice(&owned.values);
-        let mut outs: Vec<&mut [u8]> = packed.iter_mut().map(|v| &mut v[..]).collect();
-        ring::all_gather(&ag.phase_step(1024), &mine, &mut outs)?;
-    }
-    let shares: Vec<Run> = packed
-        .into_iter()
-        .zip(&sizes)
-        .map(|(mut p, n)| {
-            let values = p.split_off(n * 8);
-            Run { keys: keys_of(&p), values }
+    // Pairwise: in step s, send to r+s, receive from r-s; keys and values
+    // go as they lie, received rows land where the merge reads them.
+    let mut got: Vec<(Vec<u8>, Vec<u8>)> = (0..w)
+        .map(|src| {
+            let n = if src == r { 0 } else { u64::from_le_bytes(incoming[src]) as usize };
+            (vec![0u8; n * 8], vec![0u8; n * l.row])
         })
         .collect();
-    Ok(merge_k(&shares, l.row, l.dtype, op))
+    for s in 1..w {
+        let (to, from) = ((r + s) % w, (r + w - s) % w);
+        let out = slice(to);
+        let keys = key_bytes(out.keys);
+        let (gk, gv) = &mut got[from];
+        c.exchange(&mut [
+            P2p::Send { peer: to, tag: c.tag(2 * s as u32), data: &keys },
+            P2p::Send { peer: to, tag: c.tag(2 * s as u32 + 1), data: out.values },
+            P2p::Recv { peer: from, tag: c.tag(2 * s as u32), buf: gk },
+            P2p::Recv { peer: from, tag: c.tag(2 * s as u32 + 1), buf: gv },
+        ])?;
+    }
+    let owned = {
+        let keys: Vec<Vec<i64>> = got.iter().map(|(k, _)| keys_of(k)).collect();
+        let parts: Vec<RunRef<'_>> =
+            (0..w).map(|src| if src == r { slice(r) } else { RunRef { keys: &keys[src], values: &got[src].1 } }).collect();
+        merge_k(&parts, l.row, l.dtype, op)
+    };
+    drop(got);
+    // All-gather the reduced shares (sizes first) into one run: shares are
+    // disjoint and in rank order, which is key order.
+    let ag = c.phase(c.phase_index() + 1);
+    let mut sizes = vec![[0u8; 8]; w];
+    {
+        let mut outs: Vec<&mut [u8]> = sizes.iter_mut().map(|v| &mut v[..]).collect();
+        ring::all_gather(&ag, &(owned.keys.len() as u64).to_le_bytes(), &mut outs)?;
+    }
+    let sizes: Vec<usize> = sizes.iter().map(|b| u64::from_le_bytes(*b) as usize).collect();
+    let total: usize = sizes.iter().sum();
+    let mut all_keys = vec![0u8; total * 8];
+    let mut all_values = vec![0u8; total * l.row];
+    ring::all_gather(&ag.phase_step(1024), &key_bytes(&owned.keys), &mut split_at_sizes(&mut all_keys, &sizes, 8))?;
+    ring::all_gather(&ag.phase_step(2048), &owned.values, &mut split_at_sizes(&mut all_values, &sizes, l.row))?;
+    Ok(Run { keys: keys_of(&all_keys), values: all_values })
 }
 
-/// The phase after the one `c` runs in.
-fn c_phase_next(c: &Comm<'_>) -> u32 {
-    c.phase_index() + 1
+/// `buf` cut into consecutive pieces of `sizes[i] * unit` bytes.
+fn split_at_sizes<'b>(mut buf: &'b mut [u8], sizes: &[usize], unit: usize) -> Vec<&'b mut [u8]> {
+    sizes
+        .iter()
+        .map(|n| {
+            let (head, tail) = std::mem::take(&mut buf).split_at_mut(n * unit);
+            buf = tail;
+            head
+        })
+        .collect()
 }

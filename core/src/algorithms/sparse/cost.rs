@@ -1,0 +1,80 @@
+//! `auto`'s choice: the algorithm with the least estimated cost, from what
+//! every rank knows alike after the header (every rank's nnz and the
+//! sketch's estimate of the union). Cost counts the bytes each rank
+//! receives, a quarter of the bytes its merges read, and a fixed price
+//! per message step; the dense path pays its ring traffic and passes over
+//! the dense table (fill, reduce, compact). The weights were fitted to
+//! `weft bench --ops sparse_all_reduce` at W = 2 and 4; another algorithm
+//! replaces the all-gather baseline only when it is clearly cheaper, so
+//! estimation error cannot make `auto` slower than the baseline.
+
+use super::coalesce::Layout;
+
+/// One message step costs about as much as receiving this many bytes.
+const STEP_BYTES: f64 = 64.0 * 1024.0;
+/// A byte read by a merge, against a byte received.
+const MERGE: f64 = 0.25;
+/// How much cheaper than the baseline an estimate must be to replace it.
+const MARGIN: f64 = 1.1;
+
+/// The cheapest algorithm's name.
+pub fn cheapest(world: usize, nnz: &[usize], union: f64, l: &Layout) -> &'static str {
+    if world <= 1 {
+        return "allgather";
+    }
+    let w = world as f64;
+    let n = nnz.iter().sum::<usize>() as f64 / w;
+    // The union holds at least the largest contribution, at most all of them.
+    let max = nnz.iter().copied().max().unwrap_or(0) as f64;
+    let u = union.clamp(max, n * w);
+    let b = (8 + l.row) as f64;
+    let log_w = (usize::BITS - world.saturating_sub(1).leading_zeros()) as f64;
+    let baseline = (w - 1.0) * n * b + MERGE * w * n * b + 2.0 * (w - 1.0) * STEP_BYTES;
+    let others = [
+        // Step i swaps partial unions of 2^i ranks and merges two of them.
+        (
+            "recursive_doubling",
+            (0..log_w as u32).map(|i| (1.0 + 2.0 * MERGE) * (n * f64::from(1u32 << i)).min(u) * b).sum::<f64>() + 2.0 * log_w * STEP_BYTES,
+        ),
+        // Each owner receives its range from the others and merges it; the
+        // reduced union is all-gathered.
+        ("split", (w - 1.0) / w * (n + u) * b + MERGE * n * b + (4.0 * w - 3.0) * STEP_BYTES),
+        // A dense ring all-reduce (and its mask), plus passes over the table.
+        ("dense", {
+            let table = l.rows as f64 * (l.row + 1) as f64;
+            2.0 * (w - 1.0) / w * table + 4.0 * MERGE * table + 4.0 * (w - 1.0) * STEP_BYTES
+        }),
+    ];
+    match others.iter().min_by(|a, b| a.1.total_cmp(&b.1)) {
+        Some((name, cost)) if cost * MARGIN < baseline => name,
+        _ => "allgather",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+
+    fn table(rows: u64) -> Layout {
+        Layout { shape: vec![rows as usize, 64], sparse_dims: 1, dtype: DType::F32, row: 256, rows }
+    }
+
+    #[test]
+    fn choices_follow_overlap_and_density() {
+        let l = table(100_000);
+        // Tiny tensors: fewest steps.
+        assert_eq!(cheapest(4, &[10; 4], 30.0, &l), "recursive_doubling");
+        // Indices overlapping heavily: the union is barely larger than one rank's.
+        assert_eq!(cheapest(4, &[10_000; 4], 11_000.0, &l), "split");
+        // Nearly the whole table on every rank: with wide rows, moving keys
+        // too costs little more than dense; with narrow rows, dense wins.
+        assert_eq!(cheapest(4, &[90_000; 4], 99_000.0, &l), "split");
+        let narrow = Layout { shape: vec![100_000], sparse_dims: 1, dtype: DType::F32, row: 4, rows: 100_000 };
+        assert_eq!(cheapest(4, &[90_000; 4], 99_000.0, &narrow), "dense");
+        // Little overlap at two ranks: nothing beats the baseline clearly.
+        assert_eq!(cheapest(2, &[26_000; 2], 38_000.0, &l), "allgather");
+        // One rank: nothing to exchange.
+        assert_eq!(cheapest(1, &[5], 5.0, &l), "allgather");
+    }
+}
