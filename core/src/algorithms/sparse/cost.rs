@@ -1,8 +1,8 @@
 //! `auto`'s choice: the algorithm with the least estimated cost, from what
 //! every rank knows alike after the header (every rank's nnz and the
 //! sketch's estimate of the union). Cost counts the bytes each rank
-//! receives, a quarter of the bytes its merges read, and a fixed price
-//! per message step; the dense path pays its ring traffic and passes over
+//! receives, a quarter of the bytes its merges read plus a price per
+//! merged row, and a price per message step; the dense path pays its ring traffic and passes over
 //! the dense table (fill, reduce, compact). The weights were fitted to
 //! `weft bench --ops sparse_all_reduce` at W = 2 and 4; another algorithm
 //! replaces the all-gather baseline only when it is clearly cheaper, so
@@ -14,6 +14,9 @@ use super::coalesce::Layout;
 const STEP_BYTES: f64 = 64.0 * 1024.0;
 /// A byte read by a merge, against a byte received.
 const MERGE: f64 = 0.25;
+/// Each row a merge reads also costs a fixed price (compare, branch): what
+/// dominates for narrow rows.
+const MERGE_ROW: f64 = 16.0;
 /// How much cheaper than the baseline an estimate must be to replace it.
 const MARGIN: f64 = 1.1;
 
@@ -28,17 +31,25 @@ pub fn cheapest(world: usize, nnz: &[usize], union: f64, l: &Layout) -> &'static
     let max = nnz.iter().copied().max().unwrap_or(0) as f64;
     let u = union.clamp(max, n * w);
     let b = (8 + l.row) as f64;
+    // Merging `rows` rows of `b` bytes.
+    let merge = |rows: f64| rows * (MERGE * b + MERGE_ROW);
     let log_w = (usize::BITS - world.saturating_sub(1).leading_zeros()) as f64;
-    let baseline = (w - 1.0) * n * b + MERGE * w * n * b + 2.0 * (w - 1.0) * STEP_BYTES;
+    let baseline = (w - 1.0) * n * b + merge(w * n) + 2.0 * (w - 1.0) * STEP_BYTES;
     let others = [
         // Step i swaps partial unions of 2^i ranks and merges two of them.
         (
             "recursive_doubling",
-            (0..log_w as u32).map(|i| (1.0 + 2.0 * MERGE) * (n * f64::from(1u32 << i)).min(u) * b).sum::<f64>() + 2.0 * log_w * STEP_BYTES,
+            (0..log_w as u32)
+                .map(|i| {
+                    let partial = (n * f64::from(1u32 << i)).min(u);
+                    partial * b + merge(2.0 * partial)
+                })
+                .sum::<f64>()
+                + 2.0 * log_w * STEP_BYTES,
         ),
         // Each owner receives its range from the others and merges it; the
         // reduced union is all-gathered.
-        ("split", (w - 1.0) / w * (n + u) * b + MERGE * n * b + (4.0 * w - 3.0) * STEP_BYTES),
+        ("split", (w - 1.0) / w * (n + u) * b + merge(n) + (4.0 * w - 3.0) * STEP_BYTES),
         // A dense ring all-reduce (and its mask), plus passes over the table.
         ("dense", {
             let table = l.rows as f64 * (l.row + 1) as f64;
@@ -74,6 +85,10 @@ mod tests {
         assert_eq!(cheapest(4, &[90_000; 4], 99_000.0, &narrow), "dense");
         // Little overlap at two ranks: nothing beats the baseline clearly.
         assert_eq!(cheapest(2, &[26_000; 2], 38_000.0, &l), "allgather");
+        // Narrow rows, light overlap at four ranks: merging 4x the rows
+        // costs the baseline more than split's extra steps.
+        let narrow_big = Layout { rows: 1_000_000, ..narrow.clone() };
+        assert_eq!(cheapest(4, &[52_500; 4], 139_000.0, &narrow_big), "split");
         // One rank: nothing to exchange.
         assert_eq!(cheapest(1, &[5], 5.0, &l), "allgather");
     }
