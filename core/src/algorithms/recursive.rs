@@ -40,32 +40,46 @@ impl Fold {
         }
     }
 
+    /// This rank's virtual rank, or None when it sits the exchange out.
+    pub fn virtual_rank(&self) -> Option<usize> {
+        match (self.sits_out_for(), self.stands_for()) {
+            (Some(_), _) => None,
+            (None, Some(_)) => Some(self.rank / 2),
+            (None, None) => Some(self.rank - self.rem),
+        }
+    }
+
+    /// The rank this one hands its data to, and sits out for.
+    pub fn sits_out_for(&self) -> Option<usize> {
+        (self.rank < 2 * self.rem && self.rank.is_multiple_of(2)).then_some(self.rank + 1)
+    }
+
+    /// The rank whose data this one takes in and stands for.
+    pub fn stands_for(&self) -> Option<usize> {
+        (self.rank < 2 * self.rem && !self.rank.is_multiple_of(2)).then(|| self.rank - 1)
+    }
+
     /// Fold `buf` in (as step 0, reducing with `tmp` of at least its size);
     /// this rank's virtual rank, or None when it sits the exchange out.
     pub fn enter(&self, c: &Comm<'_>, buf: &mut [u8], tmp: &mut [u8], dtype: DType, op: ReduceOp) -> Result<Option<usize>> {
-        let r = self.rank;
-        if r >= 2 * self.rem {
-            return Ok(Some(r - self.rem));
+        if let Some(to) = self.sits_out_for() {
+            c.send(0, to, buf)?;
+        } else if let Some(from) = self.stands_for() {
+            let tmp = &mut tmp[..buf.len()];
+            c.recv(0, from, tmp)?;
+            reduce_into(buf, tmp, dtype, op);
         }
-        if r.is_multiple_of(2) {
-            c.send(0, r + 1, buf)?;
-            return Ok(None);
-        }
-        let tmp = &mut tmp[..buf.len()];
-        c.recv(0, r - 1, tmp)?;
-        reduce_into(buf, tmp, dtype, op);
-        Ok(Some(r / 2))
+        Ok(self.virtual_rank())
     }
 
     /// Give the finished `buf` back to the ranks that folded in.
     pub fn leave(&self, c: &Comm<'_>, buf: &mut [u8]) -> Result<()> {
-        let r = self.rank;
-        if r >= 2 * self.rem {
-            Ok(())
-        } else if r % 2 == 1 {
-            c.send(UNFOLD_STEP, r - 1, buf)
+        if let Some(to) = self.stands_for() {
+            c.send(UNFOLD_STEP, to, buf)
+        } else if let Some(from) = self.sits_out_for() {
+            c.recv(UNFOLD_STEP, from, buf)
         } else {
-            c.recv(UNFOLD_STEP, r + 1, buf)
+            Ok(())
         }
     }
 }

@@ -192,7 +192,7 @@ pub fn broadcast_scatter_allgather(c: &Comm<'_>, buf: &mut [u8], root: usize) ->
 }
 
 /// `buf` cut at `bounds` (W+1 increasing offsets) into W disjoint blocks.
-fn split_blocks<'b>(buf: &'b mut [u8], bounds: &[usize]) -> Vec<&'b mut [u8]> {
+pub(super) fn split_blocks<'b>(buf: &'b mut [u8], bounds: &[usize]) -> Vec<&'b mut [u8]> {
     let mut blocks = Vec::with_capacity(bounds.len() - 1);
     let mut rest = buf;
     for pair in bounds.windows(2) {

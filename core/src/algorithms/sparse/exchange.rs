@@ -2,6 +2,7 @@
 //! recursive doubling with a 2-way merge per step.
 
 use super::coalesce::{merge2, merge_k, Layout, Run, RunRef};
+use crate::algorithms::recursive::Fold;
 use crate::algorithms::{ring, Comm};
 use crate::backend::P2p;
 use crate::error::Result;
@@ -64,29 +65,21 @@ fn swap_run(c: &Comm<'_>, step: u32, peer: usize, run: &Run, row: usize) -> Resu
 }
 
 /// Recursive doubling over the partial unions. Ranks beyond the largest
-/// power of two fold into a partner first and get the result back last.
+/// power of two fold into a partner first and get the result back last
+/// ([`Fold`], as the dense recursive doubling does).
 pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp) -> Result<Run> {
-    let (w, r) = (c.size(), c.rank());
-    let p = 1usize << (usize::BITS - 1 - w.max(1).leading_zeros());
-    let rem = w - p;
     const FOLD: u32 = 4000;
-    let virt = if r < 2 * rem {
-        if r % 2 == 0 {
-            send_run(c, FOLD, r + 1, &run)?;
-            None
-        } else {
-            let theirs = recv_run(c, FOLD, r - 1, l.row)?;
-            run = merge2(&run, &theirs, l.row, l.dtype, op);
-            Some(r / 2)
-        }
-    } else {
-        Some(r - rem)
-    };
-    if let Some(v) = virt {
-        let real = |x: usize| if x < rem { 2 * x + 1 } else { x + rem };
+    let fold = Fold::new(c);
+    if let Some(to) = fold.sits_out_for() {
+        send_run(c, FOLD, to, &run)?;
+    } else if let Some(from) = fold.stands_for() {
+        let theirs = recv_run(c, FOLD, from, l.row)?;
+        run = merge2(&run, &theirs, l.row, l.dtype, op);
+    }
+    if let Some(v) = fold.virtual_rank() {
         let (mut mask, mut step) = (1, 0);
-        while mask < p {
-            let peer = real(v ^ mask);
+        while mask < fold.p {
+            let peer = fold.real(v ^ mask);
             let theirs = swap_run(c, step, peer, &run, l.row)?;
             // Both partners combine the same two runs: results stay identical.
             run = merge2(&run, &theirs, l.row, l.dtype, op);
@@ -94,12 +87,10 @@ pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp) 
             step += 2;
         }
     }
-    if r < 2 * rem {
-        if r % 2 == 1 {
-            send_run(c, FOLD + 2, r - 1, &run)?;
-        } else {
-            run = recv_run(c, FOLD + 2, r + 1, l.row)?;
-        }
+    if let Some(to) = fold.stands_for() {
+        send_run(c, FOLD + 2, to, &run)?;
+    } else if let Some(from) = fold.sits_out_for() {
+        run = recv_run(c, FOLD + 2, from, l.row)?;
     }
     Ok(run)
 }
@@ -168,23 +159,18 @@ pub fn split(c: &Comm<'_>, run: Run, l: &Layout, op: ReduceOp, bounds: &[i64]) -
         let mut outs: Vec<&mut [u8]> = sizes.iter_mut().map(|v| &mut v[..]).collect();
         ring::all_gather(&ag, &(owned.keys.len() as u64).to_le_bytes(), &mut outs)?;
     }
-    let sizes: Vec<usize> = sizes.iter().map(|b| u64::from_le_bytes(*b) as usize).collect();
-    let total: usize = sizes.iter().sum();
+    // Where each rank's share starts, in rows.
+    let starts: Vec<usize> = std::iter::once(0)
+        .chain(sizes.iter().scan(0, |at, b| {
+            *at += u64::from_le_bytes(*b) as usize;
+            Some(*at)
+        }))
+        .collect();
+    let total = starts[w];
+    let bytes_at = |unit: usize| starts.iter().map(|s| s * unit).collect::<Vec<usize>>();
     let mut all_keys = vec![0u8; total * 8];
     let mut all_values = vec![0u8; total * l.row];
-    ring::all_gather(&ag.phase_step(1024), &key_bytes(&owned.keys), &mut split_at_sizes(&mut all_keys, &sizes, 8))?;
-    ring::all_gather(&ag.phase_step(2048), &owned.values, &mut split_at_sizes(&mut all_values, &sizes, l.row))?;
+    ring::all_gather(&ag.phase_step(1024), &key_bytes(&owned.keys), &mut ring::split_blocks(&mut all_keys, &bytes_at(8)))?;
+    ring::all_gather(&ag.phase_step(2048), &owned.values, &mut ring::split_blocks(&mut all_values, &bytes_at(l.row)))?;
     Ok(Run { keys: keys_of(&all_keys), values: all_values })
-}
-
-/// `buf` cut into consecutive pieces of `sizes[i] * unit` bytes.
-fn split_at_sizes<'b>(mut buf: &'b mut [u8], sizes: &[usize], unit: usize) -> Vec<&'b mut [u8]> {
-    sizes
-        .iter()
-        .map(|n| {
-            let (head, tail) = std::mem::take(&mut buf).split_at_mut(n * unit);
-            buf = tail;
-            head
-        })
-        .collect()
 }
