@@ -84,6 +84,36 @@ fn shm_single_copy_and_its_refusal_give_the_same_results() {
     }
 }
 
+/// Large messages are copied by both sides at once (the receiver pulls
+/// chunks, the idle sender pushes chunks into the receiver's buffer),
+/// also when the receiver has not posted its receive yet (the message
+/// lands in a stash) and when receives are posted out of order.
+#[test]
+fn shm_two_sided_copies_land_in_posted_and_stashed_buffers() {
+    run_threads(2, options("cpu:shm"), |pg| {
+        let o = OpOptions::default();
+        let n = 1_200_003; // 4.8 MB: several chunks, the last one short
+        let data = |tag: u32| -> Vec<u32> { (0..n).map(|i| (i as u32).wrapping_mul(2_654_435_761) ^ tag).collect() };
+        for _ in 0..3 {
+            if pg.rank() == 0 {
+                let (a, b) = (data(1), data(2));
+                let first = pg.send(&a[..], 1, 1, &o).unwrap();
+                let second = pg.send(&b[..], 1, 2, &o).unwrap();
+                first.wait().unwrap();
+                second.wait().unwrap();
+            } else {
+                // Tag 1 arrives first and is stashed while tag 2 is awaited.
+                std::thread::sleep(Duration::from_millis(20));
+                let (mut a, mut b) = (vec![0u32; n], vec![0u32; n]);
+                pg.recv(&mut b[..], 0, 2, &o).unwrap().wait().unwrap();
+                pg.recv(&mut a[..], 0, 1, &o).unwrap().wait().unwrap();
+                assert!(a == data(1) && b == data(2));
+            }
+            pg.barrier(&o).unwrap().wait().unwrap();
+        }
+    });
+}
+
 /// A large send nobody receives: the sender times out and withdraws its
 /// offer (its buffer is its own again); the late receiver gets an error,
 /// never the sender's reused memory.

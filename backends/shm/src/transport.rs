@@ -79,6 +79,8 @@ struct PeerIn {
     out_seq: u64,
     /// The peer cannot read this rank's memory: send inline.
     refused: bool,
+    /// This rank cannot write the peer's memory: leave every chunk to it.
+    no_push: bool,
 }
 
 pub struct ShmBackend {
@@ -307,6 +309,9 @@ impl ShmBackend {
             let mut moved = false;
             // Sends: the first unfinished send to each peer streams into its ring.
             busy.fill(false);
+            // Help copy single-copy sends only with nothing left to receive:
+            // while receiving, this core is busy pulling already.
+            let idle = ops.iter().zip(done.iter()).all(|(op, d)| *d || matches!(op, P2p::Send { .. }));
             for i in 0..ops.len() {
                 let P2p::Send { peer, tag, data } = &ops[i] else { continue };
                 if done[i] || busy[*peer] {
@@ -333,6 +338,7 @@ impl ShmBackend {
                             incoming[*peer].refused = true;
                             inline = true;
                         }
+                        Some(cma::READING) if idle && self.push_chunk(*peer, seq, data, &mut incoming[*peer]) => moved = true,
                         _ => {}
                     }
                 }
@@ -429,26 +435,56 @@ impl ShmBackend {
             self.wake(peer);
             return Ok(());
         }
+        let dst = st.inbound.payload(ops);
+        let chunks = cma::Chunks::of(dst.len());
+        cell.open_chunks(seq, dst.as_mut_ptr() as u64);
         if cell.advance(seq, cma::READING).is_err() {
             return Err(withdrawn());
         }
         let pid = self.control(peer).pid.load(Ordering::Acquire);
-        let dst = st.inbound.payload(ops);
+        let mut r = Ok(());
+        let mut mine = 0;
+        while let Some(i) = cell.claim(seq, chunks.count()) {
+            mine += 1;
+            r = cma::read(pid, addr + chunks.range(i).start as u64, &mut dst[chunks.range(i)]);
+            if r.is_err() {
+                break;
+            }
+        }
+        // The sender may be writing the chunks it claimed into `dst`: no
+        // more claims, and wait until those are in before going on.
+        let theirs = cell.close(seq, chunks.count()) - mine;
+        let start = Instant::now();
+        while cell.pushed_count(seq) < theirs {
+            // A chunk is one system call: only a dead or stopped peer takes long.
+            if start.elapsed() > Duration::from_millis(1) {
+                if let Some(e) = self.peer_problem(peer) {
+                    return Err(self.fail(e));
+                }
+                if start.elapsed() > Duration::from_secs(10) {
+                    // It may still write there later: this stream is done for.
+                    return Err(self.fail(Error::backend(format!("shm: peer rank {peer} never finished copying into this rank"))));
+                }
+            }
+            std::thread::yield_now();
+        }
+        if let (Ok(()), Some(i)) = (&r, cell.failed_chunk(seq)) {
+            r = cma::read(pid, addr + chunks.range(i).start as u64, &mut dst[chunks.range(i)]);
+        }
         let n = dst.len();
-        let r = cma::read(pid, addr, dst);
         match r {
             Ok(()) => {
                 st.inbound.advance(n);
                 cell.done(seq);
             }
-            Err(cma::ReadError::Forbidden(e)) => {
+            Err(cma::CopyError::Forbidden(e)) => {
                 // Not allowed here (a container, a ptrace policy): refuse this
                 // and every later offer; the sender streams inline instead.
                 weft::log::debug(format_args!("shm: reading rank {peer}'s memory is not allowed ({e}); using the ring"));
                 self.cma.store(false, Ordering::Relaxed);
                 cell.advance_from_reading(seq, cma::REFUSED);
             }
-            Err(cma::ReadError::Failed(e)) => {
+            Err(cma::CopyError::Failed(e)) => {
                 cell.advance_from_reading(seq, cma::REFUSED);
                 self.wake(peer);
                 // ESRCH: the sender died mid-read (its memory is gone, even
@@ -463,6 +499,33 @@ impl ShmBackend {
         }
         self.wake(peer);
         Ok(())
+    }
+
+    /// Sender of offer `seq` to `to`, while the receiver reads it: copy one
+    /// chunk into the receiver's destination, if one is left; true if so.
+    fn push_chunk(&self, to: usize, seq: u64, data: &[u8], st: &mut PeerIn) -> bool {
+        let cell = self.cell(self.rank, to);
+        let chunks = cma::Chunks::of(data.len());
+        if st.no_push {
+            return false;
+        }
+        let Some(i) = cell.claim(seq, chunks.count()) else { return false };
+        let range = chunks.range(i);
+        let pid = self.control(to).pid.load(Ordering::Acquire);
+        // The receiver published `dst` before READING (which we saw) and
+        // keeps it until it has counted this chunk as pushed.
+        let ok = match cma::write(pid, cell.dst() + range.start as u64, &data[range]) {
+            Ok(()) => true,
+            // Whatever went wrong, the receiver copies this chunk itself;
+            // this rank stops offering help to that peer.
+            Err(cma::CopyError::Failed(e) | cma::CopyError::Forbidden(e)) => {
+                weft::log::debug(format_args!("shm: writing into rank {to}'s memory failed ({e}); it copies alone"));
+                st.no_push = true;
+                false
+            }
+        };
+        cell.pushed(seq, i, ok);
+        true
     }
 
     /// Read what `peer` has written to us; true if any byte moved.
