@@ -25,6 +25,8 @@ const HEADER: usize = 16;
 const CMA_FLAG: u64 = 1 << 63;
 /// Spin this long without progress before sleeping.
 const SPIN: Duration = Duration::from_micros(30);
+/// The first part of that spin, without yielding the core.
+const PAUSE_SPIN: Duration = Duration::from_micros(5);
 /// Spin this long while a peer reads a single-copy offer.
 const CMA_SPIN: Duration = Duration::from_millis(2);
 /// Sleep at most this long before re-checking peers' liveness.
@@ -404,7 +406,14 @@ impl ShmBackend {
             // millisecond per 16 MiB: keep spinning for it rather than pay a
             // wake-up (~50 us) at the end of every large send.
             let reading = (0..ops.len()).any(|i| !done[i] && cma_seq[i].is_some());
-            if now.duration_since(idle_since) < if reading { CMA_SPIN } else { SPIN } {
+            let idle = now.duration_since(idle_since);
+            if idle < PAUSE_SPIN {
+                // The peer is most likely running on another core and about
+                // to answer: a system call here would only add latency.
+                std::hint::spin_loop();
+                continue;
+            }
+            if idle < if reading { CMA_SPIN } else { SPIN } {
                 std::thread::yield_now();
                 continue;
             }

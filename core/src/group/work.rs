@@ -17,6 +17,9 @@ struct Inner {
     device: Option<Arc<dyn DeviceCompletion>>,
     /// The caller's stream was made to wait for the device side.
     ordered: bool,
+    /// Threads blocked on `done`: without any, completing skips the
+    /// wake-up (a system call on every op otherwise).
+    waiters: usize,
 }
 
 /// Completion state shared by a [`Work`] and whoever runs the op.
@@ -28,13 +31,15 @@ pub(crate) struct WorkState {
 
 impl WorkState {
     pub(crate) fn complete(&self, result: Result<()>, device: Option<Arc<dyn DeviceCompletion>>) {
-        let wakers = {
+        let (wakers, blocked) = {
             let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
             g.result = Some(result);
             g.device = device;
-            std::mem::take(&mut g.wakers)
+            (std::mem::take(&mut g.wakers), g.waiters > 0)
         };
-        self.done.notify_all();
+        if blocked {
+            self.done.notify_all();
+        }
         wakers.into_iter().for_each(Waker::wake);
     }
 
@@ -44,16 +49,16 @@ impl WorkState {
             if let Some(r) = &g.result {
                 return Some(r.clone());
             }
-            match deadline {
-                None => g = self.done.wait(g).unwrap_or_else(|p| p.into_inner()),
-                Some(d) => {
-                    let now = Instant::now();
-                    if now >= d {
-                        return None;
-                    }
-                    g = self.done.wait_timeout(g, d - now).unwrap_or_else(|p| p.into_inner()).0;
-                }
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return None;
             }
+            g.waiters += 1;
+            g = match deadline {
+                None => self.done.wait(g).unwrap_or_else(|p| p.into_inner()),
+                Some(d) => self.done.wait_timeout(g, d - now).unwrap_or_else(|p| p.into_inner()).0,
+            };
+            g.waiters -= 1;
         }
     }
 
