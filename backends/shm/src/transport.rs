@@ -313,7 +313,7 @@ impl ShmBackend {
             busy.fill(false);
             // Help copy single-copy sends only with nothing left to receive:
             // while receiving, this core is busy pulling already.
-            let idle = ops.iter().zip(done.iter()).all(|(op, d)| *d || matches!(op, P2p::Send { .. }));
+            let nothing_to_receive = ops.iter().zip(done.iter()).all(|(op, d)| *d || matches!(op, P2p::Send { .. }));
             for i in 0..ops.len() {
                 let P2p::Send { peer, tag, data } = &ops[i] else { continue };
                 if done[i] || busy[*peer] {
@@ -340,7 +340,7 @@ impl ShmBackend {
                             incoming[*peer].refused = true;
                             inline = true;
                         }
-                        Some(cma::READING) if idle && self.push_chunk(*peer, seq, data, &mut incoming[*peer]) => moved = true,
+                        Some(cma::READING) if nothing_to_receive && self.push_chunk(*peer, seq, data, &mut incoming[*peer]) => moved = true,
                         _ => {}
                     }
                 }
@@ -513,11 +513,11 @@ impl ShmBackend {
     /// Sender of offer `seq` to `to`, while the receiver reads it: copy one
     /// chunk into the receiver's destination, if one is left; true if so.
     fn push_chunk(&self, to: usize, seq: u64, data: &[u8], st: &mut PeerIn) -> bool {
-        let cell = self.cell(self.rank, to);
-        let chunks = cma::Chunks::of(data.len());
         if st.no_push {
             return false;
         }
+        let cell = self.cell(self.rank, to);
+        let chunks = cma::Chunks::of(data.len());
         let Some(i) = cell.claim(seq, chunks.count()) else { return false };
         let range = chunks.range(i);
         let pid = self.control(to).pid.load(Ordering::Acquire);
