@@ -451,11 +451,16 @@ impl ShmBackend {
             return Err(withdrawn());
         }
         let pid = self.control(peer).pid.load(Ordering::Acquire);
+        let n = dst.len();
+        let mut pull = |i: u64| {
+            let range = chunks.range(i);
+            cma::read(pid, addr + range.start as u64, &mut dst[range])
+        };
         let mut r = Ok(());
         let mut mine = 0;
         while let Some(i) = cell.claim(seq, chunks.count()) {
             mine += 1;
-            r = cma::read(pid, addr + chunks.range(i).start as u64, &mut dst[chunks.range(i)]);
+            r = pull(i);
             if r.is_err() {
                 break;
             }
@@ -478,9 +483,8 @@ impl ShmBackend {
             std::thread::yield_now();
         }
         if let (Ok(()), Some(i)) = (&r, cell.failed_chunk(seq)) {
-            r = cma::read(pid, addr + chunks.range(i).start as u64, &mut dst[chunks.range(i)]);
+            r = pull(i);
         }
-        let n = dst.len();
         match r {
             Ok(()) => {
                 st.inbound.advance(n);
