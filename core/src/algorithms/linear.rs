@@ -1,4 +1,5 @@
-//! Gather and scatter: the root posts all W-1 transfers in one batch.
+//! Gather and scatter: the root posts all W-1 transfers in one batch; and
+//! the same one-batch exchange between every pair of ranks at once.
 
 use super::Comm;
 use crate::backend::P2p;
@@ -28,4 +29,59 @@ pub fn scatter(c: &Comm<'_>, inputs: &[&[u8]], output: &mut [u8], root: usize) -
     let mut ops: Vec<P2p<'_>> =
         inputs.iter().enumerate().filter(|(i, _)| *i != r).map(|(peer, data)| P2p::Send { peer, tag, data }).collect();
     c.exchange(&mut ops)
+}
+
+/// Every rank exchanges with every other rank in one batch: for each part
+/// j (tagged as step j), rank i receives `sends[j][i]` from this rank and
+/// `recvs[j][i]` receives rank i's `sends[j][rank]`. This rank's own
+/// entries are left alone. One step instead of the W-1 steps of a ring or a
+/// pairwise exchange: for small, latency-bound messages, where the steps
+/// cost more than the links running at once.
+pub fn exchange_all(c: &Comm<'_>, sends: &[Vec<&[u8]>], recvs: &mut [Vec<&mut [u8]>]) -> Result<()> {
+    let (w, r) = (c.size(), c.rank());
+    let mut ops: Vec<P2p<'_>> = Vec::with_capacity(2 * sends.len() * w);
+    for (j, (outs, ins)) in sends.iter().zip(recvs.iter_mut()).enumerate() {
+        let tag = c.tag(j as u32);
+        let mut ins: Vec<Option<&mut [u8]>> = ins.iter_mut().map(|b| Some(&mut **b)).collect();
+        // Peer r+s first for sends and r-s for receives, as pairwise exchange
+        // orders them, so ranks do not all start on the same peer.
+        for s in 1..w {
+            let (to, from) = ((r + s) % w, (r + w - s) % w);
+            ops.push(P2p::Send { peer: to, tag, data: outs[to] });
+            ops.push(P2p::Recv { peer: from, tag, buf: ins[from].take().expect("each peer once") });
+        }
+    }
+    c.exchange(&mut ops)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithms::testing::run_ranks;
+    use crate::backend::OpKind;
+
+    #[test]
+    fn exchange_all_delivers_each_part_from_every_peer() {
+        // Part 0: 3 bytes naming (from, to); part 1: a length that differs per pair.
+        let msg = |j: usize, from: usize, to: usize| vec![(10 * from + to) as u8; if j == 0 { 3 } else { 1 + from + 2 * to }];
+        for w in 1..=6 {
+            let got = run_ranks(w, OpKind::AllToAll, |r, b, ctx| {
+                let c = Comm::new(b, ctx);
+                let outs: Vec<Vec<Vec<u8>>> = (0..2).map(|j| (0..w).map(|to| msg(j, r, to)).collect()).collect();
+                let mut ins: Vec<Vec<Vec<u8>>> = (0..2).map(|j| (0..w).map(|from| vec![0u8; msg(j, from, r).len()]).collect()).collect();
+                let sends: Vec<Vec<&[u8]>> = outs.iter().map(|o| o.iter().map(Vec::as_slice).collect()).collect();
+                let mut recvs: Vec<Vec<&mut [u8]>> = ins.iter_mut().map(|i| i.iter_mut().map(Vec::as_mut_slice).collect()).collect();
+                exchange_all(&c, &sends, &mut recvs).unwrap();
+                ins
+            });
+            for (r, ins) in got.iter().enumerate() {
+                for (j, part) in ins.iter().enumerate() {
+                    for (from, m) in part.iter().enumerate() {
+                        let want = if from == r { vec![0u8; m.len()] } else { msg(j, from, r) };
+                        assert_eq!(m, &want, "w={w} rank {r} part {j} from {from}");
+                    }
+                }
+            }
+        }
+    }
 }

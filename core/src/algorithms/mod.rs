@@ -9,13 +9,13 @@
 //! | all_gather(_v) | ring | `ring.rs` |
 //! | broadcast | binomial tree (small), scatter + ring all-gather (large) | `tree.rs`, `ring.rs` |
 //! | reduce | binomial tree (small), ring reduce-scatter + gather (large) | `tree.rs`, `ring.rs` |
-//!
-//! `select.rs` picks per op by size; the hint `algorithm=NAME` or
-//! `WEFT_ALGORITHM` forces one.
 //! | gather, scatter | root exchanges with every rank at once | `linear.rs` |
 //! | all_to_all(_v) | pairwise exchange | `pairwise.rs` |
 //! | barrier | dissemination | `barrier.rs` |
-//! | sparse all_reduce | all-gather, recursive doubling with merging, or dense | `sparse/` |
+//! | sparse all_reduce | all-gather, recursive doubling with merging, key-range split, or dense | `sparse/` |
+//!
+//! `select.rs` picks per op by size; the hint `algorithm=NAME` or
+//! `WEFT_ALGORITHM` forces one.
 
 mod barrier;
 mod halving_doubling;

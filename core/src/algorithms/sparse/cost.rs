@@ -48,8 +48,8 @@ pub fn cheapest(world: usize, nnz: &[usize], union: f64, l: &Layout) -> &'static
                 + 2.0 * log_w * STEP_BYTES,
         ),
         // Each owner receives its range from the others and merges it; the
-        // reduced union is all-gathered.
-        ("split", (w - 1.0) / w * (n + u) * b + merge(n) + (4.0 * w - 3.0) * STEP_BYTES),
+        // reduced union is all-gathered. Four steps, each with every peer.
+        ("split", (w - 1.0) / w * (n + u) * b + merge(n) + 4.0 * STEP_BYTES),
         // A dense ring all-reduce (and its mask), plus passes over the table.
         ("dense", {
             let table = l.rows as f64 * (l.row + 1) as f64;
@@ -74,8 +74,9 @@ mod tests {
     #[test]
     fn choices_follow_overlap_and_density() {
         let l = table(100_000);
-        // Tiny tensors: fewest steps.
-        assert_eq!(cheapest(4, &[10; 4], 30.0, &l), "recursive_doubling");
+        // Tiny tensors: the fewest steps (four either way at W=4), never the
+        // baseline's six.
+        assert!(matches!(cheapest(4, &[10; 4], 30.0, &l), "recursive_doubling" | "split"));
         // Indices overlapping heavily: the union is barely larger than one rank's.
         assert_eq!(cheapest(4, &[10_000; 4], 11_000.0, &l), "split");
         // Nearly the whole table on every rank: with wide rows, moving keys

@@ -3,8 +3,7 @@
 
 use super::coalesce::{merge2, merge_k, Layout, Run, RunRef};
 use crate::algorithms::recursive::Fold;
-use crate::algorithms::{ring, Comm};
-use crate::backend::P2p;
+use crate::algorithms::{linear, ring, Comm};
 use crate::error::Result;
 use crate::reduce_op::ReduceOp;
 
@@ -98,10 +97,12 @@ pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp) 
 /// Sparse reduce-scatter + all-gather over key ranges: rank i owns keys in
 /// [bounds[i-1], bounds[i]) (ranges holding equal shares of the union, from
 /// the sketch). Each rank's sorted run splits into W slices without
-/// copying; a pairwise exchange sends each owner its slice; owners merge;
-/// the reduced shares, disjoint and in key order, are all-gathered straight
+/// copying; every rank sends each owner its slice; owners merge; the
+/// reduced shares, disjoint and in key order, are all-gathered straight
 /// into the result. Traffic follows the union when indices overlap, each
-/// rank merges only its range, and nothing is merged twice.
+/// rank merges only its range, and nothing is merged twice. Each of the four
+/// exchanges (slice sizes, slices, share sizes, shares) talks to every peer
+/// at once: four steps whatever W.
 pub fn split(c: &Comm<'_>, run: Run, l: &Layout, op: ReduceOp, bounds: &[i64]) -> Result<Run> {
     let (w, r) = (c.size(), c.rank());
     debug_assert_eq!(bounds.len() + 1, w);
@@ -112,38 +113,19 @@ pub fn split(c: &Comm<'_>, run: Run, l: &Layout, op: ReduceOp, bounds: &[i64]) -
     }
     cut[w] = run.keys.len();
     let slice = |i: usize| RunRef { keys: &run.keys[cut[i]..cut[i + 1]], values: &run.values[cut[i] * l.row..cut[i + 1] * l.row] };
-    // How many rows each rank sends each owner: one batch of 8-byte counts.
+    // How many rows each rank sends each owner.
     let counts: Vec<[u8; 8]> = (0..w).map(|i| (slice(i).keys.len() as u64).to_le_bytes()).collect();
-    let mut incoming = vec![[0u8; 8]; w];
+    let incoming = exchange_counts(&c.phase_step(0), &counts)?;
+    // Every owner's slices, keys and values as they lie, landing where the
+    // merge reads them.
+    let keys_out: Vec<Vec<u8>> = (0..w).map(|i| if i == r { Vec::new() } else { key_bytes(slice(i).keys) }).collect();
+    let mut got: Vec<(Vec<u8>, Vec<u8>)> = incoming.iter().map(|n| (vec![0u8; n * 8], vec![0u8; n * l.row])).collect();
     {
-        let tag = c.tag(0);
-        let mut ops: Vec<P2p<'_>> = Vec::with_capacity(2 * w);
-        for (peer, (out, inc)) in counts.iter().zip(incoming.iter_mut()).enumerate().filter(|(p, _)| *p != r) {
-            ops.push(P2p::Send { peer, tag, data: out });
-            ops.push(P2p::Recv { peer, tag, buf: inc });
-        }
-        c.exchange(&mut ops)?;
+        let sends = [keys_out.iter().map(Vec::as_slice).collect(), (0..w).map(|i| slice(i).values).collect()];
+        let (gk, gv): (Vec<&mut [u8]>, Vec<&mut [u8]>) = got.iter_mut().map(|(k, v)| (k.as_mut_slice(), v.as_mut_slice())).unzip();
+        linear::exchange_all(&c.phase_step(8), &sends, &mut [gk, gv])?;
     }
-    // Pairwise: in step s, send to r+s, receive from r-s; keys and values
-    // go as they lie, received rows land where the merge reads them.
-    let mut got: Vec<(Vec<u8>, Vec<u8>)> = (0..w)
-        .map(|src| {
-            let n = if src == r { 0 } else { u64::from_le_bytes(incoming[src]) as usize };
-            (vec![0u8; n * 8], vec![0u8; n * l.row])
-        })
-        .collect();
-    for s in 1..w {
-        let (to, from) = ((r + s) % w, (r + w - s) % w);
-        let out = slice(to);
-        let keys = key_bytes(out.keys);
-        let (gk, gv) = &mut got[from];
-        c.exchange(&mut [
-            P2p::Send { peer: to, tag: c.tag(2 * s as u32), data: &keys },
-            P2p::Send { peer: to, tag: c.tag(2 * s as u32 + 1), data: out.values },
-            P2p::Recv { peer: from, tag: c.tag(2 * s as u32), buf: gk },
-            P2p::Recv { peer: from, tag: c.tag(2 * s as u32 + 1), buf: gv },
-        ])?;
-    }
+    drop(keys_out);
     let owned = {
         let keys: Vec<Vec<i64>> = got.iter().map(|(k, _)| keys_of(k)).collect();
         let parts: Vec<RunRef<'_>> =
@@ -153,24 +135,36 @@ pub fn split(c: &Comm<'_>, run: Run, l: &Layout, op: ReduceOp, bounds: &[i64]) -
     drop(got);
     // All-gather the reduced shares (sizes first) into one run: shares are
     // disjoint and in rank order, which is key order.
-    let ag = c.phase(c.phase_index() + 1);
-    let mut sizes = vec![[0u8; 8]; w];
-    {
-        let mut outs: Vec<&mut [u8]> = sizes.iter_mut().map(|v| &mut v[..]).collect();
-        ring::all_gather(&ag, &(owned.keys.len() as u64).to_le_bytes(), &mut outs)?;
-    }
+    let mut sizes = exchange_counts(&c.phase_step(16), &vec![(owned.keys.len() as u64).to_le_bytes(); w])?;
+    sizes[r] = owned.keys.len();
     // Where each rank's share starts, in rows.
     let starts: Vec<usize> = std::iter::once(0)
-        .chain(sizes.iter().scan(0, |at, b| {
-            *at += u64::from_le_bytes(*b) as usize;
+        .chain(sizes.iter().scan(0, |at, n| {
+            *at += n;
             Some(*at)
         }))
         .collect();
-    let total = starts[w];
     let bytes_at = |unit: usize| starts.iter().map(|s| s * unit).collect::<Vec<usize>>();
-    let mut all_keys = vec![0u8; total * 8];
-    let mut all_values = vec![0u8; total * l.row];
-    ring::all_gather(&ag.phase_step(1024), &key_bytes(&owned.keys), &mut ring::split_blocks(&mut all_keys, &bytes_at(8)))?;
-    ring::all_gather(&ag.phase_step(2048), &owned.values, &mut ring::split_blocks(&mut all_values, &bytes_at(l.row)))?;
+    let mut all_keys = vec![0u8; starts[w] * 8];
+    let mut all_values = vec![0u8; starts[w] * l.row];
+    {
+        let own_keys = key_bytes(&owned.keys);
+        let mut kb = ring::split_blocks(&mut all_keys, &bytes_at(8));
+        let mut vb = ring::split_blocks(&mut all_values, &bytes_at(l.row));
+        kb[r].copy_from_slice(&own_keys);
+        vb[r].copy_from_slice(&owned.values);
+        let sends = [vec![own_keys.as_slice(); w], vec![owned.values.as_slice(); w]];
+        linear::exchange_all(&c.phase_step(24), &sends, &mut [kb, vb])?;
+    }
     Ok(Run { keys: keys_of(&all_keys), values: all_values })
+}
+
+/// Send `counts[i]` (8 bytes) to every rank i at once; what each rank sent
+/// this one (0 from itself).
+fn exchange_counts(c: &Comm<'_>, counts: &[[u8; 8]]) -> Result<Vec<usize>> {
+    let mut incoming = vec![[0u8; 8]; counts.len()];
+    linear::exchange_all(c, &[counts.iter().map(|x| &x[..]).collect()], &mut [incoming.iter_mut().map(|x| &mut x[..]).collect()])?;
+    let mut n: Vec<usize> = incoming.iter().map(|b| u64::from_le_bytes(*b) as usize).collect();
+    n[c.rank()] = 0;
+    Ok(n)
 }

@@ -12,9 +12,10 @@
 //!    - `recursive_doubling`: log2(W) exchanges of the partial union with
 //!      a 2-way merge each; traffic follows the union, not W x nnz;
 //!    - `split`: rank i owns a key range holding 1/W of the union (bounds
-//!      from the sketch); a pairwise exchange sends each owner its slice of
-//!      every run, owners merge, and the reduced shares are all-gathered
-//!      straight into the result (a sparse reduce-scatter + all-gather);
+//!      from the sketch); every rank sends each owner its slice of its run,
+//!      owners merge, and the reduced shares are all-gathered straight into
+//!      the result (a sparse reduce-scatter + all-gather, four steps that
+//!      each talk to every peer at once);
 //!    - `dense`: densify, dense all-reduce plus a presence mask (SparCML's
 //!      switch, cheaper once the union is dense enough).
 //!
