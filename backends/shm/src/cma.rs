@@ -118,13 +118,18 @@ impl Cell {
         self.failed.store(tagged(seq, 0), Ordering::Relaxed);
         self.next.store(tagged(seq, 0), Ordering::Relaxed);
     }
-    /// Either side: take the next of `count` chunks of `seq`, if any is left.
-    pub fn claim(&self, seq: u64, count: u64) -> Option<u64> {
+    /// Either side: take the next of `count` chunks of `seq`, if any is
+    /// left. With `rest_at`, if the next chunk is that one (the other side
+    /// has claimed nothing since this side's claims), take every chunk left
+    /// instead: the other side is busy elsewhere, and one system call copies
+    /// them all.
+    pub fn claim(&self, seq: u64, count: u64, rest_at: Option<u64>) -> Option<std::ops::Range<u64>> {
         let mut w = self.next.load(Ordering::Acquire);
         loop {
             let i = untag(w, seq).filter(|i| *i < count)?;
-            match self.next.compare_exchange_weak(w, w + 1, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return Some(i),
+            let end = if rest_at == Some(i) { count } else { i + 1 };
+            match self.next.compare_exchange_weak(w, w + (end - i), Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Some(i..end),
                 Err(now) => w = now,
             }
         }
@@ -173,10 +178,9 @@ impl Chunks {
     pub fn count(&self) -> u64 {
         self.len.div_ceil(self.size) as u64
     }
-    /// Byte range of chunk `i`.
-    pub fn range(&self, i: u64) -> std::ops::Range<usize> {
-        let start = i as usize * self.size;
-        start..(start + self.size).min(self.len)
+    /// Byte range of chunks `run` (adjacent chunks are one range).
+    pub fn range(&self, run: std::ops::Range<u64>) -> std::ops::Range<usize> {
+        run.start as usize * self.size..(run.end as usize * self.size).min(self.len)
     }
 }
 
@@ -264,7 +268,7 @@ mod tests {
             let c = Chunks::of(len);
             let mut at = 0;
             for i in 0..c.count() {
-                let r = c.range(i);
+                let r = c.range(i..i + 1);
                 assert_eq!(r.start, at);
                 assert!(r.end > r.start && r.end <= len);
                 at = r.end;
@@ -272,6 +276,8 @@ mod tests {
             assert_eq!(at, len, "len {len}");
         }
         assert_eq!(Chunks::of(1_200_004).count(), 4, "a few chunks per side");
+        let c = Chunks::of(1_200_004);
+        assert_eq!(c.range(1..4), c.range(1..2).start..1_200_004, "a run of chunks is one range");
     }
 
     #[test]
@@ -281,21 +287,28 @@ mod tests {
         c.open_chunks(9, 0x1000);
         assert!(c.advance(9, READING).is_ok());
         // A stale sequence claims nothing.
-        assert_eq!(c.claim(8, 4), None);
-        assert_eq!(c.claim(9, 4), Some(0)); // receiver
-        assert_eq!(c.claim(9, 4), Some(1)); // sender
+        assert_eq!(c.claim(8, 4, None), None);
+        assert_eq!(c.claim(9, 4, None), Some(0..1)); // receiver
+        assert_eq!(c.claim(9, 4, None), Some(1..2)); // sender
         assert_eq!(c.dst(), 0x1000);
         c.pushed(9, 1, false); // ... which could not write it
-        assert_eq!(c.claim(9, 4), Some(2)); // receiver
-                                            // The receiver closes: chunk 3 is nobody's, so 3 were claimed.
+                               // The receiver (1 claimed) would take the rest only if the sender had claimed none.
+        assert_eq!(c.claim(9, 4, Some(1)), Some(2..3));
+        // The receiver closes: chunk 3 is nobody's, so 3 were claimed.
         assert_eq!(c.close(9, 4), 3);
-        assert_eq!(c.claim(9, 4), None);
+        assert_eq!(c.claim(9, 4, None), None);
         assert_eq!(c.pushed_count(9), 1);
         assert_eq!(c.failed_chunk(9), Some(1));
         // The next transfer starts clean.
         c.post(10);
         c.open_chunks(10, 0x2000);
         assert_eq!((c.pushed_count(10), c.failed_chunk(10), c.pushed_count(9)), (0, None, 0));
+        // A busy sender: after its first chunk the receiver takes the rest at once.
+        assert!(c.advance(10, READING).is_ok());
+        assert_eq!(c.claim(10, 4, None), Some(0..1));
+        assert_eq!(c.claim(10, 4, Some(1)), Some(1..4));
+        assert_eq!(c.claim(10, 4, None), None);
+        assert_eq!(c.close(10, 4), 4);
     }
 
     #[test]
@@ -339,7 +352,7 @@ mod loom_tests {
     fn loom_pushed_chunks_are_visible_before_the_receiver_finishes() {
         loom::model(|| {
             let cell = Arc::new(Cell::new());
-            let dst: Arc<Vec<UnsafeCell<u8>>> = Arc::new((0..2).map(|_| UnsafeCell::new(0)).collect());
+            let dst: Arc<Vec<UnsafeCell<u8>>> = Arc::new((0..3).map(|_| UnsafeCell::new(0)).collect());
             cell.post(1);
             cell.open_chunks(1, 0);
             cell.advance(1, READING).unwrap();
@@ -347,7 +360,8 @@ mod loom_tests {
                 let (cell, dst) = (cell.clone(), dst.clone());
                 loom::thread::spawn(move || {
                     if cell.phase(1) == Some(READING) {
-                        if let Some(i) = cell.claim(1, 2) {
+                        if let Some(run) = cell.claim(1, 3, None) {
+                            let i = run.start;
                             // SAFETY: chunk i is this side's alone (claimed).
                             dst[i as usize].with_mut(|p| unsafe { *p = 10 + i as u8 });
                             cell.pushed(1, i, true);
@@ -355,19 +369,22 @@ mod loom_tests {
                     }
                 })
             };
+            // The receiver takes the rest in one run when the sender has not claimed yet.
             let mut mine = 0;
-            while let Some(i) = cell.claim(1, 2) {
-                mine += 1;
-                // SAFETY: as above.
-                dst[i as usize].with_mut(|p| unsafe { *p = 10 + i as u8 });
+            while let Some(run) = cell.claim(1, 3, (mine > 0).then_some(mine)) {
+                mine += run.end - run.start;
+                for i in run {
+                    // SAFETY: as above.
+                    dst[i as usize].with_mut(|p| unsafe { *p = 10 + i as u8 });
+                }
             }
-            let theirs = cell.close(1, 2) - mine;
+            let theirs = cell.close(1, 3) - mine;
             while cell.pushed_count(1) < theirs {
                 loom::thread::yield_now();
             }
             // SAFETY: every chunk is written and its writer is done with it.
             let got: Vec<u8> = dst.iter().map(|c| c.with(|p| unsafe { *p })).collect();
-            assert_eq!(got, [10, 11]);
+            assert_eq!(got, [10, 11, 12]);
             cell.done(1);
             sender.join().unwrap();
         });

@@ -452,15 +452,17 @@ impl ShmBackend {
         }
         let pid = self.control(peer).pid.load(Ordering::Acquire);
         let n = dst.len();
-        let mut pull = |i: u64| {
-            let range = chunks.range(i);
+        let mut pull = |run: std::ops::Range<u64>| {
+            let range = chunks.range(run);
             cma::read(pid, addr + range.start as u64, &mut dst[range])
         };
         let mut r = Ok(());
         let mut mine = 0;
-        while let Some(i) = cell.claim(seq, chunks.count()) {
-            mine += 1;
-            r = pull(i);
+        // After the first chunk, a sender that has claimed none is busy (it
+        // is receiving too): take the rest in one call.
+        while let Some(run) = cell.claim(seq, chunks.count(), (mine > 0).then_some(mine)) {
+            mine += run.end - run.start;
+            r = pull(run);
             if r.is_err() {
                 break;
             }
@@ -483,7 +485,7 @@ impl ShmBackend {
             std::thread::yield_now();
         }
         if let (Ok(()), Some(i)) = (&r, cell.failed_chunk(seq)) {
-            r = pull(i);
+            r = pull(i..i + 1);
         }
         match r {
             Ok(()) => {
@@ -522,8 +524,8 @@ impl ShmBackend {
         }
         let cell = self.cell(self.rank, to);
         let chunks = cma::Chunks::of(data.len());
-        let Some(i) = cell.claim(seq, chunks.count()) else { return false };
-        let range = chunks.range(i);
+        let Some(run) = cell.claim(seq, chunks.count(), None) else { return false };
+        let (i, range) = (run.start, chunks.range(run));
         let pid = self.control(to).pid.load(Ordering::Acquire);
         // The receiver published `dst` before READING (which we saw) and
         // keeps it until it has counted this chunk as pushed.
