@@ -24,7 +24,9 @@
 //! claim from one counter in the cell: the receiver pulls chunks from the
 //! sender's memory, the sender pushes chunks into the receiver's
 //! destination (published in the cell before READING). Two cores copying
-//! measured 2.3× faster than one (1 MiB and 64 MiB here). The receiver
+//! measured 2.3× faster than one (1 MiB and 64 MiB here). A sender that
+//! has claimed nothing by the receiver's second claim is busy (receiving
+//! too), so the receiver takes every chunk left at once. The receiver
 //! declares DONE only after closing the counter and seeing every chunk the
 //! sender claimed pushed, so the sender never writes into a buffer the
 //! receiver has given back; a claimed chunk is always copied at once (one
