@@ -4,30 +4,99 @@
 # backends, and the all_reduce benchmark against the device-to-device copy
 # bandwidth and the unpipelined (Gloo-style) staging. Run on a machine with
 # an NVIDIA GPU, its driver and NVRTC: `bash scripts/gpu-tests.sh`.
-set -euo pipefail
+#
+# Without a Rust toolchain there: pack the binaries with scripts/gpu-pack.sh
+# on any x86-64 Linux machine, carry .gpu/, and run
+# `WEFT_PREBUILT=.gpu bash scripts/gpu-tests.sh`.
+#
+# Every step runs under `timeout`; a failing step is reported and the rest
+# still run; the exit status is non-zero if any step failed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 export WEFT_TIMEOUT_SECONDS=${WEFT_TIMEOUT_SECONDS:-120}
 unset WEFT_CUDA_EMULATION
+step_limit=${GPU_STEP_SECONDS:-300}
+failed=()
+
+# step NAME CMD...: run one step under the time limit, remember a failure.
+step() {
+  local name=$1
+  shift
+  echo "== $name"
+  timeout -k 10 "$step_limit" "$@"
+  local rc=$?
+  if ((rc != 0)); then
+    echo "!! $name: exit $rc"
+    failed+=("$name")
+  fi
+}
 
 nvidia-smi || { echo "no GPU here (nvidia-smi failed)"; exit 1; }
-cargo build --release -q -p weft-cli -p weft-tests
+if [[ -n ${WEFT_PREBUILT:-} ]]; then
+  mkdir -p target/release
+  cp "$WEFT_PREBUILT/weft" "$WEFT_PREBUILT/weft-test-worker" target/release/
+  export WEFT_TEST_WORKER=$PWD/target/release/weft-test-worker
+  cuda_tests=("$WEFT_PREBUILT/cuda-test" --test-threads=1)
+else
+  cargo build --release -q -p weft-cli -p weft-tests || exit 1
+  cuda_tests=(cargo test --release -q -p weft-tests --test cuda -- --test-threads=1)
+fi
 weft=target/release/weft
 "$weft" info
 
-echo "== CUDA tests on the real GPU"
-WEFT_TEST_REAL_GPU=1 cargo test --release -q -p weft-tests --test cuda -- --test-threads=1
+step "CUDA tests on the real GPU" env WEFT_TEST_REAL_GPU=1 "${cuda_tests[@]}"
 
 for n in 2 4; do
   for be in cuda-device cuda-host-staging; do
-    echo "== conformance: $n processes, cpu:shm,cuda:$be"
-    "$weft" conformance -n "$n" --device cuda --backend "cpu:shm,cuda:$be" --count 1031 | tail -1
+    step "conformance: $n processes, cpu:shm,cuda:$be" \
+      "$weft" conformance -n "$n" --device cuda --backend "cpu:shm,cuda:$be" --count 1031
   done
 done
 
+# bench LABEL ARGS...: one `weft bench` run as a step; its table is kept
+# in $log/LABEL for `field`.
+log=$(mktemp -d)
+bench() {
+  local label=$1
+  shift
+  step "bench $label" bash -c 'set -o pipefail; "$@" | tee "$0"' "$log/$label" "$weft" bench "$@"
+}
+# field LABEL OP COLUMN: busbw (12) or time (7) of OP in LABEL's table.
+field() { awk -v op="$2" -v c="$3" '$NF == op && $1 !~ /^#/ { print $c }' "$log/$1" 2>/dev/null; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a > 0 && b > 0) printf "%.2f", a / b; else print "n/a" }'; }
+
 size=${GPU_BENCH_SIZE:-256M}
-for n in 2 4; do
-  echo "== bench: $n processes, all_reduce $size f32 (device_copy = the copy-bandwidth reference)"
-  "$weft" bench --world "$n" --device cuda --backend cpu:shm,cuda:cuda-device --ops device_copy,all_reduce -b "$size" -e "$size" -n 20
-  "$weft" bench --world "$n" --device cuda --backend cpu:shm,cuda:cuda-host-staging --ops all_reduce -b "$size" -e "$size" -n 10
-  "$weft" bench --world "$n" --device cuda --backend cpu:shm,cuda:cuda-host-staging --hint staging=whole --ops all_reduce -b "$size" -e "$size" -n 10
+# Processes sharing a GPU time-slice it unless MPS merges their contexts:
+# measure both where MPS is there (started here, stopped at the end).
+modes=(plain)
+if command -v nvidia-cuda-mps-control >/dev/null && ! pgrep -x nvidia-cuda-mps >/dev/null; then
+  modes+=(mps)
+fi
+summary=()
+for mode in "${modes[@]}"; do
+  if [[ $mode == mps ]]; then
+    nvidia-cuda-mps-control -d && sleep 1
+  fi
+  for n in 2 4; do
+    common=(--world "$n" --device cuda -b "$size" -e "$size")
+    bench "$mode-$n-device" "${common[@]}" --backend cpu:shm,cuda:cuda-device --ops device_copy,all_reduce -n 20 --time-per-size 3
+    bench "$mode-$n-staging" "${common[@]}" --backend cpu:shm,cuda:cuda-host-staging --ops all_reduce -n 10 --time-per-size 3
+    bench "$mode-$n-whole" "${common[@]}" --backend cpu:shm,cuda:cuda-host-staging --hint staging=whole --ops all_reduce -n 10 --time-per-size 3
+    copy=$(field "$mode-$n-device" device_copy 12)
+    ring=$(field "$mode-$n-device" all_reduce 12)
+    piped=$(field "$mode-$n-staging" all_reduce 7)
+    whole=$(field "$mode-$n-whole" all_reduce 7)
+    summary+=("$mode W=$n all_reduce $size: cuda-device busbw $ring GB/s = $(ratio "$ring" "$copy") x device_copy ($copy GB/s); cuda-host-staging $piped us = $(ratio "$whole" "$piped") x faster than staging=whole ($whole us)")
+  done
+  if [[ $mode == mps ]]; then
+    echo quit | nvidia-cuda-mps-control
+  fi
 done
+echo "== summary (targets: cuda-device >= 0.50 x device_copy; staging >= 1.5 x faster than whole)"
+printf '%s\n' "${summary[@]}"
+
+if ((${#failed[@]})); then
+  printf '!! failed: %s\n' "${failed[@]}"
+  exit 1
+fi
+echo "== all GPU steps passed"

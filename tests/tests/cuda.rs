@@ -58,6 +58,9 @@ fn cuda_device_ring_passes_conformance_with_in_process_peers() {
         // 64-byte slots: every block is many pieces cycling through the slots.
         conformance(w, "cpu:shm,cuda:cuda-device", &[("cuda_slot_bytes", "64")]);
     }
+    // Neighbours' events waited for on the host (the default only for
+    // other processes on the same GPU, as in the test below).
+    conformance(3, "cpu:shm,cuda:cuda-device", &[("cuda_slot_bytes", "64"), ("cuda_wait", "host")]);
     conformance(3, "cpu:cpu-tcp,cuda:auto", &[]);
 }
 
@@ -71,14 +74,16 @@ fn gpu_env() -> Vec<(&'static str, &'static str)> {
     }
 }
 
-fn worker() -> &'static str {
-    env!("CARGO_BIN_EXE_weft-test-worker")
+/// The worker program: `WEFT_TEST_WORKER` where the tests run from binaries
+/// built elsewhere (`scripts/gpu-pack.sh`), else the one cargo built.
+fn worker() -> String {
+    std::env::var("WEFT_TEST_WORKER").unwrap_or_else(|_| env!("CARGO_BIN_EXE_weft-test-worker").to_string())
 }
 
 #[test]
 fn cuda_device_ring_across_processes_over_ipc() {
     for w in [2, 3] {
-        let ends = run_world(worker(), w, &["cuda_conformance"], &gpu_env(), Duration::from_secs(120));
+        let ends = run_world(&worker(), w, &["cuda_conformance"], &gpu_env(), Duration::from_secs(120));
         for (r, e) in ends.iter().enumerate() {
             assert!(e.status.success(), "W={w} rank {r}:\n{}", e.output);
             assert!(e.output.contains("cuda=cuda-device cpu=shm"), "auto picks the ring on one host: {}", e.output);
@@ -98,7 +103,7 @@ fn auto_falls_back_to_host_staging_when_ranks_are_on_different_hosts() {
             ("WEFT_HOST_ID".into(), format!("host{rank}")),
         ]
     };
-    let ends = run_world_with(worker(), 2, &["cuda_conformance"], &gpu_env(), Duration::from_secs(120), vars);
+    let ends = run_world_with(&worker(), 2, &["cuda_conformance"], &gpu_env(), Duration::from_secs(120), vars);
     for (r, e) in ends.iter().enumerate() {
         assert!(e.status.success(), "rank {r}:\n{}", e.output);
         assert!(e.output.contains("cuda=cuda-host-staging cpu=cpu-tcp"), "{}", e.output);
@@ -107,7 +112,7 @@ fn auto_falls_back_to_host_staging_when_ranks_are_on_different_hosts() {
 
 #[test]
 fn a_rank_killed_during_cuda_all_reduce_is_reported_by_the_others() {
-    let ends = run_world(worker(), 3, &["cuda_sigkill"], &gpu_env(), Duration::from_secs(60));
+    let ends = run_world(&worker(), 3, &["cuda_sigkill"], &gpu_env(), Duration::from_secs(60));
     assert_eq!(ends[2].status.signal(), Some(9), "{}", ends[2].output);
     for (r, e) in ends.iter().take(2).enumerate() {
         assert!(e.status.success(), "rank {r}:\n{}", e.output);
@@ -235,5 +240,9 @@ fn cuda_errors_are_typed_and_nothing_hangs() {
         // SAFETY: the failed op drained its streams before returning.
         unsafe { g.free(addr) };
     });
+    // A bad cuda-device hint fails group creation on every rank, saying why.
+    let store: Arc<dyn weft::store::Store> = Arc::new(weft::store::MemoryStore::new(Duration::from_secs(5)));
+    let e = ProcessGroup::new(store, 0, 1, options("cpu:shm,cuda:cuda-device").hint("cuda_wait", "sometimes")).unwrap_err();
+    assert!(e.to_string().contains("hint cuda_wait=\"sometimes\""), "{e}");
     let _ = (g, Device::Cpu);
 }

@@ -82,11 +82,11 @@ impl DeviceBackend {
             op: ctx.name,
             rank: ctx.rank,
         };
-        if r.is_err() {
+        if let Err(e) = r {
             // Nothing queued may outlive the failed op (it touches the caller's memory).
             let _ = done.synchronize(ctx.deadline);
+            return Err(done.explain(e));
         }
-        r?;
         ctx.completion.set(Arc::new(done));
         Ok(())
     }
@@ -104,10 +104,14 @@ struct RingCompletion {
 
 impl RingCompletion {
     fn explain(&self, e: Error) -> Error {
-        let gone = self.neighbours.iter().find(|(_, pid)| !std::path::Path::new(&format!("/proc/{pid}")).exists());
-        match gone {
+        if matches!(e.kind(), weft::ErrorKind::PeerLost { .. }) {
+            // Already names the lost peer (a neighbour gone now may only
+            // have exited after seeing that same loss).
+            return e.with_op(self.op).with_rank(self.rank);
+        }
+        match setup::first_gone(&self.neighbours) {
             Some((peer, pid)) => {
-                Error::peer_lost(*peer, format!("rank {peer} (pid {pid}) exited while the ring waited for it on the GPU: {e}"))
+                Error::peer_lost(peer, format!("rank {peer} (pid {pid}) exited while the ring waited for it on the GPU: {e}"))
                     .with_op(self.op)
                     .with_rank(self.rank)
             }

@@ -6,16 +6,43 @@ use std::time::{Duration, Instant};
 use weft::stream::DeviceCompletion;
 use weft::{Error, Result, StreamHandle};
 
-/// Block the host until `event` completes, polling with a growing pause
-/// (so no driver call blocks without a deadline); `Timeout` at `deadline`.
+/// Block the host until `event` completes, polling (so no driver call
+/// blocks without a deadline); `Timeout` at `deadline`. It spins for the
+/// first 50 µs, then sleeps with a pause growing to 100 µs, so a long wait
+/// costs little CPU.
 pub fn synchronize_event(gpu: &dyn Gpu, event: Event, deadline: Instant, what: &str) -> Result<()> {
+    synchronize_event_checked(gpu, event, deadline, what, Duration::from_micros(50), &|| Ok(()))
+}
+
+/// [`synchronize_event`], spinning for `spin` before it sleeps, and calling
+/// `check` about every 100 µs: its error (a peer found dead, say: an event
+/// of a process that died never completes) ends the wait.
+pub fn synchronize_event_checked(
+    gpu: &dyn Gpu,
+    event: Event,
+    deadline: Instant,
+    what: &str,
+    spin: Duration,
+    check: &dyn Fn() -> Result<()>,
+) -> Result<()> {
+    let start = Instant::now();
+    let mut checked = start;
     let mut pause = Duration::from_micros(2);
     while !gpu.query(event)? {
-        if Instant::now() >= deadline {
+        let now = Instant::now();
+        if now >= deadline {
             return Err(Error::timeout(format!("device work of {what} did not finish in time")));
         }
-        std::thread::sleep(pause);
-        pause = (pause * 2).min(Duration::from_micros(500));
+        if now - checked >= Duration::from_micros(100) {
+            check()?;
+            checked = now;
+        }
+        if now - start < spin {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_micros(100));
+        }
     }
     Ok(())
 }

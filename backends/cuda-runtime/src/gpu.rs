@@ -20,6 +20,9 @@ pub trait Gpu: Send + Sync {
     fn name(&self) -> &'static str;
     /// Number of devices.
     fn device_count(&self) -> usize;
+    /// The physical device's UUID: the same in every process that sees the
+    /// device, whatever its ordinal there (`CUDA_VISIBLE_DEVICES`).
+    fn device_uuid(&self, device: usize) -> Result<[u8; 16]>;
     /// A new non-blocking stream on `device`.
     fn new_stream(&self, device: usize) -> Result<StreamHandle>;
     /// Destroy a stream from `new_stream` (work already queued still runs).

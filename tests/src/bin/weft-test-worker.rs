@@ -126,6 +126,9 @@ fn run(scenario: &str) -> anyhow::Result<()> {
                 if let Err(e) = pg.all_reduce(t.reborrow(), ReduceOp::Sum, &o)?.synchronize() {
                     println!("rank {r}: {e}");
                     anyhow::ensure!(e.kind() == &ErrorKind::PeerLost { rank: victim }, "expected PeerLost {{ rank: {victim} }}, got {e}");
+                    // Stay a moment, so the other survivor blames the
+                    // victim, not this rank's exit.
+                    std::thread::sleep(Duration::from_secs(1));
                     break;
                 }
             }

@@ -146,6 +146,12 @@ impl Gpu for DriverGpu {
     fn device_count(&self) -> usize {
         self.contexts.len()
     }
+    fn device_uuid(&self, device: usize) -> Result<[u8; 16]> {
+        self.bind(device)?;
+        let ctx = self.contexts[device].get().and_then(|c| c.as_ref().ok()).expect("bound above");
+        let u = ctx.uuid().map_err(|e| err("reading the device UUID", e))?;
+        Ok(u.bytes.map(|b| b as u8))
+    }
     fn new_stream(&self, device: usize) -> Result<StreamHandle> {
         self.bind(device)?;
         let s = result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|e| err("creating a stream", e))?;
@@ -221,9 +227,11 @@ impl Gpu for DriverGpu {
         if interprocess {
             flags |= sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32;
         }
-        // SAFETY: flags are a valid combination of CUevent_flags bits.
-        let flags: sys::CUevent_flags = unsafe { std::mem::transmute(flags) };
-        let e = result::event::create(flags).map_err(|e| err("creating an event", e))?;
+        // The raw call: an OR of two `CUevent_flags` is no variant of that
+        // Rust enum, so cudarc's typed `event::create` cannot take it.
+        let mut e: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: writes one event handle; the flags are valid CUevent_flags bits.
+        unsafe { sys::cuEventCreate(&mut e, flags) }.result().map_err(|e| err("creating an event", e))?;
         self.event_device.lock().unwrap_or_else(|p| p.into_inner()).insert(e as u64, device);
         Ok(Event(e as u64))
     }

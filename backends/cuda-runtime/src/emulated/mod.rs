@@ -147,6 +147,14 @@ impl Gpu for EmulatedGpu {
     fn device_count(&self) -> usize {
         self.devices
     }
+    fn device_uuid(&self, device: usize) -> Result<[u8; 16]> {
+        // Every process of this host emulates the same devices.
+        self.device(device)?;
+        let mut u = [0u8; 16];
+        u[..8].copy_from_slice(b"weft-emu");
+        u[8..].copy_from_slice(&(device as u64).to_le_bytes());
+        Ok(u)
+    }
     fn new_stream(&self, device: usize) -> Result<StreamHandle> {
         self.device(device)?;
         let id = self.id();
