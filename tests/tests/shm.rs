@@ -4,6 +4,7 @@
 use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
 use weft::prelude::*;
+use weft::ErrorKind;
 use weft_tests::procs::{free_port, run_world, run_world_with};
 use weft_tests::{options, run_threads};
 
@@ -138,16 +139,66 @@ fn shm_withdrawn_single_copy_offer_is_never_read() {
 }
 
 #[test]
+fn shm_fast_path_agrees_with_the_rings_and_catches_mismatched_calls() {
+    let o = OpOptions::default;
+    // Integer-valued floats: every summation order gives the same bits.
+    let value = |r: usize, i: usize| ((i * 7 + r * 13) % 101) as f32;
+    for w in [2, 3, 5] {
+        run_threads(w, options("cpu:shm"), move |pg| {
+            let r = pg.rank();
+            // 1024 f32 = 4096 bytes, the fast path's limit: both sides of it.
+            for n in [1usize, 2, 1023, 1024, 1025] {
+                let want: Vec<f32> = (0..n).map(|i| (0..w).map(|q| value(q, i)).sum()).collect();
+                for path in ["on", "off"] {
+                    let mut v: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
+                    pg.all_reduce(&mut v, ReduceOp::Sum, &o().hint("shm_fastbox", path)).unwrap().wait().unwrap();
+                    assert_eq!(v, want, "all_reduce n={n} fastbox={path} W={w}");
+                    let mut b: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
+                    pg.broadcast(&mut b, w - 1, &o().hint("shm_fastbox", path)).unwrap().wait().unwrap();
+                    assert!(b.iter().enumerate().all(|(i, x)| *x == value(w - 1, i)), "broadcast n={n} fastbox={path}");
+                }
+            }
+            // PREMUL_SUM with a factor of its own on each rank, and AVG.
+            let mut v = vec![1f64; 3];
+            pg.all_reduce(&mut v, ReduceOp::PremulSum(r as f64 + 1.0), &o()).unwrap().wait().unwrap();
+            assert_eq!(v, vec![(w * (w + 1) / 2) as f64; 3]);
+            let mut v = vec![r as f64; 3];
+            pg.all_reduce(&mut v, ReduceOp::Avg, &o()).unwrap().wait().unwrap();
+            assert_eq!(v, vec![(w - 1) as f64 / 2.0; 3]);
+        });
+    }
+    // Ranks calling different small collectives: an error on both, no hang,
+    // and the group still works afterwards.
+    run_threads(2, options("cpu:shm"), move |pg| {
+        let mut v = [1f32; 2];
+        let o = o().timeout(Duration::from_secs(5));
+        let e = if pg.rank() == 0 {
+            pg.all_reduce(&mut v[..], ReduceOp::Sum, &o).unwrap().wait().unwrap_err()
+        } else {
+            pg.broadcast(&mut v[..], 0, &o).unwrap().wait().unwrap_err()
+        };
+        assert_eq!(e.kind(), &ErrorKind::InvalidArgument, "{e}");
+        assert!(e.to_string().contains("mismatched collectives") && e.to_string().contains("broadcast of 8 bytes from root 0"), "{e}");
+        pg.barrier(&o).unwrap().wait().unwrap();
+        pg.all_reduce(&mut v[..], ReduceOp::Sum, &o).unwrap().wait().unwrap();
+        assert_eq!(v, [2.0; 2]);
+    });
+}
+
+#[test]
 fn shm_sigkill_mid_all_reduce_gives_peer_lost_and_leaves_dev_shm_clean() {
     let worker = env!("CARGO_BIN_EXE_weft-test-worker");
-    let ends = run_world(worker, 3, &["sigkill"], &[("WEFT_BACKEND", "cpu:shm")], Duration::from_secs(90));
-    let victim = &ends[2];
-    assert_eq!(victim.status.signal(), Some(9), "{}", victim.output);
-    for (r, e) in ends[..2].iter().enumerate() {
-        assert!(e.status.success(), "rank {r}: {:?}\n{}", e.status, e.output);
-        assert!(e.at.saturating_duration_since(victim.at) < Duration::from_secs(10), "rank {r} was late");
+    // Large all_reduces (rings, single copy) and 8-byte ones (the fast path).
+    for scenario in ["sigkill", "sigkill_small"] {
+        let ends = run_world(worker, 3, &[scenario], &[("WEFT_BACKEND", "cpu:shm")], Duration::from_secs(90));
+        let victim = &ends[2];
+        assert_eq!(victim.status.signal(), Some(9), "{}", victim.output);
+        for (r, e) in ends[..2].iter().enumerate() {
+            assert!(e.status.success(), "{scenario} rank {r}: {:?}\n{}", e.status, e.output);
+            assert!(e.at.saturating_duration_since(victim.at) < Duration::from_secs(10), "{scenario} rank {r} was late");
+        }
+        assert_all_clean(&ends);
     }
-    assert_all_clean(&ends);
     let ends = run_world(worker, 3, &["ops"], &[("WEFT_BACKEND", "cpu:shm")], Duration::from_secs(60));
     for e in &ends {
         assert!(e.status.success(), "{}", e.output);

@@ -4,6 +4,7 @@
 #![warn(missing_docs)]
 
 mod cma;
+mod fastbox;
 mod ring;
 mod segment;
 mod sync;

@@ -29,6 +29,16 @@ pub trait Bytes {
 /// Bytes in the mapped segment.
 pub struct RawBytes(*mut u8);
 
+impl RawBytes {
+    /// The bytes from `at` on.
+    ///
+    /// # Safety
+    /// `at` points into a live mapping; `put`/`get` offsets stay inside it.
+    pub unsafe fn at(at: *mut u8) -> RawBytes {
+        RawBytes(at)
+    }
+}
+
 impl Bytes for RawBytes {
     unsafe fn put(&self, at: usize, src: &[u8]) {
         // SAFETY: the caller's contract; `src` is local memory, not the ring.
@@ -153,11 +163,20 @@ mod tests {
 /// interleaving of a producer and a consumer, with each data byte a
 /// tracked cell, so a counter published too early is a reported race.
 #[cfg(all(test, loom))]
-mod loom_tests {
+pub(crate) mod loom_tests {
     use super::*;
     use loom::cell::UnsafeCell;
 
-    struct Cells(Vec<UnsafeCell<u8>>);
+    /// Bytes as loom-tracked cells; clones share them (the fastbox model
+    /// gives both ranks a view of each slot).
+    #[derive(Clone)]
+    pub(crate) struct Cells(pub(crate) std::sync::Arc<Vec<UnsafeCell<u8>>>);
+
+    impl Cells {
+        pub(crate) fn new(n: usize) -> Cells {
+            Cells(std::sync::Arc::new((0..n).map(|_| UnsafeCell::new(0)).collect()))
+        }
+    }
 
     impl Bytes for Cells {
         unsafe fn put(&self, at: usize, src: &[u8]) {
@@ -180,7 +199,7 @@ mod loom_tests {
             let cap = 3;
             let head = Box::leak(Box::new(Counter(AtomicU64::new(0))));
             let tail = Box::leak(Box::new(Counter(AtomicU64::new(0))));
-            let ring = loom::sync::Arc::new(Ring { head, tail, data: Cells((0..cap).map(|_| UnsafeCell::new(0)).collect()), cap });
+            let ring = loom::sync::Arc::new(Ring { head, tail, data: Cells::new(cap), cap });
             let producer = {
                 let ring = ring.clone();
                 loom::thread::spawn(move || {

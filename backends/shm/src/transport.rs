@@ -6,13 +6,14 @@
 //! or reading from it. Dead peers are found by pid while waiting.
 
 use crate::cma::{self, Cell};
+use crate::fastbox::{Fastbox, Kind, Waiter, FASTBOX_BYTES};
 use crate::ring::{footprint, Ring};
 use crate::segment::Segment;
 use linux_futex::{Futex, Shared};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-use weft::backend::{Backend, P2p};
+use weft::backend::{Backend, Op, OpContext, P2p};
 use weft::matching::Inbound;
 use weft::{Error, Result};
 
@@ -59,8 +60,12 @@ pub fn ring_cap(w: usize, avail: usize) -> usize {
 }
 
 /// Segment size for `w` ranks with rings of `cap` bytes: control blocks,
-/// single-copy cells, rings.
+/// single-copy cells, rings, fast-path slots.
 pub fn segment_len(w: usize, cap: usize) -> usize {
+    fastbox_at(w, cap) + Fastbox::len(w)
+}
+
+fn fastbox_at(w: usize, cap: usize) -> usize {
     rings_at(w) + w * w * footprint(cap)
 }
 
@@ -94,6 +99,8 @@ pub struct ShmBackend {
     failed: Mutex<Option<Error>>,
     /// Offer large sends single-copy, and read peers' offers (hint `shm_cma`).
     cma: std::sync::atomic::AtomicBool,
+    /// Small all_reduce, broadcast and barrier (`fastbox.rs`).
+    fast: Fastbox,
 }
 
 impl ShmBackend {
@@ -108,10 +115,14 @@ impl ShmBackend {
             // and ring src*W+dst has one producer (src) and one consumer (dst).
             .map(|i| unsafe { Ring::at(seg.base().add(ctl + i * footprint(cap)), cap) })
             .collect();
+        // SAFETY: the slots close the segment (segment_len), 64-byte aligned,
+        // zeroed by the creator, used only through Fastbox.
+        let fast = unsafe { Fastbox::at(seg.base().add(fastbox_at(size, cap)), rank, size) };
         let b = ShmBackend {
             rank,
             size,
             seg,
+            fast,
             rings,
             incoming: Mutex::new((0..size).map(|_| PeerIn::default()).collect()),
             failed: Mutex::new(None),
@@ -187,6 +198,32 @@ impl Backend for ShmBackend {
         "shm"
     }
 
+    /// all_reduce and broadcast of at most `FASTBOX_BYTES`, and barrier,
+    /// through the fast path (hint `shm_fastbox=off`: through the rings).
+    fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
+        // (`is_empty` first: no hashing on the common path.)
+        match (!ctx.hints.is_empty()).then(|| ctx.hints.get("shm_fastbox")).flatten().map(String::as_str) {
+            None | Some("on") => {}
+            Some("off") => return None,
+            Some(v) => return Some(Err(Error::invalid(format!("hint shm_fastbox={v:?}: use on or off")))),
+        }
+        let (kind, buf) = match op {
+            Op::AllReduce { buf, op } if buf.nbytes() <= FASTBOX_BYTES => (Kind::AllReduce(buf.dtype(), *op), Some(buf)),
+            Op::Broadcast { buf, root } if buf.nbytes() <= FASTBOX_BYTES => (Kind::Broadcast(*root), Some(buf)),
+            Op::Barrier => (Kind::Barrier, None),
+            _ => return None,
+        };
+        let run = || {
+            self.check_failed()?;
+            let bytes = match buf {
+                Some(b) => b.host_bytes_mut()?,
+                None => &mut [],
+            };
+            self.fast.run(self, kind, bytes, ctx.deadline)
+        };
+        Some(run())
+    }
+
     fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
         self.check_failed()?;
         for op in ops.iter() {
@@ -244,6 +281,61 @@ impl Backend for ShmBackend {
         let _ = c.state.compare_exchange(RUNNING, CLOSED, Ordering::AcqRel, Ordering::Acquire);
         for r in 0..self.size {
             self.wake(r);
+        }
+    }
+}
+
+impl Waiter for ShmBackend {
+    /// Spin (a few µs without reading the clock, then yielding) for `SPIN`,
+    /// then sleep on this rank's doorbell; the peer's health is checked at
+    /// each wake-up.
+    fn wait_until(&self, peer: usize, what: &dyn Fn() -> String, deadline: Instant, ready: &dyn Fn() -> bool) -> Result<()> {
+        for _ in 0..1000 {
+            if ready() {
+                return Ok(());
+            }
+            std::hint::spin_loop();
+        }
+        let start = Instant::now();
+        loop {
+            if ready() {
+                return Ok(());
+            }
+            self.check_failed()?;
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::timeout(format!("shm: rank {peer} did not join the {} before the deadline", what())));
+            }
+            if now.duration_since(start) < SPIN {
+                std::thread::yield_now();
+                continue;
+            }
+            let ctl = self.control(self.rank);
+            let seen = ctl.doorbell.value.load(Ordering::SeqCst);
+            ctl.sleeping.store(1, Ordering::SeqCst);
+            // Pairs with the fence in wake_sleepers: either the publisher
+            // sees this flag, or this check sees its publication.
+            fence(Ordering::SeqCst);
+            if !ready() {
+                let _ = ctl.doorbell.wait_for(seen, NAP.min(deadline.saturating_duration_since(now)));
+            }
+            ctl.sleeping.store(0, Ordering::SeqCst);
+            // A peer that published and then left (closed, or died) has
+            // still done its part.
+            if !ready() {
+                if let Some(e) = self.peer_problem(peer) {
+                    return Err(self.fail(e));
+                }
+            }
+        }
+    }
+
+    fn wake_sleepers(&self) {
+        fence(Ordering::SeqCst);
+        for p in (0..self.size).filter(|p| *p != self.rank) {
+            if self.control(p).sleeping.load(Ordering::SeqCst) != 0 {
+                self.wake(p);
+            }
         }
     }
 }

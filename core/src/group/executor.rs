@@ -22,6 +22,9 @@ struct State {
     queue: VecDeque<(u64, Task)>,
     worker: Option<JoinHandle<()>>,
     shutdown: bool,
+    /// Threads blocked on `turn`: without any, passing the turn skips the
+    /// wake-up (a system call on every op otherwise).
+    waiters: usize,
 }
 
 #[derive(Default)]
@@ -52,7 +55,7 @@ impl Executor {
     pub(crate) fn run_inline<T>(&self, ticket: u64, f: impl FnOnce() -> T) -> T {
         let mut s = self.lock();
         while s.serving != ticket {
-            s = self.turn.wait(s).unwrap_or_else(|p| p.into_inner());
+            s = self.wait(s);
         }
         drop(s);
         struct Turn<'a>(&'a Executor);
@@ -66,8 +69,26 @@ impl Executor {
     }
 
     fn finish_turn(&self) {
-        self.lock().serving += 1;
-        self.turn.notify_all();
+        let mut s = self.lock();
+        s.serving += 1;
+        self.notify(s);
+    }
+
+    /// Block on `turn`, counted in `waiters`.
+    fn wait<'a>(&self, mut s: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        s.waiters += 1;
+        let mut s = self.turn.wait(s).unwrap_or_else(|p| p.into_inner());
+        s.waiters -= 1;
+        s
+    }
+
+    /// Wake the threads blocked on `turn`, if any.
+    fn notify(&self, s: MutexGuard<'_, State>) {
+        let blocked = s.waiters > 0;
+        drop(s);
+        if blocked {
+            self.turn.notify_all();
+        }
     }
 
     /// Queue `task` for the worker, starting it if needed.
@@ -83,8 +104,7 @@ impl Executor {
                     .expect("spawn the group worker thread"),
             );
         }
-        drop(s);
-        self.turn.notify_all();
+        self.notify(s);
     }
 
     fn worker_loop(&self) {
@@ -99,7 +119,7 @@ impl Executor {
                     } else if s.shutdown {
                         return;
                     }
-                    s = self.turn.wait(s).unwrap_or_else(|p| p.into_inner());
+                    s = self.wait(s);
                 }
             };
             // A task completes its own Work; catching here keeps the worker
@@ -116,6 +136,7 @@ impl Executor {
             s.shutdown = true;
             s.worker.take()
         };
+        // Unconditionally: cheap, once per group.
         self.turn.notify_all();
         if let Some(w) = worker {
             let _ = w.join();

@@ -44,14 +44,15 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             pg.barrier(&o)?.wait()?;
             println!("rank {r} of {w}: ok");
         }
-        "sigkill" => {
-            // The last rank kills itself in the middle of 64 MiB all_reduces;
-            // every other rank must get PeerLost naming it.
+        "sigkill" | "sigkill_small" => {
+            // The last rank kills itself in the middle of 64 MiB (or 8-byte:
+            // shm's fast path) all_reduces; every other rank must get
+            // PeerLost naming it.
             let victim = w - 1;
             if r == victim {
                 sigkill_self_after(Duration::from_millis(400));
             }
-            let mut v = vec![1f32; 16 << 20];
+            let mut v = vec![1f32; if scenario == "sigkill" { 16 << 20 } else { 2 }];
             loop {
                 match pg.all_reduce(&mut v, ReduceOp::Sum, &o)?.wait() {
                     Ok(()) => continue,

@@ -1,0 +1,285 @@
+//! The small-message fast path (after Open MPI's vader "fast boxes"): each
+//! rank owns two slots in the segment; a small all_reduce, broadcast or
+//! barrier writes this rank's data into one slot, publishes it with a
+//! sequence number, and reads every peer's slot straight from the segment.
+//! No ring, no frame, no system call while the peers are running: one cache
+//! line each way for an 8-byte all_reduce.
+//!
+//! Slot reuse needs no acknowledgement: op k uses slot k % 2, and a rank
+//! only starts op k + 2 after it has read every peer's op k + 1, which each
+//! peer published only after it had finished reading op k. Every fast op
+//! therefore waits for every peer's slot, broadcast and barrier included.
+//!
+//! Every rank reduces all contributions in rank order, so every rank gets
+//! the same bits (as the ring algorithms guarantee too).
+
+use crate::ring::{Bytes, RawBytes};
+use crate::sync::{AtomicU64, Ordering};
+use std::time::Instant;
+use weft::kernels::{finish, prescale, reduce_into};
+use weft::{DType, Error, ReduceOp, Result};
+
+/// Payload bytes a slot holds: ops up to this size take the fast path.
+pub const FASTBOX_BYTES: usize = 4096;
+/// Sequence and description words, then the payload (an 8-byte payload
+/// shares their cache line).
+const HEADER: usize = 16;
+/// Bytes per slot, whole cache lines.
+pub const SLOT: usize = (HEADER + FASTBOX_BYTES).next_multiple_of(64);
+
+/// Which op a slot's contents belong to, to catch ranks that disagree.
+#[derive(Copy, Clone, PartialEq, Debug)]
+pub enum Kind {
+    /// all_reduce with this dtype and op.
+    AllReduce(DType, ReduceOp),
+    /// broadcast from this root.
+    Broadcast(usize),
+    /// barrier.
+    Barrier,
+}
+
+impl Kind {
+    /// (kind, dtype or root, op) in one word, with the payload length.
+    fn describe(self, len: usize) -> u64 {
+        let (kind, a, b) = match self {
+            Kind::AllReduce(d, op) => (1u64, d as u64, op_code(op)),
+            Kind::Broadcast(root) => (2, root as u64, 0),
+            Kind::Barrier => (3, 0, 0),
+        };
+        (kind << 56) | ((a & 0xffff) << 40) | (b << 32) | len as u64
+    }
+}
+
+fn op_code(op: ReduceOp) -> u64 {
+    match op {
+        ReduceOp::Sum => 1,
+        ReduceOp::Product => 2,
+        ReduceOp::Min => 3,
+        ReduceOp::Max => 4,
+        ReduceOp::Avg => 5,
+        ReduceOp::Band => 6,
+        ReduceOp::Bor => 7,
+        ReduceOp::Bxor => 8,
+        // The factor may differ between ranks; only the kind must agree.
+        ReduceOp::PremulSum(_) => 9,
+    }
+}
+
+fn explain(word: u64) -> String {
+    let len = word & 0xffff_ffff;
+    match word >> 56 {
+        1 => format!("all_reduce of {len} bytes"),
+        2 => format!("broadcast of {len} bytes from root {}", (word >> 40) & 0xffff),
+        3 => "barrier".into(),
+        _ => format!("an unknown op ({word:#x})"),
+    }
+}
+
+/// A slot's header words, at the start of its first cache line (whose
+/// other 48 bytes start the payload).
+#[repr(C)]
+pub struct Header {
+    /// The op whose payload is in the slot (published last).
+    seq: AtomicU64,
+    /// `Kind::describe` of that op.
+    what: AtomicU64,
+}
+
+/// One rank's slot: header, then payload bytes.
+pub struct Slot<B: Bytes = RawBytes> {
+    header: *const Header,
+    data: B,
+}
+
+// SAFETY: the header words are atomics; the payload follows the protocol
+// of the module doc (one writer, readers only between publications).
+unsafe impl<B: Bytes> Send for Slot<B> {}
+// SAFETY: as above.
+unsafe impl<B: Bytes> Sync for Slot<B> {}
+
+impl Slot {
+    /// The slot at `base`.
+    ///
+    /// # Safety
+    /// `base` is 64-byte aligned, inside a live mapping with `SLOT` bytes
+    /// from it, zeroed at creation and used only through this type.
+    pub unsafe fn at(base: *mut u8) -> Slot {
+        // SAFETY: the caller's contract.
+        Slot { header: base as *const Header, data: unsafe { RawBytes::at(base.add(HEADER)) } }
+    }
+}
+
+impl<B: Bytes> Slot<B> {
+    fn header(&self) -> &Header {
+        // SAFETY: points into the live mapping (constructor contract).
+        unsafe { &*self.header }
+    }
+    /// Write this rank's payload and publish it as op `seq` (the caller
+    /// owns the slot: see the module doc).
+    fn publish(&self, seq: u64, what: u64, data: &[u8]) {
+        debug_assert!(data.len() <= FASTBOX_BYTES);
+        // SAFETY: inside the payload area; no peer reads it until `seq` is
+        // stored below, and none still reads the op published before.
+        unsafe { self.data.put(0, data) };
+        let h = self.header();
+        h.what.store(what, Ordering::Relaxed);
+        // SeqCst: pairs with a sleeping peer's flag (see `Waiter`).
+        h.seq.store(seq, Ordering::SeqCst);
+    }
+    /// The description of op `seq`, once published.
+    fn published(&self, seq: u64) -> Option<u64> {
+        let h = self.header();
+        (h.seq.load(Ordering::Acquire) == seq).then(|| h.what.load(Ordering::Relaxed))
+    }
+    /// Copy the published payload into `dst`.
+    fn read(&self, dst: &mut [u8]) {
+        // SAFETY: published (acquire in `published`) and not rewritten before
+        // this rank finishes the op (module doc); within FASTBOX_BYTES.
+        unsafe { self.data.get(0, dst) }
+    }
+}
+
+/// How a rank waits for a peer's slot: spin, then sleep (the transport's
+/// doorbell), checking the deadline and the peer's health.
+pub trait Waiter {
+    /// Wait until `ready()` or fail (timeout, peer lost, aborted); `what()`
+    /// names the op for the error (built only then: it allocates).
+    fn wait_until(&self, peer: usize, what: &dyn Fn() -> String, deadline: Instant, ready: &dyn Fn() -> bool) -> Result<()>;
+    /// Wake peers sleeping in `wait_until` (after a publish).
+    fn wake_sleepers(&self);
+}
+
+/// The fast path of one rank: its slots and its peers'.
+pub struct Fastbox<B: Bytes = RawBytes> {
+    rank: usize,
+    /// Rank r's slot for op k is `slots[r * 2 + k % 2]`.
+    slots: Vec<Slot<B>>,
+    next: AtomicU64,
+}
+
+impl Fastbox {
+    /// Over `size` ranks' slot pairs starting at `base`.
+    ///
+    /// # Safety
+    /// `base` is 64-byte aligned with [`Fastbox::len`] zeroed bytes of a
+    /// live mapping after it, shared by the group's ranks and used only
+    /// through `Fastbox`.
+    pub unsafe fn at(base: *mut u8, rank: usize, size: usize) -> Fastbox {
+        // SAFETY: the caller's contract, slot by slot.
+        let slots = (0..2 * size).map(|i| unsafe { Slot::at(base.add(i * SLOT)) }).collect();
+        Fastbox { rank, slots, next: AtomicU64::new(1) }
+    }
+
+    /// Bytes of segment for `size` ranks.
+    pub const fn len(size: usize) -> usize {
+        2 * size * SLOT
+    }
+}
+
+impl<B: Bytes> Fastbox<B> {
+    /// Run `kind` over `buf` (at most [`FASTBOX_BYTES`]): all_reduce in
+    /// place, broadcast from the root, or a barrier (empty `buf`).
+    pub fn run(&self, waiter: &dyn Waiter, kind: Kind, buf: &mut [u8], deadline: Instant) -> Result<()> {
+        debug_assert!(buf.len() <= FASTBOX_BYTES);
+        let w = self.slots.len() / 2;
+        let k = self.next.fetch_add(1, Ordering::Relaxed);
+        let slot = |r: usize| &self.slots[r * 2 + (k % 2) as usize];
+        let what = kind.describe(buf.len());
+        // Only as long as the op (zeroing a whole slot's worth costs as much
+        // as an 8-byte all_reduce's wait).
+        let mut scratch = vec![0u8; if matches!(kind, Kind::AllReduce(..)) { buf.len() } else { 0 }];
+        let mine: &[u8] = match kind {
+            Kind::AllReduce(dtype, op @ ReduceOp::PremulSum(_)) => {
+                scratch.copy_from_slice(buf);
+                prescale(&mut scratch, dtype, op);
+                &scratch
+            }
+            Kind::AllReduce(..) => buf,
+            Kind::Broadcast(root) if root == self.rank => buf,
+            _ => &[],
+        };
+        slot(self.rank).publish(k, what, mine);
+        waiter.wake_sleepers();
+        for p in (0..w).filter(|p| *p != self.rank) {
+            waiter.wait_until(p, &|| explain(what), deadline, &|| slot(p).published(k).is_some())?;
+            let theirs = slot(p).published(k).expect("published");
+            if theirs != what {
+                return Err(Error::invalid(format!(
+                    "mismatched collectives: this rank called {}, rank {p} {}",
+                    explain(what),
+                    explain(theirs)
+                )));
+            }
+        }
+        match kind {
+            Kind::AllReduce(dtype, op) => {
+                // Every contribution in rank order, from the slots.
+                slot(0).read(buf);
+                for p in 1..w {
+                    slot(p).read(&mut scratch);
+                    reduce_into(buf, &scratch, dtype, op);
+                }
+                finish(buf, dtype, op, w);
+            }
+            Kind::Broadcast(root) if root != self.rank => slot(root).read(buf),
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// Model check of slot reuse (`RUSTFLAGS="--cfg loom"`): two ranks run
+/// three all_reduces back to back through the two slots, with each payload
+/// byte a tracked cell, so a slot rewritten while its peer still reads it
+/// is a reported race (and a wrong sum).
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use crate::ring::loom_tests::Cells;
+    use std::sync::Arc;
+
+    struct Spin;
+
+    impl Waiter for Spin {
+        fn wait_until(&self, _: usize, _: &dyn Fn() -> String, _: Instant, ready: &dyn Fn() -> bool) -> Result<()> {
+            while !ready() {
+                loom::thread::yield_now();
+            }
+            Ok(())
+        }
+        fn wake_sleepers(&self) {}
+    }
+
+    #[test]
+    fn loom_fast_all_reduces_reuse_slots_safely() {
+        loom::model(|| {
+            // Two ranks' two slots, each a header and a one-byte payload.
+            let slots: Arc<Vec<(&'static Header, Cells)>> = Arc::new(
+                (0..4)
+                    .map(|_| {
+                        let h: &'static Header = Box::leak(Box::new(Header { seq: AtomicU64::new(0), what: AtomicU64::new(0) }));
+                        (h, Cells::new(1))
+                    })
+                    .collect(),
+            );
+            let rank = move |r: usize, slots: Arc<Vec<(&'static Header, Cells)>>| {
+                let slots = slots.iter().map(|(h, c)| Slot { header: *h as *const Header, data: c.clone() }).collect();
+                let fb = Fastbox { rank: r, slots, next: AtomicU64::new(1) };
+                let mut sums = Vec::new();
+                for op in 0..3u8 {
+                    let mut v = [10 * op + r as u8];
+                    fb.run(&Spin, Kind::AllReduce(DType::U8, ReduceOp::Sum), &mut v, Instant::now()).unwrap();
+                    sums.push(v[0]);
+                }
+                sums
+            };
+            let other = {
+                let slots = slots.clone();
+                loom::thread::spawn(move || rank(1, slots))
+            };
+            let mine = rank(0, slots);
+            assert_eq!(mine, [1, 21, 41]);
+            assert_eq!(other.join().unwrap(), [1, 21, 41]);
+        });
+    }
+}
