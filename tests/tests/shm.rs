@@ -156,6 +156,21 @@ fn shm_fast_path_agrees_with_the_rings_and_catches_mismatched_calls() {
                     let mut b: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
                     pg.broadcast(&mut b, w - 1, &o().hint("shm_fastbox", path)).unwrap().wait().unwrap();
                     assert!(b.iter().enumerate().all(|(i, x)| *x == value(w - 1, i)), "broadcast n={n} fastbox={path}");
+                    // n elements per rank in all: the whole op on one side of the limit.
+                    let part = n.div_ceil(w);
+                    let mine: Vec<f32> = (0..part).map(|i| value(r, i)).collect();
+                    let mut all = vec![0f32; part * w];
+                    pg.all_gather_single(&mut all[..], &mine[..], &o().hint("shm_fastbox", path)).unwrap().wait().unwrap();
+                    let gathered: Vec<f32> = (0..w).flat_map(|q| (0..part).map(move |i| value(q, i))).collect();
+                    assert_eq!(all, gathered, "all_gather part={part} fastbox={path}");
+                    let input: Vec<f32> = (0..part * w).map(|j| value(r, j)).collect();
+                    let mut out = vec![0f32; part];
+                    pg.reduce_scatter_single(&mut out[..], &input[..], ReduceOp::Sum, &o().hint("shm_fastbox", path))
+                        .unwrap()
+                        .wait()
+                        .unwrap();
+                    let want: Vec<f32> = (0..part).map(|i| (0..w).map(|q| value(q, r * part + i)).sum()).collect();
+                    assert_eq!(out, want, "reduce_scatter part={part} fastbox={path}");
                 }
             }
             // PREMUL_SUM with a factor of its own on each rank, and AVG.

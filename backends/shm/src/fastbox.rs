@@ -1,7 +1,8 @@
 //! The small-message fast path (after Open MPI's vader "fast boxes"): each
-//! rank owns two slots in the segment; a small all_reduce, broadcast or
-//! barrier writes this rank's data into one slot, publishes it with a
-//! sequence number, and reads every peer's slot straight from the segment.
+//! rank owns two slots in the segment; a small all_reduce, broadcast,
+//! all_gather, reduce_scatter or barrier writes this rank's part into one
+//! slot, publishes it with a sequence number, and reads every peer's slot
+//! straight from the segment.
 //! No ring, no frame, no system call while the peers are running: one cache
 //! line each way for an 8-byte all_reduce.
 //!
@@ -36,15 +37,23 @@ pub enum Kind {
     Broadcast(usize),
     /// barrier.
     Barrier,
+    /// all_gather (lists and `_v` alike).
+    AllGather,
+    /// reduce_scatter with this dtype and op.
+    ReduceScatter(DType, ReduceOp),
 }
 
 impl Kind {
-    /// (kind, dtype or root, op) in one word, with the payload length.
+    /// (kind, dtype or root, op) in one word, with the op's length (the
+    /// same on every rank: for all_gather and reduce_scatter, all ranks'
+    /// parts together).
     fn describe(self, len: usize) -> u64 {
         let (kind, a, b) = match self {
             Kind::AllReduce(d, op) => (1u64, d as u64, op_code(op)),
             Kind::Broadcast(root) => (2, root as u64, 0),
             Kind::Barrier => (3, 0, 0),
+            Kind::AllGather => (4, 0, 0),
+            Kind::ReduceScatter(d, op) => (5, d as u64, op_code(op)),
         };
         (kind << 56) | ((a & 0xffff) << 40) | (b << 32) | len as u64
     }
@@ -71,6 +80,8 @@ fn explain(word: u64) -> String {
         1 => format!("all_reduce of {len} bytes"),
         2 => format!("broadcast of {len} bytes from root {}", (word >> 40) & 0xffff),
         3 => "barrier".into(),
+        4 => format!("all_gather of {len} bytes in all"),
+        5 => format!("reduce_scatter of {len} bytes in all"),
         _ => format!("an unknown op ({word:#x})"),
     }
 }
@@ -131,11 +142,12 @@ impl<B: Bytes> Slot<B> {
         let h = self.header();
         (h.seq.load(Ordering::Acquire) == seq).then(|| h.what.load(Ordering::Relaxed))
     }
-    /// Copy the published payload into `dst`.
-    fn read(&self, dst: &mut [u8]) {
+    /// Copy the published payload's bytes from `at` into `dst`.
+    fn read(&self, at: usize, dst: &mut [u8]) {
+        debug_assert!(at + dst.len() <= FASTBOX_BYTES);
         // SAFETY: published (acquire in `published`) and not rewritten before
         // this rank finishes the op (module doc); within FASTBOX_BYTES.
-        unsafe { self.data.get(0, dst) }
+        unsafe { self.data.get(at, dst) }
     }
 }
 
@@ -177,32 +189,19 @@ impl Fastbox {
 }
 
 impl<B: Bytes> Fastbox<B> {
-    /// Run `kind` over `buf` (at most [`FASTBOX_BYTES`]): all_reduce in
-    /// place, broadcast from the root, or a barrier (empty `buf`).
-    pub fn run(&self, waiter: &dyn Waiter, kind: Kind, buf: &mut [u8], deadline: Instant) -> Result<()> {
-        debug_assert!(buf.len() <= FASTBOX_BYTES);
-        let w = self.slots.len() / 2;
+    /// One round: publish `mine` as this rank's part of op `kind` (`len`
+    /// bytes in all, the same on every rank), then wait until every peer
+    /// has published its part of the same op.
+    fn round(&self, waiter: &dyn Waiter, kind: Kind, len: usize, mine: &[u8], deadline: Instant) -> Result<Round<'_, B>> {
+        debug_assert!(mine.len() <= FASTBOX_BYTES);
         let k = self.next.fetch_add(1, Ordering::Relaxed);
-        let slot = |r: usize| &self.slots[r * 2 + (k % 2) as usize];
-        let what = kind.describe(buf.len());
-        // Only as long as the op (zeroing a whole slot's worth costs as much
-        // as an 8-byte all_reduce's wait).
-        let mut scratch = vec![0u8; if matches!(kind, Kind::AllReduce(..)) { buf.len() } else { 0 }];
-        let mine: &[u8] = match kind {
-            Kind::AllReduce(dtype, op @ ReduceOp::PremulSum(_)) => {
-                scratch.copy_from_slice(buf);
-                prescale(&mut scratch, dtype, op);
-                &scratch
-            }
-            Kind::AllReduce(..) => buf,
-            Kind::Broadcast(root) if root == self.rank => buf,
-            _ => &[],
-        };
-        slot(self.rank).publish(k, what, mine);
+        let round = Round { fb: self, k };
+        let what = kind.describe(len);
+        round.slot(self.rank).publish(k, what, mine);
         waiter.wake_sleepers();
-        for p in (0..w).filter(|p| *p != self.rank) {
-            waiter.wait_until(p, &|| explain(what), deadline, &|| slot(p).published(k).is_some())?;
-            let theirs = slot(p).published(k).expect("published");
+        for p in (0..self.slots.len() / 2).filter(|p| *p != self.rank) {
+            waiter.wait_until(p, &|| explain(what), deadline, &|| round.slot(p).published(k).is_some())?;
+            let theirs = round.slot(p).published(k).expect("published");
             if theirs != what {
                 return Err(Error::invalid(format!(
                     "mismatched collectives: this rank called {}, rank {p} {}",
@@ -211,20 +210,89 @@ impl<B: Bytes> Fastbox<B> {
                 )));
             }
         }
-        match kind {
-            Kind::AllReduce(dtype, op) => {
-                // Every contribution in rank order, from the slots.
-                slot(0).read(buf);
-                for p in 1..w {
-                    slot(p).read(&mut scratch);
-                    reduce_into(buf, &scratch, dtype, op);
-                }
-                finish(buf, dtype, op, w);
-            }
-            Kind::Broadcast(root) if root != self.rank => slot(root).read(buf),
-            _ => {}
+        Ok(round)
+    }
+
+    fn size(&self) -> usize {
+        self.slots.len() / 2
+    }
+
+    /// all_reduce of `buf` (at most [`FASTBOX_BYTES`]) in place.
+    pub fn all_reduce(&self, waiter: &dyn Waiter, buf: &mut [u8], dtype: DType, op: ReduceOp, deadline: Instant) -> Result<()> {
+        let mut scratch = buf.to_vec();
+        prescale(&mut scratch, dtype, op);
+        let round = self.round(waiter, Kind::AllReduce(dtype, op), buf.len(), &scratch, deadline)?;
+        round.reduce(0, buf, &mut scratch, dtype, op);
+        finish(buf, dtype, op, self.size());
+        Ok(())
+    }
+
+    /// reduce_scatter: `inputs` (one per rank, at most [`FASTBOX_BYTES`]
+    /// together) reduced over the ranks into `output`.
+    pub fn reduce_scatter(
+        &self,
+        waiter: &dyn Waiter,
+        inputs: &[&[u8]],
+        output: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        deadline: Instant,
+    ) -> Result<()> {
+        let mut mine = inputs.concat();
+        prescale(&mut mine, dtype, op);
+        let at = inputs[..self.rank].iter().map(|i| i.len()).sum();
+        let round = self.round(waiter, Kind::ReduceScatter(dtype, op), mine.len(), &mine, deadline)?;
+        round.reduce(at, output, &mut mine[..output.len()], dtype, op);
+        finish(output, dtype, op, self.size());
+        Ok(())
+    }
+
+    /// all_gather: `outputs[p]` receives rank p's `input` (outputs at most
+    /// [`FASTBOX_BYTES`] together).
+    pub fn all_gather(&self, waiter: &dyn Waiter, input: &[u8], outputs: &mut [&mut [u8]], deadline: Instant) -> Result<()> {
+        let len = outputs.iter().map(|o| o.len()).sum();
+        let round = self.round(waiter, Kind::AllGather, len, input, deadline)?;
+        for (p, out) in outputs.iter_mut().enumerate() {
+            round.slot(p).read(0, out);
         }
         Ok(())
+    }
+
+    /// broadcast of `buf` (at most [`FASTBOX_BYTES`]) from `root`.
+    pub fn broadcast(&self, waiter: &dyn Waiter, buf: &mut [u8], root: usize, deadline: Instant) -> Result<()> {
+        let mine: &[u8] = if root == self.rank { buf } else { &[] };
+        let round = self.round(waiter, Kind::Broadcast(root), buf.len(), mine, deadline)?;
+        if root != self.rank {
+            round.slot(root).read(0, buf);
+        }
+        Ok(())
+    }
+
+    /// barrier.
+    pub fn barrier(&self, waiter: &dyn Waiter, deadline: Instant) -> Result<()> {
+        self.round(waiter, Kind::Barrier, 0, &[], deadline).map(drop)
+    }
+}
+
+/// Op `k`'s slots, every one published.
+struct Round<'a, B: Bytes> {
+    fb: &'a Fastbox<B>,
+    k: u64,
+}
+
+impl<B: Bytes> Round<'_, B> {
+    fn slot(&self, r: usize) -> &Slot<B> {
+        &self.fb.slots[r * 2 + (self.k % 2) as usize]
+    }
+
+    /// `out` = the bytes at `at` of every rank's part, reduced in rank
+    /// order (so every rank gets the same bits); `tmp` is as long as `out`.
+    fn reduce(&self, at: usize, out: &mut [u8], tmp: &mut [u8], dtype: DType, op: ReduceOp) {
+        self.slot(0).read(at, out);
+        for p in 1..self.fb.size() {
+            self.slot(p).read(at, tmp);
+            reduce_into(out, tmp, dtype, op);
+        }
     }
 }
 
@@ -268,7 +336,7 @@ mod loom_tests {
                 let mut sums = Vec::new();
                 for op in 0..3u8 {
                     let mut v = [10 * op + r as u8];
-                    fb.run(&Spin, Kind::AllReduce(DType::U8, ReduceOp::Sum), &mut v, Instant::now()).unwrap();
+                    fb.all_reduce(&Spin, &mut v, DType::U8, ReduceOp::Sum, Instant::now()).unwrap();
                     sums.push(v[0]);
                 }
                 sums

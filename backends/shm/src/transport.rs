@@ -6,7 +6,7 @@
 //! or reading from it. Dead peers are found by pid while waiting.
 
 use crate::cma::{self, Cell};
-use crate::fastbox::{Fastbox, Kind, Waiter, FASTBOX_BYTES};
+use crate::fastbox::{Fastbox, Waiter, FASTBOX_BYTES};
 use crate::ring::{footprint, Ring};
 use crate::segment::Segment;
 use linux_futex::{Futex, Shared};
@@ -198,8 +198,9 @@ impl Backend for ShmBackend {
         "shm"
     }
 
-    /// all_reduce and broadcast of at most `FASTBOX_BYTES`, and barrier,
-    /// through the fast path (hint `shm_fastbox=off`: through the rings).
+    /// all_reduce, broadcast, all_gather and reduce_scatter of at most
+    /// `FASTBOX_BYTES` (all ranks' parts together), and barrier, through
+    /// the fast path (hint `shm_fastbox=off`: through the rings).
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
         // (`is_empty` first: no hashing on the common path.)
         match (!ctx.hints.is_empty()).then(|| ctx.hints.get("shm_fastbox")).flatten().map(String::as_str) {
@@ -207,19 +208,38 @@ impl Backend for ShmBackend {
             Some("off") => return None,
             Some(v) => return Some(Err(Error::invalid(format!("hint shm_fastbox={v:?}: use on or off")))),
         }
-        let (kind, buf) = match op {
-            Op::AllReduce { buf, op } if buf.nbytes() <= FASTBOX_BYTES => (Kind::AllReduce(buf.dtype(), *op), Some(buf)),
-            Op::Broadcast { buf, root } if buf.nbytes() <= FASTBOX_BYTES => (Kind::Broadcast(*root), Some(buf)),
-            Op::Barrier => (Kind::Barrier, None),
-            _ => return None,
+        let small = |n: usize| n <= FASTBOX_BYTES;
+        let fast = match op {
+            Op::AllReduce { buf, .. } | Op::Broadcast { buf, .. } => small(buf.nbytes()),
+            Op::Barrier => true,
+            Op::AllGather { outputs, .. } => small(outputs.iter().map(|o| o.nbytes()).sum()),
+            Op::ReduceScatter { inputs, .. } => small(inputs.iter().map(|i| i.nbytes()).sum()),
+            _ => false,
         };
-        let run = || {
+        if !fast {
+            return None;
+        }
+        let (fb, d) = (&self.fast, ctx.deadline);
+        let mut run = || -> Result<()> {
             self.check_failed()?;
-            let bytes = match buf {
-                Some(b) => b.host_bytes_mut()?,
-                None => &mut [],
-            };
-            self.fast.run(self, kind, bytes, ctx.deadline)
+            match op {
+                Op::AllReduce { buf, op } => {
+                    let dtype = buf.dtype();
+                    fb.all_reduce(self, buf.host_bytes_mut()?, dtype, *op, d)
+                }
+                Op::Broadcast { buf, root } => fb.broadcast(self, buf.host_bytes_mut()?, *root, d),
+                Op::AllGather { input, outputs } => {
+                    let mut outs = outputs.iter_mut().map(|o| o.host_bytes_mut()).collect::<Result<Vec<_>>>()?;
+                    fb.all_gather(self, input.host_bytes()?, &mut outs, d)
+                }
+                Op::ReduceScatter { inputs, output, op } => {
+                    let ins = inputs.iter().map(|i| i.host_bytes()).collect::<Result<Vec<_>>>()?;
+                    let dtype = output.dtype();
+                    fb.reduce_scatter(self, &ins, output.host_bytes_mut()?, dtype, *op, d)
+                }
+                Op::Barrier => fb.barrier(self, d),
+                _ => unreachable!("only the ops above are fast"),
+            }
         };
         Some(run())
     }
