@@ -99,7 +99,7 @@ pub struct ShmBackend {
     failed: Mutex<Option<Error>>,
     /// Offer large sends single-copy, and read peers' offers (hint `shm_cma`).
     cma: std::sync::atomic::AtomicBool,
-    /// Small all_reduce, broadcast and barrier (`fastbox.rs`).
+    /// Small collectives and barrier (`fastbox.rs`).
     fast: Fastbox,
 }
 
