@@ -29,7 +29,7 @@ const HEADER: usize = 16;
 pub const SLOT: usize = (HEADER + FASTBOX_BYTES).next_multiple_of(64);
 
 /// Which op a slot's contents belong to, to catch ranks that disagree.
-#[derive(Copy, Clone, PartialEq, Debug)]
+#[derive(Copy, Clone, Debug)]
 pub enum Kind {
     /// all_reduce with this dtype and op.
     AllReduce(DType, ReduceOp),
@@ -199,7 +199,7 @@ impl<B: Bytes> Fastbox<B> {
         let what = kind.describe(len);
         round.slot(self.rank).publish(k, what, mine);
         waiter.wake_sleepers();
-        for p in (0..self.slots.len() / 2).filter(|p| *p != self.rank) {
+        for p in (0..self.size()).filter(|p| *p != self.rank) {
             waiter.wait_until(p, &|| explain(what), deadline, &|| round.slot(p).published(k).is_some())?;
             let theirs = round.slot(p).published(k).expect("published");
             if theirs != what {

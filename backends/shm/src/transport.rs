@@ -219,29 +219,7 @@ impl Backend for ShmBackend {
         if !fast {
             return None;
         }
-        let (fb, d) = (&self.fast, ctx.deadline);
-        let mut run = || -> Result<()> {
-            self.check_failed()?;
-            match op {
-                Op::AllReduce { buf, op } => {
-                    let dtype = buf.dtype();
-                    fb.all_reduce(self, buf.host_bytes_mut()?, dtype, *op, d)
-                }
-                Op::Broadcast { buf, root } => fb.broadcast(self, buf.host_bytes_mut()?, *root, d),
-                Op::AllGather { input, outputs } => {
-                    let mut outs = outputs.iter_mut().map(|o| o.host_bytes_mut()).collect::<Result<Vec<_>>>()?;
-                    fb.all_gather(self, input.host_bytes()?, &mut outs, d)
-                }
-                Op::ReduceScatter { inputs, output, op } => {
-                    let ins = inputs.iter().map(|i| i.host_bytes()).collect::<Result<Vec<_>>>()?;
-                    let dtype = output.dtype();
-                    fb.reduce_scatter(self, &ins, output.host_bytes_mut()?, dtype, *op, d)
-                }
-                Op::Barrier => fb.barrier(self, d),
-                _ => unreachable!("only the ops above are fast"),
-            }
-        };
-        Some(run())
+        Some(self.check_failed().and_then(|()| self.run_fast(op, ctx.deadline)))
     }
 
     fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
@@ -330,16 +308,7 @@ impl Waiter for ShmBackend {
                 std::thread::yield_now();
                 continue;
             }
-            let ctl = self.control(self.rank);
-            let seen = ctl.doorbell.value.load(Ordering::SeqCst);
-            ctl.sleeping.store(1, Ordering::SeqCst);
-            // Pairs with the fence in wake_sleepers: either the publisher
-            // sees this flag, or this check sees its publication.
-            fence(Ordering::SeqCst);
-            if !ready() {
-                let _ = ctl.doorbell.wait_for(seen, NAP.min(deadline.saturating_duration_since(now)));
-            }
-            ctl.sleeping.store(0, Ordering::SeqCst);
+            self.nap(now, deadline, ready);
             // A peer that published and then left (closed, or died) has
             // still done its part.
             if !ready() {
@@ -361,6 +330,29 @@ impl Waiter for ShmBackend {
 }
 
 impl ShmBackend {
+    /// Run a fast-path op (`native_op` chose it).
+    fn run_fast(&self, op: &mut Op<'_>, d: Instant) -> Result<()> {
+        let fb = &self.fast;
+        match op {
+            Op::AllReduce { buf, op } => {
+                let dtype = buf.dtype();
+                fb.all_reduce(self, buf.host_bytes_mut()?, dtype, *op, d)
+            }
+            Op::Broadcast { buf, root } => fb.broadcast(self, buf.host_bytes_mut()?, *root, d),
+            Op::AllGather { input, outputs } => {
+                let mut outs = outputs.iter_mut().map(|o| o.host_bytes_mut()).collect::<Result<Vec<_>>>()?;
+                fb.all_gather(self, input.host_bytes()?, &mut outs, d)
+            }
+            Op::ReduceScatter { inputs, output, op } => {
+                let ins = inputs.iter().map(|i| i.host_bytes()).collect::<Result<Vec<_>>>()?;
+                let dtype = output.dtype();
+                fb.reduce_scatter(self, &ins, output.host_bytes_mut()?, dtype, *op, d)
+            }
+            Op::Barrier => fb.barrier(self, d),
+            _ => unreachable!("native_op sends only the ops above"),
+        }
+    }
+
     /// Withdraw single-copy offer `seq` to `peer`; if the peer is reading
     /// it right now, wait (one system call) until it is done.
     fn revoke(&self, peer: usize, seq: u64) {
@@ -529,15 +521,24 @@ impl ShmBackend {
                 std::thread::yield_now();
                 continue;
             }
-            let ctl = self.control(me);
-            let seen = ctl.doorbell.value.load(Ordering::SeqCst);
-            ctl.sleeping.store(1, Ordering::SeqCst);
-            let ready = (0..w).any(|p| p != me && self.ring(p, me).available() > 0);
-            if !ready {
-                let _ = ctl.doorbell.wait_for(seen, NAP.min(deadline.saturating_duration_since(now)));
-            }
-            ctl.sleeping.store(0, Ordering::SeqCst);
+            self.nap(now, deadline, &|| (0..w).any(|p| p != me && self.ring(p, me).available() > 0));
         }
+    }
+
+    /// Sleep on this rank's doorbell unless `ready()`, for at most `NAP`
+    /// (and not past `deadline`). Peers ring it after writing to this rank
+    /// (`wake`) when they see its `sleeping` flag.
+    fn nap(&self, now: Instant, deadline: Instant, ready: &dyn Fn() -> bool) {
+        let ctl = self.control(self.rank);
+        let seen = ctl.doorbell.value.load(Ordering::SeqCst);
+        ctl.sleeping.store(1, Ordering::SeqCst);
+        // With the fence in `wake_sleepers` (and `wake`'s read-modify-write):
+        // either the writer sees this flag, or `ready()` sees its write.
+        fence(Ordering::SeqCst);
+        if !ready() {
+            let _ = ctl.doorbell.wait_for(seen, NAP.min(deadline.saturating_duration_since(now)));
+        }
+        ctl.sleeping.store(0, Ordering::SeqCst);
     }
 
     /// Take single-copy offer `seq` from `peer` into the current frame's
