@@ -7,7 +7,7 @@
 //! | all_reduce | recursive doubling (small), halving-doubling (medium), pipelined ring reduce-scatter + all-gather (large) | `recursive.rs`, `halving_doubling.rs`, `ring.rs` |
 //! | reduce_scatter(_v) | ring | `ring.rs` |
 //! | all_gather(_v) | ring | `ring.rs` |
-//! | broadcast | binomial tree (small), scatter + ring all-gather (large) | `tree.rs`, `ring.rs` |
+//! | broadcast | binomial tree (small), scatter + ring all-gather (medium), pipelined chain (large) | `tree.rs`, `ring.rs`, `chain.rs` |
 //! | reduce | binomial tree (small), ring reduce-scatter + gather (large) | `tree.rs`, `ring.rs` |
 //! | gather, scatter | root exchanges with every rank at once | `linear.rs` |
 //! | all_to_all(_v) | pairwise exchange | `pairwise.rs` |
@@ -18,6 +18,7 @@
 //! `WEFT_ALGORITHM` forces one.
 
 mod barrier;
+mod chain;
 mod halving_doubling;
 mod linear;
 mod pairwise;
@@ -112,6 +113,7 @@ pub fn run(backend: &dyn Backend, op: &mut Op<'_>, ctx: &OpContext) -> Result<()
         }
         Op::Broadcast { buf, root } => match select::pick(ctx, "broadcast", buf.nbytes())? {
             "scatter_allgather" => ring::broadcast_scatter_allgather(&c, buf.host_bytes_mut()?, *root),
+            "chain" => chain::broadcast(&c, buf.host_bytes_mut()?, *root),
             _ => tree::broadcast(&c, buf.host_bytes_mut()?, *root),
         },
         Op::AllReduce { buf, op } => {

@@ -238,7 +238,7 @@ mod algorithm_tests {
                         }
                     }
                 }
-                for algo in ["binomial", "scatter_allgather"] {
+                for algo in ["binomial", "scatter_allgather", "chain"] {
                     for root in [0, w - 1] {
                         let out = run_ranks_with(w, OpKind::Broadcast, &[("algorithm", algo)], |r, b, c| {
                             let mut v: Vec<u8> = (0..n).map(|i| (r * 31 + i) as u8).collect();
@@ -271,6 +271,17 @@ mod algorithm_tests {
                             v
                         });
                         assert!(out.iter().all(|o| *o == expect), "{algo} w={w} seg={seg} n={n}");
+                    }
+                    // The chain broadcast forwards segment by segment.
+                    for root in [0, w / 2] {
+                        let hints = [("algorithm", "chain"), ("segment_bytes", hint.as_str())];
+                        let out = run_ranks_with(w, OpKind::Broadcast, &hints, |r, b, c| {
+                            let mut v: Vec<f64> = (0..n).map(|i| (r * 7 + i) as f64).collect();
+                            run(b, &mut Op::Broadcast { buf: TensorMut::from_slice(&mut v), root }, c).unwrap();
+                            v
+                        });
+                        let want: Vec<f64> = (0..n).map(|i| (root * 7 + i) as f64).collect();
+                        assert!(out.iter().all(|o| *o == want), "chain broadcast w={w} seg={seg} n={n} root={root}");
                     }
                     // Tree and ring reduces: the root gets the result, other
                     // ranks keep their input unscaled.
