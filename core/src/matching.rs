@@ -22,11 +22,20 @@ struct Frame {
     dest: Dest,
 }
 
+/// What came before its receive was posted.
+enum Early {
+    /// A whole message, copied aside.
+    Message(Vec<u8>),
+    /// Only the announcement of a message of this many bytes (a transport's
+    /// rendezvous): checked against the receive when it is posted.
+    Announced(usize),
+}
+
 /// One peer's inbound state, kept across exchanges.
 #[derive(Default)]
 pub struct Inbound {
     frame: Option<Frame>,
-    stash: HashMap<u64, VecDeque<Vec<u8>>>,
+    stash: HashMap<u64, VecDeque<Early>>,
 }
 
 fn size_mismatch(peer: usize, me: usize, got: usize, want: usize, tag: u64) -> Error {
@@ -68,36 +77,56 @@ impl Inbound {
             self.stash.remove(&tag);
         }
         match msg {
-            Some(msg) if msg.len() != buf.len() => Err(size_mismatch(peer, me, msg.len(), buf.len(), tag)),
-            Some(msg) => {
+            Some(Early::Message(msg)) if msg.len() != buf.len() => Err(size_mismatch(peer, me, msg.len(), buf.len(), tag)),
+            Some(Early::Message(msg)) => {
                 buf.copy_from_slice(&msg);
                 Ok(true)
             }
-            None => Ok(false),
+            Some(Early::Announced(len)) if len != buf.len() => Err(size_mismatch(peer, me, len, buf.len(), tag)),
+            Some(Early::Announced(_)) | None => Ok(false),
+        }
+    }
+
+    /// A message of `len` bytes under `tag` is announced, its payload to
+    /// follow once the receive is posted (a transport's rendezvous): check
+    /// it against the batch's matching receive now, or against the receive
+    /// posted later. Sizes and collectives are checked as for a data frame.
+    pub fn announce(&mut self, me: usize, peer: usize, tag: u64, len: usize, ops: &[P2p<'_>], done: &[bool]) -> Result<()> {
+        match self.matching_receive(me, peer, tag, len, ops, done)? {
+            Some(_) => Ok(()),
+            None => {
+                self.stash.entry(tag).or_default().push_back(Early::Announced(len));
+                Ok(())
+            }
+        }
+    }
+
+    /// The batch's receive a frame of `len` bytes under `tag` fills (None:
+    /// none yet); a size or collective mismatch is an error.
+    fn matching_receive(&self, me: usize, peer: usize, tag: u64, len: usize, ops: &[P2p<'_>], done: &[bool]) -> Result<Option<usize>> {
+        if let Some(i) = waiting(ops, done, peer, tag) {
+            let want = if let P2p::Recv { buf, .. } = &ops[i] { buf.len() } else { 0 };
+            if want != len {
+                return Err(size_mismatch(peer, me, len, want, tag));
+            }
+            return Ok(Some(i));
+        }
+        let conflict = ops.iter().enumerate().find_map(|(i, op)| match op {
+            P2p::Recv { peer: q, tag: t, .. } if !done[i] && *q == peer && crate::tag::conflicts(*t, tag) => Some(*t),
+            _ => None,
+        });
+        match conflict {
+            Some(mine) => Err(collective_mismatch(peer, tag, mine)),
+            None => Ok(None),
         }
     }
 
     /// A data frame of `len` bytes under `tag` starts: it fills the
     /// matching receive of the batch, or is stashed for a later one.
     pub fn begin(&mut self, me: usize, peer: usize, tag: u64, len: usize, ops: &[P2p<'_>], done: &[bool]) -> Result<()> {
-        let dest = match waiting(ops, done, peer, tag) {
-            Some(i) => {
-                let want = if let P2p::Recv { buf, .. } = &ops[i] { buf.len() } else { 0 };
-                if want != len {
-                    return Err(size_mismatch(peer, me, len, want, tag));
-                }
-                Dest::Recv(i)
-            }
-            None => {
-                let conflict = ops.iter().enumerate().find_map(|(i, op)| match op {
-                    P2p::Recv { peer: q, tag: t, .. } if !done[i] && *q == peer && crate::tag::conflicts(*t, tag) => Some(*t),
-                    _ => None,
-                });
-                if let Some(mine) = conflict {
-                    return Err(collective_mismatch(peer, tag, mine));
-                }
-                Dest::Stash(vec![0u8; len])
-            }
+        let dest = match self.matching_receive(me, peer, tag, len, ops, done)? {
+            Some(i) => Dest::Recv(i),
+            None => Dest::Stash(vec![0u8; len]),
         };
         self.frame = Some(Frame { tag, len, got: 0, dest });
         Ok(())
@@ -149,7 +178,7 @@ impl Inbound {
                     buf.copy_from_slice(&msg);
                     done[i] = true;
                 }
-                None => self.stash.entry(f.tag).or_default().push_back(msg),
+                None => self.stash.entry(f.tag).or_default().push_back(Early::Message(msg)),
             },
         }
         Ok(None)
@@ -207,5 +236,29 @@ mod tests {
         let mut r = [0u8; 1];
         let ops = vec![P2p::Recv { peer: 1, tag: g, buf: &mut r }];
         assert!(inb.begin(0, 1, a, 1, &ops, &[false]).unwrap_err().to_string().contains("collective mismatch"));
+    }
+
+    #[test]
+    fn announcements_are_checked_now_or_when_the_receive_is_posted() {
+        let mut inb = Inbound::default();
+        let mut b4 = [0u8; 4];
+        // Announced before the receive: kept, checked at posting, not served.
+        inb.announce(0, 1, 5, 4, &[], &[]).unwrap();
+        assert!(!inb.serve_early(0, 1, 5, &mut b4).unwrap());
+        assert!(inb.stash.is_empty());
+        inb.announce(0, 1, 6, 8, &[], &[]).unwrap();
+        assert!(inb.serve_early(0, 1, 6, &mut b4).unwrap_err().to_string().contains("sent 8 bytes, rank 0 expected 4"));
+        // Announced while the receive is posted: checked at once, nothing kept.
+        let ops = vec![P2p::Recv { peer: 1, tag: 7, buf: &mut b4 }];
+        inb.announce(0, 1, 7, 4, &ops, &[false]).unwrap();
+        assert!(inb.announce(0, 1, 7, 3, &ops, &[false]).unwrap_err().to_string().contains("sent 3 bytes"));
+        assert!(inb.stash.is_empty());
+        // Another collective at the same sequence number.
+        let a = crate::tag::collective(OpKind::AllReduce as u8, 3, 0);
+        let g = crate::tag::collective(OpKind::AllGather as u8, 3, 0);
+        let ops = vec![P2p::Recv { peer: 1, tag: g, buf: &mut b4 }];
+        assert!(inb.announce(0, 1, a, 4, &ops, &[false]).unwrap_err().to_string().contains("collective mismatch"));
+        inb.announce(0, 1, a, 4, &[], &[]).unwrap();
+        assert!(inb.serve_early(0, 1, g, &mut b4).unwrap_err().to_string().contains("collective mismatch"));
     }
 }

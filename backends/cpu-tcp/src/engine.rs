@@ -2,10 +2,13 @@
 //! exchange itself. It writes pending sends without blocking and reads
 //! whatever every peer has sent (into posted receives, or a stash for
 //! messages that come early), so two ranks sending to each other never
-//! block each other, and no helper thread hands messages over.
+//! block each other, and no helper thread hands messages over. Long
+//! messages go by rendezvous (see `wire.rs`): their data is written only
+//! into a receive the peer has posted.
 
-use crate::wire::{Header, Kind, HEADER, MAX_ABORT};
+use crate::wire::{Header, Kind, EAGER_LIMIT, HEADER, MAX_ABORT};
 use socket2::Socket;
+use std::collections::HashMap;
 use std::io::{ErrorKind as IoKind, IoSlice, Read};
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
@@ -36,12 +39,72 @@ pub struct Peer {
     pub left: bool,
     /// A send stopped mid-frame: nothing more may be written.
     pub torn: bool,
+    /// Rendezvous control frames (whole headers) not yet written, and how
+    /// many of their bytes are.
+    ctl: Vec<u8>,
+    ctl_sent: usize,
+    /// Ready frames received per tag and not yet used by a send.
+    ready: HashMap<u64, usize>,
 }
 
 impl Peer {
     pub fn new(sock: Socket) -> Peer {
-        Peer { sock, hdr: [0; HEADER], hdr_got: 0, inbound: Inbound::default(), left: false, torn: false }
+        Peer {
+            sock,
+            hdr: [0; HEADER],
+            hdr_got: 0,
+            inbound: Inbound::default(),
+            left: false,
+            torn: false,
+            ctl: Vec::new(),
+            ctl_sent: 0,
+            ready: HashMap::new(),
+        }
     }
+
+    fn queue_control(&mut self, kind: Kind, tag: u64, len: usize) {
+        self.ctl.extend_from_slice(&Header { kind, tag, len: len as u64 }.encode());
+    }
+
+    /// Write queued control frames as far as the socket takes them; true if
+    /// any byte moved.
+    fn flush_control(&mut self, peer: usize) -> Result<bool> {
+        if self.ctl.is_empty() {
+            return Ok(false);
+        }
+        let n = send_now(&self.sock, &[IoSlice::new(&self.ctl[self.ctl_sent..])], peer)?;
+        self.ctl_sent += n;
+        if self.ctl_sent == self.ctl.len() {
+            self.ctl.clear();
+            self.ctl_sent = 0;
+        }
+        Ok(n > 0)
+    }
+
+    /// Use one Ready of `tag`, if the peer has sent one.
+    fn take_ready(&mut self, tag: u64) -> bool {
+        match self.ready.get_mut(&tag) {
+            Some(n) => {
+                *n -= 1;
+                if *n == 0 {
+                    self.ready.remove(&tag);
+                }
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Where a send is in its protocol.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Eager, or cleared by the receiver's Ready: the data frame goes out.
+    Data,
+    /// Rendezvous, not yet announced.
+    Announce,
+    /// Announced; waiting for the receiver's Ready.
+    AwaitReady,
 }
 
 /// How a read attempt ended.
@@ -71,10 +134,15 @@ pub fn write_some(sock: &Socket, hdr: &[u8; HEADER], data: &[u8], sent: usize, p
     } else {
         [IoSlice::new(&data[sent - HEADER..]), IoSlice::new(&[])]
     };
+    Ok(sent + send_now(sock, &parts, peer)?)
+}
+
+/// Write what the socket takes now, without blocking; the bytes written.
+fn send_now(sock: &Socket, parts: &[IoSlice<'_>], peer: usize) -> Result<usize> {
     let flags = (nix::sys::socket::MsgFlags::MSG_NOSIGNAL | nix::sys::socket::MsgFlags::MSG_DONTWAIT).bits();
-    match sock.send_vectored_with_flags(&parts, flags) {
-        Ok(n) => Ok(sent + n),
-        Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::Interrupted) => Ok(sent),
+    match sock.send_vectored_with_flags(parts, flags) {
+        Ok(n) => Ok(n),
+        Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::Interrupted) => Ok(0),
         Err(e) => Err(Error::peer_lost(peer, format!("connection to peer rank {peer} broke: send failed: {e}"))),
     }
 }
@@ -98,6 +166,7 @@ pub fn exchange(me: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>], dead
         })
         .collect();
     // Receives served by messages that came early; conflicts fail at once.
+    // A long one tells its sender it is ready.
     for (i, op) in ops.iter_mut().enumerate() {
         if let P2p::Recv { peer, tag, buf } = op {
             let p = peers[*peer].as_mut().expect("validated peers are connected");
@@ -105,10 +174,19 @@ pub fn exchange(me: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>], dead
                 done[i] = true;
             } else if p.left {
                 return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
+            } else if buf.len() > EAGER_LIMIT {
+                p.queue_control(Kind::Ready, *tag, buf.len());
             }
         }
     }
-    let result = run(me, peers, ops, &mut done, &mut sent, &headers, deadline, watch);
+    let mut stage: Vec<Stage> = ops
+        .iter()
+        .map(|op| match op {
+            P2p::Send { data, .. } if data.len() > EAGER_LIMIT => Stage::Announce,
+            _ => Stage::Data,
+        })
+        .collect();
+    let result = run(me, peers, ops, &mut done, &mut sent, &mut stage, &headers, deadline, watch);
     if result.is_err() {
         // A frame arriving into a receive of this batch is kept as a stashed
         // copy: the caller's buffer is about to be handed back.
@@ -116,6 +194,12 @@ pub fn exchange(me: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>], dead
             p.inbound.detach(ops);
         }
         // Half a frame on the wire: that stream cannot be used again.
+        // Control frames not yet written are dropped with the batch.
+        for p in peers.iter_mut().flatten() {
+            p.torn |= p.ctl_sent % HEADER != 0;
+            p.ctl.clear();
+            p.ctl_sent = 0;
+        }
         for (i, op) in ops.iter().enumerate() {
             if let P2p::Send { peer, data, .. } = op {
                 if sent[i] > 0 && sent[i] < HEADER + data.len() {
@@ -136,44 +220,80 @@ fn run(
     ops: &mut [P2p<'_>],
     done: &mut [bool],
     sent: &mut [usize],
+    stage: &mut [Stage],
     headers: &[[u8; HEADER]],
     deadline: Instant,
     watch: &dyn Watch,
 ) -> Result<()> {
     let w = peers.len();
-    let mut busy = vec![false; w];
+    // Per peer: a send is under way (its first unfinished one); something
+    // waits to be written; a send waits for the peer's Ready.
+    let (mut current, mut busy, mut hear) = (vec![None; w], vec![false; w], vec![false; w]);
     let mut idle_since = Instant::now();
     loop {
         if let Some(e) = watch.stop() {
             return Err(e);
         }
         let mut moved = false;
-        // Sends: the first unfinished send to each peer goes out as far as it can.
-        busy.fill(false);
+        // Sends: the first unfinished send to each peer goes out as far as
+        // it can; control frames go first, between data frames.
+        current.fill(None);
+        hear.fill(false);
         for i in 0..ops.len() {
-            let P2p::Send { peer, data, .. } = &ops[i] else { continue };
-            if done[i] || busy[*peer] {
+            if let P2p::Send { peer, .. } = &ops[i] {
+                if !done[i] && current[*peer].is_none() {
+                    current[*peer] = Some(i);
+                }
+            }
+        }
+        for peer in 0..w {
+            let Some(p) = peers[peer].as_mut() else { continue };
+            let Some(mut i) = current[peer] else {
+                moved |= p.flush_control(peer)?;
+                busy[peer] = !p.ctl.is_empty();
                 continue;
-            }
-            busy[*peer] = true;
-            let p = peers[*peer].as_mut().expect("validated peers are connected");
+            };
             if p.left {
-                return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
+                return Err(Error::peer_lost(peer, format!("peer rank {peer} left the group (its process group was closed)")));
             }
-            let before = sent[i];
-            sent[i] = write_some(&p.sock, &headers[i], data, sent[i], *peer)?;
-            moved |= sent[i] != before;
-            if sent[i] == HEADER + data.len() {
+            loop {
+                let P2p::Send { tag, data, .. } = &ops[i] else { unreachable!("current is a send") };
+                if stage[i] == Stage::Announce {
+                    p.queue_control(Kind::Announce, *tag, data.len());
+                    stage[i] = Stage::AwaitReady;
+                }
+                if stage[i] == Stage::AwaitReady && p.take_ready(*tag) {
+                    stage[i] = Stage::Data;
+                }
+                if sent[i] == 0 {
+                    moved |= p.flush_control(peer)?;
+                }
+                if stage[i] != Stage::Data || !p.ctl.is_empty() {
+                    break;
+                }
+                let before = sent[i];
+                sent[i] = write_some(&p.sock, &headers[i], data, sent[i], peer)?;
+                moved |= sent[i] != before;
+                if sent[i] < HEADER + data.len() {
+                    break;
+                }
                 done[i] = true;
-                busy[*peer] = false;
+                // The next send to this peer may start at once.
+                match (i + 1..ops.len()).find(|j| !done[*j] && matches!(&ops[*j], P2p::Send { peer: q, .. } if *q == peer)) {
+                    Some(j) => i = j,
+                    None => break,
+                }
             }
+            let waits = !done[i] && stage[i] == Stage::AwaitReady;
+            hear[peer] = waits;
+            busy[peer] = !p.ctl.is_empty() || (!done[i] && !waits);
         }
         // Receives: from the peers this exchange awaits, only as far as it
         // needs, until stalled (see EAGER_AFTER).
         let eager = Instant::now().duration_since(idle_since) >= EAGER_AFTER;
         for peer in 0..w {
             if peers[peer].is_some() {
-                moved |= drain(me, peer, peers, ops, done, eager)?;
+                moved |= drain(me, peer, peers, ops, done, eager || hear[peer])?;
             }
         }
         if done.iter().all(|d| *d) {
@@ -197,6 +317,11 @@ fn run(
             let pending: Vec<String> = (0..ops.len())
                 .filter(|i| !done[*i])
                 .map(|i| match &ops[i] {
+                    P2p::Send { peer, tag, data } if stage[i] == Stage::AwaitReady => format!(
+                        "peer rank {peer} never posted the receive for {} ({} bytes to send)",
+                        OpKind::describe_tag(*tag),
+                        data.len()
+                    ),
                     P2p::Send { peer, tag, .. } => format!("sending to peer rank {peer} ({})", OpKind::describe_tag(*tag)),
                     P2p::Recv { peer, tag, buf } => {
                         format!("no message from peer rank {peer} for {} ({} bytes expected)", OpKind::describe_tag(*tag), buf.len())
@@ -216,7 +341,7 @@ fn run(
                 let mut ev = nix::poll::PollFlags::empty();
                 // A peer with unread frames nobody awaits would wake poll() at
                 // once: watch it only once reading everything.
-                if eager || awaited(ops, done, peer) {
+                if eager || hear[peer] || awaited(ops, done, peer) {
                     ev |= nix::poll::PollFlags::POLLIN;
                 }
                 if busy[peer] {
@@ -278,6 +403,14 @@ fn drain(me: usize, peer: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>]
                 }
                 Kind::Abort => p.inbound.begin_control((h.len as usize).min(MAX_ABORT as usize)),
                 Kind::Data => p.inbound.begin(me, peer, h.tag, h.len as usize, ops, done)?,
+                Kind::Announce => {
+                    p.inbound.announce(me, peer, h.tag, h.len as usize, ops, done)?;
+                    continue;
+                }
+                Kind::Ready => {
+                    *p.ready.entry(h.tag).or_default() += 1;
+                    continue;
+                }
             }
         }
         let dst = p.inbound.payload(ops);

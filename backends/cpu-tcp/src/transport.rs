@@ -223,4 +223,61 @@ mod tests {
         let e = b.exchange(&mut [P2p::Recv { peer: 1, tag: 8, buf: &mut buf }], deadline).unwrap_err();
         assert_eq!(e.kind(), &weft::ErrorKind::PeerLost { rank: 1 }, "{e}");
     }
+
+    fn read_header(raw: &mut std::net::TcpStream) -> Header {
+        let mut h = [0u8; crate::wire::HEADER];
+        raw.read_exact(&mut h).unwrap();
+        Header::decode(&h, 1).unwrap()
+    }
+
+    #[test]
+    fn long_messages_wait_for_the_receiver_to_be_ready() {
+        use crate::wire::EAGER_LIMIT;
+        let (b, mut raw) = backend_with_raw_peer();
+        raw.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+        let long = EAGER_LIMIT + 1;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        std::thread::scope(|s| {
+            // A long send: only its announcement goes out until Ready comes.
+            let sender = s.spawn(|| {
+                let data = vec![7u8; long];
+                b.exchange(&mut [P2p::Send { peer: 1, tag: 3, data: &data }], deadline)
+            });
+            assert_eq!(read_header(&mut raw), Header { kind: Kind::Announce, tag: 3, len: long as u64 });
+            let mut byte = [0u8; 1];
+            assert!(raw.read(&mut byte).is_err(), "data must wait for Ready");
+            raw.write_all(&Header { kind: Kind::Ready, tag: 3, len: long as u64 }.encode()).unwrap();
+            raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            assert_eq!(read_header(&mut raw), Header { kind: Kind::Data, tag: 3, len: long as u64 });
+            let mut payload = vec![0u8; long];
+            raw.read_exact(&mut payload).unwrap();
+            assert!(payload.iter().all(|x| *x == 7));
+            sender.join().unwrap().unwrap();
+        });
+        // A long receive says Ready as soon as it is posted.
+        std::thread::scope(|s| {
+            let receiver = s.spawn(|| {
+                let mut buf = vec![0u8; long];
+                b.exchange(&mut [P2p::Recv { peer: 1, tag: 4, buf: &mut buf }], deadline).map(|_| buf)
+            });
+            assert_eq!(read_header(&mut raw), Header { kind: Kind::Ready, tag: 4, len: long as u64 });
+            raw.write_all(&Header { kind: Kind::Data, tag: 4, len: long as u64 }.encode()).unwrap();
+            raw.write_all(&vec![9u8; long]).unwrap();
+            assert!(receiver.join().unwrap().unwrap().iter().all(|x| *x == 9));
+        });
+        // An announcement that does not fit the posted receive fails it.
+        raw.write_all(&Header { kind: Kind::Announce, tag: 5, len: long as u64 }.encode()).unwrap();
+        let mut small = [0u8; 4];
+        let e = b.exchange(&mut [P2p::Recv { peer: 1, tag: 5, buf: &mut small }], deadline).unwrap_err();
+        assert!(e.to_string().contains(&format!("sent {long} bytes, rank 0 expected 4 bytes")), "{e}");
+    }
+
+    #[test]
+    fn a_long_send_whose_receive_is_never_posted_times_out_naming_the_peer() {
+        let (b, _raw) = backend_with_raw_peer();
+        let data = vec![1u8; crate::wire::EAGER_LIMIT + 1];
+        let e = b.exchange(&mut [P2p::Send { peer: 1, tag: 3, data: &data }], Instant::now() + Duration::from_millis(300)).unwrap_err();
+        assert_eq!(e.kind(), &weft::ErrorKind::Timeout, "{e}");
+        assert!(e.to_string().contains("peer rank 1 never posted the receive"), "{e}");
+    }
 }

@@ -4,12 +4,21 @@
 //! u32 magic | u32 kind | u64 tag | u64 len      (little endian, 24 bytes)
 //! ```
 //! A header with another magic means the stream is corrupt (or not weft's):
-//! the connection is failed, never "resynchronised".
+//! the connection is failed, never "resynchronised". Messages up to
+//! [`EAGER_LIMIT`] go as one data frame at once; longer ones by rendezvous:
+//! the sender announces, the receiver says ready when its receive is
+//! posted, and only then does the data frame follow.
 
 use weft::{Error, Result};
 
 pub const MAGIC: u32 = 0x5746_5431; // "WFT1"
 pub const HEADER: usize = 24;
+/// Longest message sent eagerly (without waiting for the receive). Longer
+/// ones wait for the peer's [`Kind::Ready`], so a large payload is only
+/// ever written into a posted receive: it is never copied aside, and never
+/// blocks a connection while its receiver is busy elsewhere. A ring's
+/// pipelined segments (256 KiB) stay eager.
+pub const EAGER_LIMIT: usize = 1 << 20;
 /// Largest payload accepted into an unexpected-message buffer.
 pub const MAX_PAYLOAD: u64 = 1 << 40;
 
@@ -22,6 +31,12 @@ pub enum Kind {
     /// The sender's group failed; the payload names the rank to blame
     /// (u32 LE) and why (UTF-8), so every rank reports the same cause.
     Abort = 3,
+    /// Rendezvous, sender to receiver: a message of `len` bytes under `tag`
+    /// waits for the receive (no payload; checked like a data frame).
+    Announce = 4,
+    /// Rendezvous, receiver to sender: a receive of `len` bytes under `tag`
+    /// is posted, so that message's data may come (no payload).
+    Ready = 5,
 }
 
 /// Largest abort payload read.
@@ -54,6 +69,8 @@ impl Header {
             1 => Kind::Data,
             2 => Kind::Goodbye,
             3 => Kind::Abort,
+            4 => Kind::Announce,
+            5 => Kind::Ready,
             k => return Err(Error::backend(format!("peer rank {peer} sent unknown frame kind {k}"))),
         };
         let len = long(16);
