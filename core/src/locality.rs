@@ -4,6 +4,7 @@
 
 use crate::error::{Error, Result};
 use crate::store::Store;
+use std::os::unix::fs::MetadataExt;
 use std::time::Duration;
 
 /// Environment variable overriding the host identity (tests; containers
@@ -11,14 +12,19 @@ use std::time::Duration;
 pub const ENV_HOST_ID: &str = "WEFT_HOST_ID";
 
 /// This host's identity: hostname plus the kernel's boot id (two machines
-/// or containers may share a hostname; they do not share a boot).
+/// may share a hostname; they do not share a boot) plus the identity of the
+/// `/dev/shm` file system (containers on one kernel may each mount their
+/// own: then shared memory does not reach across, and they count as
+/// different hosts). Ranks in other network namespaces with the same
+/// `/dev/shm` do share memory, and count as one host.
 pub fn host_id() -> String {
     if let Ok(id) = std::env::var(ENV_HOST_ID) {
         return id;
     }
     let host = nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_default();
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    format!("{host}/{}", boot.trim())
+    let shm = std::fs::metadata("/dev/shm").map(|m| format!("{:x}:{:x}", m.dev(), m.ino())).unwrap_or_default();
+    format!("{host}/{}/{shm}", boot.trim())
 }
 
 /// `Ok` if every rank published the same identity, else `Unsupported`
