@@ -168,6 +168,19 @@ fn bench_checks_every_op_over_a_short_sweep_and_writes_csv_json_and_a_plot() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// cpu-tcp sends messages over 1 MiB by rendezvous: every op, checked, on
+/// both sides of that limit, with a root that is not rank 0.
+#[test]
+fn bench_checks_cpu_tcp_across_the_rendezvous_limit() {
+    let out = Command::new(WEFT)
+        .args(["bench", "--world", "3", "--backend", "cpu-tcp", "-b", "1M", "-e", "4M", "-f", "4", "-n", "2", "-w", "1", "-r", "2"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("4194304") && text.contains("all_to_all_v") && text.contains("# total wrong: 0"), "{text}");
+}
+
 #[test]
 fn bench_sparse_all_reduce_runs_every_algorithm_and_checks_them() {
     let out = Command::new(WEFT)
