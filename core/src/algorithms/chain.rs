@@ -13,14 +13,14 @@ use crate::error::Result;
 /// Root's `buf` is copied to every rank.
 pub fn broadcast(c: &Comm<'_>, buf: &mut [u8], root: usize) -> Result<()> {
     let (w, r) = (c.size(), c.rank());
+    if w == 1 {
+        return Ok(());
+    }
     let n = buf.len();
     let seg = Segments::new(c, n, 1)?;
     let (next, prev) = ((r + 1) % w, (r + w - 1) % w);
     let vr = (r + w - root) % w;
     let tag = c.tag(0);
-    if w == 1 {
-        return Ok(());
-    }
     if vr == 0 {
         for j in 0..seg.count {
             c.exchange(&mut [P2p::Send { peer: next, tag, data: &buf[seg.piece(j, n)] }])?;
