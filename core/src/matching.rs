@@ -92,13 +92,10 @@ impl Inbound {
     /// it against the batch's matching receive now, or against the receive
     /// posted later. Sizes and collectives are checked as for a data frame.
     pub fn announce(&mut self, me: usize, peer: usize, tag: u64, len: usize, ops: &[P2p<'_>], done: &[bool]) -> Result<()> {
-        match self.matching_receive(me, peer, tag, len, ops, done)? {
-            Some(_) => Ok(()),
-            None => {
-                self.stash.entry(tag).or_default().push_back(Early::Announced(len));
-                Ok(())
-            }
+        if self.matching_receive(me, peer, tag, len, ops, done)?.is_none() {
+            self.stash.entry(tag).or_default().push_back(Early::Announced(len));
         }
+        Ok(())
     }
 
     /// The batch's receive a frame of `len` bytes under `tag` fills (None:

@@ -96,17 +96,6 @@ impl Peer {
     }
 }
 
-/// Where a send is in its protocol.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Stage {
-    /// Eager, or cleared by the receiver's Ready: the data frame goes out.
-    Data,
-    /// Rendezvous, not yet announced.
-    Announce,
-    /// Announced; waiting for the receiver's Ready.
-    AwaitReady,
-}
-
 /// How a read attempt ended.
 enum Got {
     Some(usize),
@@ -166,27 +155,29 @@ pub fn exchange(me: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>], dead
         })
         .collect();
     // Receives served by messages that came early; conflicts fail at once.
-    // A long one tells its sender it is ready.
+    // Rendezvous: a long receive tells its sender it is ready, a long send
+    // announces itself and waits for that.
+    let mut awaits_ready = vec![false; n];
     for (i, op) in ops.iter_mut().enumerate() {
-        if let P2p::Recv { peer, tag, buf } = op {
-            let p = peers[*peer].as_mut().expect("validated peers are connected");
-            if p.inbound.serve_early(me, *peer, *tag, buf)? {
-                done[i] = true;
-            } else if p.left {
-                return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
-            } else if buf.len() > EAGER_LIMIT {
-                p.queue_control(Kind::Ready, *tag, buf.len());
+        let p = peers[op.peer()].as_mut().expect("validated peers are connected");
+        match op {
+            P2p::Recv { peer, tag, buf } => {
+                if p.inbound.serve_early(me, *peer, *tag, buf)? {
+                    done[i] = true;
+                } else if p.left {
+                    return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
+                } else if buf.len() > EAGER_LIMIT {
+                    p.queue_control(Kind::Ready, *tag, buf.len());
+                }
             }
+            P2p::Send { tag, data, .. } if data.len() > EAGER_LIMIT => {
+                p.queue_control(Kind::Announce, *tag, data.len());
+                awaits_ready[i] = true;
+            }
+            P2p::Send { .. } => {}
         }
     }
-    let mut stage: Vec<Stage> = ops
-        .iter()
-        .map(|op| match op {
-            P2p::Send { data, .. } if data.len() > EAGER_LIMIT => Stage::Announce,
-            _ => Stage::Data,
-        })
-        .collect();
-    let result = run(me, peers, ops, &mut done, &mut sent, &mut stage, &headers, deadline, watch);
+    let result = run(me, peers, ops, &mut done, &mut sent, &mut awaits_ready, &headers, deadline, watch);
     if result.is_err() {
         // A frame arriving into a receive of this batch is kept as a stashed
         // copy: the caller's buffer is about to be handed back.
@@ -220,7 +211,7 @@ fn run(
     ops: &mut [P2p<'_>],
     done: &mut [bool],
     sent: &mut [usize],
-    stage: &mut [Stage],
+    awaits_ready: &mut [bool],
     headers: &[[u8; HEADER]],
     deadline: Instant,
     watch: &dyn Watch,
@@ -258,17 +249,13 @@ fn run(
             }
             loop {
                 let P2p::Send { tag, data, .. } = &ops[i] else { unreachable!("current is a send") };
-                if stage[i] == Stage::Announce {
-                    p.queue_control(Kind::Announce, *tag, data.len());
-                    stage[i] = Stage::AwaitReady;
-                }
-                if stage[i] == Stage::AwaitReady && p.take_ready(*tag) {
-                    stage[i] = Stage::Data;
+                if awaits_ready[i] && p.take_ready(*tag) {
+                    awaits_ready[i] = false;
                 }
                 if sent[i] == 0 {
                     moved |= p.flush_control(peer)?;
                 }
-                if stage[i] != Stage::Data || !p.ctl.is_empty() {
+                if awaits_ready[i] || !p.ctl.is_empty() {
                     break;
                 }
                 let before = sent[i];
@@ -284,9 +271,8 @@ fn run(
                     None => break,
                 }
             }
-            let waits = !done[i] && stage[i] == Stage::AwaitReady;
-            hear[peer] = waits;
-            busy[peer] = !p.ctl.is_empty() || (!done[i] && !waits);
+            hear[peer] = awaits_ready[i];
+            busy[peer] = !p.ctl.is_empty() || (!done[i] && !awaits_ready[i]);
         }
         // Receives: from the peers this exchange awaits, only as far as it
         // needs, until stalled (see EAGER_AFTER).
@@ -317,7 +303,7 @@ fn run(
             let pending: Vec<String> = (0..ops.len())
                 .filter(|i| !done[*i])
                 .map(|i| match &ops[i] {
-                    P2p::Send { peer, tag, data } if stage[i] == Stage::AwaitReady => format!(
+                    P2p::Send { peer, tag, data } if awaits_ready[i] => format!(
                         "peer rank {peer} never posted the receive for {} ({} bytes to send)",
                         OpKind::describe_tag(*tag),
                         data.len()
