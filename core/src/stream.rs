@@ -52,24 +52,39 @@ pub trait DeviceCompletion: Send + Sync {
 }
 
 /// Where a backend leaves an op's [`DeviceCompletion`]; part of
-/// [`crate::backend::OpContext`].
+/// [`crate::backend::OpContext`]. Ops on host tensors get an empty slot
+/// (`default()`: nothing allocated, as no backend sets one for them).
 #[derive(Clone, Default)]
-pub struct CompletionSlot(Arc<Mutex<Option<Arc<dyn DeviceCompletion>>>>);
+pub struct CompletionSlot(Option<Arc<Shared>>);
+
+/// A device op's slot, shared by every copy of its context.
+type Shared = Mutex<Option<Arc<dyn DeviceCompletion>>>;
 
 impl CompletionSlot {
+    /// A slot for an op on device tensors.
+    pub fn for_device() -> Self {
+        CompletionSlot(Some(Arc::default()))
+    }
     /// Hand the op's completion to its work handle.
+    ///
+    /// # Panics
+    /// On the empty slot of a host op: a backend bug (the op then fails
+    /// with an internal error instead of returning before its device work).
     pub fn set(&self, completion: Arc<dyn DeviceCompletion>) {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(completion);
+        let slot = self.0.as_ref().expect("a device completion set on a host op's empty CompletionSlot");
+        *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(completion);
     }
     /// Take what a backend set.
     pub(crate) fn take(&self) -> Option<Arc<dyn DeviceCompletion>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+        self.0.as_ref()?.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 }
 
 impl std::fmt::Debug for CompletionSlot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let set = self.0.lock().map(|g| g.is_some()).unwrap_or(false);
-        write!(f, "CompletionSlot(set={set})")
+        match &self.0 {
+            None => write!(f, "CompletionSlot(host)"),
+            Some(s) => write!(f, "CompletionSlot(set={})", s.lock().map(|g| g.is_some()).unwrap_or(false)),
+        }
     }
 }

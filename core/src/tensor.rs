@@ -78,20 +78,24 @@ impl Layout {
 /// Shape and strides of a dense view, in elements.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Shape {
-    dims: Vec<usize>,
-    strides: Vec<usize>,
+    dims: Dims,
+    strides: Dims,
 }
+
+/// Dims or strides: up to 4 inline, so making a view (every op makes
+/// some) allocates nothing.
+type Dims = smallvec::SmallVec<[usize; 4]>;
 
 impl Shape {
     fn flat(numel: usize) -> Self {
-        Shape { dims: vec![numel], strides: vec![1] }
+        Shape { dims: smallvec::smallvec![numel], strides: smallvec::smallvec![1] }
     }
     fn contiguous(dims: &[usize]) -> Self {
-        let mut strides = vec![1; dims.len()];
+        let mut strides: Dims = smallvec::smallvec![1; dims.len()];
         for i in (0..dims.len().saturating_sub(1)).rev() {
             strides[i] = strides[i + 1] * dims[i + 1].max(1);
         }
-        Shape { dims: dims.to_vec(), strides }
+        Shape { dims: dims.into(), strides }
     }
     /// True when strides are the row-major strides of the dims.
     fn is_contiguous(&self) -> bool {
@@ -370,7 +374,7 @@ impl<'a> From<TensorMut<'a>> for Tensor<'a> {
 fn make_shape(dims: &[usize], strides: Option<&[usize]>) -> Result<Shape> {
     let shape = match strides {
         None => Shape::contiguous(dims),
-        Some(s) if s.len() == dims.len() => Shape { dims: dims.to_vec(), strides: s.to_vec() },
+        Some(s) if s.len() == dims.len() => Shape { dims: dims.into(), strides: s.into() },
         Some(s) => return Err(Error::invalid(format!("{} strides given for {} dims", s.len(), dims.len()))),
     };
     Ok(shape)

@@ -151,6 +151,18 @@ impl<B: Bytes> Slot<B> {
     }
 }
 
+/// Run `f` on `len` zeroed bytes of scratch: on the stack when small (the
+/// latency-bound case: no allocation), else on the heap (a 4 KiB stack
+/// buffer's zeroing measured costlier than the allocation).
+fn with_scratch<T>(len: usize, f: impl FnOnce(&mut [u8]) -> T) -> T {
+    const STACK: usize = 256;
+    if len <= STACK {
+        f(&mut [0u8; STACK][..len])
+    } else {
+        f(&mut vec![0u8; len])
+    }
+}
+
 /// How a rank waits for a peer's slot: spin, then sleep (the transport's
 /// doorbell), checking the deadline and the peer's health.
 pub trait Waiter {
@@ -219,12 +231,14 @@ impl<B: Bytes> Fastbox<B> {
 
     /// all_reduce of `buf` (at most [`FASTBOX_BYTES`]) in place.
     pub fn all_reduce(&self, waiter: &dyn Waiter, buf: &mut [u8], dtype: DType, op: ReduceOp, deadline: Instant) -> Result<()> {
-        let mut scratch = buf.to_vec();
-        prescale(&mut scratch, dtype, op);
-        let round = self.round(waiter, Kind::AllReduce(dtype, op), buf.len(), &scratch, deadline)?;
-        round.reduce(0, buf, &mut scratch, dtype, op);
-        finish(buf, dtype, op, self.size());
-        Ok(())
+        with_scratch(buf.len(), |scratch| {
+            scratch.copy_from_slice(buf);
+            prescale(scratch, dtype, op);
+            let round = self.round(waiter, Kind::AllReduce(dtype, op), buf.len(), scratch, deadline)?;
+            round.reduce(0, buf, scratch, dtype, op);
+            finish(buf, dtype, op, self.size());
+            Ok(())
+        })
     }
 
     /// reduce_scatter: `inputs` (one per rank, at most [`FASTBOX_BYTES`]
@@ -238,13 +252,19 @@ impl<B: Bytes> Fastbox<B> {
         op: ReduceOp,
         deadline: Instant,
     ) -> Result<()> {
-        let mut mine = inputs.concat();
-        prescale(&mut mine, dtype, op);
-        let at = inputs[..self.rank].iter().map(|i| i.len()).sum();
-        let round = self.round(waiter, Kind::ReduceScatter(dtype, op), mine.len(), &mine, deadline)?;
-        round.reduce(at, output, &mut mine[..output.len()], dtype, op);
-        finish(output, dtype, op, self.size());
-        Ok(())
+        with_scratch(inputs.iter().map(|i| i.len()).sum(), |mine| {
+            let mut at = 0;
+            for i in inputs {
+                mine[at..at + i.len()].copy_from_slice(i);
+                at += i.len();
+            }
+            prescale(mine, dtype, op);
+            let at = inputs[..self.rank].iter().map(|i| i.len()).sum();
+            let round = self.round(waiter, Kind::ReduceScatter(dtype, op), mine.len(), mine, deadline)?;
+            round.reduce(at, output, &mut mine[..output.len()], dtype, op);
+            finish(output, dtype, op, self.size());
+            Ok(())
+        })
     }
 
     /// all_gather: `outputs[p]` receives rank p's `input` (outputs at most

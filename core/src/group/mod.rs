@@ -23,7 +23,7 @@ use crate::tensor::Device;
 use executor::Executor;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 /// A group of ranks that run collectives together.
@@ -43,14 +43,16 @@ pub(crate) struct GroupCore {
     size: usize,
     options: GroupOptions,
     store: Arc<dyn Store>,
-    /// One backend per filled route (instances shared between routes).
-    routes: HashMap<Route, Arc<dyn Backend>>,
+    /// One backend per filled route (instances shared between routes); a
+    /// few entries, searched on every op: a list, not a hash map.
+    routes: Vec<(Route, Arc<dyn Backend>)>,
     /// Why each empty route has no backend.
     missing: HashMap<Route, String>,
     exec: Arc<Executor>,
     debug_detail: bool,
     aborted: AtomicBool,
-    poisoned: Mutex<Option<Error>>,
+    /// The first failure after bytes may have moved (checked on every op).
+    poisoned: OnceLock<Error>,
     splits: AtomicU64,
 }
 
@@ -80,7 +82,7 @@ impl ProcessGroup {
     }
     /// The name of the backend that handles `route`, if any.
     pub fn backend_name(&self, route: Route) -> Option<String> {
-        self.core.routes.get(&route).map(|b| b.name().to_string())
+        self.core.backend(route).map(|b| b.name().to_string())
     }
 
     /// A sub-group of the given ranks of this group (in that order: the
@@ -154,11 +156,9 @@ impl Drop for ProcessGroup {
 
 impl<'t> Collectives<'t> for ProcessGroup {
     fn submit(&self, job: Job<'t>) -> Result<Work<'t>> {
-        let (ticket, seq) = self.core.exec.issue(job.is_collective());
-        let state = executor::new_state();
-        let (result, device) = self.core.exec.run_inline(ticket, || self.core.run_job(job, seq));
-        state.complete(result, device);
-        Ok(Work::new(state))
+        let ticket = self.core.exec.issue();
+        let (result, device) = self.core.exec.run_inline(ticket, job.is_collective(), |seq| self.core.run_job(job, seq));
+        Ok(Work::done(result, device))
     }
     fn rank(&self) -> usize {
         self.core.rank
@@ -180,7 +180,7 @@ impl Job<'_> {
 impl GroupCore {
     fn backends(&self) -> Vec<Arc<dyn Backend>> {
         let mut v: Vec<Arc<dyn Backend>> = Vec::new();
-        for b in self.routes.values() {
+        for (_, b) in &self.routes {
             if !v.iter().any(|x| Arc::ptr_eq(x, b)) {
                 v.push(b.clone());
             }
@@ -192,14 +192,18 @@ impl GroupCore {
         if self.aborted.load(Ordering::Acquire) {
             return Err(Error::aborted(format!("the group was aborted on rank {}", self.rank)));
         }
-        if let Some(e) = &*self.poisoned.lock().unwrap_or_else(|p| p.into_inner()) {
+        if let Some(e) = self.poisoned.get() {
             return Err(Error::new(e.kind().clone(), format!("the group is unusable after an earlier error: {e}")));
         }
         Ok(())
     }
 
+    fn backend(&self, route: Route) -> Option<&Arc<dyn Backend>> {
+        self.routes.iter().find(|(r, _)| *r == route).map(|(_, b)| b)
+    }
+
     fn route(&self, route: Route) -> Result<&Arc<dyn Backend>> {
-        self.routes.get(&route).ok_or_else(|| {
+        self.backend(route).ok_or_else(|| {
             Error::unsupported(format!(
                 "no backend handles {} {} tensors in this group: {}",
                 route.0.name(),
@@ -217,7 +221,7 @@ impl GroupCore {
     /// side's completion.
     fn run_job(&self, job: Job<'_>, seq: u64) -> (Result<()>, Option<Arc<dyn DeviceCompletion>>) {
         let name = job.name;
-        let slot = CompletionSlot::default();
+        let slot = if job.route.0 == crate::tensor::DeviceKind::Cpu { CompletionSlot::default() } else { CompletionSlot::for_device() };
         // A panic inside an op (a bug) becomes that op's error, and poisons
         // the group like any failure after bytes may have moved.
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_job_inner(job, seq, &slot))).unwrap_or_else(|p| {
@@ -282,11 +286,8 @@ impl GroupCore {
     }
 
     fn poison(&self, e: Error) {
-        let mut p = self.poisoned.lock().unwrap_or_else(|p| p.into_inner());
-        if p.is_none() {
+        if self.poisoned.set(e.clone()).is_ok() {
             crate::log::info(format_args!("group poisoned on rank {}: {e}", self.rank));
-            *p = Some(e.clone());
-            drop(p);
             for b in self.backends() {
                 b.abort(&e);
             }

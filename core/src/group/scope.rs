@@ -57,7 +57,8 @@ impl ProcessGroup {
 impl<'scope, 'env> Collectives<'scope> for Scope<'scope, 'env> {
     fn submit(&self, job: Job<'scope>) -> Result<Work<'scope>> {
         let core = self.group.core.clone();
-        let (ticket, seq) = core.exec.issue(job.is_collective());
+        let ticket = core.exec.issue();
+        let collective = job.is_collective();
         let state = new_state();
         // SAFETY: only the lifetime changes. The job borrows tensors for
         // 'scope; `ProcessGroup::scope` waits for `state` (completed after
@@ -68,7 +69,8 @@ impl<'scope, 'env> Collectives<'scope> for Scope<'scope, 'env> {
         let exec = core.exec.clone();
         exec.enqueue(
             ticket,
-            Box::new(move || {
+            collective,
+            Box::new(move |seq| {
                 let (result, device) = core.run_job(job, seq);
                 st.complete(result, device);
             }),

@@ -10,7 +10,7 @@ use crate::store::{PrefixStore, Store};
 use crate::tensor::DeviceKind;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, OnceLock};
 
 pub(super) fn create(store: Arc<dyn Store>, rank: usize, size: usize, options: GroupOptions) -> Result<GroupCore> {
     let fail = |e: Error| e.with_op("init").with_rank(rank);
@@ -98,11 +98,11 @@ pub(super) fn create(store: Arc<dyn Store>, rank: usize, size: usize, options: G
             .is_some_and(|v| v.eq_ignore_ascii_case("detail")),
         options,
         store,
-        routes,
+        routes: routes.into_iter().collect(),
         missing,
         exec: Arc::new(Executor::default()),
         aborted: AtomicBool::new(false),
-        poisoned: Mutex::new(None),
+        poisoned: OnceLock::new(),
         splits: AtomicU64::new(0),
     })
 }

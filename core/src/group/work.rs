@@ -5,6 +5,7 @@ use crate::stream::DeviceCompletion;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -15,18 +16,19 @@ struct Inner {
     wakers: Vec<Waker>,
     /// Device ops: the device side, which may still run after the host side.
     device: Option<Arc<dyn DeviceCompletion>>,
-    /// The caller's stream was made to wait for the device side.
-    ordered: bool,
     /// Threads blocked on `done`: without any, completing skips the
     /// wake-up (a system call on every op otherwise).
     waiters: usize,
 }
 
-/// Completion state shared by a [`Work`] and whoever runs the op.
+/// Completion state shared by a [`Work`] and the thread that runs its op
+/// in the background (ops in a [`crate::Scope`]).
 #[derive(Default)]
 pub(crate) struct WorkState {
     inner: Mutex<Inner>,
     done: Condvar,
+    /// The caller's stream was made to wait for the device side.
+    ordered: AtomicBool,
 }
 
 impl WorkState {
@@ -43,6 +45,8 @@ impl WorkState {
         wakers.into_iter().for_each(Waker::wake);
     }
 
+    /// The result, waiting for it until `deadline` (`None`: for ever);
+    /// `None` if the op is still running then.
     fn wait_until(&self, deadline: Option<Instant>) -> Option<Result<()>> {
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         loop {
@@ -62,41 +66,36 @@ impl WorkState {
         }
     }
 
-    pub(crate) fn wait(&self) -> Result<()> {
-        self.wait_until(None).expect("no deadline")
-    }
-
     fn device(&self) -> Option<Arc<dyn DeviceCompletion>> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner()).device.clone()
     }
 
-    /// After a successful host side: make the caller's stream wait for the
-    /// device side (once is enough; again is harmless).
-    fn order(&self, r: Result<()>) -> Result<()> {
-        r?;
-        if let Some(d) = self.device() {
-            d.order_caller_stream()?;
-            self.inner.lock().unwrap_or_else(|p| p.into_inner()).ordered = true;
-        }
-        Ok(())
-    }
-
-    /// What ending the borrow of the op's tensors needs: the host side done,
-    /// and the device side either ordered before the caller's later stream
-    /// work (the caller waited) or finished (the host blocks for it).
+    /// What ending the borrow of the op's tensors needs (see [`settle`]).
     pub(crate) fn settle(&self) {
-        let _ = self.wait();
-        let (device, ordered) = {
-            let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-            (g.device.clone(), g.ordered)
-        };
-        if let (Some(d), false) = (device, ordered) {
-            let deadline = Instant::now() + crate::options::timeout_from_env().unwrap_or(crate::options::DEFAULT_TIMEOUT);
-            if let Err(e) = d.synchronize(deadline) {
-                crate::log::info(format_args!("a dropped device op did not finish: {e}"));
-            }
+        let _ = self.wait_until(None);
+        settle(self.device().as_deref(), &self.ordered);
+    }
+}
+
+/// After the host side of an op: unless the caller's stream was ordered
+/// after the device side (the caller waited), block until the device side
+/// has finished, so the tensors' memory is free to reuse.
+fn settle(device: Option<&dyn DeviceCompletion>, ordered: &AtomicBool) {
+    if let (Some(d), false) = (device, ordered.load(Ordering::Acquire)) {
+        let deadline = Instant::now() + crate::options::timeout_from_env().unwrap_or(crate::options::DEFAULT_TIMEOUT);
+        if let Err(e) = d.synchronize(deadline) {
+            crate::log::info(format_args!("a dropped device op did not finish: {e}"));
         }
     }
+}
+
+/// What a [`Work`] refers to.
+enum Handle {
+    /// An op that ran on the caller's thread: finished when the handle was
+    /// made, so no shared state (and no lock) is needed.
+    Done { result: Result<()>, device: Option<Arc<dyn DeviceCompletion>>, ordered: AtomicBool },
+    /// An op running in the background.
+    Pending(Arc<WorkState>),
 }
 
 /// A handle to an op that was issued.
@@ -114,20 +113,57 @@ impl WorkState {
 /// is done, so the tensors' memory is free to reuse afterwards.
 #[must_use = "an op's error is only reported through its Work"]
 pub struct Work<'t> {
-    state: Arc<WorkState>,
+    handle: Handle,
     _borrow: PhantomData<&'t mut ()>,
 }
 
 impl<'t> Work<'t> {
+    /// The handle of a background op.
     pub(crate) fn new(state: Arc<WorkState>) -> Self {
-        Work { state, _borrow: PhantomData }
+        Work { handle: Handle::Pending(state), _borrow: PhantomData }
+    }
+
+    /// The handle of an op that has already run.
+    pub(crate) fn done(result: Result<()>, device: Option<Arc<dyn DeviceCompletion>>) -> Self {
+        Work { handle: Handle::Done { result, device, ordered: AtomicBool::new(false) }, _borrow: PhantomData }
+    }
+
+    /// The host side's result, waiting for it until `deadline` (`None`:
+    /// for ever); `None` if the op is still running then.
+    fn host_result(&self, deadline: Option<Instant>) -> Option<Result<()>> {
+        match &self.handle {
+            Handle::Done { result, .. } => Some(result.clone()),
+            Handle::Pending(s) => s.wait_until(deadline),
+        }
+    }
+
+    fn device(&self) -> Option<Arc<dyn DeviceCompletion>> {
+        match &self.handle {
+            Handle::Done { device, .. } => device.clone(),
+            Handle::Pending(s) => s.device(),
+        }
+    }
+
+    /// After a successful host side: make the caller's stream wait for the
+    /// device side (once is enough; again is harmless).
+    fn order(&self, r: Result<()>) -> Result<()> {
+        r?;
+        if let Some(d) = self.device() {
+            d.order_caller_stream()?;
+            let ordered = match &self.handle {
+                Handle::Done { ordered, .. } => ordered,
+                Handle::Pending(s) => &s.ordered,
+            };
+            ordered.store(true, Ordering::Release);
+        }
+        Ok(())
     }
 
     /// Block until the op finishes; its result. May be called repeatedly.
     /// For device tensors, the host side finishes and the caller's stream
     /// is made to wait for the device side.
     pub fn wait(&self) -> Result<()> {
-        self.state.order(self.state.wait())
+        self.order(self.host_result(None).expect("no deadline"))
     }
 
     /// As [`Work::wait`], then block the host until the device side has
@@ -135,7 +171,7 @@ impl<'t> Work<'t> {
     /// host tensors.
     pub fn synchronize(&self) -> Result<()> {
         self.wait()?;
-        match self.state.device() {
+        match self.device() {
             Some(d) => d.synchronize(Instant::now() + crate::options::timeout_from_env()?),
             None => Ok(()),
         }
@@ -144,26 +180,28 @@ impl<'t> Work<'t> {
     /// Block at most `timeout`: `Ok(true)` if the op finished successfully,
     /// `Ok(false)` if it is still running (it keeps running), `Err` if it failed.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<bool> {
-        match self.state.wait_until(Some(Instant::now() + timeout)) {
+        match self.host_result(Some(Instant::now() + timeout)) {
             None => Ok(false),
-            Some(r) => self.state.order(r).map(|()| true),
+            Some(r) => self.order(r).map(|()| true),
         }
     }
 
     /// Whether the op has finished (successfully or not), device side
     /// included.
     pub fn is_completed(&self) -> bool {
-        if self.state.inner.lock().unwrap_or_else(|p| p.into_inner()).result.is_none() {
-            return false;
+        if let Handle::Pending(s) = &self.handle {
+            if s.inner.lock().unwrap_or_else(|p| p.into_inner()).result.is_none() {
+                return false;
+            }
         }
-        self.state.device().is_none_or(|d| d.is_complete().unwrap_or(true))
+        self.device().is_none_or(|d| d.is_complete().unwrap_or(true))
     }
 
     /// The error, if the op finished with one.
     pub fn error(&self) -> Option<Error> {
-        match &self.state.inner.lock().unwrap_or_else(|p| p.into_inner()).result {
-            Some(Err(e)) => Some(e.clone()),
-            _ => None,
+        match &self.handle {
+            Handle::Done { result, .. } => result.clone().err(),
+            Handle::Pending(s) => s.inner.lock().unwrap_or_else(|p| p.into_inner()).result.clone()?.err(),
         }
     }
 }
@@ -171,27 +209,32 @@ impl<'t> Work<'t> {
 impl Future for Work<'_> {
     type Output = Result<()>;
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
-        let mut g = self.state.inner.lock().unwrap_or_else(|p| p.into_inner());
-        match &g.result {
-            Some(r) => {
-                let r = r.clone();
-                drop(g);
-                Poll::Ready(self.state.order(r))
-            }
-            None => {
-                if !g.wakers.iter().any(|w| w.will_wake(cx.waker())) {
-                    g.wakers.push(cx.waker().clone());
+        let r = match &self.handle {
+            Handle::Done { result, .. } => result.clone(),
+            Handle::Pending(s) => {
+                let mut g = s.inner.lock().unwrap_or_else(|p| p.into_inner());
+                match &g.result {
+                    Some(r) => r.clone(),
+                    None => {
+                        if !g.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+                            g.wakers.push(cx.waker().clone());
+                        }
+                        return Poll::Pending;
+                    }
                 }
-                Poll::Pending
             }
-        }
+        };
+        Poll::Ready(self.order(r))
     }
 }
 
 impl Drop for Work<'_> {
     fn drop(&mut self) {
         // The borrow of the tensors ends here: the op must not outlive it.
-        self.state.settle();
+        match &self.handle {
+            Handle::Done { device, ordered, .. } => settle(device.as_deref(), ordered),
+            Handle::Pending(s) => s.settle(),
+        }
     }
 }
 
