@@ -186,17 +186,37 @@ impl Chunks {
     }
 }
 
-/// The descriptor: the sender's buffer address and the transfer's sequence.
-pub fn descriptor(addr: u64, seq: u64) -> [u8; DESCRIPTOR] {
-    let mut d = [0u8; DESCRIPTOR];
-    d[..8].copy_from_slice(&addr.to_le_bytes());
-    d[8..].copy_from_slice(&seq.to_le_bytes());
-    d
+/// What a descriptor says: where the payload is, which transfer it is, and
+/// whether the sender is busy receiving a large message itself (then it
+/// will not help copy, and the receiver takes the whole payload in one
+/// system call instead of chunk by chunk).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Offer {
+    /// The payload's address in the sender.
+    pub addr: u64,
+    /// The transfer's sequence (below 2^61: the cell's word keeps 3 bits).
+    pub seq: u64,
+    /// The sender had a large receive of its own pending when it offered.
+    pub sender_busy: bool,
 }
 
-/// Address and sequence from a descriptor.
-pub fn parse(d: &[u8]) -> (u64, u64) {
-    (u64::from_le_bytes(d[..8].try_into().expect("8 bytes")), u64::from_le_bytes(d[8..16].try_into().expect("8 bytes")))
+/// Set in a descriptor's sequence word: the sender is busy.
+const BUSY: u64 = 1 << 63;
+
+impl Offer {
+    /// The descriptor's bytes: address, then sequence (with `BUSY`).
+    pub fn encode(&self) -> [u8; DESCRIPTOR] {
+        let mut d = [0u8; DESCRIPTOR];
+        d[..8].copy_from_slice(&self.addr.to_le_bytes());
+        d[8..].copy_from_slice(&(self.seq | if self.sender_busy { BUSY } else { 0 }).to_le_bytes());
+        d
+    }
+    /// Read a descriptor.
+    pub fn decode(d: &[u8]) -> Offer {
+        let word = |r: std::ops::Range<usize>| u64::from_le_bytes(d[r].try_into().expect("8 bytes"));
+        let seq = word(8..16);
+        Offer { addr: word(0..8), seq: seq & !BUSY, sender_busy: seq & BUSY != 0 }
+    }
 }
 
 /// Why a copy failed.
@@ -262,6 +282,13 @@ mod tests {
         c.post(6);
         assert!(c.advance(6, REVOKED).is_ok());
         assert_eq!(c.advance(6, READING), Err(Some(REVOKED)));
+    }
+
+    #[test]
+    fn offers_round_trip() {
+        for o in [Offer { addr: 0x7f00_dead_b000, seq: 1, sender_busy: false }, Offer { addr: 1, seq: (1 << 61) - 1, sender_busy: true }] {
+            assert_eq!(Offer::decode(&o.encode()), o);
+        }
     }
 
     #[test]

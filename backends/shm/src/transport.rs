@@ -80,8 +80,8 @@ struct PeerIn {
     hdr: [u8; HEADER + cma::DESCRIPTOR],
     hdr_got: usize,
     inbound: Inbound,
-    /// A single-copy frame whose payload is still to be read: (address, sequence).
-    cma_in: Option<(u64, u64)>,
+    /// A single-copy frame whose payload is still to be read.
+    cma_in: Option<cma::Offer>,
     /// Sequence of the last single-copy send to this peer.
     out_seq: u64,
     /// The peer cannot read this rank's memory: send inline.
@@ -96,7 +96,8 @@ pub struct ShmBackend {
     seg: Segment,
     rings: Vec<Ring>,
     incoming: Mutex<Vec<PeerIn>>,
-    failed: Mutex<Option<Error>>,
+    /// The first failure: the rings are out of step for good after it.
+    failed: std::sync::OnceLock<Error>,
     /// Offer large sends single-copy, and read peers' offers (hint `shm_cma`).
     cma: std::sync::atomic::AtomicBool,
     /// Small collectives and barrier (`fastbox.rs`).
@@ -125,7 +126,7 @@ impl ShmBackend {
             fast,
             rings,
             incoming: Mutex::new((0..size).map(|_| PeerIn::default()).collect()),
-            failed: Mutex::new(None),
+            failed: std::sync::OnceLock::new(),
             cma: std::sync::atomic::AtomicBool::new(cma),
         };
         b.control(rank).pid.store(std::process::id(), Ordering::Release);
@@ -157,7 +158,7 @@ impl ShmBackend {
     }
 
     fn fail(&self, e: Error) -> Error {
-        self.failed.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e).clone()
+        self.failed.get_or_init(|| e).clone()
     }
 
     /// Why `peer` can no longer take part, if it cannot.
@@ -186,7 +187,7 @@ impl ShmBackend {
     }
 
     fn check_failed(&self) -> Result<()> {
-        match &*self.failed.lock().unwrap_or_else(|p| p.into_inner()) {
+        match self.failed.get() {
             Some(e) => Err(e.clone()),
             None => Ok(()),
         }
@@ -367,6 +368,7 @@ impl ShmBackend {
 
     /// The frame prefix of send `i`: header, plus the descriptor when it
     /// goes single-copy (decided at its first byte).
+    #[allow(clippy::too_many_arguments)]
     fn prefix(
         &self,
         to: usize,
@@ -375,6 +377,7 @@ impl ShmBackend {
         peer: &mut PeerIn,
         seq: &mut Option<u64>,
         first: bool,
+        sender_busy: bool,
     ) -> ([u8; HEADER + cma::DESCRIPTOR], usize) {
         let mut p = [0u8; HEADER + cma::DESCRIPTOR];
         p[..8].copy_from_slice(&tag.to_le_bytes());
@@ -387,7 +390,7 @@ impl ShmBackend {
         match seq {
             Some(s) => {
                 p[8..16].copy_from_slice(&(data.len() as u64 | CMA_FLAG).to_le_bytes());
-                p[16..].copy_from_slice(&cma::descriptor(data.as_ptr() as u64, *s));
+                p[16..].copy_from_slice(&cma::Offer { addr: data.as_ptr() as u64, seq: *s, sender_busy }.encode());
                 (p, HEADER + cma::DESCRIPTOR)
             }
             None => {
@@ -418,6 +421,10 @@ impl ShmBackend {
             // Help copy single-copy sends only with nothing left to receive:
             // while receiving, this core is busy pulling already.
             let nothing_to_receive = ops.iter().zip(done.iter()).all(|(op, d)| *d || matches!(op, P2p::Send { .. }));
+            // An offer made while a large receive is pending says so: this
+            // core will be pulling, not helping (all_gather, all_to_all).
+            let busy_receiving =
+                ops.iter().zip(done.iter()).any(|(op, d)| !*d && matches!(op, P2p::Recv { buf, .. } if buf.len() >= cma::MIN_BYTES));
             for i in 0..ops.len() {
                 let P2p::Send { peer, tag, data } = &ops[i] else { continue };
                 if done[i] || busy[*peer] {
@@ -425,7 +432,7 @@ impl ShmBackend {
                 }
                 busy[*peer] = true;
                 let ring = self.ring(me, *peer);
-                let (prefix, plen) = self.prefix(*peer, *tag, data, &mut incoming[*peer], &mut cma_seq[i], sent[i] == 0);
+                let (prefix, plen) = self.prefix(*peer, *tag, data, &mut incoming[*peer], &mut cma_seq[i], sent[i] == 0, busy_receiving);
                 let before = sent[i];
                 if sent[i] < plen {
                     sent[i] += ring.write(&prefix[sent[i]..plen]);
@@ -543,7 +550,8 @@ impl ShmBackend {
 
     /// Take single-copy offer `seq` from `peer` into the current frame's
     /// destination, or refuse it (the payload then follows inline).
-    fn read_offer(&self, peer: usize, addr: u64, seq: u64, st: &mut PeerIn, ops: &mut [P2p<'_>]) -> Result<()> {
+    fn read_offer(&self, peer: usize, offer: cma::Offer, st: &mut PeerIn, ops: &mut [P2p<'_>]) -> Result<()> {
+        let (addr, seq) = (offer.addr, offer.seq);
         let cell = self.cell(peer, self.rank);
         // A withdrawn offer means the sender failed and aborted: report its cause.
         let withdrawn = || {
@@ -571,9 +579,10 @@ impl ShmBackend {
         };
         let mut r = Ok(());
         let mut mine = 0;
-        // After the first chunk, a sender that has claimed none is busy (it
-        // is receiving too): take the rest in one call.
-        while let Some(run) = cell.claim(seq, chunks.count(), (mine > 0).then_some(mine)) {
+        // A sender busy receiving will not help: take everything in one
+        // call. Otherwise, after the first chunk, a sender that has claimed
+        // none is busy after all: take the rest in one call.
+        while let Some(run) = cell.claim(seq, chunks.count(), (mine > 0 || offer.sender_busy).then_some(mine)) {
             mine += run.end - run.start;
             r = pull(run);
             if r.is_err() {
@@ -678,12 +687,12 @@ impl ShmBackend {
                 let tag = u64::from_le_bytes(st.hdr[..8].try_into().expect("8 bytes"));
                 let len = raw_len(&st.hdr);
                 if len & CMA_FLAG != 0 {
-                    st.cma_in = Some(cma::parse(&st.hdr[HEADER..]));
+                    st.cma_in = Some(cma::Offer::decode(&st.hdr[HEADER..]));
                 }
                 st.inbound.begin(self.rank, peer, tag, (len & !CMA_FLAG) as usize, ops, done).map_err(|e| self.fail(e))?;
             }
-            if let Some((addr, seq)) = st.cma_in.take() {
-                self.read_offer(peer, addr, seq, st, ops)?;
+            if let Some(offer) = st.cma_in.take() {
+                self.read_offer(peer, offer, st, ops)?;
                 moved = true;
             }
             let dst = st.inbound.payload(ops);
