@@ -6,17 +6,24 @@ use crate::placement::SharedPlacement;
 /// Aligned bytes of one dtype, viewable as a tensor; after
 /// [`Buf::place`], the views are of a device copy.
 pub struct Buf {
-    words: Vec<u64>,
+    words: Vec<Page>,
     len: usize,
     /// Element type.
     pub dtype: weft::DType,
     device: Option<(SharedPlacement, u64)>,
 }
 
+/// Buffers start on a page, as nccl-tests' and OSU's do: where a buffer
+/// starts relative to a page (and to its peer buffers) changes copy speed,
+/// and benchmarks should not depend on what the allocator happened to give.
+#[derive(Clone, Copy)]
+#[repr(C, align(4096))]
+struct Page([u8; 4096]);
+
 impl Buf {
     /// A buffer holding `bytes` (a multiple of the dtype size).
     pub fn from_bytes(dtype: weft::DType, bytes: &[u8]) -> Buf {
-        let mut b = Buf { words: vec![0; bytes.len().div_ceil(8)], len: bytes.len(), dtype, device: None };
+        let mut b = Buf { words: vec![Page([0; 4096]); bytes.len().div_ceil(4096)], len: bytes.len(), dtype, device: None };
         b.bytes_mut().copy_from_slice(bytes);
         b
     }
@@ -71,7 +78,7 @@ impl Buf {
             // freed only when this Buf drops.
             return unsafe { weft::Tensor::from_raw_parts(*addr as *const u8, self.dtype, p.device(), &[self.numel()], None) }.unwrap();
         }
-        // SAFETY: 8-byte aligned host memory of numel elements, borrowed for the view's life.
+        // SAFETY: page-aligned host memory of numel elements, borrowed for the view's life.
         unsafe { weft::Tensor::from_raw_parts(self.words.as_ptr() as *const u8, self.dtype, weft::Device::Cpu, &[self.numel()], None) }
             .unwrap()
     }
