@@ -101,7 +101,9 @@ def main():
             v = samples.get((t, op, b))
             if v:
                 med[t] = statistics.median(v)
-                cells.append(f"{med[t]:>10.1f} [{min(v):.0f}-{max(v):.0f}]".rjust(24))
+                # Sub-10 us times need two decimals to be compared at all.
+                d = 2 if med[t] < 10 else 1 if med[t] < 1000 else 0
+                cells.append(f"{med[t]:>10.{d}f} [{min(v):.{d}f}-{max(v):.{d}f}]".rjust(24))
             else:
                 cells.append(f"{'-':>24}")
         ratios = [f"{med[t] / med['weft']:>10.2f}" if t in med and "weft" in med else f"{'-':>10}" for t in tools if t != "weft"]

@@ -51,7 +51,7 @@ pub fn table_header() -> String {
 
 pub fn table_row(r: &Row) -> String {
     format!(
-        "{:>12} {:>10} {:>5} {:>8} {:>4} {:>5} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>11.3} {:>11.3} {:>6}  {}",
+        "{:>12} {:>10} {:>5} {:>8} {:>4} {:>5} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>11.3} {:>11.3} {:>6}  {}",
         r.bytes, r.count, r.dtype, r.redop, r.root, r.iters, r.median_us, r.min_us, r.max_us, r.p99_us, r.algbw, r.busbw, r.wrong, r.op
     )
 }

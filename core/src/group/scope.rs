@@ -71,7 +71,11 @@ impl<'scope, 'env> Collectives<'scope> for Scope<'scope, 'env> {
             ticket,
             collective,
             Box::new(move |seq| {
-                let (result, device) = core.run_job(job, seq);
+                let mut job = job;
+                let (result, device) = core.run_job(&mut job, seq);
+                // The job (and its borrow of the tensors) ends before the
+                // Work completes.
+                drop(job);
                 st.complete(result, device);
             }),
         );
