@@ -157,13 +157,15 @@ impl<'a> Op<'a> {
     }
 
     /// The outputs this op writes on this rank.
-    pub fn outputs_mut(&mut self) -> Vec<&mut TensorMut<'a>> {
-        match self {
-            Op::Recv { buf, .. } | Op::Broadcast { buf, .. } | Op::AllReduce { buf, .. } | Op::Reduce { buf, .. } => vec![buf],
-            Op::AllGather { outputs, .. } | Op::AllToAll { outputs, .. } | Op::Gather { outputs, .. } => outputs.iter_mut().collect(),
-            Op::ReduceScatter { output, .. } | Op::Scatter { output, .. } => vec![output],
-            Op::Send { .. } | Op::Barrier | Op::AllReduceSparse { .. } => vec![],
-        }
+    pub fn outputs_mut(&mut self) -> impl Iterator<Item = &mut TensorMut<'a>> {
+        // One arm per shape of op, without collecting (this runs on every op).
+        let (one, many): (Option<&mut TensorMut<'a>>, &mut [TensorMut<'a>]) = match self {
+            Op::Recv { buf, .. } | Op::Broadcast { buf, .. } | Op::AllReduce { buf, .. } | Op::Reduce { buf, .. } => (Some(buf), &mut []),
+            Op::AllGather { outputs, .. } | Op::AllToAll { outputs, .. } | Op::Gather { outputs, .. } => (None, outputs),
+            Op::ReduceScatter { output, .. } | Op::Scatter { output, .. } => (Some(output), &mut []),
+            Op::Send { .. } | Op::Barrier | Op::AllReduceSparse { .. } => (None, &mut []),
+        };
+        one.into_iter().chain(many.iter_mut())
     }
 }
 
