@@ -8,6 +8,10 @@ iteration, slowest rank per iteration, median). Prints one table: the
 median over rounds of each tool's time, the spread (min-max over rounds),
 and weft's speed relative to each anchor (>1 means weft is faster).
 
+The last column is the ceiling: every rank copying N bytes at once (host
+memcpy, `weft bench --ops device_copy`), in the same rounds; "x copy" is
+that time over weft's (1.0: the op costs one plain copy of its buffer).
+
 Usage: bench/compare/compare.py [--world 2] [--rounds 5] [--backend cpu-tcp]
        [--ops all_reduce,...] [--sizes 8,1048576,67108864] [--iters 10]
 Needs: apt-get install libgloo-dev openmpi-bin libopenmpi-dev g++
@@ -48,6 +52,12 @@ def run_weft(a, size, weft):
     return res
 
 
+def run_copy(a, size, weft):
+    csv = sh([weft, "bench", "--world", str(a.world), "--backend", a.backend, "--ops", "device_copy", "-b", str(size), "-e", str(size),
+              "-n", str(a.iters), "-w", "3", "--time-per-size", "1000", "--no-check", "--csv", "-"])
+    return {("device_copy", int(f[3])): float(f[9]) for f in (line.split(",") for line in csv.splitlines()[1:])}
+
+
 def run_gloo(a, size, out, weft):
     ops = ",".join(o for o in a.ops.split(",") if o not in ("reduce_scatter", "scatter", "gather", "all_to_all_v"))
     with tempfile.TemporaryDirectory() as store:
@@ -82,6 +92,7 @@ def main():
         "gloo": lambda s: run_gloo(a, s, a.out, weft),
         "mpi-tcp": lambda s: run_mpi(a, s, a.out, "tcp,self"),
         "mpi-shm": lambda s: run_mpi(a, s, a.out, "vader,self"),
+        "copy": lambda s: run_copy(a, s, weft),
     }
     samples = {}  # (tool, op, bytes) -> [median_us per round]
     for rnd in range(a.rounds):
@@ -98,7 +109,7 @@ def main():
     for op, b in keys:
         cells, med = [], {}
         for t in tools:
-            v = samples.get((t, op, b))
+            v = samples.get((t, "device_copy" if t == "copy" else op, b))
             if v:
                 med[t] = statistics.median(v)
                 # Sub-10 us times need two decimals to be compared at all.

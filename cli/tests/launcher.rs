@@ -141,14 +141,15 @@ fn bench_checks_every_op_over_a_short_sweep_and_writes_csv_json_and_a_plot() {
     }
     assert!(text.contains("# total wrong: 0"), "{text}");
     assert!(std::fs::read_to_string(&csv).unwrap().starts_with("backend,world,op,bytes"));
-    // A second run draws itself and the first on one picture.
+    // A second run draws itself and the first on one picture; the host
+    // memory-bandwidth reference (device_copy on the CPU) is checked too.
     let out = Command::new(WEFT)
         .args([
             "bench",
             "--world",
             "2",
             "--ops",
-            "all_reduce,p2p",
+            "all_reduce,p2p,device_copy",
             "-e",
             "4K",
             "-f",
@@ -162,7 +163,9 @@ fn bench_checks_every_op_over_a_short_sweep_and_writes_csv_json_and_a_plot() {
         ])
         .output()
         .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("device_copy") && text.contains("# total wrong: 0"), "{text}");
     let picture = std::fs::read_to_string(&svg).unwrap();
     assert!(picture.contains("<svg") && picture.contains("W=2 all_reduce") && picture.contains("W=3 all_gather"), "plot lacks series");
     std::fs::remove_dir_all(&dir).unwrap();

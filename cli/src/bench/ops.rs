@@ -136,10 +136,14 @@ impl Case {
                 }
                 Ok(())
             }
-            // The memory-bandwidth reference: a device-to-device copy, no communication.
-            "device_copy" => {
-                self.place.as_ref().map_or(Ok(()), |p| p.copy(self.output.addr(), self.input.addr(), self.count * self.dtype.size()))
-            }
+            // The memory-bandwidth reference: a copy on every rank, no communication.
+            "device_copy" => match &self.place {
+                Some(p) => p.copy(self.output.addr(), self.input.addr(), self.count * self.dtype.size()),
+                None => {
+                    self.output.bytes_mut().copy_from_slice(self.input.bytes());
+                    Ok(())
+                }
+            },
             _ => pg.barrier(o)?.synchronize(),
         }
     }
