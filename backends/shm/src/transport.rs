@@ -10,6 +10,7 @@ use crate::fastbox::{Fastbox, Waiter, FASTBOX_BYTES};
 use crate::ring::{footprint, Ring};
 use crate::segment::Segment;
 use linux_futex::{Futex, Shared};
+use smallvec::{smallvec, SmallVec};
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -238,10 +239,11 @@ impl Backend for ShmBackend {
         }
         let mut incoming = self.incoming.lock().unwrap_or_else(|p| p.into_inner());
         let n = ops.len();
-        let mut done = vec![false; n];
-        let mut sent = vec![0usize; n];
+        // Inline for the usual few ops: no allocation per exchange.
+        let mut done: SmallVec<[bool; 8]> = smallvec![false; n];
+        let mut sent: SmallVec<[usize; 8]> = smallvec![0; n];
         // Per send: the single-copy sequence, if it went that way.
-        let mut cma_seq: Vec<Option<u64>> = vec![None; n];
+        let mut cma_seq: SmallVec<[Option<u64>; 8]> = smallvec![None; n];
         // Receives first served by messages that arrived earlier.
         for (i, op) in ops.iter_mut().enumerate() {
             if let P2p::Recv { peer, tag, buf } = op {
@@ -422,7 +424,7 @@ impl ShmBackend {
         let (me, w) = (self.rank, self.size);
         let mut idle_since = Instant::now();
         let mut last_check = Instant::now();
-        let mut busy = vec![false; w];
+        let mut busy: SmallVec<[bool; 16]> = smallvec![false; w];
         loop {
             let mut moved = false;
             // Sends: the first unfinished send to each peer streams into its ring.
