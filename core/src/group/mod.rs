@@ -155,9 +155,8 @@ impl Drop for ProcessGroup {
 }
 
 impl<'t> Collectives<'t> for ProcessGroup {
-    fn submit(&self, job: Job<'t>) -> Result<Work<'t>> {
+    fn submit(&self, mut job: Job<'t>) -> Result<Work<'t>> {
         let ticket = self.core.exec.issue();
-        let mut job = job;
         let (result, device) = self.core.exec.run_inline(ticket, job.is_collective(), |seq| self.core.run_job(&mut job, seq));
         Ok(Work::done(result, device))
     }
