@@ -4,6 +4,7 @@
 #![warn(missing_docs)]
 
 mod cma;
+mod cores;
 mod fastbox;
 mod ring;
 mod segment;
@@ -91,7 +92,8 @@ impl BackendFactory for ShmFactory {
             Some("off" | "0") => false,
             Some(v) => return Err(Error::invalid(format!("shm_cma={v:?}: use on or off"))),
         };
-        Ok(Arc::new(transport::ShmBackend::new(ctx.rank, ctx.size, seg, cap, cma)))
+        let oversubscribed = cores::oversubscribed(&*ctx.store, ctx.rank, ctx.size, left())?;
+        Ok(Arc::new(transport::ShmBackend::new(ctx.rank, ctx.size, seg, cap, cma, oversubscribed)))
     }
 }
 

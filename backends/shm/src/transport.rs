@@ -112,8 +112,8 @@ pub struct ShmBackend {
 
 impl ShmBackend {
     /// Wrap a mapped segment of `size` ranks with rings of `cap` bytes
-    /// (zeroed by its creator).
-    pub fn new(rank: usize, size: usize, seg: Segment, cap: usize, cma: bool) -> Self {
+    /// (zeroed by its creator); `oversubscribed`: see `cores`.
+    pub fn new(rank: usize, size: usize, seg: Segment, cap: usize, cma: bool, oversubscribed: bool) -> Self {
         let ctl = rings_at(size);
         assert!(seg.len() >= segment_len(size, cap), "segment sized by segment_len");
         let rings = (0..size * size)
@@ -134,7 +134,7 @@ impl ShmBackend {
             incoming: Mutex::new((0..size).map(|_| PeerIn::default()).collect()),
             failed: std::sync::OnceLock::new(),
             cma: std::sync::atomic::AtomicBool::new(cma),
-            oversubscribed: std::thread::available_parallelism().is_ok_and(|cores| size > cores.get()),
+            oversubscribed,
         };
         b.control(rank).pid.store(std::process::id(), Ordering::Release);
         b

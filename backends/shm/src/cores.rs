@@ -1,0 +1,83 @@
+//! Whether a group's ranks outnumber the cores they may run on: then a
+//! waiting rank yields at once instead of spinning (the peer it waits for
+//! may need its core).
+//!
+//! Every rank publishes the CPUs it may run on and its own parallelism
+//! (which std caps by a cgroup CPU quota). The cores available to the
+//! group are the union of the CPU sets, capped by a quota where one shows.
+//! So four ranks on a 2-core machine are oversubscribed, while ranks
+//! pinned one per core (as Slurm binds them) are not, although each sees
+//! only one CPU.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+use weft::store::Store;
+use weft::{Error, Result};
+
+/// What this process may use: its CPUs, and its parallelism if a quota
+/// makes that smaller than their count.
+fn local() -> (Vec<usize>, Option<usize>) {
+    let cpus: Vec<usize> = match nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)) {
+        Ok(set) => (0..nix::sched::CpuSet::count()).filter(|&i| set.is_set(i).unwrap_or(false)).collect(),
+        Err(_) => Vec::new(),
+    };
+    let parallelism = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let quota = (cpus.is_empty() || parallelism < cpus.len()).then_some(parallelism);
+    (cpus, quota)
+}
+
+fn encode((cpus, quota): &(Vec<usize>, Option<usize>)) -> String {
+    let list: Vec<String> = cpus.iter().map(usize::to_string).collect();
+    format!("{} {}", quota.map_or("-".to_string(), |q| q.to_string()), list.join(","))
+}
+
+fn decode(s: &str) -> Option<(Vec<usize>, Option<usize>)> {
+    let (quota, list) = s.split_once(' ')?;
+    let quota = if quota == "-" { None } else { Some(quota.parse().ok()?) };
+    let cpus = list.split(',').filter(|c| !c.is_empty()).map(|c| c.parse().ok()).collect::<Option<Vec<usize>>>()?;
+    Some((cpus, quota))
+}
+
+/// Cores the ranks described by `all` can run on at once.
+fn capacity(all: &[(Vec<usize>, Option<usize>)]) -> usize {
+    let union: BTreeSet<usize> = all.iter().flat_map(|(cpus, _)| cpus.iter().copied()).collect();
+    let quota = all.iter().filter_map(|(_, q)| *q).min();
+    union.len().min(quota.unwrap_or(usize::MAX)).max(1)
+}
+
+/// Collective over the group's store: whether its `size` ranks outnumber
+/// the cores they share.
+pub fn oversubscribed(store: &dyn Store, rank: usize, size: usize, timeout: Duration) -> Result<bool> {
+    store.set(&format!("cpus/{rank}"), encode(&local()).as_bytes())?;
+    let mut all = Vec::with_capacity(size);
+    for r in 0..size {
+        let raw = store.get(&format!("cpus/{r}"), timeout)?;
+        all.push(
+            decode(&String::from_utf8_lossy(&raw)).ok_or_else(|| Error::backend(format!("shm: rank {r} published a malformed CPU set")))?,
+        );
+    }
+    Ok(size > capacity(&all))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capacity_is_the_union_of_cpu_sets_capped_by_a_quota() {
+        // Four unpinned ranks on a 2-core machine.
+        let two = (vec![0, 1], None);
+        assert_eq!(capacity(&[two.clone(), two.clone(), two.clone(), two]), 2);
+        // Ranks pinned one per core: each sees one CPU, together four.
+        let pinned: Vec<_> = (0..4).map(|c| (vec![c], None)).collect();
+        assert_eq!(capacity(&pinned), 4);
+        // A container allowed 64 CPUs but a quota of 2.
+        let quota = (Vec::from_iter(0..64), Some(2));
+        assert_eq!(capacity(&[quota.clone(), quota]), 2);
+        // Round trip through the store's text.
+        let me = local();
+        assert_eq!(decode(&encode(&me)), Some(me.clone()));
+        assert!(capacity(&[me]) >= 1);
+        assert_eq!(decode("x 1"), None);
+    }
+}
