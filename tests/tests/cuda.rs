@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use weft::prelude::*;
 use weft::{DType, Device, DeviceKind, ErrorKind, Layout, StreamHandle};
 use weft_cuda_runtime::{synchronize_stream, Gpu};
-use weft_tests::procs::{free_port, run_world, run_world_with};
+use weft_tests::procs::{run_world, run_world_on_free_port};
 use weft_tests::{options, run_threads};
 
 /// The emulated GPU, unless `WEFT_TEST_REAL_GPU=1` asks for the real one.
@@ -93,17 +93,16 @@ fn cuda_device_ring_across_processes_over_ipc() {
 
 #[test]
 fn auto_falls_back_to_host_staging_when_ranks_are_on_different_hosts() {
-    let port = free_port().to_string();
-    let vars = |rank: usize| {
+    let vars = |rank: usize, port: &str| {
         vec![
             ("RANK".to_string(), rank.to_string()),
             ("WORLD_SIZE".into(), "2".into()),
             ("MASTER_ADDR".into(), "127.0.0.1".into()),
-            ("MASTER_PORT".into(), port.clone()),
+            ("MASTER_PORT".into(), port.to_string()),
             ("WEFT_HOST_ID".into(), format!("host{rank}")),
         ]
     };
-    let ends = run_world_with(&worker(), 2, &["cuda_conformance"], &gpu_env(), Duration::from_secs(120), vars);
+    let ends = run_world_on_free_port(&worker(), 2, &["cuda_conformance"], &gpu_env(), Duration::from_secs(120), vars);
     for (r, e) in ends.iter().enumerate() {
         assert!(e.status.success(), "rank {r}:\n{}", e.output);
         assert!(e.output.contains("cuda=cuda-host-staging cpu=cpu-tcp"), "{}", e.output);

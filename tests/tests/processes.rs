@@ -3,7 +3,7 @@
 
 use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
-use weft_tests::procs::{free_port, run_world, run_world_with};
+use weft_tests::procs::{run_world, run_world_on_free_port};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_weft-test-worker");
 
@@ -50,29 +50,27 @@ fn weft_debug_detail_names_the_mismatched_rank_across_processes() {
 
 #[test]
 fn rank_zero_hosts_the_store_under_open_mpi_and_slurm_variables() {
-    let port = free_port().to_string();
-    let ompi = |r: usize| {
+    let ompi = |r: usize, port: &str| {
         vec![
             ("OMPI_COMM_WORLD_RANK".to_string(), r.to_string()),
             ("OMPI_COMM_WORLD_SIZE".into(), "3".into()),
             ("MASTER_ADDR".into(), "127.0.0.1".into()),
-            ("MASTER_PORT".into(), port.clone()),
+            ("MASTER_PORT".into(), port.to_string()),
             ("WEFT_BACKEND".into(), "cpu-tcp".into()),
         ]
     };
-    assert_all_ok(&run_world_with(WORKER, 3, &["ops"], &[], Duration::from_secs(60), ompi));
-    let port = free_port().to_string();
-    let slurm = |r: usize| {
+    assert_all_ok(&run_world_on_free_port(WORKER, 3, &["ops"], &[], Duration::from_secs(60), ompi));
+    let slurm = |r: usize, port: &str| {
         vec![
             ("SLURM_PROCID".to_string(), r.to_string()),
             ("SLURM_NTASKS".into(), "2".into()),
             ("SLURM_LOCALID".into(), r.to_string()),
             ("MASTER_ADDR".into(), "localhost".into()),
-            ("MASTER_PORT".into(), port.clone()),
+            ("MASTER_PORT".into(), port.to_string()),
             ("WEFT_BACKEND".into(), "cpu-tcp".into()),
         ]
     };
-    assert_all_ok(&run_world_with(WORKER, 2, &["ops"], &[], Duration::from_secs(60), slurm));
+    assert_all_ok(&run_world_on_free_port(WORKER, 2, &["ops"], &[], Duration::from_secs(60), slurm));
 }
 
 #[test]

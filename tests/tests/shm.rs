@@ -5,7 +5,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
 use weft::prelude::*;
 use weft::ErrorKind;
-use weft_tests::procs::{free_port, run_world, run_world_with};
+use weft_tests::procs::{run_world, run_world_on_free_port};
 use weft_tests::{options, run_threads};
 
 fn shm_files() -> Vec<String> {
@@ -246,13 +246,12 @@ fn auto_picks_shm_on_one_host_and_leaves_it_when_a_rank_looks_remote() {
         assert!(e.status.success() && e.output.contains("backend=shm"), "{}", e.output);
     }
     // Rank 2 claims another host: shm refuses the group and auto falls back.
-    let port = free_port().to_string();
-    let vars = |r: usize| {
+    let vars = |r: usize, port: &str| {
         let mut v = vec![
             ("RANK".to_string(), r.to_string()),
             ("WORLD_SIZE".into(), "3".into()),
             ("MASTER_ADDR".into(), "127.0.0.1".into()),
-            ("MASTER_PORT".into(), port.clone()),
+            ("MASTER_PORT".into(), port.to_string()),
             ("WEFT_BACKEND".into(), "auto".into()),
         ];
         if r == 2 {
@@ -261,7 +260,7 @@ fn auto_picks_shm_on_one_host_and_leaves_it_when_a_rank_looks_remote() {
         v
     };
     // Ranks 0 and 1 still share a host: the hierarchical backend takes it.
-    for e in run_world_with(worker, 3, &["which_backend"], &[], Duration::from_secs(60), vars) {
+    for e in run_world_on_free_port(worker, 3, &["which_backend"], &[], Duration::from_secs(60), vars) {
         assert!(e.status.success() && e.output.contains("backend=hierarchical"), "{}", e.output);
     }
 }
