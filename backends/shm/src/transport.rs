@@ -243,21 +243,21 @@ impl Backend for ShmBackend {
         let mut done: SmallVec<[bool; 8]> = smallvec![false; n];
         let mut sent: SmallVec<[usize; 8]> = smallvec![0; n];
         // Per send: the single-copy sequence, if it went that way.
-        let mut cma_seq: SmallVec<[Option<u64>; 8]> = smallvec![None; n];
+        let mut offers: SmallVec<[Option<cma::Offer>; 8]> = smallvec![None; n];
         // Receives first served by messages that arrived earlier.
         for (i, op) in ops.iter_mut().enumerate() {
             if let P2p::Recv { peer, tag, buf } = op {
                 done[i] = incoming[*peer].inbound.serve_early(self.rank, *peer, *tag, buf).map_err(|e| self.fail(e))?;
             }
         }
-        let result = self.progress(ops, &mut incoming, &mut done, &mut sent, &mut cma_seq, deadline);
+        let result = self.progress(ops, &mut incoming, &mut done, &mut sent, &mut offers, deadline);
         if let Err(e) = &result {
             for p in incoming.iter_mut() {
                 p.inbound.detach(ops);
             }
             // Offers still open are withdrawn before the caller gets its
             // buffers back; the pair's stream is then out of step for good.
-            let open: Vec<(usize, u64)> = (0..n).filter(|i| !done[*i]).filter_map(|i| cma_seq[i].map(|s| (ops[i].peer(), s))).collect();
+            let open: Vec<(usize, u64)> = (0..n).filter(|i| !done[*i]).filter_map(|i| offers[i].map(|o| (ops[i].peer(), o.seq))).collect();
             if !open.is_empty() {
                 // Abort first, so a peer that finds the offer withdrawn also
                 // finds why (and whom to blame) in our control block.
@@ -378,7 +378,8 @@ impl ShmBackend {
     }
 
     /// The frame prefix of send `i`: header, plus the descriptor when it
-    /// goes single-copy (decided at its first byte).
+    /// goes single-copy. The offer is decided at its first byte and kept, so
+    /// a prefix written in several pieces is the same in each.
     #[allow(clippy::too_many_arguments)]
     fn prefix(
         &self,
@@ -386,22 +387,27 @@ impl ShmBackend {
         tag: u64,
         data: &[u8],
         peer: &mut PeerIn,
-        seq: &mut Option<u64>,
+        offer: &mut Option<cma::Offer>,
         first: bool,
         sender_busy: bool,
     ) -> ([u8; HEADER + cma::DESCRIPTOR], usize) {
         let mut p = [0u8; HEADER + cma::DESCRIPTOR];
         p[..8].copy_from_slice(&tag.to_le_bytes());
-        if first && data.len() >= cma::MIN_BYTES && !peer.refused && self.cma.load(Ordering::Relaxed) {
-            peer.out_seq += 1;
-            *seq = Some(peer.out_seq);
-            // Posted before the descriptor can be seen.
-            self.cell(self.rank, to).post(peer.out_seq);
+        // Until a byte is in the ring (a full ring takes none), the offer is
+        // decided afresh.
+        if first {
+            *offer = None;
+            if data.len() >= cma::MIN_BYTES && !peer.refused && self.cma.load(Ordering::Relaxed) {
+                peer.out_seq += 1;
+                *offer = Some(cma::Offer { addr: data.as_ptr() as u64, seq: peer.out_seq, sender_busy });
+                // Posted before the descriptor can be seen.
+                self.cell(self.rank, to).post(peer.out_seq);
+            }
         }
-        match seq {
-            Some(s) => {
+        match offer {
+            Some(o) => {
                 p[8..16].copy_from_slice(&(data.len() as u64 | CMA_FLAG).to_le_bytes());
-                p[16..].copy_from_slice(&cma::Offer { addr: data.as_ptr() as u64, seq: *s, sender_busy }.encode());
+                p[16..].copy_from_slice(&o.encode());
                 (p, HEADER + cma::DESCRIPTOR)
             }
             None => {
@@ -418,7 +424,7 @@ impl ShmBackend {
         incoming: &mut [PeerIn],
         done: &mut [bool],
         sent: &mut [usize],
-        cma_seq: &mut [Option<u64>],
+        offers: &mut [Option<cma::Offer>],
         deadline: Instant,
     ) -> Result<()> {
         let (me, w) = (self.rank, self.size);
@@ -432,10 +438,6 @@ impl ShmBackend {
             // Help copy single-copy sends only with nothing left to receive:
             // while receiving, this core is busy pulling already.
             let nothing_to_receive = ops.iter().zip(done.iter()).all(|(op, d)| *d || matches!(op, P2p::Send { .. }));
-            // An offer made while a large receive is pending says so: this
-            // core will be pulling, not helping (all_gather, all_to_all).
-            let busy_receiving =
-                ops.iter().zip(done.iter()).any(|(op, d)| !*d && matches!(op, P2p::Recv { buf, .. } if buf.len() >= cma::MIN_BYTES));
             for i in 0..ops.len() {
                 let P2p::Send { peer, tag, data } = &ops[i] else { continue };
                 if done[i] || busy[*peer] {
@@ -443,13 +445,18 @@ impl ShmBackend {
                 }
                 busy[*peer] = true;
                 let ring = self.ring(me, *peer);
-                let (prefix, plen) = self.prefix(*peer, *tag, data, &mut incoming[*peer], &mut cma_seq[i], sent[i] == 0, busy_receiving);
+                // An offer made while a large receive is pending says so: this
+                // core will be pulling, not helping (all_gather, all_to_all).
+                let first = sent[i] == 0;
+                let sender_busy = first
+                    && ops.iter().zip(done.iter()).any(|(op, d)| !*d && matches!(op, P2p::Recv { buf, .. } if buf.len() >= cma::MIN_BYTES));
+                let (prefix, plen) = self.prefix(*peer, *tag, data, &mut incoming[*peer], &mut offers[i], first, sender_busy);
                 let before = sent[i];
                 if sent[i] < plen {
                     sent[i] += ring.write(&prefix[sent[i]..plen]);
                 }
-                let mut inline = cma_seq[i].is_none();
-                if let (Some(seq), true) = (cma_seq[i], sent[i] == plen) {
+                let mut inline = offers[i].is_none();
+                if let (Some(cma::Offer { seq, .. }), true) = (offers[i], sent[i] == plen) {
                     // Offered: done when the peer has read it, inline if it cannot.
                     match self.cell(me, *peer).phase(seq) {
                         Some(cma::DONE) => {
@@ -518,7 +525,7 @@ impl ShmBackend {
                     .collect();
                 let e = Error::timeout(format!("shm: {} not finished before the deadline", pending.join(", ")));
                 let half_sent = |i: usize| matches!(&ops[i], P2p::Send { data, .. } if sent[i] > 0 && sent[i] < HEADER + data.len());
-                if (0..ops.len()).any(|i| !done[i] && cma_seq[i].is_none() && half_sent(i)) {
+                if (0..ops.len()).any(|i| !done[i] && offers[i].is_none() && half_sent(i)) {
                     // Half a frame sits in a ring: the stream cannot be trusted again.
                     return Err(self.fail(e));
                 }
@@ -527,7 +534,7 @@ impl ShmBackend {
             // A peer copying our offered buffer finishes in about a
             // millisecond per 16 MiB: keep spinning for it rather than pay a
             // wake-up (~50 us) at the end of every large send.
-            let reading = (0..ops.len()).any(|i| !done[i] && cma_seq[i].is_some());
+            let reading = (0..ops.len()).any(|i| !done[i] && offers[i].is_some());
             let idle = now.duration_since(idle_since);
             if idle < PAUSE_SPIN && !self.oversubscribed {
                 // The peer is most likely running on another core and about
