@@ -110,7 +110,10 @@ impl Executor {
     /// Queue `task` for the worker, starting it if needed.
     pub(crate) fn enqueue(self: &Arc<Self>, ticket: u64, collective: bool, task: Task) {
         let mut s = self.lock();
-        s.queue.push_back(Queued { ticket, collective, task });
+        // In ticket order: threads sharing a scope may enqueue out of order
+        // (ticket taken, then the lock), and the worker serves the front.
+        let at = s.queue.partition_point(|q| q.ticket < ticket);
+        s.queue.insert(at, Queued { ticket, collective, task });
         if s.worker.is_none() {
             let me = self.clone();
             s.worker = Some(
@@ -211,6 +214,22 @@ mod tests {
             assert_eq!(seq, next, "ticket {ticket}");
             next += collective as u64;
         }
+    }
+
+    /// Tasks enqueued out of ticket order still run in ticket order (no
+    /// worker waiting on a front whose turn never comes).
+    #[test]
+    fn tasks_enqueued_out_of_order_run_in_ticket_order() {
+        let exec = Arc::new(Executor::default());
+        let (t0, t1) = (exec.issue(), exec.issue());
+        let (tx, rx) = std::sync::mpsc::channel();
+        for t in [t1, t0] {
+            let tx = tx.clone();
+            exec.enqueue(t, true, Box::new(move |seq| tx.send((t, seq)).unwrap()));
+        }
+        let got: Vec<(u64, u64)> = (0..2).map(|_| rx.recv_timeout(std::time::Duration::from_secs(10)).expect("both tasks run")).collect();
+        assert_eq!(got, [(t0, 0), (t1, 1)]);
+        exec.shutdown();
     }
 
     /// A panicking op passes the turn on.
