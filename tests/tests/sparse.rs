@@ -85,10 +85,17 @@ fn reference(shape: &[usize], sparse: usize, dtype: DType, op: ReduceOp, inputs:
 }
 
 fn run_case(pg: &ProcessGroup, shape: &[usize], sparse: usize, dtype: DType, op: ReduceOp, pattern: Pattern, algo: &str) {
-    run_case_on(pg, shape, sparse, dtype, op, pattern, algo, None)
+    run_case_on(pg, shape, sparse, dtype, op, pattern, algo, None, &mut SparseCoo::default())
 }
 
-/// As `run_case`, with the input on `place`'s device.
+/// A result left over from an earlier op, longer than any result here: an
+/// op that writes into it must overwrite every byte it keeps.
+fn stale() -> SparseCoo {
+    SparseCoo { shape: vec![3], sparse_dims: 1, dtype: Some(DType::U8), indices: vec![1, 2, 0], values: vec![0xA5; 1 << 14] }
+}
+
+/// As `run_case`, with the input on `place`'s device and the result in
+/// `out` (which may hold an earlier result).
 #[allow(clippy::too_many_arguments)]
 fn run_case_on(
     pg: &ProcessGroup,
@@ -99,6 +106,7 @@ fn run_case_on(
     pattern: Pattern,
     algo: &str,
     place: Option<&weft_conformance::SharedPlacement>,
+    out: &mut SparseCoo,
 ) {
     let (r, w) = (pg.rank(), pg.size());
     let inputs: Vec<Input> = (0..w).map(|k| input(shape, sparse, dtype, k, pattern)).collect();
@@ -110,8 +118,7 @@ fn run_case_on(
     let mut vdims = vec![nnz];
     vdims.extend_from_slice(&shape[sparse..]);
     let t = SparseCooTensor::new(idx.t().reshape(&[sparse, nnz]).unwrap(), vals.t().reshape(&vdims).unwrap(), shape.to_vec()).unwrap();
-    let mut out = SparseCoo::default();
-    pg.all_reduce_sparse(t, &mut out, op, &OpOptions::default().hint("sparse_algorithm", algo)).unwrap().wait().unwrap();
+    pg.all_reduce_sparse(t, out, op, &OpOptions::default().hint("sparse_algorithm", algo)).unwrap().wait().unwrap();
     let (want_idx, want_vals) = reference(shape, sparse, dtype, op, &inputs);
     let what = format!("{algo} w={w} shape={shape:?}/{sparse} {dtype} {op} {pattern:?}");
     assert_eq!(out.shape, shape, "{what}");
@@ -142,6 +149,18 @@ fn sparse_all_reduce_matches_the_dense_reference() {
             for dtype in DType::ALL {
                 run_case(&pg, &[11, 2], 1, dtype, ReduceOp::Sum, Pattern::Random, "auto");
             }
+            // Results written over earlier ones (algorithms reuse the
+            // caller's result buffer): longer, then shorter, other dtypes.
+            let mut out = stale();
+            for algo in ALGOS {
+                for (shape, sparse, dtype) in
+                    [(&[9, 4][..], 1, DType::F32), (&[4, 3, 5, 2, 2][..], 3, DType::F64), (&[11, 2][..], 1, DType::U8)]
+                {
+                    run_case_on(&pg, shape, sparse, dtype, ReduceOp::Sum, Pattern::Random, algo, None, &mut out);
+                }
+                run_case_on(&pg, &[9, 2], 1, DType::I32, ReduceOp::Max, Pattern::EmptyOnOdd, algo, None, &mut out);
+                out = stale();
+            }
         });
     }
 }
@@ -155,8 +174,9 @@ fn cuda_sparse_tensors_are_reduced_through_host_staging() {
             let place = weft_conformance::cuda::placement(0).unwrap();
             weft::stream::set_current_stream(Some(place.stream()));
             for pattern in [Pattern::Random, Pattern::EmptyOnOdd] {
-                run_case_on(&pg, &[4, 3, 5, 2], 2, DType::F32, ReduceOp::Sum, pattern, "auto", Some(&place));
-                run_case_on(&pg, &[9, 2], 1, DType::I64, ReduceOp::Max, pattern, "allgather", Some(&place));
+                let mut out = stale();
+                run_case_on(&pg, &[4, 3, 5, 2], 2, DType::F32, ReduceOp::Sum, pattern, "auto", Some(&place), &mut out);
+                run_case_on(&pg, &[9, 2], 1, DType::I64, ReduceOp::Max, pattern, "allgather", Some(&place), &mut out);
             }
         });
     }

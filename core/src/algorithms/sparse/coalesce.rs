@@ -18,19 +18,50 @@ pub struct Run {
     pub values: Vec<u8>,
 }
 
-/// A borrowed run: part of a [`Run`], or rows as they were received.
+/// A borrowed run: part of a [`Run`], rows as they were received, or
+/// part of a [`Sorted`] input whose rows still lie where the caller put them.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RunRef<'a> {
     /// Sorted unique keys.
     pub keys: &'a [i64],
-    /// One row of value bytes per key.
-    pub values: &'a [u8],
+    /// Where the row of each key is.
+    pub values: Rows<'a>,
+}
+
+/// Where the rows of a [`RunRef`] are.
+#[derive(Clone, Copy, Debug)]
+pub enum Rows<'a> {
+    /// One row per key, packed in key order.
+    Packed(&'a [u8]),
+    /// The rows of a sorted input's entries from this one on.
+    Sorted(&'a Sorted<'a>, usize),
+}
+
+impl Default for Rows<'_> {
+    fn default() -> Self {
+        Rows::Packed(&[])
+    }
+}
+
+impl<'a> RunRef<'a> {
+    /// Keys with their rows packed after one another.
+    pub fn packed(keys: &'a [i64], values: &'a [u8]) -> RunRef<'a> {
+        RunRef { keys, values: Rows::Packed(values) }
+    }
+
+    /// Entry `i`'s row of `row` bytes.
+    fn row(&self, i: usize, row: usize) -> &'a [u8] {
+        match self.values {
+            Rows::Packed(v) => &v[i * row..(i + 1) * row],
+            Rows::Sorted(s, first) => s.row(first + i),
+        }
+    }
 }
 
 impl Run {
     /// The whole run, borrowed.
     pub fn as_ref(&self) -> RunRef<'_> {
-        RunRef { keys: &self.keys, values: &self.values }
+        RunRef::packed(&self.keys, &self.values)
     }
 }
 
@@ -59,12 +90,81 @@ impl Layout {
     }
 }
 
-/// Sort `t`'s entries by key and reduce duplicates with `op`.
-pub fn coalesce(t: &SparseCooTensor<'_>, l: &Layout, op: ReduceOp) -> Result<Run> {
+/// How many entries ahead of its use a [`Sorted`] row is prefetched.
+const AHEAD: usize = 8;
+
+/// Tag of a [`Sorted`] row index that points into its reduced duplicates.
+const REDUCED: usize = 1 << (usize::BITS - 1);
+
+/// A rank's input in key order with duplicates reduced: what coalescing
+/// yields, except that each row stays where it lies in the input (only the
+/// rows of repeated keys are copied, to be reduced). An algorithm that moves
+/// most rows elsewhere anyway (`split`) reads them from here and never pays
+/// for a sorted copy of all of them.
+#[derive(Debug)]
+pub struct Sorted<'a> {
+    /// Sorted unique keys.
+    pub keys: Vec<i64>,
+    /// Key i's row: input row `at[i]`, or `reduced` row `at[i] & !REDUCED`.
+    at: Vec<usize>,
+    input: &'a [u8],
+    /// Rows of keys given more than once, each reduced over its entries.
+    reduced: Vec<u8>,
+    row: usize,
+}
+
+impl<'a> Sorted<'a> {
+    /// Entry `i`'s row.
+    pub fn row(&self, i: usize) -> &[u8] {
+        // Rows are read in key order, which is no order in memory: start
+        // loading the row a few entries ahead.
+        if i + AHEAD < self.at.len() {
+            crate::kernels::prefetch(self.row_at(self.at[i + AHEAD]));
+        }
+        self.row_at(self.at[i])
+    }
+
+    fn row_at(&self, at: usize) -> &[u8] {
+        let row = self.row;
+        if at & REDUCED == 0 {
+            &self.input[at * row..(at + 1) * row]
+        } else {
+            let at = at & !REDUCED;
+            &self.reduced[at * row..(at + 1) * row]
+        }
+    }
+
+    /// Entries `range`, borrowed.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> RunRef<'_> {
+        RunRef { keys: &self.keys[range.clone()], values: Rows::Sorted(self, range.start) }
+    }
+
+    /// The rows of entries `range` packed in key order into `out` (as
+    /// long as they are).
+    pub fn pack_into(&self, range: std::ops::Range<usize>, out: &mut [u8]) {
+        debug_assert_eq!(out.len(), range.len() * self.row);
+        for (i, dst) in range.zip(out.chunks_exact_mut(self.row.max(1))) {
+            dst.copy_from_slice(self.row(i));
+        }
+    }
+
+    /// The coalesced run: every row copied into key order.
+    pub fn into_run(self) -> Run {
+        let mut values = Vec::with_capacity(self.keys.len() * self.row);
+        for i in 0..self.keys.len() {
+            values.extend_from_slice(self.row(i));
+        }
+        Run { keys: self.keys, values }
+    }
+}
+
+/// Sort `t`'s entries by key and reduce duplicates with `op` (in entry
+/// order, so every rank's bits are reproducible).
+pub fn sort<'a>(t: &'a SparseCooTensor<'_>, l: &Layout, op: ReduceOp) -> Result<Sorted<'a>> {
     let nnz = t.nnz();
     let idx: &[i64] = t.indices.as_slice()?;
-    let vals = t.values.host_bytes()?;
-    let mut keys = Vec::with_capacity(nnz);
+    let input = t.values.host_bytes()?;
+    let mut entries = Vec::with_capacity(nnz);
     for k in 0..nnz {
         let mut key = 0i64;
         for d in 0..l.sparse_dims {
@@ -74,27 +174,38 @@ pub fn coalesce(t: &SparseCooTensor<'_>, l: &Layout, op: ReduceOp) -> Result<Run
             }
             key = key * l.shape[d] as i64 + i;
         }
-        keys.push((key, k));
+        entries.push((key, k));
     }
-    keys.sort_unstable();
-    let mut out = Run { keys: Vec::with_capacity(nnz), values: Vec::with_capacity(nnz * l.row) };
-    for (key, k) in keys {
-        let row = &vals[k * l.row..(k + 1) * l.row];
-        if out.keys.last() == Some(&key) {
-            let n = out.values.len();
-            reduce_into(&mut out.values[n - l.row..], row, l.dtype, op);
-        } else {
-            out.keys.push(key);
-            out.values.extend_from_slice(row);
+    entries.sort_unstable();
+    let row = l.row;
+    let mut out = Sorted { keys: Vec::with_capacity(nnz), at: Vec::with_capacity(nnz), input, reduced: Vec::new(), row };
+    let mut reduced_rows = 0;
+    for same in entries.chunk_by(|a, b| a.0 == b.0) {
+        let (key, first) = same[0];
+        out.keys.push(key);
+        if same.len() == 1 {
+            out.at.push(first);
+            continue;
         }
+        let start = out.reduced.len();
+        out.reduced.extend_from_slice(&input[first * row..(first + 1) * row]);
+        for (_, k) in &same[1..] {
+            reduce_into(&mut out.reduced[start..], &input[k * row..(k + 1) * row], l.dtype, op);
+        }
+        out.at.push(REDUCED | reduced_rows);
+        reduced_rows += 1;
     }
     Ok(out)
 }
 
 /// Merge two coalesced runs into one, reducing rows with equal keys.
-pub fn merge2(a: &Run, b: &Run, row: usize, dtype: DType, op: ReduceOp) -> Run {
-    let mut out =
-        Run { keys: Vec::with_capacity(a.keys.len() + b.keys.len()), values: Vec::with_capacity(a.values.len() + b.values.len()) };
+///
+/// The result's values go into `values`, a buffer to reuse (its contents
+/// are dropped).
+pub fn merge2(a: RunRef<'_>, b: RunRef<'_>, row: usize, dtype: DType, op: ReduceOp, mut values: Vec<u8>) -> Run {
+    values.clear();
+    values.reserve((a.keys.len() + b.keys.len()) * row);
+    let mut out = Run { keys: Vec::with_capacity(a.keys.len() + b.keys.len()), values };
     let (mut i, mut j) = (0, 0);
     while i < a.keys.len() || j < b.keys.len() {
         let take_a = j == b.keys.len() || (i < a.keys.len() && a.keys[i] <= b.keys[j]);
@@ -102,17 +213,17 @@ pub fn merge2(a: &Run, b: &Run, row: usize, dtype: DType, op: ReduceOp) -> Run {
         if both {
             out.keys.push(a.keys[i]);
             let start = out.values.len();
-            out.values.extend_from_slice(&a.values[i * row..(i + 1) * row]);
-            reduce_into(&mut out.values[start..], &b.values[j * row..(j + 1) * row], dtype, op);
+            out.values.extend_from_slice(a.row(i, row));
+            reduce_into(&mut out.values[start..], b.row(j, row), dtype, op);
             i += 1;
             j += 1;
         } else if take_a {
             out.keys.push(a.keys[i]);
-            out.values.extend_from_slice(&a.values[i * row..(i + 1) * row]);
+            out.values.extend_from_slice(a.row(i, row));
             i += 1;
         } else {
             out.keys.push(b.keys[j]);
-            out.values.extend_from_slice(&b.values[j * row..(j + 1) * row]);
+            out.values.extend_from_slice(b.row(j, row));
             j += 1;
         }
     }
@@ -123,12 +234,45 @@ pub fn merge2(a: &Run, b: &Run, row: usize, dtype: DType, op: ReduceOp) -> Run {
 /// (predictable branches, no heap upkeep); beyond, a heap.
 const SCAN_RUNS: usize = 16;
 
-/// Merge k coalesced runs (k-way merge), reducing rows with equal keys.
-pub fn merge_k(runs: &[RunRef<'_>], row: usize, dtype: DType, op: ReduceOp) -> Run {
-    let total: usize = runs.iter().map(|r| r.keys.len()).sum();
-    let mut out = Run { keys: Vec::with_capacity(total), values: Vec::with_capacity(total * row) };
+/// Call `each(key, run, position)` for every entry of the runs (sorted,
+/// each unique within its run) in key order; entries with equal keys come
+/// together, in run order.
+fn in_key_order(runs: &[RunRef<'_>], mut each: impl FnMut(i64, usize, usize)) {
     let mut pos = vec![0usize; runs.len()];
-    let push = |out: &mut Run, key: i64, src: &[u8]| {
+    if runs.len() <= SCAN_RUNS {
+        while let Some(key) = runs.iter().zip(&pos).filter_map(|(r, p)| r.keys.get(*p)).min().copied() {
+            for (i, (r, p)) in runs.iter().zip(pos.iter_mut()).enumerate() {
+                if r.keys.get(*p) == Some(&key) {
+                    each(key, i, *p);
+                    *p += 1;
+                }
+            }
+        }
+        return;
+    }
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let mut heap: BinaryHeap<Reverse<(i64, usize)>> =
+        runs.iter().enumerate().filter(|(_, r)| !r.keys.is_empty()).map(|(i, r)| Reverse((r.keys[0], i))).collect();
+    while let Some(Reverse((key, i))) = heap.pop() {
+        each(key, i, pos[i]);
+        pos[i] += 1;
+        if let Some(next) = runs[i].keys.get(pos[i]) {
+            heap.push(Reverse((*next, i)));
+        }
+    }
+}
+
+/// Merge k coalesced runs (k-way merge), reducing rows with equal keys.
+/// The result's values go into `values`, a buffer to reuse (its contents
+/// are dropped).
+pub fn merge_k(runs: &[RunRef<'_>], row: usize, dtype: DType, op: ReduceOp, mut values: Vec<u8>) -> Run {
+    let total: usize = runs.iter().map(|r| r.keys.len()).sum();
+    values.clear();
+    values.reserve(total * row);
+    let mut out = Run { keys: Vec::with_capacity(total), values };
+    in_key_order(runs, |key, i, p| {
+        let src = runs[i].row(p, row);
         if out.keys.last() == Some(&key) {
             let n = out.values.len();
             reduce_into(&mut out.values[n - row..], src, dtype, op);
@@ -136,33 +280,49 @@ pub fn merge_k(runs: &[RunRef<'_>], row: usize, dtype: DType, op: ReduceOp) -> R
             out.keys.push(key);
             out.values.extend_from_slice(src);
         }
-    };
-    if runs.len() <= SCAN_RUNS {
-        loop {
-            let Some(key) = runs.iter().zip(&pos).filter_map(|(r, p)| r.keys.get(*p)).min().copied() else {
-                return out;
-            };
-            for (r, p) in runs.iter().zip(pos.iter_mut()) {
-                if r.keys.get(*p) == Some(&key) {
-                    push(&mut out, key, &r.values[*p * row..(*p + 1) * row]);
-                    *p += 1;
-                }
-            }
-        }
-    }
-    use std::cmp::Reverse;
-    use std::collections::BinaryHeap;
-    let mut heap: BinaryHeap<Reverse<(i64, usize)>> =
-        runs.iter().enumerate().filter(|(_, r)| !r.keys.is_empty()).map(|(i, r)| Reverse((r.keys[0], i))).collect();
-    while let Some(Reverse((key, i))) = heap.pop() {
-        let p = pos[i];
-        push(&mut out, key, &runs[i].values[p * row..(p + 1) * row]);
-        pos[i] += 1;
-        if let Some(next) = runs[i].keys.get(pos[i]) {
-            heap.push(Reverse((*next, i)));
-        }
-    }
+    });
     out
+}
+
+/// How many distinct keys the runs hold together (what [`merge_into`]
+/// writes).
+pub fn distinct(runs: &[RunRef<'_>]) -> usize {
+    let (mut n, mut last) = (0, None);
+    in_key_order(runs, |key, _, _| {
+        if last != Some(key) {
+            n += 1;
+            last = Some(key);
+        }
+    });
+    n
+}
+
+/// [`merge_k`] straight into place: the merged keys (little-endian, 8
+/// bytes each) into `keys` and their rows into `values`, both exactly
+/// [`distinct`] entries long.
+pub fn merge_into(runs: &[RunRef<'_>], row: usize, dtype: DType, op: ReduceOp, keys: &mut [u8], values: &mut [u8]) {
+    let (mut n, mut last) = (0, None);
+    in_key_order(runs, |key, i, p| {
+        let src = runs[i].row(p, row);
+        if last == Some(key) {
+            reduce_into(&mut values[(n - 1) * row..n * row], src, dtype, op);
+        } else {
+            keys[n * 8..(n + 1) * 8].copy_from_slice(&key.to_le_bytes());
+            values[n * row..(n + 1) * row].copy_from_slice(src);
+            n += 1;
+            last = Some(key);
+        }
+    });
+    debug_assert_eq!(n * 8, keys.len(), "merge_into: buffers sized by `distinct`");
+}
+
+/// `buf` (a finished result's buffer) made `len` bytes long for a new
+/// result, keeping its pages: the bytes are unspecified, and the caller
+/// overwrites every one.
+pub fn reuse(mut buf: Vec<u8>, len: usize) -> Vec<u8> {
+    buf.truncate(len);
+    buf.resize(len, 0);
+    buf
 }
 
 /// The run as a user-facing tensor: keys unravelled into `[sparse_dims, nnz]` indices.
@@ -192,8 +352,9 @@ mod tests {
         let a = run(&[1, 4, 9], &[1, 2, 3]);
         let b = run(&[0, 4, 10], &[5, 6, 7]);
         let c = run(&[4], &[100]);
-        let m2 = merge2(&merge2(&a, &b, 4, DType::I32, ReduceOp::Sum), &c, 4, DType::I32, ReduceOp::Sum);
-        let mk = merge_k(&[a.as_ref(), b.as_ref(), c.as_ref(), RunRef::default()], 4, DType::I32, ReduceOp::Sum);
+        let ab = merge2(a.as_ref(), b.as_ref(), 4, DType::I32, ReduceOp::Sum, Vec::new());
+        let m2 = merge2(ab.as_ref(), c.as_ref(), 4, DType::I32, ReduceOp::Sum, vec![1; 100]);
+        let mk = merge_k(&[a.as_ref(), b.as_ref(), c.as_ref(), RunRef::default()], 4, DType::I32, ReduceOp::Sum, Vec::new());
         assert_eq!(m2, mk);
         assert_eq!(mk, run(&[0, 1, 4, 9, 10], &[5, 1, 108, 3, 7]));
     }
@@ -203,9 +364,12 @@ mod tests {
         // 40 runs (the heap path) against the same merged in pairs.
         let runs: Vec<Run> = (0..40).map(|i| run(&[i % 7, 10 + i, 100], &[i as i32, 1, 2])).collect();
         let refs: Vec<RunRef<'_>> = runs.iter().map(Run::as_ref).collect();
-        let heap = merge_k(&refs, 4, DType::I32, ReduceOp::Sum);
-        let scanned = refs.chunks(SCAN_RUNS).map(|c| merge_k(c, 4, DType::I32, ReduceOp::Sum)).collect::<Vec<_>>();
-        let pairwise = scanned.iter().skip(1).fold(scanned[0].clone(), |a, b| merge2(&a, b, 4, DType::I32, ReduceOp::Sum));
+        let heap = merge_k(&refs, 4, DType::I32, ReduceOp::Sum, vec![7; 3]);
+        let scanned = refs.chunks(SCAN_RUNS).map(|c| merge_k(c, 4, DType::I32, ReduceOp::Sum, Vec::new())).collect::<Vec<_>>();
+        let pairwise = scanned
+            .iter()
+            .skip(1)
+            .fold(scanned[0].clone(), |a, b| merge2(a.as_ref(), b.as_ref(), 4, DType::I32, ReduceOp::Sum, Vec::new()));
         assert_eq!(heap, pairwise);
         assert_eq!(heap.keys.len(), 7 + 40 + 1);
     }

@@ -3,7 +3,7 @@
 //! a presence mask (reduced with MAX) keeps the result on the exact union
 //! of indices, so MIN and MAX stay correct.
 
-use super::coalesce::{Layout, Run};
+use super::coalesce::{Layout, Run, Sorted};
 use crate::algorithms::{ring, Comm};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -13,7 +13,9 @@ use crate::reduce_op::ReduceOp;
 /// Refuse to densify beyond this many bytes (a forced `dense` on a huge shape).
 const MAX_DENSE: u64 = 16 << 30;
 
-pub fn all_reduce(c: &Comm<'_>, run: Run, l: &Layout, op: ReduceOp) -> Result<Run> {
+/// Densify `input`, all-reduce table and mask, and keep the present rows
+/// (their values in `reused`, a finished result's buffer).
+pub fn all_reduce(c: &Comm<'_>, input: &Sorted<'_>, l: &Layout, op: ReduceOp, mut reused: Vec<u8>) -> Result<Run> {
     let bytes = l.rows.checked_mul(l.row as u64).filter(|b| *b <= MAX_DENSE).ok_or_else(|| {
         Error::unsupported(format!("the dense form of this sparse tensor ({} rows of {} bytes) is too large", l.rows, l.row))
     })?;
@@ -26,16 +28,17 @@ pub fn all_reduce(c: &Comm<'_>, run: Run, l: &Layout, op: ReduceOp) -> Result<Ru
         }
     }
     let mut mask = vec![0u8; rows];
-    for (k, key) in run.keys.iter().enumerate() {
+    for (k, key) in input.keys.iter().enumerate() {
         let at = *key as usize;
-        dense.as_mut()[at * l.row..(at + 1) * l.row].copy_from_slice(&run.values[k * l.row..(k + 1) * l.row]);
+        dense.as_mut()[at * l.row..(at + 1) * l.row].copy_from_slice(input.row(k));
         mask[at] = 1;
     }
-    drop(run);
     ring::all_reduce(&c.phase(2), dense.as_mut(), l.dtype, op)?;
     ring::all_reduce(&c.phase(3), &mut mask, DType::U8, ReduceOp::Max)?;
     let present = mask.iter().filter(|m| **m != 0).count();
-    let mut out = Run { keys: Vec::with_capacity(present), values: Vec::with_capacity(present * l.row) };
+    reused.clear();
+    reused.reserve(present * l.row);
+    let mut out = Run { keys: Vec::with_capacity(present), values: reused };
     for (i, m) in mask.iter().enumerate() {
         if *m != 0 {
             out.keys.push(i as i64);

@@ -1,11 +1,14 @@
 //! The sparse algorithms that move runs: all-gather then k-way merge, and
 //! recursive doubling with a 2-way merge per step.
 
-use super::coalesce::{merge2, merge_k, Layout, Run, RunRef};
+use super::coalesce::{distinct, merge2, merge_into, merge_k, reuse, Layout, Run, RunRef, Sorted};
 use crate::algorithms::recursive::Fold;
 use crate::algorithms::{linear, ring, Comm};
+use crate::backend::P2p;
 use crate::error::Result;
+use crate::kernels::Scratch;
 use crate::reduce_op::ReduceOp;
+use std::ops::DerefMut;
 
 fn key_bytes(keys: &[i64]) -> Vec<u8> {
     keys.iter().flat_map(|k| k.to_le_bytes()).collect()
@@ -15,8 +18,9 @@ fn keys_of(bytes: &[u8]) -> Vec<i64> {
     bytes.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes"))).collect()
 }
 
-/// All-gather keys and values (counts known from the header), then merge.
-pub fn allgather(c: &Comm<'_>, run: Run, nnz: &[usize], l: &Layout, op: ReduceOp) -> Result<Run> {
+/// All-gather keys and values (counts known from the header), then merge
+/// (into `reused`, a finished result's buffer).
+pub fn allgather(c: &Comm<'_>, run: Run, nnz: &[usize], l: &Layout, op: ReduceOp, reused: Vec<u8>) -> Result<Run> {
     let mut keys: Vec<Vec<u8>> = nnz.iter().map(|n| vec![0u8; n * 8]).collect();
     let mut vals: Vec<Vec<u8>> = nnz.iter().map(|n| vec![0u8; n * l.row]).collect();
     {
@@ -29,134 +33,179 @@ pub fn allgather(c: &Comm<'_>, run: Run, nnz: &[usize], l: &Layout, op: ReduceOp
     }
     let runs: Vec<Run> = keys.iter().zip(vals).map(|(k, v)| Run { keys: keys_of(k), values: v }).collect();
     let refs: Vec<RunRef<'_>> = runs.iter().map(Run::as_ref).collect();
-    Ok(merge_k(&refs, l.row, l.dtype, op))
+    Ok(merge_k(&refs, l.row, l.dtype, op, reused))
 }
 
-/// Send a run: its length, then keys and values in one message.
+/// Send a run: its length, then its keys and its rows (two messages, so
+/// the rows go from where they are).
 fn send_run(c: &Comm<'_>, step: u32, peer: usize, run: &Run) -> Result<()> {
     c.send(step, peer, &(run.keys.len() as u64).to_le_bytes())?;
-    let mut packed = key_bytes(&run.keys);
-    packed.extend_from_slice(&run.values);
-    c.send(step + 1, peer, &packed)
+    let keys = key_bytes(&run.keys);
+    c.exchange(&mut [P2p::Send { peer, tag: c.tag(step + 1), data: &keys }, P2p::Send { peer, tag: c.tag(step + 2), data: &run.values }])
 }
 
-fn recv_run(c: &Comm<'_>, step: u32, peer: usize, row: usize) -> Result<Run> {
+/// Receive what [`send_run`] sent: the keys, and the rows into the buffer
+/// `rows(bytes)` gives.
+fn recv_run<B: DerefMut<Target = [u8]>>(
+    c: &Comm<'_>,
+    step: u32,
+    peer: usize,
+    row: usize,
+    rows: impl FnOnce(usize) -> B,
+) -> Result<(Vec<i64>, B)> {
     let mut n = [0u8; 8];
     c.recv(step, peer, &mut n)?;
     let n = u64::from_le_bytes(n) as usize;
-    let mut packed = vec![0u8; n * (8 + row)];
-    c.recv(step + 1, peer, &mut packed)?;
-    let values = packed.split_off(n * 8);
-    Ok(Run { keys: keys_of(&packed), values })
+    let (mut keys, mut values) = (vec![0u8; n * 8], rows(n * row));
+    c.exchange(&mut [
+        P2p::Recv { peer, tag: c.tag(step + 1), buf: &mut keys },
+        P2p::Recv { peer, tag: c.tag(step + 2), buf: &mut values },
+    ])?;
+    Ok((keys_of(&keys), values))
 }
 
-/// Swap runs with `peer` (both send, both receive).
-fn swap_run(c: &Comm<'_>, step: u32, peer: usize, run: &Run, row: usize) -> Result<Run> {
+/// Swap runs with `peer` (both send, both receive, as [`send_run`] and
+/// [`recv_run`] do); theirs arrives in pooled scratch.
+fn swap_run(c: &Comm<'_>, step: u32, peer: usize, run: &Run, row: usize) -> Result<(Vec<i64>, Scratch)> {
     let mut n = [0u8; 8];
     c.send_recv(step, peer, &(run.keys.len() as u64).to_le_bytes(), peer, &mut n)?;
     let theirs = u64::from_le_bytes(n) as usize;
-    let mut packed = key_bytes(&run.keys);
-    packed.extend_from_slice(&run.values);
-    let mut got = vec![0u8; theirs * (8 + row)];
-    c.send_recv(step + 1, peer, &packed, peer, &mut got)?;
-    let values = got.split_off(theirs * 8);
-    Ok(Run { keys: keys_of(&got), values })
+    let mine = key_bytes(&run.keys);
+    let (mut keys, mut values) = (vec![0u8; theirs * 8], Scratch::take(theirs * row));
+    let (kt, vt) = (c.tag(step + 1), c.tag(step + 2));
+    c.exchange(&mut [
+        P2p::Send { peer, tag: kt, data: &mine },
+        P2p::Recv { peer, tag: kt, buf: &mut keys },
+        P2p::Send { peer, tag: vt, data: &run.values },
+        P2p::Recv { peer, tag: vt, buf: &mut values },
+    ])?;
+    Ok((keys_of(&keys), values))
 }
 
 /// Recursive doubling over the partial unions. Ranks beyond the largest
 /// power of two fold into a partner first and get the result back last
-/// ([`Fold`], as the dense recursive doubling does).
-pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp) -> Result<Run> {
+/// ([`Fold`], as the dense recursive doubling does). Each merge writes into
+/// the buffer the merge before it read (the first into `spare`, a finished
+/// result's buffer).
+pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp, mut spare: Vec<u8>) -> Result<Run> {
     const FOLD: u32 = 4000;
+    // Both partners combine the same two runs in the same order: results
+    // stay identical on every rank.
+    let absorb = |run: Run, keys: &[i64], rows: &[u8], spare: &mut Vec<u8>| {
+        let merged = merge2(run.as_ref(), RunRef::packed(keys, rows), l.row, l.dtype, op, std::mem::take(spare));
+        *spare = run.values;
+        merged
+    };
     let fold = Fold::new(c);
     if let Some(to) = fold.sits_out_for() {
         send_run(c, FOLD, to, &run)?;
     } else if let Some(from) = fold.stands_for() {
-        let theirs = recv_run(c, FOLD, from, l.row)?;
-        run = merge2(&run, &theirs, l.row, l.dtype, op);
+        let (keys, rows) = recv_run(c, FOLD, from, l.row, Scratch::take)?;
+        run = absorb(run, &keys, &rows, &mut spare);
     }
     if let Some(v) = fold.virtual_rank() {
         let (mut mask, mut step) = (1, 0);
         while mask < fold.p {
             let peer = fold.real(v ^ mask);
-            let theirs = swap_run(c, step, peer, &run, l.row)?;
-            // Both partners combine the same two runs: results stay identical.
-            run = merge2(&run, &theirs, l.row, l.dtype, op);
+            let (keys, rows) = swap_run(c, step, peer, &run, l.row)?;
+            run = absorb(run, &keys, &rows, &mut spare);
             mask <<= 1;
-            step += 2;
+            step += 3;
         }
     }
     if let Some(to) = fold.stands_for() {
-        send_run(c, FOLD + 2, to, &run)?;
+        send_run(c, FOLD + 3, to, &run)?;
     } else if let Some(from) = fold.sits_out_for() {
-        run = recv_run(c, FOLD + 2, from, l.row)?;
+        let (keys, values) = recv_run(c, FOLD + 3, from, l.row, |n| reuse(std::mem::take(&mut spare), n))?;
+        run = Run { keys, values };
     }
     Ok(run)
 }
 
 /// Sparse reduce-scatter + all-gather over key ranges: rank i owns keys in
 /// [bounds[i-1], bounds[i]) (ranges holding equal shares of the union, from
-/// the sketch). Each rank's sorted run splits into W slices without
-/// copying; every rank sends each owner its slice; owners merge; the
-/// reduced shares, disjoint and in key order, are all-gathered straight
-/// into the result. Traffic follows the union when indices overlap, each
-/// rank merges only its range, and nothing is merged twice. Each of the four
-/// exchanges (slice sizes, slices, share sizes, shares) talks to every peer
-/// at once: four steps whatever W.
-pub fn split(c: &Comm<'_>, run: Run, l: &Layout, op: ReduceOp, bounds: &[i64]) -> Result<Run> {
+/// the sketch). Each rank's sorted input splits into W slices by binary
+/// search; every rank sends each owner its slice (rows packed from where
+/// the caller left them: the only copy a sent row takes before the wire);
+/// owners merge their range, reading their own slice where it lies,
+/// straight into its place in the result (`reused`, a finished result's
+/// buffer); the reduced shares, disjoint and in key order, are then
+/// all-gathered around it. Traffic follows the union when indices overlap,
+/// each rank merges only its range, and no row is copied twice on a rank.
+/// Each of the four exchanges (slice sizes, slices, share sizes, shares)
+/// talks to every peer at once: four steps whatever W.
+pub fn split(c: &Comm<'_>, input: &Sorted<'_>, l: &Layout, op: ReduceOp, bounds: &[i64], reused: Vec<u8>) -> Result<Run> {
     let (w, r) = (c.size(), c.rank());
     debug_assert_eq!(bounds.len() + 1, w);
-    // Slice i of the run: the keys rank i owns.
+    // Slice i of the input: the keys rank i owns.
     let mut cut = vec![0usize; w + 1];
     for (i, b) in bounds.iter().enumerate() {
-        cut[i + 1] = run.keys.partition_point(|k| k < b);
+        cut[i + 1] = input.keys.partition_point(|k| k < b);
     }
-    cut[w] = run.keys.len();
-    let slice = |i: usize| RunRef { keys: &run.keys[cut[i]..cut[i + 1]], values: &run.values[cut[i] * l.row..cut[i + 1] * l.row] };
+    cut[w] = input.keys.len();
+    let slice = |i: usize| cut[i]..cut[i + 1];
     // How many rows each rank sends each owner.
-    let counts: Vec<[u8; 8]> = (0..w).map(|i| (slice(i).keys.len() as u64).to_le_bytes()).collect();
+    let counts: Vec<[u8; 8]> = (0..w).map(|i| (slice(i).len() as u64).to_le_bytes()).collect();
     let incoming = exchange_counts(&c.phase_step(0), &counts)?;
-    // Every owner's slices, keys and values as they lie, landing where the
-    // merge reads them.
-    let keys_out: Vec<Vec<u8>> = (0..w).map(|i| if i == r { Vec::new() } else { key_bytes(slice(i).keys) }).collect();
-    let mut got: Vec<(Vec<u8>, Vec<u8>)> = incoming.iter().map(|n| (vec![0u8; n * 8], vec![0u8; n * l.row])).collect();
+    // Every owner's slice: keys as they lie, rows packed (this rank's own
+    // slice is not); received where the merge reads them. The row buffers
+    // come from the scratch pool: no fresh pages on every call.
+    let keys_out: Vec<Vec<u8>> = (0..w).map(|i| if i == r { Vec::new() } else { key_bytes(&input.keys[slice(i)]) }).collect();
+    let sent_at = offsets((0..w).map(|i| if i == r { 0 } else { slice(i).len() * l.row }));
+    let mut packed = Scratch::take(sent_at[w]);
+    let mut sent = ring::split_blocks(&mut packed, &sent_at);
+    for (i, block) in sent.iter_mut().enumerate() {
+        if i != r {
+            input.pack_into(slice(i), block);
+        }
+    }
+    let got_at = offsets(incoming.iter().map(|n| n * l.row));
+    let mut got_rows = Scratch::take(got_at[w]);
+    let mut got_keys: Vec<Vec<u8>> = incoming.iter().map(|n| vec![0u8; n * 8]).collect();
     {
-        let sends = [keys_out.iter().map(Vec::as_slice).collect(), (0..w).map(|i| slice(i).values).collect()];
-        let (gk, gv): (Vec<&mut [u8]>, Vec<&mut [u8]>) = got.iter_mut().map(|(k, v)| (k.as_mut_slice(), v.as_mut_slice())).unzip();
+        let gv = ring::split_blocks(&mut got_rows, &got_at);
+        let gk = got_keys.iter_mut().map(Vec::as_mut_slice).collect();
+        let sends = [keys_out.iter().map(Vec::as_slice).collect(), sent.iter().map(|b| &**b).collect()];
         linear::exchange_all(&c.phase_step(8), &sends, &mut [gk, gv])?;
     }
-    drop(keys_out);
-    let owned = {
-        let keys: Vec<Vec<i64>> = got.iter().map(|(k, _)| keys_of(k)).collect();
-        let parts: Vec<RunRef<'_>> =
-            (0..w).map(|src| if src == r { slice(r) } else { RunRef { keys: &keys[src], values: &got[src].1 } }).collect();
-        merge_k(&parts, l.row, l.dtype, op)
-    };
-    drop(got);
-    // All-gather the reduced shares (sizes first) into one run: shares are
-    // disjoint and in rank order, which is key order.
-    let mut sizes = exchange_counts(&c.phase_step(16), &vec![(owned.keys.len() as u64).to_le_bytes(); w])?;
-    sizes[r] = owned.keys.len();
-    // Where each rank's share starts, in rows.
-    let starts: Vec<usize> = std::iter::once(0)
-        .chain(sizes.iter().scan(0, |at, n| {
-            *at += n;
-            Some(*at)
-        }))
+    drop(sent);
+    drop((keys_out, packed));
+    let keys: Vec<Vec<i64>> = got_keys.iter().map(|k| keys_of(k)).collect();
+    let parts: Vec<RunRef<'_>> = (0..w)
+        .map(|src| if src == r { input.slice(slice(r)) } else { RunRef::packed(&keys[src], &got_rows[got_at[src]..got_at[src + 1]]) })
         .collect();
+    // Every rank's share size, then each share's place in the result (in
+    // rank order, which is key order).
+    let share = distinct(&parts);
+    let mut sizes = exchange_counts(&c.phase_step(16), &vec![(share as u64).to_le_bytes(); w])?;
+    sizes[r] = share;
+    let starts = offsets(sizes.iter().copied());
     let bytes_at = |unit: usize| starts.iter().map(|s| s * unit).collect::<Vec<usize>>();
     let mut all_keys = vec![0u8; starts[w] * 8];
-    let mut all_values = vec![0u8; starts[w] * l.row];
+    let mut all_values = reuse(reused, starts[w] * l.row);
     {
-        let own_keys = key_bytes(&owned.keys);
         let mut kb = ring::split_blocks(&mut all_keys, &bytes_at(8));
         let mut vb = ring::split_blocks(&mut all_values, &bytes_at(l.row));
-        kb[r].copy_from_slice(&own_keys);
-        vb[r].copy_from_slice(&owned.values);
-        let sends = [vec![own_keys.as_slice(); w], vec![owned.values.as_slice(); w]];
+        // This rank's share is sent from where it is merged; the exchange
+        // leaves this rank's own blocks alone.
+        let (own_keys, own_values) = (std::mem::take(&mut kb[r]), std::mem::take(&mut vb[r]));
+        merge_into(&parts, l.row, l.dtype, op, own_keys, own_values);
+        drop(parts);
+        drop(got_rows);
+        let sends = [vec![&*own_keys; w], vec![&*own_values; w]];
         linear::exchange_all(&c.phase_step(24), &sends, &mut [kb, vb])?;
     }
     Ok(Run { keys: keys_of(&all_keys), values: all_values })
+}
+
+/// Running offsets of consecutive blocks of these lengths (W+1 entries).
+fn offsets(lens: impl Iterator<Item = usize>) -> Vec<usize> {
+    std::iter::once(0)
+        .chain(lens.scan(0, |at, n| {
+            *at += n;
+            Some(*at)
+        }))
+        .collect()
 }
 
 /// Send `counts[i]` (8 bytes) to every rank i at once; what each rank sent

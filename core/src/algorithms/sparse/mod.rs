@@ -2,7 +2,8 @@
 //! sparse tensor of the same shape; every rank gets the same coalesced
 //! result over the union of indices (SUM, MIN or MAX).
 //!
-//! 1. Coalesce locally (sort by key, reduce duplicates).
+//! 1. Sort locally by key, reducing duplicates (rows stay where they lie
+//!    until an algorithm moves them: `coalesce::Sorted`).
 //! 2. Exchange a small header (dtype, shape, nnz, and a bottom-k sketch of
 //!    the keys, `sketch.rs`): shapes must agree, and every rank learns every
 //!    nnz and the same sample of the union, so all choose alike.
@@ -29,7 +30,7 @@ mod dense;
 mod exchange;
 mod sketch;
 
-pub use coalesce::{merge2, merge_k, Run, RunRef};
+pub use coalesce::{merge2, merge_k, Rows, Run, RunRef, Sorted};
 
 use super::Comm;
 use crate::error::{Error, Result};
@@ -52,8 +53,8 @@ pub fn all_reduce(c: &Comm<'_>, input: &SparseCooTensor<'_>, output: &mut Sparse
         return Err(Error::invalid(format!("sparse tensors have at most {MAX_DIMS} dims, got {}", input.shape.len())));
     }
     let layout = Layout::of(input)?;
-    let run = coalesce::coalesce(input, &layout, op)?;
-    let plan = agree(&c.phase(0), &layout, &run)?;
+    let sorted = coalesce::sort(input, &layout, op)?;
+    let plan = agree(&c.phase(0), &layout, &sorted.keys)?;
     let algo = match c.ctx().hints.get("sparse_algorithm").map(String::as_str) {
         Some("allgather") => "allgather",
         Some("recursive_doubling") => "recursive_doubling",
@@ -66,11 +67,15 @@ pub fn all_reduce(c: &Comm<'_>, input: &SparseCooTensor<'_>, output: &mut Sparse
             )))
         }
     };
+    // The caller's previous result's buffer holds this one: its pages are
+    // already there (a fresh one faults in every page on every call). Until
+    // the new result is in, `output` is empty, also if this fails.
+    let reused = std::mem::take(output).values;
     let result = match algo {
-        "allgather" => exchange::allgather(&c.phase(1), run, &plan.nnz, &layout, op)?,
-        "recursive_doubling" => exchange::recursive_doubling(&c.phase(1), run, &layout, op)?,
-        "split" => exchange::split(&c.phase(1), run, &layout, op, &plan.sketch.bounds(c.size()))?,
-        _ => dense::all_reduce(&c.phase(1), run, &layout, op)?,
+        "allgather" => exchange::allgather(&c.phase(1), sorted.into_run(), &plan.nnz, &layout, op, reused)?,
+        "recursive_doubling" => exchange::recursive_doubling(&c.phase(1), sorted.into_run(), &layout, op, reused)?,
+        "split" => exchange::split(&c.phase(1), &sorted, &layout, op, &plan.sketch.bounds(c.size()), reused)?,
+        _ => dense::all_reduce(&c.phase(1), &sorted, &layout, op, reused)?,
     };
     let mut out = coalesce::to_coo(result, &layout);
     crate::kernels::sanitize(&mut out.values, layout.dtype);
@@ -88,7 +93,7 @@ struct Plan {
 
 /// All-gather every rank's header and sketch part; error if shapes, sparse
 /// dims or dtypes differ (naming the ranks).
-fn agree(c: &Comm<'_>, l: &Layout, run: &Run) -> Result<Plan> {
+fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64]) -> Result<Plan> {
     let w = c.size();
     let k = sketch::sample_size(w);
     let words = HEADER + 2 * k;
@@ -96,11 +101,11 @@ fn agree(c: &Comm<'_>, l: &Layout, run: &Run) -> Result<Plan> {
     mine[0] = l.dtype as u64;
     mine[1] = l.sparse_dims as u64;
     mine[2] = l.shape.len() as u64;
-    mine[3] = run.keys.len() as u64;
+    mine[3] = keys.len() as u64;
     for (i, d) in l.shape.iter().enumerate() {
         mine[4 + i] = *d as u64;
     }
-    for (i, (h, key)) in sketch::local(&run.keys, k).into_iter().enumerate() {
+    for (i, (h, key)) in sketch::local(keys, k).into_iter().enumerate() {
         mine[HEADER + 2 * i] = h;
         mine[HEADER + 2 * i + 1] = key as u64;
     }
