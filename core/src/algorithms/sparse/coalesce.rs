@@ -59,6 +59,15 @@ impl<'a> RunRef<'a> {
 }
 
 impl Run {
+    /// An empty run with room for `rows` rows of `row` bytes, its values in
+    /// `values` (a finished result's buffer, kept for its pages; its
+    /// contents are dropped).
+    pub fn reusing(mut values: Vec<u8>, rows: usize, row: usize) -> Run {
+        values.clear();
+        values.reserve(rows * row);
+        Run { keys: Vec::with_capacity(rows), values }
+    }
+
     /// The whole run, borrowed.
     pub fn as_ref(&self) -> RunRef<'_> {
         RunRef::packed(&self.keys, &self.values)
@@ -202,10 +211,8 @@ pub fn sort<'a>(t: &'a SparseCooTensor<'_>, l: &Layout, op: ReduceOp) -> Result<
 ///
 /// The result's values go into `values`, a buffer to reuse (its contents
 /// are dropped).
-pub fn merge2(a: RunRef<'_>, b: RunRef<'_>, row: usize, dtype: DType, op: ReduceOp, mut values: Vec<u8>) -> Run {
-    values.clear();
-    values.reserve((a.keys.len() + b.keys.len()) * row);
-    let mut out = Run { keys: Vec::with_capacity(a.keys.len() + b.keys.len()), values };
+pub fn merge2(a: RunRef<'_>, b: RunRef<'_>, row: usize, dtype: DType, op: ReduceOp, values: Vec<u8>) -> Run {
+    let mut out = Run::reusing(values, a.keys.len() + b.keys.len(), row);
     let (mut i, mut j) = (0, 0);
     while i < a.keys.len() || j < b.keys.len() {
         let take_a = j == b.keys.len() || (i < a.keys.len() && a.keys[i] <= b.keys[j]);
@@ -266,11 +273,8 @@ fn in_key_order(runs: &[RunRef<'_>], mut each: impl FnMut(i64, usize, usize)) {
 /// Merge k coalesced runs (k-way merge), reducing rows with equal keys.
 /// The result's values go into `values`, a buffer to reuse (its contents
 /// are dropped).
-pub fn merge_k(runs: &[RunRef<'_>], row: usize, dtype: DType, op: ReduceOp, mut values: Vec<u8>) -> Run {
-    let total: usize = runs.iter().map(|r| r.keys.len()).sum();
-    values.clear();
-    values.reserve(total * row);
-    let mut out = Run { keys: Vec::with_capacity(total), values };
+pub fn merge_k(runs: &[RunRef<'_>], row: usize, dtype: DType, op: ReduceOp, values: Vec<u8>) -> Run {
+    let mut out = Run::reusing(values, runs.iter().map(|r| r.keys.len()).sum(), row);
     in_key_order(runs, |key, i, p| {
         let src = runs[i].row(p, row);
         if out.keys.last() == Some(&key) {

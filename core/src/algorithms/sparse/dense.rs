@@ -15,7 +15,7 @@ const MAX_DENSE: u64 = 16 << 30;
 
 /// Densify `input`, all-reduce table and mask, and keep the present rows
 /// (their values in `reused`, a finished result's buffer).
-pub fn all_reduce(c: &Comm<'_>, input: &Sorted<'_>, l: &Layout, op: ReduceOp, mut reused: Vec<u8>) -> Result<Run> {
+pub fn all_reduce(c: &Comm<'_>, input: &Sorted<'_>, l: &Layout, op: ReduceOp, reused: Vec<u8>) -> Result<Run> {
     let bytes = l.rows.checked_mul(l.row as u64).filter(|b| *b <= MAX_DENSE).ok_or_else(|| {
         Error::unsupported(format!("the dense form of this sparse tensor ({} rows of {} bytes) is too large", l.rows, l.row))
     })?;
@@ -36,9 +36,7 @@ pub fn all_reduce(c: &Comm<'_>, input: &Sorted<'_>, l: &Layout, op: ReduceOp, mu
     ring::all_reduce(&c.phase(2), dense.as_mut(), l.dtype, op)?;
     ring::all_reduce(&c.phase(3), &mut mask, DType::U8, ReduceOp::Max)?;
     let present = mask.iter().filter(|m| **m != 0).count();
-    reused.clear();
-    reused.reserve(present * l.row);
-    let mut out = Run { keys: Vec::with_capacity(present), values: reused };
+    let mut out = Run::reusing(reused, present, l.row);
     for (i, m) in mask.iter().enumerate() {
         if *m != 0 {
             out.keys.push(i as i64);

@@ -1,5 +1,6 @@
-//! The sparse algorithms that move runs: all-gather then k-way merge, and
-//! recursive doubling with a 2-way merge per step.
+//! The sparse algorithms that move runs: all-gather then k-way merge,
+//! recursive doubling with a 2-way merge per step, and split (a sparse
+//! reduce-scatter over key ranges, then an all-gather of the shares).
 
 use super::coalesce::{distinct, merge2, merge_into, merge_k, reuse, Layout, Run, RunRef, Sorted};
 use crate::algorithms::recursive::Fold;
