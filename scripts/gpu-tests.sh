@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA backends on a real GPU: the CUDA tests (threads and processes),
 # the conformance suite with 2 and 4 processes sharing the GPU on both CUDA
-# backends, and the all_reduce benchmark against the device-to-device copy
-# bandwidth and the unpipelined (Gloo-style) staging. Run on a machine with
+# backends, and the all_reduce benchmark (cuda-device direct, its ring)
+# against the device-to-device copy bandwidth and the unpipelined
+# (Gloo-style) staging. Run on a machine with
 # an NVIDIA GPU, its driver and NVRTC: `bash scripts/gpu-tests.sh`.
 #
 # Without a Rust toolchain there: pack the binaries with scripts/gpu-pack.sh
@@ -80,13 +81,15 @@ for mode in "${modes[@]}"; do
   for n in 2 4; do
     common=(--world "$n" --device cuda -b "$size" -e "$size")
     bench "$mode-$n-device" "${common[@]}" --backend cpu:shm,cuda:cuda-device --ops device_copy,all_reduce -n 20 --time-per-size 3
+    bench "$mode-$n-ring" "${common[@]}" --backend cpu:shm,cuda:cuda-device --hint cuda_algorithm=ring --ops all_reduce -n 20 --time-per-size 3
     bench "$mode-$n-staging" "${common[@]}" --backend cpu:shm,cuda:cuda-host-staging --ops all_reduce -n 10 --time-per-size 3
     bench "$mode-$n-whole" "${common[@]}" --backend cpu:shm,cuda:cuda-host-staging --hint staging=whole --ops all_reduce -n 10 --time-per-size 3
     copy=$(field "$mode-$n-device" device_copy 12)
-    ring=$(field "$mode-$n-device" all_reduce 12)
+    direct=$(field "$mode-$n-device" all_reduce 12)
+    ring=$(field "$mode-$n-ring" all_reduce 12)
     piped=$(field "$mode-$n-staging" all_reduce 7)
     whole=$(field "$mode-$n-whole" all_reduce 7)
-    summary+=("$mode W=$n all_reduce $size: cuda-device busbw $ring GB/s = $(ratio "$ring" "$copy") x device_copy ($copy GB/s); cuda-host-staging $piped us = $(ratio "$whole" "$piped") x faster than staging=whole ($whole us)")
+    summary+=("$mode W=$n all_reduce $size: cuda-device busbw $direct GB/s = $(ratio "$direct" "$copy") x device_copy ($copy GB/s; the ring: $ring GB/s); cuda-host-staging $piped us = $(ratio "$whole" "$piped") x faster than staging=whole ($whole us)")
   done
   if [[ $mode == mps ]]; then
     echo quit | nvidia-cuda-mps-control

@@ -56,11 +56,21 @@ fn host_staging_passes_conformance_over_shm_whole_and_default() {
 fn cuda_device_ring_passes_conformance_with_in_process_peers() {
     for w in 1..=4 {
         // 64-byte slots: every block is many pieces cycling through the slots.
-        conformance(w, "cpu:shm,cuda:cuda-device", &[("cuda_slot_bytes", "64")]);
+        conformance(w, "cpu:shm,cuda:cuda-device", &[("cuda_slot_bytes", "64"), ("cuda_algorithm", "ring")]);
     }
     // Neighbours' events waited for on the host (the default only for
     // other processes on the same GPU, as in the test below).
-    conformance(3, "cpu:shm,cuda:cuda-device", &[("cuda_slot_bytes", "64"), ("cuda_wait", "host")]);
+    conformance(3, "cpu:shm,cuda:cuda-device", &[("cuda_slot_bytes", "64"), ("cuda_wait", "host"), ("cuda_algorithm", "ring")]);
+}
+
+#[test]
+fn cuda_device_direct_passes_conformance_with_in_process_peers() {
+    // W=1 has nothing to map: `auto` runs the ring (a copy-free no-op).
+    conformance(1, "cpu:shm,cuda:cuda-device", &[]);
+    for w in 2..=5 {
+        conformance(w, "cpu:shm,cuda:cuda-device", &[("cuda_algorithm", "direct")]);
+    }
+    conformance(3, "cpu:shm,cuda:cuda-device", &[("cuda_wait", "host"), ("cuda_algorithm", "direct")]);
     conformance(3, "cpu:cpu-tcp,cuda:auto", &[]);
 }
 
@@ -81,13 +91,50 @@ fn worker() -> String {
 }
 
 #[test]
-fn cuda_device_ring_across_processes_over_ipc() {
-    for w in [2, 3] {
-        let ends = run_world(&worker(), w, &["cuda_conformance"], &gpu_env(), Duration::from_secs(120));
+fn cuda_device_direct_and_ring_across_processes_over_ipc() {
+    // (world size, group hints): the default (direct), direct required, the ring.
+    let runs = [(2, ""), (3, "cuda_algorithm=direct"), (2, "cuda_algorithm=ring,cuda_slot_bytes=4096")];
+    for (w, hints) in runs {
+        let mut env = gpu_env();
+        env.push(("WEFT_TEST_HINTS", hints));
+        let ends = run_world(&worker(), w, &["cuda_conformance"], &env, Duration::from_secs(120));
         for (r, e) in ends.iter().enumerate() {
-            assert!(e.status.success(), "W={w} rank {r}:\n{}", e.output);
-            assert!(e.output.contains("cuda=cuda-device cpu=shm"), "auto picks the ring on one host: {}", e.output);
+            assert!(e.status.success(), "W={w} {hints} rank {r}:\n{}", e.output);
+            assert!(e.output.contains("cuda=cuda-device cpu=shm"), "auto picks cuda-device on one host: {}", e.output);
         }
+    }
+}
+
+#[test]
+fn ranks_on_different_gpus_run_the_ring_unless_direct_is_asked_for() {
+    // Two emulated GPUs, one per rank (LOCAL_RANK): events are waited for
+    // on the device, and `auto` keeps the ring across GPUs.
+    let real = std::env::var("WEFT_TEST_REAL_GPU").as_deref() == Ok("1");
+    for hints in ["", "cuda_algorithm=direct"] {
+        let mut env = if real { vec![] } else { vec![("WEFT_CUDA_EMULATION", "2")] };
+        env.push(("WEFT_TEST_HINTS", hints));
+        let vars = |rank: usize, port: &str| {
+            vec![
+                ("RANK".to_string(), rank.to_string()),
+                ("LOCAL_RANK".into(), rank.to_string()),
+                ("WORLD_SIZE".into(), "2".into()),
+                ("MASTER_ADDR".into(), "127.0.0.1".into()),
+                ("MASTER_PORT".into(), port.to_string()),
+            ]
+        };
+        let ends = run_world_on_free_port(&worker(), 2, &["cuda_conformance"], &env, Duration::from_secs(120), vars);
+        for (r, e) in ends.iter().enumerate() {
+            assert!(e.status.success(), "{hints} rank {r}:\n{}", e.output);
+            assert!(e.output.contains("cuda=cuda-device cpu=shm"), "{}", e.output);
+        }
+    }
+}
+
+#[test]
+fn cuda_device_falls_back_to_the_ring_where_a_buffer_cannot_be_exported() {
+    let ends = run_world(&worker(), 3, &["cuda_unexported"], &gpu_env(), Duration::from_secs(120));
+    for (r, e) in ends.iter().enumerate() {
+        assert!(e.status.success(), "rank {r}:\n{}", e.output);
     }
 }
 
@@ -139,28 +186,30 @@ fn download(g: &dyn Gpu, stream: StreamHandle, addr: u64, n: usize) -> Vec<f32> 
 #[test]
 fn ops_are_ordered_after_the_callers_stream_and_wait_orders_it_back() {
     let g = gpu();
-    let results = run_threads(2, options("cpu:shm,cuda:cuda-host-staging"), move |pg| {
-        let g = weft_cuda_runtime::gpu().unwrap();
-        let stream = g.new_stream(0).unwrap();
-        // A large upload still in flight on the caller's stream when the op
-        // is issued; the op must see its data, not zeros.
-        let n = 4 << 20;
-        let data = vec![pg.rank() as f32 + 1.0; n];
-        let addr = upload(&*g, stream, &data);
-        // SAFETY: n f32 of device memory, freed below after the stream's work.
-        let t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, DType::F32, 0, &[n]) }.unwrap();
-        let work = pg.all_reduce(t, ReduceOp::Sum, &OpOptions::default().stream(stream)).unwrap();
-        work.wait().unwrap();
-        // Ordered after the op by `wait`, without the host blocking for it.
-        let out = download(&*g, stream, addr, n);
-        work.synchronize().unwrap();
-        assert!(work.is_completed());
-        drop(work);
-        // SAFETY: every use of addr is done (synchronised above).
-        unsafe { g.free(addr) };
-        out.iter().all(|&x| x == 3.0)
-    });
-    assert!(results.iter().all(|ok| *ok), "a rank saw data from before its stream's upload or before the op");
+    for spec in ["cpu:shm,cuda:cuda-host-staging", "cpu:shm,cuda:cuda-device"] {
+        let results = run_threads(2, options(spec), move |pg| {
+            let g = weft_cuda_runtime::gpu().unwrap();
+            let stream = g.new_stream(0).unwrap();
+            // A large upload still in flight on the caller's stream when the op
+            // is issued; the op must see its data, not zeros.
+            let n = 4 << 20;
+            let data = vec![pg.rank() as f32 + 1.0; n];
+            let addr = upload(&*g, stream, &data);
+            // SAFETY: n f32 of device memory, freed below after the stream's work.
+            let t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, DType::F32, 0, &[n]) }.unwrap();
+            let work = pg.all_reduce(t, ReduceOp::Sum, &OpOptions::default().stream(stream)).unwrap();
+            work.wait().unwrap();
+            // Ordered after the op by `wait`, without the host blocking for it.
+            let out = download(&*g, stream, addr, n);
+            work.synchronize().unwrap();
+            assert!(work.is_completed());
+            drop(work);
+            // SAFETY: every use of addr is done (synchronised above).
+            unsafe { g.free(addr) };
+            out.iter().all(|&x| x == 3.0)
+        });
+        assert!(results.iter().all(|ok| *ok), "{spec}: a rank saw data from before its stream's upload or before the op");
+    }
     drop(g);
 }
 

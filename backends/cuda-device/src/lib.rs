@@ -1,10 +1,12 @@
-//! `cuda-device`: the direct GPU ring for ranks on one host (one process
-//! per GPU, or several processes sharing one). Receive slots allocated with
-//! `cuMemAlloc` are shared through CUDA IPC handles exchanged in the group's
-//! store, IPC events order the ranks' streams, and the ring all-reduce
-//! (reduce-scatter + all-gather, pipelined in slot-sized pieces) moves data
-//! GPU to GPU (`ring.rs`). The other ops are staged through
-//! the host (the same code as `cuda-host-staging`).
+//! `cuda-device`: all_reduce GPU to GPU for ranks on one host (one process
+//! per GPU, or several processes sharing one). Buffers and receive slots
+//! allocated with `cuMemAlloc` are shared through CUDA IPC handles, and IPC
+//! events order the ranks' streams. Where every rank uses the same GPU,
+//! each reduces its block of all the ranks' buffers in one kernel
+//! (`direct.rs`); otherwise, or where a buffer cannot be exported, the ring
+//! (reduce-scatter + all-gather, pipelined in slot-sized pieces) moves the
+//! data (`ring.rs`). The other ops are staged through the host (the same
+//! code as `cuda-host-staging`).
 //!
 //! Created only when every rank is on this host and every rank can export
 //! and open the IPC handles; otherwise creation fails with `Unsupported` on
@@ -12,6 +14,8 @@
 
 #![warn(missing_docs)]
 
+mod direct;
+mod peer_buffers;
 mod ring;
 mod setup;
 
@@ -63,8 +67,8 @@ struct DeviceBackend {
 }
 
 impl DeviceBackend {
-    fn all_reduce(&self, buf: &mut weft::TensorMut<'_>, op: weft::ReduceOp, ctx: &OpContext) -> Result<()> {
-        let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+    fn all_reduce(&self, buf: &mut weft::TensorMut<'_>, op: weft::ReduceOp, ctx: &OpContext, algorithm: Algorithm) -> Result<()> {
+        let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         if buf.device() != Device::Cuda(ring.device as u32) {
             return Err(Error::invalid(format!(
                 "cuda-device: this rank's ring is on cuda:{}, the tensor on {} (choose the device with the group hint cuda_device=N or LOCAL_RANK)",
@@ -75,10 +79,22 @@ impl DeviceBackend {
         let g = ring.gpu.clone();
         let caller = ctx.stream.unwrap_or_default();
         order_after(&*g, ring.device, self.stream, caller)?;
-        let r = ring::all_reduce(&ring, &**self.staging.cpu(), ctx, self.stream, buf, op);
+        let cpu = &**self.staging.cpu();
+        let r = (|| {
+            if let weft::ReduceOp::PremulSum(f) = op {
+                // SAFETY: the op's buffer, on this stream after the caller's work.
+                unsafe { g.premul(self.stream, buf.as_ptr() as u64, buf.numel(), buf.dtype(), f)? };
+            }
+            if algorithm != Algorithm::Ring
+                && direct::all_reduce(&mut ring, cpu, ctx, self.stream, buf, op, algorithm == Algorithm::Direct)?
+            {
+                return Ok(());
+            }
+            ring::all_reduce(&ring, cpu, ctx, self.stream, buf, op)
+        })();
         let done = RingCompletion {
             inner: StreamCompletion::record(g, ring.device, self.stream, caller)?,
-            neighbours: ring.neighbours.clone(),
+            others: ring.others.clone(),
             op: ctx.name,
             rank: ctx.rank,
         };
@@ -92,12 +108,36 @@ impl DeviceBackend {
     }
 }
 
+/// How `cuda-device` runs an all_reduce (hint `cuda_algorithm`).
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+enum Algorithm {
+    /// Direct where every rank's buffer can be mapped, else the ring (the default).
+    Auto,
+    /// Direct, or an `Unsupported` error.
+    Direct,
+    Ring,
+    /// Through host memory, as every other op.
+    Staging,
+}
+
+impl Algorithm {
+    fn from_hints(ctx: &OpContext) -> Result<Algorithm> {
+        Ok(match ctx.hints.get("cuda_algorithm").map(String::as_str) {
+            None | Some("auto") => Algorithm::Auto,
+            Some("direct") => Algorithm::Direct,
+            Some("ring") => Algorithm::Ring,
+            Some("staging") => Algorithm::Staging,
+            Some(v) => return Err(Error::invalid(format!("hint cuda_algorithm={v:?}: \"auto\", \"direct\", \"ring\" or \"staging\""))),
+        })
+    }
+}
+
 /// The ring op's device side; a failure or timeout while a neighbour's
 /// process is gone is reported as that peer lost (its events will never
 /// complete), not as an anonymous device error.
 struct RingCompletion {
     inner: StreamCompletion,
-    neighbours: Vec<(usize, u32)>,
+    others: Vec<(usize, u32)>,
     op: &'static str,
     rank: usize,
 }
@@ -109,7 +149,7 @@ impl RingCompletion {
             // have exited after seeing that same loss).
             return e.with_op(self.op).with_rank(self.rank);
         }
-        match setup::first_gone(&self.neighbours) {
+        match setup::first_gone(&self.others) {
             Some((peer, pid)) => {
                 Error::peer_lost(peer, format!("rank {peer} (pid {pid}) exited while the ring waited for it on the GPU: {e}"))
                     .with_op(self.op)
@@ -150,9 +190,11 @@ impl Backend for DeviceBackend {
     }
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
         Some(match op {
-            Op::AllReduce { buf, op } if ctx.hints.get("cuda_algorithm").map(String::as_str) != Some("staging") => {
-                self.all_reduce(buf, *op, ctx)
-            }
+            Op::AllReduce { buf, op } => match Algorithm::from_hints(ctx) {
+                Ok(Algorithm::Staging) => self.staging.run(&mut Op::AllReduce { buf: buf.reborrow(), op: *op }, ctx),
+                Ok(algorithm) => self.all_reduce(buf, *op, ctx, algorithm),
+                Err(e) => Err(e),
+            },
             _ => self.staging.run(op, ctx),
         })
     }

@@ -23,17 +23,11 @@
 //! "consumed" arrives). Each op drains its outstanding "consumed" messages,
 //! so the next op starts with every slot free.
 
-use crate::setup::{first_gone, Ring, SLOTS};
+use crate::setup::{Ring, SLOTS};
 use std::time::Instant;
 use weft::algorithms::Comm;
 use weft::backend::{Backend, OpContext};
 use weft::{DType, Error, ReduceOp, Result, StreamHandle, TensorMut};
-use weft_cuda_runtime::{synchronize_event_checked, Event};
-
-/// How long a host wait spins before it sleeps: a piece takes up to a few
-/// hundred µs, and a sleeping waiter wakes up to 100 µs late (H100, MPS,
-/// 2 processes, 256 MiB: 0.84 ms against 0.87-0.94 ms with a 50 µs spin).
-const HOST_SPIN: std::time::Duration = std::time::Duration::from_millis(2);
 
 const FILLED: u32 = 1;
 const CONSUMED: u32 = 2;
@@ -52,32 +46,14 @@ struct Flow<'a> {
 }
 
 impl Flow<'_> {
-    /// Order the stream after a neighbour's `event`: on the device, or
-    /// (`Ring::host_wait`) by blocking this thread until it has completed
-    /// or a neighbour's process is found gone (its event never completes).
-    fn after(&self, event: Event, what: &str) -> Result<()> {
-        if self.ring.host_wait {
-            let alive = || match first_gone(&self.ring.neighbours) {
-                Some((peer, pid)) => {
-                    Err(Error::peer_lost(peer, format!("rank {peer} (pid {pid}) exited while this rank waited for {what}")))
-                }
-                None => Ok(()),
-            };
-            synchronize_event_checked(&*self.ring.gpu, event, self.deadline, what, HOST_SPIN, &alive)
-        } else {
-            self.ring.gpu.wait_event(self.stream, event)
-        }
-    }
-}
-
-impl Flow<'_> {
     /// Wait for the next rank to have read piece `k`'s slot (a message,
     /// then a stream wait on its event).
     fn await_consumed(&mut self, k: u64) -> Result<()> {
         let mut m = [0u8; 8];
         self.comm.recv(CONSUMED, self.next, &mut m)?;
         check(k, m, "consumed")?;
-        self.after(self.ring.next_consumed[(k % SLOTS as u64) as usize], &format!("rank {}'s read of piece {k}", self.next))
+        let what = format!("rank {}'s read of piece {k}", self.next);
+        self.ring.after(self.stream, self.ring.next_consumed[(k % SLOTS as u64) as usize], self.deadline, &what)
     }
 
     /// Send `bytes` at `src` as the next piece.
@@ -105,7 +81,8 @@ impl Flow<'_> {
         check(k, m, "filled")?;
         let q = (k % SLOTS as u64) as usize;
         let g = &self.ring.gpu;
-        self.after(self.ring.prev_filled[q], &format!("rank {}'s write of piece {k}", self.prev))?;
+        let what = format!("rank {}'s write of piece {k}", self.prev);
+        self.ring.after(self.stream, self.ring.prev_filled[q], self.deadline, &what)?;
         let slot = self.ring.my_slots + (q * self.ring.slot_bytes) as u64;
         // SAFETY: the previous rank filled the slot (waited for above); the
         // destination is inside the op's buffer.
@@ -138,7 +115,8 @@ fn check(want: u64, got: [u8; 8], what: &str) -> Result<()> {
     Ok(())
 }
 
-/// In-place all-reduce of `buf` (on the ring's device), queued on `stream`.
+/// In-place all-reduce of `buf` (on the ring's device), queued on `stream`;
+/// a `PremulSum` input is already scaled.
 pub fn all_reduce(
     ring: &Ring,
     cpu: &dyn Backend,
@@ -151,10 +129,6 @@ pub fn all_reduce(
     let buf = buf.as_ptr() as u64;
     let (r, w) = (ctx.rank, ctx.size);
     let g = &ring.gpu;
-    if let ReduceOp::PremulSum(f) = op {
-        // SAFETY: the op's buffer, `count` elements.
-        unsafe { g.premul(stream, buf, count, dtype, f)? };
-    }
     let esize = dtype.size();
     let bounds: Vec<usize> = (0..=w).map(|i| count * i / w).collect();
     let block = |b: usize| (bounds[b % w], bounds[b % w + 1]);

@@ -5,6 +5,9 @@ use weft::{DType, ReduceOp, Result, StreamHandle};
 /// A device address (a `CUdeviceptr`, or a host address in the emulation).
 pub type DevicePtr = u64;
 
+/// The most sources and destinations one [`Gpu::reduce_all`] takes.
+pub const MAX_REDUCE_ALL: usize = 8;
+
 /// An event handle of one [`Gpu`] implementation.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Event(pub u64);
@@ -63,6 +66,24 @@ pub trait Gpu: Send + Sync {
     /// # Safety
     /// As [`Gpu::copy_htod`]; the ranges do not overlap.
     unsafe fn reduce(&self, stream: StreamHandle, dst: DevicePtr, src: DevicePtr, count: usize, dtype: DType, op: ReduceOp) -> Result<()>;
+    /// The full reduction of `srcs` written to every one of `dsts`:
+    /// `dst[i] = srcs[0][i] (op) srcs[1][i] (op) ...`, in the order given,
+    /// for `count` elements (`Avg` divides the sum by `srcs.len()`;
+    /// `PremulSum` sums inputs already scaled). A destination may be one of
+    /// the sources (each element is read before it is written). At most
+    /// [`MAX_REDUCE_ALL`] of each.
+    ///
+    /// # Safety
+    /// As [`Gpu::copy_htod`], for every range; distinct destinations do not overlap.
+    unsafe fn reduce_all(
+        &self,
+        stream: StreamHandle,
+        srcs: &[DevicePtr],
+        dsts: &[DevicePtr],
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()>;
     /// `buf[i] *= factor` (the `PremulSum` scaling of a rank's contribution).
     ///
     /// # Safety
@@ -84,8 +105,11 @@ pub trait Gpu: Send + Sync {
     /// Whether the latest record of `event` has completed; `Err` when the
     /// device work before it failed.
     fn query(&self, event: Event) -> Result<bool>;
-    /// An IPC handle of the allocation starting at `ptr` (from `alloc`).
-    fn ipc_export(&self, ptr: DevicePtr) -> Result<Vec<u8>>;
+    /// An IPC handle of the allocation that contains `ptr`, and `ptr`'s
+    /// offset in it. `Err` for memory CUDA IPC cannot export (pool
+    /// allocations, host memory). A handle names one allocation: memory
+    /// freed and allocated again gets a new one.
+    fn ipc_export(&self, ptr: DevicePtr) -> Result<(Vec<u8>, u64)>;
     /// Map another process's allocation; close with [`Gpu::ipc_close`].
     fn ipc_open(&self, device: usize, handle: &[u8]) -> Result<DevicePtr>;
     /// Unmap what `ipc_open` mapped (never `free` it).

@@ -25,6 +25,7 @@ mod pairwise;
 mod recursive;
 mod ring;
 pub mod select;
+pub use linear::exchange_all;
 pub mod sparse;
 mod tree;
 

@@ -27,7 +27,13 @@ fn sigkill_self_after(delay: Duration) {
 }
 
 fn run(scenario: &str) -> anyhow::Result<()> {
-    let pg = ProcessGroup::from_env(GroupOptions::from_env()?)?;
+    // WEFT_TEST_HINTS="k=v,k=v": group hints (e.g. forcing an algorithm).
+    let mut options = GroupOptions::from_env()?;
+    for kv in std::env::var("WEFT_TEST_HINTS").unwrap_or_default().split(',').filter(|kv| !kv.is_empty()) {
+        let (k, v) = kv.split_once('=').ok_or_else(|| anyhow::anyhow!("WEFT_TEST_HINTS: {kv:?} is not k=v"))?;
+        options = options.hint(k, v);
+    }
+    let pg = ProcessGroup::from_env(options)?;
     let (r, w) = (pg.rank(), pg.size());
     let o = OpOptions::default();
     match scenario {
@@ -106,10 +112,43 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             // CUDA tensors (the emulated GPU under WEFT_CUDA_EMULATION).
             let route = pg.backend_name((weft::DeviceKind::Cuda, weft::Layout::Dense)).unwrap_or_default();
             let cpu = pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense)).unwrap_or_default();
-            let checks = weft_conformance::run_on(&pg, 29, Some(weft_conformance::cuda::placement(0)?));
+            let checks = weft_conformance::run_on(&pg, 29, Some(weft_conformance::cuda::local_placement(r)?));
             let (table, ok) = weft_conformance::summary(&checks);
             anyhow::ensure!(ok, "rank {r} on {route}:\n{table}");
             println!("rank {r}: cuda={route} cpu={cpu}: {} checks passed", checks.len());
+        }
+        "cuda_unexported" => {
+            // Rank 0's buffer is pinned host memory, which CUDA IPC cannot
+            // export: cuda-device's direct all-reduce cannot map it, so every
+            // rank runs the ring instead, or, where the direct algorithm is
+            // required, fails saying whose buffer it was.
+            let g = weft_cuda_runtime::gpu().map_err(anyhow::Error::msg)?;
+            let stream = g.new_stream(0)?;
+            let n = 100_003;
+            let data: Vec<f32> = (0..n).map(|i| (i % 13) as f32 + r as f32).collect();
+            let bytes = n * 4;
+            let addr = if r == 0 { g.alloc_pinned(bytes)? as u64 } else { g.alloc(0, bytes)? };
+            let deadline = || Instant::now() + Duration::from_secs(30);
+            let all_reduce = |hint: &str| -> anyhow::Result<Vec<f32>> {
+                let mut out = vec![0f32; n];
+                // SAFETY: `data` and `out` outlive the stream synchronisations
+                // below; `addr` holds `bytes` until the process exits.
+                unsafe { g.copy_htod(stream, addr, data.as_ptr() as *const u8, bytes)? };
+                let t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, weft::DType::F32, 0, &[n]) }?;
+                let done = pg.all_reduce(t, ReduceOp::Sum, &o.clone().stream(stream).hint("cuda_algorithm", hint))?.synchronize();
+                // SAFETY: as above.
+                unsafe { g.copy_dtoh(stream, out.as_mut_ptr() as *mut u8, addr, bytes)? };
+                weft_cuda_runtime::synchronize_stream(&*g, 0, stream, deadline(), "download")?;
+                done?;
+                Ok(out)
+            };
+            let out = all_reduce("auto")?;
+            let sum = (w * (w - 1) / 2) as f32;
+            anyhow::ensure!(out.iter().enumerate().all(|(i, x)| *x == w as f32 * (i % 13) as f32 + sum), "rank {r}: wrong sum");
+            let e = all_reduce("direct").err().ok_or_else(|| anyhow::anyhow!("cuda_algorithm=direct ran with an unexported buffer"))?;
+            let e = e.downcast::<weft::Error>()?;
+            anyhow::ensure!(e.kind() == &ErrorKind::Unsupported && e.to_string().contains("rank(s) [0]"), "rank {r}: {e}");
+            println!("rank {r}: fell back to the ring; direct refused: {e}");
         }
         "cuda_sigkill" => {
             // The last rank dies during CUDA all_reduces; the others must

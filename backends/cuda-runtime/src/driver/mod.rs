@@ -11,8 +11,9 @@
 
 mod kernels;
 
-use crate::gpu::{DevicePtr, Event, Gpu};
+use crate::gpu::{DevicePtr, Event, Gpu, MAX_REDUCE_ALL};
 use cudarc::driver::{result, sys, CudaContext, DriverError};
+use kernels::Kernel;
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -26,9 +27,8 @@ pub struct DriverGpu {
     /// Device of each stream and event weft created or opened.
     stream_device: Mutex<HashMap<u64, usize>>,
     event_device: Mutex<HashMap<u64, usize>>,
-    /// Per device: the kernels module and functions looked up so far.
+    /// Per device and kernel name: the function, in a module of its own.
     functions: Mutex<HashMap<(usize, String), usize>>,
-    modules: Mutex<HashMap<usize, usize>>,
 }
 
 fn err(what: &str, e: DriverError) -> Error {
@@ -49,13 +49,7 @@ impl DriverGpu {
             return Err("no CUDA device".into());
         }
         let contexts = (0..n as usize).map(|_| OnceLock::new()).collect();
-        Ok(DriverGpu {
-            contexts,
-            stream_device: Mutex::default(),
-            event_device: Mutex::default(),
-            functions: Mutex::default(),
-            modules: Mutex::default(),
-        })
+        Ok(DriverGpu { contexts, stream_device: Mutex::default(), event_device: Mutex::default(), functions: Mutex::default() })
     }
 
     fn bind(&self, device: usize) -> Result<()> {
@@ -81,29 +75,23 @@ impl DriverGpu {
     }
 
     /// The compiled kernel `name` on the device of `stream`.
-    fn function(&self, stream: StreamHandle, name: &str) -> Result<sys::CUfunction> {
+    fn function(&self, stream: StreamHandle, kernel: &Kernel) -> Result<sys::CUfunction> {
         let d = self.stream_device.lock().unwrap_or_else(|p| p.into_inner()).get(&stream.0).copied().unwrap_or(0);
-        if let Some(f) = self.functions.lock().unwrap_or_else(|p| p.into_inner()).get(&(d, name.to_string())) {
+        let key = (d, kernel.name.clone());
+        // Held while loading, so two threads do not load the same kernel twice.
+        let mut functions = self.functions.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = functions.get(&key) {
             return Ok(*f as sys::CUfunction);
         }
         self.bind(d)?;
-        let module = {
-            let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
-            match modules.get(&d) {
-                Some(m) => *m as sys::CUmodule,
-                None => {
-                    let ptx = CString::new(ptx()?).map_err(|_| Error::backend("cuda: PTX contains a NUL byte"))?;
-                    // SAFETY: a NUL-terminated PTX image; the context is bound.
-                    let m = unsafe { result::module::load_data(ptx.as_ptr() as *const c_void) }.map_err(|e| err("loading kernels", e))?;
-                    modules.insert(d, m as usize);
-                    m
-                }
-            }
-        };
-        let cname = CString::new(name).expect("kernel names have no NUL");
+        let ptx = CString::new(ptx(kernel)?).map_err(|_| Error::backend("cuda: PTX contains a NUL byte"))?;
+        // SAFETY: a NUL-terminated PTX image; the context is bound. Modules
+        // stay loaded for the life of the process.
+        let module = unsafe { result::module::load_data(ptx.as_ptr() as *const c_void) }.map_err(|e| err("loading a kernel", e))?;
+        let cname = CString::new(kernel.name.as_str()).expect("kernel names have no NUL");
         // SAFETY: a module loaded in the bound context.
-        let f = unsafe { result::module::get_function(module, cname) }.map_err(|e| err(&format!("kernel {name}"), e))?;
-        self.functions.lock().unwrap_or_else(|p| p.into_inner()).insert((d, name.to_string()), f as usize);
+        let f = unsafe { result::module::get_function(module, cname) }.map_err(|e| err(&format!("kernel {}", kernel.name), e))?;
+        functions.insert(key, f as usize);
         Ok(f)
     }
 
@@ -111,30 +99,36 @@ impl DriverGpu {
     ///
     /// # Safety
     /// `params` match the kernel's signature and stay valid until launch returns.
-    unsafe fn launch(&self, stream: StreamHandle, name: &str, n: usize, params: &mut [*mut c_void]) -> Result<()> {
+    unsafe fn launch(&self, stream: StreamHandle, kernel: Kernel, n: usize, params: &mut [*mut c_void]) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
-        let f = self.function(stream, name)?;
+        let f = self.function(stream, &kernel)?;
         let s = self.bind_stream(stream)?;
         let blocks = n.div_ceil(256).min(4096) as u32;
         // SAFETY: the caller's contract; the context of `s` is bound.
-        unsafe { result::launch_kernel(f, (blocks, 1, 1), (256, 1, 1), 0, s, params) }.map_err(|e| err(name, e))
+        unsafe { result::launch_kernel(f, (blocks, 1, 1), (256, 1, 1), 0, s, params) }.map_err(|e| err(&kernel.name, e))
     }
 }
 
-/// The kernels' PTX, compiled once per process.
-fn ptx() -> Result<String> {
-    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    PTX.get_or_init(|| {
-        // SAFETY: only tries to dlopen libnvrtc.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err("NVRTC (libnvrtc.so) is not installed; it compiles weft's reduction kernels".into());
-        }
-        cudarc::nvrtc::compile_ptx(kernels::source()).map(|p| p.to_src()).map_err(|e| format!("compiling the reduction kernels: {e:?}"))
-    })
-    .clone()
-    .map_err(Error::unsupported)
+/// A kernel's PTX, compiled the first time this process needs it (for
+/// whichever device: PTX is device-independent).
+fn ptx(kernel: &Kernel) -> Result<String> {
+    static PTX: Mutex<Option<HashMap<String, std::result::Result<String, String>>>> = Mutex::new(None);
+    let mut cache = PTX.lock().unwrap_or_else(|p| p.into_inner());
+    cache
+        .get_or_insert_with(HashMap::new)
+        .entry(kernel.name.clone())
+        .or_insert_with(|| {
+            // SAFETY: only tries to dlopen libnvrtc.
+            if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+                return Err("NVRTC (libnvrtc.so) is not installed; it compiles weft's reduction kernels".into());
+            }
+            let source = kernels::source(std::slice::from_ref(kernel));
+            cudarc::nvrtc::compile_ptx(source).map(|p| p.to_src()).map_err(|e| format!("compiling {}: {e:?}", kernel.name))
+        })
+        .clone()
+        .map_err(Error::unsupported)
 }
 
 const IPC_LEN: usize = 64;
@@ -207,19 +201,56 @@ impl Gpu for DriverGpu {
         let mut params = [&mut d as *mut u64 as *mut c_void, &mut s as *mut u64 as *mut c_void, &mut n as *mut u64 as *mut c_void];
         // SAFETY: (T*, const T*, u64) as the kernel declares; the caller
         // keeps the memory valid.
-        unsafe { self.launch(stream, &kernels::reduce_name(dtype, op), count, &mut params) }
+        unsafe { self.launch(stream, Kernel::reduce(dtype, op), count, &mut params) }
+    }
+    unsafe fn reduce_all(
+        &self,
+        stream: StreamHandle,
+        srcs: &[DevicePtr],
+        dsts: &[DevicePtr],
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let pointers = |p: &[DevicePtr]| -> Result<kernels::Pointers> {
+            if p.is_empty() || p.len() > MAX_REDUCE_ALL {
+                return Err(Error::invalid(format!(
+                    "cuda: reduce_all takes 1 to {MAX_REDUCE_ALL} sources and destinations, got {}",
+                    p.len()
+                )));
+            }
+            let mut a = [0u64; MAX_REDUCE_ALL];
+            a[..p.len()].copy_from_slice(p);
+            Ok(kernels::Pointers(a))
+        };
+        let (mut s, mut d) = (pointers(srcs)?, pointers(dsts)?);
+        let (mut ns, mut nd, mut n) = (srcs.len() as u32, dsts.len() as u32, count as u64);
+        let mut avg = u32::from(op == ReduceOp::Avg);
+        let mut params = [
+            &mut s as *mut kernels::Pointers as *mut c_void,
+            &mut d as *mut kernels::Pointers as *mut c_void,
+            &mut ns as *mut u32 as *mut c_void,
+            &mut nd as *mut u32 as *mut c_void,
+            &mut n as *mut u64 as *mut c_void,
+            &mut avg as *mut u32 as *mut c_void,
+        ];
+        // One thread per 16 bytes (the kernel's aligned path).
+        let threads = (count * dtype.size()).div_ceil(16).max(count.min(1));
+        // SAFETY: (Pointers, Pointers, unsigned, unsigned, u64, unsigned) as
+        // the kernel declares; the caller keeps the memory valid.
+        unsafe { self.launch(stream, Kernel::reduce_all(dtype, op), threads, &mut params) }
     }
     unsafe fn premul(&self, stream: StreamHandle, buf: DevicePtr, count: usize, dtype: DType, factor: f64) -> Result<()> {
         let (mut b, mut f, mut n) = (buf, factor, count as u64);
         let mut params = [&mut b as *mut u64 as *mut c_void, &mut f as *mut f64 as *mut c_void, &mut n as *mut u64 as *mut c_void];
         // SAFETY: (T*, double, u64) as the kernel declares.
-        unsafe { self.launch(stream, &format!("weft_premul_{}", dtype.name()), count, &mut params) }
+        unsafe { self.launch(stream, Kernel::premul(dtype), count, &mut params) }
     }
     unsafe fn divide(&self, stream: StreamHandle, buf: DevicePtr, count: usize, dtype: DType, divisor: u32) -> Result<()> {
         let (mut b, mut d, mut n) = (buf, divisor, count as u64);
         let mut params = [&mut b as *mut u64 as *mut c_void, &mut d as *mut u32 as *mut c_void, &mut n as *mut u64 as *mut c_void];
         // SAFETY: (T*, unsigned, u64) as the kernel declares.
-        unsafe { self.launch(stream, &format!("weft_divide_{}", dtype.name()), count, &mut params) }
+        unsafe { self.launch(stream, Kernel::divide(dtype), count, &mut params) }
     }
     fn new_event(&self, device: usize, interprocess: bool) -> Result<Event> {
         self.bind(device)?;
@@ -262,13 +293,18 @@ impl Gpu for DriverGpu {
             Err(e) => Err(err("device work failed", e)),
         }
     }
-    fn ipc_export(&self, ptr: DevicePtr) -> Result<Vec<u8>> {
+    fn ipc_export(&self, ptr: DevicePtr) -> Result<(Vec<u8>, u64)> {
+        let (mut base, mut size) = (0, 0);
+        // SAFETY: writes two integers; fails for addresses CUDA did not allocate.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+            .result()
+            .map_err(|e| err("finding the allocation (cuMemGetAddressRange)", e))?;
         let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::uninit();
-        // SAFETY: writes the handle of the allocation at `ptr`.
-        unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), ptr) }.result().map_err(|e| err("exporting memory (cuIpcGetMemHandle)", e))?;
+        // SAFETY: writes the handle of the allocation at `base`.
+        unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), base) }.result().map_err(|e| err("exporting memory (cuIpcGetMemHandle)", e))?;
         // SAFETY: initialised by the call above; a plain byte array.
         let h = unsafe { h.assume_init() };
-        Ok(h.reserved.iter().map(|&c| c as u8).collect())
+        Ok((h.reserved.iter().map(|&c| c as u8).collect(), ptr - base))
     }
     fn ipc_open(&self, device: usize, handle: &[u8]) -> Result<DevicePtr> {
         self.bind(device)?;

@@ -10,7 +10,7 @@
 mod queue;
 mod shared;
 
-use crate::gpu::{DevicePtr, Event, Gpu};
+use crate::gpu::{DevicePtr, Event, Gpu, MAX_REDUCE_ALL};
 use queue::{EventCell, Queue, Task};
 use shared::Mapping;
 use std::collections::HashMap;
@@ -213,6 +213,35 @@ impl Gpu for EmulatedGpu {
             weft::kernels::reduce_into(acc, src, dtype, op);
         })
     }
+    unsafe fn reduce_all(
+        &self,
+        stream: StreamHandle,
+        srcs: &[DevicePtr],
+        dsts: &[DevicePtr],
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        if srcs.is_empty() || srcs.len() > MAX_REDUCE_ALL || dsts.len() > MAX_REDUCE_ALL {
+            return Err(Error::invalid(format!("cuda emulation: reduce_all takes 1 to {MAX_REDUCE_ALL} sources and destinations")));
+        }
+        let (srcs, dsts): (Vec<Addr>, Vec<Addr>) = (srcs.iter().map(|p| Addr(*p)).collect(), dsts.iter().map(|p| Addr(*p)).collect());
+        let len = count * dtype.size();
+        self.enqueue(stream, move || {
+            // SAFETY: as in copy_dtod; the result is built aside, so a
+            // destination may be a source.
+            let mut acc = unsafe { srcs[0].bytes(len) }.to_vec();
+            for s in &srcs[1..] {
+                // SAFETY: as above.
+                weft::kernels::reduce_into(&mut acc, unsafe { s.bytes(len) }, dtype, op);
+            }
+            weft::kernels::finish(&mut acc, dtype, op, srcs.len());
+            for d in &dsts {
+                // SAFETY: as above; distinct destinations do not overlap.
+                unsafe { d.bytes_mut(len) }.copy_from_slice(&acc);
+            }
+        })
+    }
     unsafe fn premul(&self, stream: StreamHandle, buf: DevicePtr, count: usize, dtype: DType, factor: f64) -> Result<()> {
         let (b, len) = (Addr(buf), count * dtype.size());
         // SAFETY: as in copy_dtod.
@@ -244,10 +273,13 @@ impl Gpu for EmulatedGpu {
     fn query(&self, event: Event) -> Result<bool> {
         self.event(event)?.query()
     }
-    fn ipc_export(&self, ptr: DevicePtr) -> Result<Vec<u8>> {
+    fn ipc_export(&self, ptr: DevicePtr) -> Result<(Vec<u8>, u64)> {
         let mem = self.memory.lock().unwrap_or_else(|p| p.into_inner());
-        let m = mem.get(&ptr).ok_or_else(|| Error::invalid(format!("cuda emulation: {ptr:#x} is not the start of an allocation")))?;
-        Ok(m.handle())
+        let (base, m) = mem
+            .iter()
+            .find(|(base, m)| (**base..**base + m.len() as u64).contains(&ptr))
+            .ok_or_else(|| Error::invalid(format!("cuda emulation: {ptr:#x} is not in an exportable allocation")))?;
+        Ok((m.handle(), ptr - base))
     }
     fn ipc_open(&self, device: usize, handle: &[u8]) -> Result<DevicePtr> {
         self.device(device)?;
@@ -297,10 +329,30 @@ mod tests {
     }
 
     #[test]
+    fn reduce_all_writes_the_reduction_of_every_source_to_every_destination() {
+        let g = EmulatedGpu::new(1);
+        let s = g.new_stream(0).unwrap();
+        let bufs: Vec<Vec<f32>> = (0..3).map(|k| (0..5).map(|i| (i * 10 + k) as f32).collect()).collect();
+        let ptrs: Vec<u64> = bufs.iter().map(|b| b.as_ptr() as u64).collect();
+        // SAFETY: three buffers of 5 f32, read back after the stream drains;
+        // each destination is also a source (in place).
+        unsafe { g.reduce_all(s, &ptrs, &ptrs, 5, DType::F32, ReduceOp::Avg).unwrap() };
+        crate::synchronize_stream(&g, 0, s, std::time::Instant::now() + Duration::from_secs(10), "test").unwrap();
+        for b in &bufs {
+            assert_eq!(b, &[1.0, 11.0, 21.0, 31.0, 41.0]);
+        }
+        let addr = g.alloc(0, 256).unwrap();
+        let (handle, offset) = g.ipc_export(addr + 40).unwrap();
+        assert_eq!(offset, 40);
+        assert_ne!(handle, g.ipc_export(g.alloc(0, 256).unwrap()).unwrap().0, "a handle names one allocation");
+        assert!(g.ipc_export(bufs[0].as_ptr() as u64).is_err(), "host memory is not exportable");
+    }
+
+    #[test]
     fn ipc_memory_and_events_open_in_another_mapping() {
         let g = EmulatedGpu::new(1);
         let buf = g.alloc(0, 64).unwrap();
-        let other = g.ipc_open(0, &g.ipc_export(buf).unwrap()).unwrap();
+        let other = g.ipc_open(0, &g.ipc_export(buf).unwrap().0).unwrap();
         assert_ne!(buf, other);
         // SAFETY: 64 valid bytes each; both map the same pages.
         unsafe {

@@ -1,0 +1,193 @@
+//! The direct all-reduce for ranks whose buffers can be mapped into each
+//! other's address space (processes sharing a GPU, or GPUs with peer
+//! access): each rank maps every other rank's buffer through CUDA IPC,
+//! reduces its own block of all the buffers in one kernel and writes the
+//! result into that block of every buffer. Each input byte is read once and
+//! each output byte written once, and ranks hand off twice per op (inputs
+//! ready, blocks written) instead of at every pipelined ring step, which on
+//! a time-sliced GPU is a context switch each.
+//!
+//! Only tiny records go through the CPU backend, three rounds per op:
+//!
+//! ```text
+//! record ready; round 1: (buffer handle, offset, count, dtype, op) from all
+//! map every buffer (cached); round 2: all mapped?
+//! wait every rank's ready; reduce my block of all buffers into all of them
+//! record done; round 3: done recorded; wait every rank's done
+//! ```
+//!
+//! A wait on an IPC event waits for its latest record: each wait comes after
+//! the round that follows the record it means, and the next record of that
+//! event comes only after the round that follows the wait.
+//!
+//! Where a buffer cannot be exported (pool memory, host memory), more ranks
+//! than one kernel takes, or a mapping fails, every rank learns it in the
+//! same round and the op runs on the ring instead.
+
+use crate::setup::Ring;
+use weft::algorithms::{exchange_all, Comm};
+use weft::backend::{Backend, OpContext};
+use weft::{DType, Error, ReduceOp, Result, StreamHandle, TensorMut};
+use weft_cuda_runtime::{DevicePtr, MAX_REDUCE_ALL};
+
+/// One rank's round-1 record: whether its buffer could be exported, what it
+/// reduces, and where its buffer is.
+struct Offer {
+    exported: bool,
+    count: u64,
+    /// dtype and op, as positions in `DType::ALL` and `ReduceOp::ALL`.
+    kind: u64,
+    /// The buffer's offset in its allocation.
+    offset: u64,
+    /// The buffer's address in its own process (used by in-process ranks).
+    ptr: u64,
+    handle: Vec<u8>,
+}
+
+const HANDLE_MAX: usize = 64;
+const OFFER_LEN: usize = 5 * 8 + 4 + HANDLE_MAX;
+
+impl Offer {
+    fn encode(&self) -> [u8; OFFER_LEN] {
+        let mut b = [0u8; OFFER_LEN];
+        let words = [u64::from(self.exported), self.count, self.kind, self.offset, self.ptr];
+        for (i, w) in words.iter().enumerate() {
+            b[8 * i..8 * i + 8].copy_from_slice(&w.to_le_bytes());
+        }
+        b[40..44].copy_from_slice(&(self.handle.len() as u32).to_le_bytes());
+        b[44..44 + self.handle.len()].copy_from_slice(&self.handle);
+        b
+    }
+
+    fn decode(b: &[u8]) -> Result<Offer> {
+        let word = |i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"));
+        let n = u32::from_le_bytes(b[40..44].try_into().expect("4 bytes")) as usize;
+        if n > HANDLE_MAX {
+            return Err(Error::backend(format!("cuda-device: malformed direct all-reduce record (handle of {n} bytes)")));
+        }
+        Ok(Offer { exported: word(0) == 1, count: word(1), kind: word(2), offset: word(3), ptr: word(4), handle: b[44..44 + n].to_vec() })
+    }
+}
+
+fn kind(dtype: DType, op: ReduceOp) -> u64 {
+    let d = DType::ALL.iter().position(|x| *x == dtype).unwrap_or(usize::MAX);
+    let o = ReduceOp::ALL.iter().position(|x| x.name() == op.name()).unwrap_or(usize::MAX);
+    (d as u64) | ((o as u64) << 8)
+}
+
+/// One round: every rank's `mine`, by rank.
+fn round(c: &Comm<'_>, step: u32, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+    let w = c.size();
+    let mut all = vec![vec![0u8; mine.len()]; w];
+    all[c.rank()].copy_from_slice(mine);
+    let mut recvs: Vec<Vec<&mut [u8]>> = vec![all.iter_mut().map(Vec::as_mut_slice).collect()];
+    exchange_all(&c.phase_step(step), &[vec![mine; w]], &mut recvs)?;
+    Ok(all)
+}
+
+/// The ranks (listed) for which `bad` holds.
+fn ranks_where<T>(all: &[T], bad: impl Fn(&T) -> bool) -> Vec<usize> {
+    all.iter().enumerate().filter(|(_, x)| bad(x)).map(|(r, _)| r).collect()
+}
+
+/// In-place all-reduce of `buf` queued on `stream` (a `PremulSum` input is
+/// already scaled). `Ok(false)`, decided alike on every rank, where it
+/// cannot run here and the ring should; `Err` where `required` (the hint
+/// `cuda_algorithm=direct`) and it cannot.
+pub fn all_reduce(
+    ring: &mut Ring,
+    cpu: &dyn Backend,
+    ctx: &OpContext,
+    stream: StreamHandle,
+    buf: &mut TensorMut<'_>,
+    op: ReduceOp,
+    required: bool,
+) -> Result<bool> {
+    let (r, w) = (ctx.rank, ctx.size);
+    let fallback = |why: String| -> Result<bool> {
+        if required {
+            return Err(Error::unsupported(format!("cuda-device: cuda_algorithm=direct: {why}")));
+        }
+        Ok(false)
+    };
+    if w == 1 || w > MAX_REDUCE_ALL {
+        return fallback(format!("runs on 2 to {MAX_REDUCE_ALL} ranks, the group has {w}"));
+    }
+    if !ring.one_gpu && !required {
+        // Measured only where the ranks share a GPU; across GPUs every
+        // block would cross the links as loads and stores, which only a
+        // full NVLink mesh carries well (vLLM's custom all-reduce draws
+        // the same line): there it is the hint's to choose.
+        return Ok(false);
+    }
+    let (count, dtype) = (buf.numel(), buf.dtype());
+    let ptr = buf.as_ptr() as u64;
+    let g = ring.gpu.clone();
+    let c = Comm::new(cpu, ctx).phase(1);
+
+    // Round 1: every rank's buffer, recorded ready before it is offered.
+    g.record(ring.ready, stream)?;
+    // Ranks in one process read each other's buffers as they are.
+    let (exported, handle, offset) = match g.ipc_export(ptr) {
+        Ok((h, off)) if h.len() <= HANDLE_MAX => (true, h, off),
+        _ => (ring.others.is_empty(), Vec::new(), 0),
+    };
+    let mine = Offer { exported, count: count as u64, kind: kind(dtype, op), offset, ptr, handle };
+    let offers = round(&c, 0, &mine.encode())?.iter().map(|b| Offer::decode(b)).collect::<Result<Vec<_>>>()?;
+    let differ = ranks_where(&offers, |o| o.count != mine.count || o.kind != mine.kind);
+    if !differ.is_empty() {
+        return Err(Error::invalid(format!(
+            "cuda-device: mismatched all_reduce: this rank reduces {count} {dtype} with {}, rank(s) {differ:?} something else",
+            op.name()
+        )));
+    }
+    let unexported = ranks_where(&offers, |o| !o.exported);
+    if !unexported.is_empty() {
+        return fallback(format!("the buffers of rank(s) {unexported:?} cannot be exported with CUDA IPC (pool or host memory)"));
+    }
+
+    // Round 2: every buffer mapped here (in-process ranks' as they are).
+    let me = std::process::id();
+    let mut bases: Vec<DevicePtr> = Vec::with_capacity(w);
+    let mut failed = None;
+    for (p, o) in offers.iter().enumerate() {
+        if ring.pids[p] == me {
+            bases.push(o.ptr);
+            continue;
+        }
+        match ring.peer_buffers.map(&*g, ring.device, &o.handle, stream, ctx.deadline) {
+            Ok(base) => bases.push(base + o.offset),
+            Err(e) => {
+                failed = Some(format!("rank {r} cannot map rank {p}'s buffer: {e}"));
+                break;
+            }
+        }
+    }
+    let mapped = round(&c, 1, &[u8::from(failed.is_none())])?;
+    let unmapped = ranks_where(&mapped, |m| m[0] != 1);
+    if !unmapped.is_empty() {
+        return fallback(failed.unwrap_or_else(|| format!("rank(s) {unmapped:?} cannot map the others' buffers")));
+    }
+
+    // My block of every buffer, once every rank's input is ready. Block
+    // edges fall on 16 bytes where they can, for the kernel's wide loads.
+    let unit = (16 / dtype.size()).max(1);
+    let edge = |b: usize| (count.div_ceil(unit) * b / w * unit).min(count);
+    let (a, z) = (edge(r), edge(r + 1));
+    for p in (0..w).filter(|p| *p != r) {
+        ring.after(stream, ring.ranks_ready[p], ctx.deadline, &format!("rank {p}'s input"))?;
+    }
+    let at: Vec<DevicePtr> = bases.iter().map(|b| b + (a * dtype.size()) as u64).collect();
+    // SAFETY: every rank's buffer holds `count` elements (checked in round
+    // 1) and stays borrowed until every rank's `done` is waited for below;
+    // the blocks of different ranks do not overlap.
+    unsafe { g.reduce_all(stream, &at, &at, z - a, dtype, op)? };
+
+    // Round 3: my block is written everywhere once `done` completes.
+    g.record(ring.done, stream)?;
+    round(&c, 2, &[1])?;
+    for p in (0..w).filter(|p| *p != r) {
+        ring.after(stream, ring.ranks_done[p], ctx.deadline, &format!("rank {p}'s share of the result"))?;
+    }
+    Ok(true)
+}
