@@ -288,6 +288,31 @@ fn cuda_errors_are_typed_and_nothing_hangs() {
         // SAFETY: the failed op drained its streams before returning.
         unsafe { g.free(addr) };
     });
+    // Ranks all-reducing different sizes on cuda-device: an error on every
+    // rank, and no rank's memory written past its tensor.
+    for algorithm in ["direct", "ring"] {
+        let opts = options("cpu:shm,cuda:cuda-device").hint("cuda_algorithm", algorithm).hint("cuda_slot_bytes", "256");
+        let results = run_threads(2, opts, |pg| {
+            let g = weft_cuda_runtime::gpu().unwrap();
+            let stream = g.new_stream(0).unwrap();
+            let n = if pg.rank() == 0 { 1000 } else { 1100 };
+            // A guard of 64 floats after rank 0's tensor.
+            let addr = upload(&*g, stream, &vec![1f32; n + 64]);
+            // SAFETY: n f32 of device memory.
+            let t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, DType::F32, 0, &[n]) }.unwrap();
+            let o = OpOptions::default().stream(stream).timeout(Duration::from_secs(5));
+            let e = pg.all_reduce(t, ReduceOp::Sum, &o).and_then(|w| w.synchronize()).unwrap_err();
+            let guard = download(&*g, stream, addr + 4 * n as u64, 64);
+            // SAFETY: the failed op drained its streams.
+            unsafe { g.free(addr) };
+            (e.kind().clone(), e.to_string(), guard.iter().all(|x| *x == 1.0))
+        });
+        for (r, (kind, msg, guard)) in results.into_iter().enumerate() {
+            assert!(guard, "{algorithm}: rank {r}'s memory past its tensor was written");
+            assert_eq!(kind, ErrorKind::InvalidArgument, "{algorithm}: rank {r}: {msg}");
+            assert!(msg.contains("mismatched all_reduce"), "{algorithm}: rank {r}: {msg}");
+        }
+    }
     // A bad cuda-device hint fails group creation on every rank, saying why.
     let store: Arc<dyn weft::store::Store> = Arc::new(weft::store::MemoryStore::new(Duration::from_secs(5)));
     let e = ProcessGroup::new(store, 0, 1, options("cpu:shm,cuda:cuda-device").hint("cuda_wait", "sometimes")).unwrap_err();

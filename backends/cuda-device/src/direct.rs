@@ -22,21 +22,21 @@
 //!
 //! Where a buffer cannot be exported (pool memory, host memory), more ranks
 //! than one kernel takes, or a mapping fails, every rank learns it in the
-//! same round and the op runs on the ring instead.
+//! same round and the op runs on the ring instead; so it does where the
+//! ranks use different GPUs, unless the hint `cuda_algorithm=direct` asks.
 
+use crate::agree::{ranks_where, round, same_everywhere, Signature};
 use crate::setup::Ring;
-use weft::algorithms::{exchange_all, Comm};
+use weft::algorithms::Comm;
 use weft::backend::{Backend, OpContext};
-use weft::{DType, Error, ReduceOp, Result, StreamHandle, TensorMut};
+use weft::{Error, ReduceOp, Result, StreamHandle, TensorMut};
 use weft_cuda_runtime::{DevicePtr, MAX_REDUCE_ALL};
 
 /// One rank's round-1 record: whether its buffer could be exported, what it
 /// reduces, and where its buffer is.
 struct Offer {
     exported: bool,
-    count: u64,
-    /// dtype and op, as positions in `DType::ALL` and `ReduceOp::ALL`.
-    kind: u64,
+    signature: Signature,
     /// The buffer's offset in its allocation.
     offset: u64,
     /// The buffer's address in its own process (used by in-process ranks).
@@ -50,7 +50,7 @@ const OFFER_LEN: usize = 5 * 8 + 4 + HANDLE_MAX;
 impl Offer {
     fn encode(&self) -> [u8; OFFER_LEN] {
         let mut b = [0u8; OFFER_LEN];
-        let words = [u64::from(self.exported), self.count, self.kind, self.offset, self.ptr];
+        let words = [u64::from(self.exported), self.signature.count, self.signature.kind, self.offset, self.ptr];
         for (i, w) in words.iter().enumerate() {
             b[8 * i..8 * i + 8].copy_from_slice(&w.to_le_bytes());
         }
@@ -65,29 +65,14 @@ impl Offer {
         if n > HANDLE_MAX {
             return Err(Error::backend(format!("cuda-device: malformed direct all-reduce record (handle of {n} bytes)")));
         }
-        Ok(Offer { exported: word(0) == 1, count: word(1), kind: word(2), offset: word(3), ptr: word(4), handle: b[44..44 + n].to_vec() })
+        Ok(Offer {
+            exported: word(0) == 1,
+            signature: Signature { count: word(1), kind: word(2) },
+            offset: word(3),
+            ptr: word(4),
+            handle: b[44..44 + n].to_vec(),
+        })
     }
-}
-
-fn kind(dtype: DType, op: ReduceOp) -> u64 {
-    let d = DType::ALL.iter().position(|x| *x == dtype).unwrap_or(usize::MAX);
-    let o = ReduceOp::ALL.iter().position(|x| x.name() == op.name()).unwrap_or(usize::MAX);
-    (d as u64) | ((o as u64) << 8)
-}
-
-/// One round: every rank's `mine`, by rank.
-fn round(c: &Comm<'_>, step: u32, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-    let w = c.size();
-    let mut all = vec![vec![0u8; mine.len()]; w];
-    all[c.rank()].copy_from_slice(mine);
-    let mut recvs: Vec<Vec<&mut [u8]>> = vec![all.iter_mut().map(Vec::as_mut_slice).collect()];
-    exchange_all(&c.phase_step(step), &[vec![mine; w]], &mut recvs)?;
-    Ok(all)
-}
-
-/// The ranks (listed) for which `bad` holds.
-fn ranks_where<T>(all: &[T], bad: impl Fn(&T) -> bool) -> Vec<usize> {
-    all.iter().enumerate().filter(|(_, x)| bad(x)).map(|(r, _)| r).collect()
 }
 
 /// In-place all-reduce of `buf` queued on `stream` (a `PremulSum` input is
@@ -132,15 +117,10 @@ pub fn all_reduce(
         Ok((h, off)) if h.len() <= HANDLE_MAX => (true, h, off),
         _ => (ring.others.is_empty(), Vec::new(), 0),
     };
-    let mine = Offer { exported, count: count as u64, kind: kind(dtype, op), offset, ptr, handle };
+    let mine = Offer { exported, signature: Signature::of(count, dtype, op), offset, ptr, handle };
     let offers = round(&c, 0, &mine.encode())?.iter().map(|b| Offer::decode(b)).collect::<Result<Vec<_>>>()?;
-    let differ = ranks_where(&offers, |o| o.count != mine.count || o.kind != mine.kind);
-    if !differ.is_empty() {
-        return Err(Error::invalid(format!(
-            "cuda-device: mismatched all_reduce: this rank reduces {count} {dtype} with {}, rank(s) {differ:?} something else",
-            op.name()
-        )));
-    }
+    let signatures: Vec<Signature> = offers.iter().map(|o| o.signature).collect();
+    same_everywhere(&signatures, mine.signature, dtype, op)?;
     let unexported = ranks_where(&offers, |o| !o.exported);
     if !unexported.is_empty() {
         return fallback(format!("the buffers of rank(s) {unexported:?} cannot be exported with CUDA IPC (pool or host memory)"));

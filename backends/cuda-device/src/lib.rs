@@ -14,6 +14,7 @@
 
 #![warn(missing_docs)]
 
+mod agree;
 mod direct;
 mod peer_buffers;
 mod ring;

@@ -129,6 +129,9 @@ pub fn all_reduce(
     let buf = buf.as_ptr() as u64;
     let (r, w) = (ctx.rank, ctx.size);
     let g = &ring.gpu;
+    if w > 1 {
+        crate::agree::check(&Comm::new(cpu, ctx).phase(2), 0, count, dtype, op)?;
+    }
     let esize = dtype.size();
     let bounds: Vec<usize> = (0..=w).map(|i| count * i / w).collect();
     let block = |b: usize| (bounds[b % w], bounds[b % w + 1]);
