@@ -68,7 +68,9 @@ fn cuda_device_direct_passes_conformance_with_in_process_peers() {
     // W=1 has nothing to map: `auto` runs the ring (a copy-free no-op).
     conformance(1, "cpu:shm,cuda:cuda-device", &[]);
     for w in 2..=5 {
+        // Staged through the staging buffers (small ops), and not.
         conformance(w, "cpu:shm,cuda:cuda-device", &[("cuda_algorithm", "direct")]);
+        conformance(w, "cpu:shm,cuda:cuda-device", &[("cuda_algorithm", "direct"), ("cuda_direct_staged_bytes", "0")]);
     }
     conformance(3, "cpu:shm,cuda:cuda-device", &[("cuda_wait", "host"), ("cuda_algorithm", "direct")]);
     conformance(3, "cpu:cpu-tcp,cuda:auto", &[]);
@@ -92,8 +94,14 @@ fn worker() -> String {
 
 #[test]
 fn cuda_device_direct_and_ring_across_processes_over_ipc() {
-    // (world size, group hints): the default (direct), direct required, the ring.
-    let runs = [(2, ""), (3, "cuda_algorithm=direct"), (2, "cuda_algorithm=ring,cuda_slot_bytes=4096")];
+    // (world size, group hints): the default (direct, staged), direct
+    // required, direct mapping the callers' buffers, the ring.
+    let runs = [
+        (2, ""),
+        (3, "cuda_algorithm=direct"),
+        (3, "cuda_algorithm=direct,cuda_direct_staged_bytes=0"),
+        (2, "cuda_algorithm=ring,cuda_slot_bytes=4096"),
+    ];
     for (w, hints) in runs {
         let mut env = gpu_env();
         env.push(("WEFT_TEST_HINTS", hints));
@@ -132,7 +140,10 @@ fn ranks_on_different_gpus_run_the_ring_unless_direct_is_asked_for() {
 
 #[test]
 fn cuda_device_falls_back_to_the_ring_where_a_buffer_cannot_be_exported() {
-    let ends = run_world(&worker(), 3, &["cuda_unexported"], &gpu_env(), Duration::from_secs(120));
+    // Staging would not need the buffers exported: stage nothing.
+    let mut env = gpu_env();
+    env.push(("WEFT_TEST_HINTS", "cuda_direct_staged_bytes=0"));
+    let ends = run_world(&worker(), 3, &["cuda_unexported"], &env, Duration::from_secs(120));
     for (r, e) in ends.iter().enumerate() {
         assert!(e.status.success(), "rank {r}:\n{}", e.output);
     }
@@ -290,8 +301,11 @@ fn cuda_errors_are_typed_and_nothing_hangs() {
     });
     // Ranks all-reducing different sizes on cuda-device: an error on every
     // rank, and no rank's memory written past its tensor.
-    for algorithm in ["direct", "ring"] {
-        let opts = options("cpu:shm,cuda:cuda-device").hint("cuda_algorithm", algorithm).hint("cuda_slot_bytes", "256");
+    for (algorithm, staged) in [("direct", "65536"), ("direct", "0"), ("ring", "0")] {
+        let opts = options("cpu:shm,cuda:cuda-device")
+            .hint("cuda_algorithm", algorithm)
+            .hint("cuda_slot_bytes", "256")
+            .hint("cuda_direct_staged_bytes", staged);
         let results = run_threads(2, opts, |pg| {
             let g = weft_cuda_runtime::gpu().unwrap();
             let stream = g.new_stream(0).unwrap();

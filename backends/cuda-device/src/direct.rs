@@ -1,20 +1,36 @@
 //! The direct all-reduce for ranks whose buffers can be mapped into each
 //! other's address space (processes sharing a GPU, or GPUs with peer
-//! access): each rank maps every other rank's buffer through CUDA IPC,
-//! reduces its own block of all the buffers in one kernel and writes the
-//! result into that block of every buffer. Each input byte is read once and
-//! each output byte written once, and ranks hand off twice per op (inputs
-//! ready, blocks written) instead of at every pipelined ring step, which on
-//! a time-sliced GPU is a context switch each.
+//! access). Ranks hand off twice per op (inputs ready, results written)
+//! instead of at every pipelined ring step, which on a time-sliced GPU is a
+//! context switch each.
+//!
+//! - Large ops: each rank maps every other rank's buffer through CUDA IPC,
+//!   reduces its own block of all the buffers in one kernel and writes the
+//!   result into that block of every buffer: each input byte read once and
+//!   each output byte written once.
+//! - Small ops (up to `Ring::staged_max` bytes): mapping a buffer and
+//!   closing it again costs more than the op, and a mapping must not
+//!   outlive the op (its owner may free it then; CUDA leaves that
+//!   undefined). So each rank copies its input into its staging buffer,
+//!   mapped by every rank once at setup, and reduces the whole of every
+//!   staging buffer into its own buffer (one shot, as vLLM's custom
+//!   all-reduce does for small ops).
 //!
 //! Only tiny records go through the CPU backend, three rounds per op:
 //!
 //! ```text
-//! record ready; round 1: (buffer handle, offset, count, dtype, op) from all
-//! map every buffer (cached); round 2: all mapped?
-//! wait every rank's ready; reduce my block of all buffers into all of them
-//! record done; round 3: done recorded; wait every rank's done
+//! [small: copy in]; record ready; round 1: (handle, offset, count, dtype, op) from all
+//! [large: map every buffer; round 2: all mapped?]
+//! wait every rank's ready; reduce (small: everything into mine; large: my
+//! block of every buffer into all of them); record done
+//! large: wait for done; unmap; round 3 (every block written, every mapping
+//!        closed: the owners may free their buffers)
+//! small: round 3; wait every rank's done (its reads of my staging buffer)
 //! ```
+//!
+//! (Ranks that are threads of one process use each other's pointers and
+//! events: nothing is mapped, and round 3 is followed by stream waits on
+//! every rank's `done` instead of host waits.)
 //!
 //! A wait on an IPC event waits for its latest record: each wait comes after
 //! the round that follows the record it means, and the next record of that
@@ -26,6 +42,7 @@
 //! ranks use different GPUs, unless the hint `cuda_algorithm=direct` asks.
 
 use crate::agree::{ranks_where, round, same_everywhere, Signature};
+use crate::peer_buffers::PeerBuffers;
 use crate::setup::Ring;
 use weft::algorithms::Comm;
 use weft::backend::{Backend, OpContext};
@@ -75,6 +92,38 @@ impl Offer {
     }
 }
 
+/// Map every rank's buffer (in-process ranks' as they are), and agree that
+/// every rank could: the base of each, or why not (alike on every rank).
+fn map_all(
+    ring: &Ring,
+    c: &Comm<'_>,
+    offers: &[Offer],
+    peers: &mut PeerBuffers<'_>,
+) -> Result<std::result::Result<Vec<DevicePtr>, String>> {
+    let me = std::process::id();
+    let mut bases: Vec<DevicePtr> = Vec::with_capacity(offers.len());
+    let mut failed = None;
+    for (p, o) in offers.iter().enumerate() {
+        if ring.pids[p] == me {
+            bases.push(o.ptr);
+            continue;
+        }
+        match peers.map(&o.handle) {
+            Ok(base) => bases.push(base + o.offset),
+            Err(e) => {
+                failed = Some(format!("rank {} cannot map rank {p}'s buffer: {e}", c.rank()));
+                break;
+            }
+        }
+    }
+    let mapped = round(c, 1, &[u8::from(failed.is_none())])?;
+    let unmapped = ranks_where(&mapped, |m| m[0] != 1);
+    if unmapped.is_empty() {
+        return Ok(Ok(bases));
+    }
+    Ok(Err(failed.unwrap_or_else(|| format!("rank(s) {unmapped:?} cannot map the others' buffers"))))
+}
+
 /// In-place all-reduce of `buf` queued on `stream` (a `PremulSum` input is
 /// already scaled). `Ok(false)`, decided alike on every rank, where it
 /// cannot run here and the ring should; `Err` where `required` (the hint
@@ -109,11 +158,23 @@ pub fn all_reduce(
     let ptr = buf.as_ptr() as u64;
     let g = ring.gpu.clone();
     let c = Comm::new(cpu, ctx).phase(1);
+    // Small ops go through the staging buffers, mapped once at setup; every
+    // rank decides alike where the counts agree (checked in round 1, which
+    // both ways reach with the same record).
+    let bytes = count * dtype.size();
+    let staged = bytes <= ring.staged_max;
+    if staged {
+        // SAFETY: my staging buffer holds `staged_max` bytes; no rank uses
+        // it between ops (each staged op waits for every rank's `done`, and
+        // ready is recorded after this copy).
+        unsafe { g.copy_dtod(stream, ring.stage, ptr, bytes)? };
+    }
 
     // Round 1: every rank's buffer, recorded ready before it is offered.
     g.record(ring.ready, stream)?;
     // Ranks in one process read each other's buffers as they are.
     let (exported, handle, offset) = match g.ipc_export(ptr) {
+        _ if staged => (true, Vec::new(), 0),
         Ok((h, off)) if h.len() <= HANDLE_MAX => (true, h, off),
         _ => (ring.others.is_empty(), Vec::new(), 0),
     };
@@ -126,48 +187,59 @@ pub fn all_reduce(
         return fallback(format!("the buffers of rank(s) {unexported:?} cannot be exported with CUDA IPC (pool or host memory)"));
     }
 
-    // Round 2: every buffer mapped here (in-process ranks' as they are).
-    let me = std::process::id();
-    let mut bases: Vec<DevicePtr> = Vec::with_capacity(w);
-    let mut failed = None;
-    for (p, o) in offers.iter().enumerate() {
-        if ring.pids[p] == me {
-            bases.push(o.ptr);
-            continue;
+    // Round 2 (unstaged): every buffer mapped here.
+    let mut peers = PeerBuffers::new(&*g, ring.device, stream, ctx.deadline);
+    let bases = if staged {
+        ring.ranks_stage.clone()
+    } else {
+        match map_all(ring, &c, &offers, &mut peers)? {
+            Ok(bases) => bases,
+            Err(why) => return fallback(why),
         }
-        match ring.peer_buffers.map(&*g, ring.device, &o.handle, stream, ctx.deadline) {
-            Ok(base) => bases.push(base + o.offset),
-            Err(e) => {
-                failed = Some(format!("rank {r} cannot map rank {p}'s buffer: {e}"));
-                break;
-            }
-        }
-    }
-    let mapped = round(&c, 1, &[u8::from(failed.is_none())])?;
-    let unmapped = ranks_where(&mapped, |m| m[0] != 1);
-    if !unmapped.is_empty() {
-        return fallback(failed.unwrap_or_else(|| format!("rank(s) {unmapped:?} cannot map the others' buffers")));
-    }
+    };
 
-    // My block of every buffer, once every rank's input is ready. Block
-    // edges fall on 16 bytes where they can, for the kernel's wide loads.
-    let unit = (16 / dtype.size()).max(1);
-    let edge = |b: usize| (count.div_ceil(unit) * b / w * unit).min(count);
-    let (a, z) = (edge(r), edge(r + 1));
     for p in (0..w).filter(|p| *p != r) {
         ring.after(stream, ring.ranks_ready[p], ctx.deadline, &format!("rank {p}'s input"))?;
     }
-    let at: Vec<DevicePtr> = bases.iter().map(|b| b + (a * dtype.size()) as u64).collect();
-    // SAFETY: every rank's buffer holds `count` elements (checked in round
-    // 1) and stays borrowed until every rank's `done` is waited for below;
-    // the blocks of different ranks do not overlap.
-    unsafe { g.reduce_all(stream, &at, &at, z - a, dtype, op)? };
+    if staged {
+        // One shot: the whole of every staging buffer, reduced into mine.
+        // SAFETY: every staging buffer holds `count` elements (checked in
+        // round 1) until its owner's next op, which waits for every rank's
+        // `done`; the op's buffer is borrowed until completion.
+        unsafe { g.reduce_all(stream, &bases, &[ptr], count, dtype, op)? };
+    } else {
+        // My block of every buffer. Block edges fall on 16 bytes where
+        // they can, for the kernel's wide loads.
+        let unit = (16 / dtype.size()).max(1);
+        let edge = |b: usize| (count.div_ceil(unit) * b / w * unit).min(count);
+        let (a, z) = (edge(r), edge(r + 1));
+        let at: Vec<DevicePtr> = bases.iter().map(|b| b + (a * dtype.size()) as u64).collect();
+        // SAFETY: every rank's buffer holds `count` elements (checked in
+        // round 1) and stays borrowed until round 3 below; the blocks of
+        // different ranks do not overlap.
+        unsafe { g.reduce_all(stream, &at, &at, z - a, dtype, op)? };
+    }
 
-    // Round 3: my block is written everywhere once `done` completes.
+    // Round 3: my part is done once `done` completes.
     g.record(ring.done, stream)?;
-    round(&c, 2, &[1])?;
-    for p in (0..w).filter(|p| *p != r) {
-        ring.after(stream, ring.ranks_done[p], ctx.deadline, &format!("rank {p}'s share of the result"))?;
+    if staged || ring.others.is_empty() {
+        // Nothing mapped for this op alone: my stream (or, where
+        // `host_wait`, this thread) waits for every rank's `done`: their
+        // blocks of my buffer written, or their reads of my staging buffer
+        // over before my next op fills it.
+        round(&c, 2, &[1])?;
+        for p in (0..w).filter(|p| *p != r) {
+            ring.after(stream, ring.ranks_done[p], ctx.deadline, &format!("rank {p}'s part of the op"))?;
+        }
+    } else {
+        // Other processes' buffers are closed before any rank's op can
+        // complete (their owners may free them then): my kernel first,
+        // then the mappings, then the round, after which every rank knows
+        // every block is written and every mapping of its buffer closed.
+        ring.wait_host(ring.done, ctx.deadline, "this rank's share of the result")?;
+        // SAFETY: the kernel that used the mappings has finished.
+        unsafe { peers.close() };
+        round(&c, 2, &[1])?;
     }
     Ok(true)
 }

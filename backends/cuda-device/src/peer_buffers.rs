@@ -1,54 +1,61 @@
-//! Other processes' buffers mapped here through CUDA IPC, kept open across
-//! ops: opening a handle costs far more than a small all-reduce, and a
-//! training loop hands the same buffers to every step.
+//! Other processes' buffers, mapped through CUDA IPC for one op.
 //!
-//! A handle names one allocation (memory freed and allocated again gets a
-//! new one), so a cached mapping is never stale; at most [`CAPACITY`] stay
-//! open, the least recently used closed first.
+//! CUDA leaves it undefined what happens when an allocation is freed while
+//! another process still has it open, and a caller may free its tensor as
+//! soon as its op completes: so a mapping is closed before the op completes
+//! on any rank (never cached across ops), and only once the kernels that
+//! read or wrote through it have finished.
 
 use std::time::Instant;
 use weft::{Result, StreamHandle};
 use weft_cuda_runtime::{synchronize_stream, DevicePtr, Gpu};
 
-/// Mappings kept open per group.
-pub const CAPACITY: usize = 16;
-
-/// Open mappings, most recently used last.
-#[derive(Default)]
-pub struct PeerBuffers {
-    open: Vec<(Vec<u8>, DevicePtr)>,
+/// Mappings opened for one op, closed by [`PeerBuffers::close`] or on drop.
+pub struct PeerBuffers<'a> {
+    gpu: &'a dyn Gpu,
+    device: usize,
+    /// The only stream that uses the mappings.
+    stream: StreamHandle,
+    deadline: Instant,
+    open: Vec<DevicePtr>,
 }
 
-impl PeerBuffers {
-    /// The base of the allocation `handle` names, mapped on `device`. Before
-    /// closing a mapping to make room, waits for `stream` (the only stream
-    /// that reads through them) to finish what it was given.
-    pub fn map(&mut self, gpu: &dyn Gpu, device: usize, handle: &[u8], stream: StreamHandle, deadline: Instant) -> Result<DevicePtr> {
-        if let Some(i) = self.open.iter().position(|(h, _)| h == handle) {
-            let hit = self.open.remove(i);
-            let ptr = hit.1;
-            self.open.push(hit);
-            return Ok(ptr);
-        }
-        if self.open.len() >= CAPACITY {
-            synchronize_stream(gpu, device, stream, deadline, "cuda-device: closing a peer buffer")?;
-            let (_, old) = self.open.remove(0);
-            // SAFETY: opened by ipc_open below; the stream that used it is drained.
-            unsafe { gpu.ipc_close(old) };
-        }
-        let ptr = gpu.ipc_open(device, handle)?;
-        self.open.push((handle.to_vec(), ptr));
+impl<'a> PeerBuffers<'a> {
+    /// None yet, for work queued on `stream` of `device`.
+    pub fn new(gpu: &'a dyn Gpu, device: usize, stream: StreamHandle, deadline: Instant) -> Self {
+        PeerBuffers { gpu, device, stream, deadline, open: Vec::new() }
+    }
+
+    /// Map the allocation `handle` names; its base address here.
+    pub fn map(&mut self, handle: &[u8]) -> Result<DevicePtr> {
+        let ptr = self.gpu.ipc_open(self.device, handle)?;
+        self.open.push(ptr);
         Ok(ptr)
     }
 
     /// Close every mapping.
     ///
     /// # Safety
-    /// No stream still uses them.
-    pub unsafe fn close_all(&mut self, gpu: &dyn Gpu) {
-        for (_, ptr) in self.open.drain(..) {
-            // SAFETY: the caller's contract; opened by ipc_open.
-            unsafe { gpu.ipc_close(ptr) };
+    /// No work that uses them is still queued or running.
+    pub unsafe fn close(&mut self) {
+        for ptr in self.open.drain(..) {
+            // SAFETY: opened by `map`; the caller's contract.
+            unsafe { self.gpu.ipc_close(ptr) };
+        }
+    }
+}
+
+impl Drop for PeerBuffers<'_> {
+    /// On an error path: close once the stream has drained; if it does not
+    /// drain in time, leave the mappings open (closing memory a kernel
+    /// still uses is worse than leaking a mapping).
+    fn drop(&mut self) {
+        if self.open.is_empty() {
+            return;
+        }
+        if synchronize_stream(self.gpu, self.device, self.stream, self.deadline, "cuda-device: closing peer buffers").is_ok() {
+            // SAFETY: the only stream using them has drained.
+            unsafe { self.close() };
         }
     }
 }

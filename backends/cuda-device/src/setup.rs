@@ -3,10 +3,10 @@
 //! ranks agree whether it worked, so that a failure anywhere makes every
 //! rank fall back together.
 
-use crate::peer_buffers::PeerBuffers;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use weft::backend::BackendContext;
+use weft::store::Store;
 use weft::{Error, Result, StreamHandle};
 use weft_cuda_runtime::{synchronize_event_checked, DevicePtr, Event, Gpu};
 
@@ -24,16 +24,41 @@ pub const SLOTS: usize = 4;
 /// 1.5 ms; with MPS 1.6, 0.93, 0.89, 0.88 ms).
 pub const DEFAULT_SLOT_BYTES: usize = 64 << 20;
 
-/// What one rank needs of the ring.
+/// Default of `Ring::staged_max`. Staging copies each op in, and every
+/// rank then reads all of every staging buffer ((3 + W) bytes of traffic
+/// per byte reduced, against 2 mapping the callers' buffers), but mapping
+/// and closing them costs about 130 µs per op (H100, 2 processes under
+/// MPS, 1 KiB to 4 MiB: 27-34 µs staged, 158-162 µs mapped; at 32 MiB 131
+/// staged, 179 mapped; time-sliced 472 against 390).
+pub const DEFAULT_STAGED_MAX: usize = 16 << 20;
+
+/// What one rank of `cuda-device` holds: the ring's slots and events, the
+/// direct all-reduce's staging buffer and events, and what it opened of
+/// the other ranks'.
 pub struct Ring {
     pub gpu: Arc<dyn Gpu>,
     pub device: usize,
+    /// The group's store (this backend's namespace), this rank and the
+    /// group's timeout: for closing down (`Drop`).
+    store: Arc<dyn Store>,
+    rank: usize,
+    timeout: Duration,
     pub slot_bytes: usize,
+    /// The direct all-reduce stages ops of up to this many bytes through
+    /// the slots (hint `cuda_direct_staged_bytes`, at most all the slots).
+    pub staged_max: usize,
     /// My receive slots (the previous rank writes into them).
     pub my_slots: DevicePtr,
     /// The next rank's receive slots, mapped here (or its pointer, in-process).
     pub next_slots: DevicePtr,
-    next_opened: bool,
+    /// My staging buffer for the direct all-reduce of small ops
+    /// (`staged_max` bytes; apart from the slots, which the ring may write
+    /// while a staged op still reads its buffer).
+    pub stage: DevicePtr,
+    /// Every rank's staging buffer by rank (mine included), mapped here.
+    pub ranks_stage: Vec<DevicePtr>,
+    /// What `ipc_open` mapped here (closed on drop).
+    opened: Vec<DevicePtr>,
     /// Recorded by me after writing slot q of the next rank.
     pub filled: [Event; SLOTS],
     /// Recorded by me after reading my slot q.
@@ -52,8 +77,6 @@ pub struct Ring {
     /// Every rank's process id.
     pub pids: Vec<u32>,
     opened_events: Vec<Event>,
-    /// Other processes' all-reduce buffers, mapped here by the direct all-reduce.
-    pub peer_buffers: PeerBuffers,
     /// (rank, pid) of the ranks in other processes: a stream waiting on a
     /// dead one's event never finishes, and this names who died.
     pub others: Vec<(usize, u32)>,
@@ -66,10 +89,11 @@ pub struct Ring {
     wait_hint: Option<bool>,
 }
 
-/// Exported parts per rank: the slots, `filled`, `consumed`, `ready`, `done`.
-const PARTS: usize = 3 + 2 * SLOTS;
+/// Exported parts per rank: the slots, the staging buffer, `filled`,
+/// `consumed`, `ready`, `done`.
+const PARTS: usize = 4 + 2 * SLOTS;
 
-/// One rank's exported handles: `pid device_uuid slot_handle filled.. consumed.. ready done`.
+/// One rank's exported handles: `pid device_uuid slots stage filled.. consumed.. ready done`.
 fn encode(pid: u32, uuid: [u8; 16], parts: &[Vec<u8>]) -> Vec<u8> {
     let mut v = pid.to_le_bytes().to_vec();
     v.extend(uuid);
@@ -149,6 +173,11 @@ impl Ring {
                 .ok_or_else(|| Error::invalid(format!("hint cuda_slot_bytes={v:?}: at least 64 bytes")))?,
         }
         .next_multiple_of(64);
+        let staged_max = match ctx.hints.get("cuda_direct_staged_bytes") {
+            None => DEFAULT_STAGED_MAX,
+            Some(v) => v.parse::<usize>().map_err(|_| Error::invalid(format!("hint cuda_direct_staged_bytes={v:?}: a byte count")))?,
+        }
+        .min(slot_bytes * SLOTS);
         let wait_hint = match ctx.hints.get("cuda_wait").map(String::as_str) {
             None => None,
             Some("host") => Some(true),
@@ -157,14 +186,21 @@ impl Ring {
         };
         let uuid = gpu.device_uuid(device)?;
         let my_slots = gpu.alloc(device, slot_bytes * SLOTS)?;
+        let stage = gpu.alloc(device, staged_max)?;
         let ev = || gpu.new_event(device, true);
         let ring = Ring {
             gpu: gpu.clone(),
             device,
+            store: ctx.store.clone(),
+            rank: ctx.rank,
+            timeout: ctx.timeout,
             slot_bytes,
+            staged_max,
             my_slots,
             next_slots: my_slots,
-            next_opened: false,
+            stage,
+            ranks_stage: Vec::new(),
+            opened: Vec::new(),
             filled: [ev()?, ev()?, ev()?, ev()?],
             consumed: [ev()?, ev()?, ev()?, ev()?],
             prev_filled: [Event(0); SLOTS],
@@ -175,20 +211,20 @@ impl Ring {
             ranks_done: Vec::new(),
             pids: Vec::new(),
             opened_events: Vec::new(),
-            peer_buffers: PeerBuffers::default(),
             others: Vec::new(),
             host_wait: false,
             one_gpu: true,
             wait_hint,
         };
         let events: Vec<Event> = ring.events().collect();
-        let mut parts = vec![gpu.ipc_export(my_slots)?.0];
+        let mut parts = vec![gpu.ipc_export(my_slots)?.0, gpu.ipc_export(stage)?.0];
         for e in &events {
             parts.push(gpu.ipc_export_event(*e)?);
         }
         // In-process peers (ranks as threads) use pointers and events as they
         // are: CUDA IPC cannot open a handle in the process that made it.
         parts.push(my_slots.to_le_bytes().to_vec());
+        parts.push(stage.to_le_bytes().to_vec());
         parts.extend(events.iter().map(|e| e.0.to_le_bytes().to_vec()));
         let record = encode(std::process::id(), uuid, &parts[..PARTS]);
         let local = encode(std::process::id(), uuid, &parts[PARTS..]);
@@ -203,7 +239,7 @@ impl Ring {
     }
 
     /// Open the next rank's slots and `consumed` events, the previous
-    /// rank's `filled`, and every rank's `ready` and `done`.
+    /// rank's `filled`, and every rank's staging buffer, `ready` and `done`.
     fn open_peers(&mut self, ctx: &BackendContext) -> Result<()> {
         let (next, prev) = ((ctx.rank + 1) % ctx.size, (ctx.rank + ctx.size - 1) % ctx.size);
         let me = std::process::id();
@@ -212,6 +248,7 @@ impl Ring {
         for r in 0..ctx.size {
             if r == ctx.rank {
                 self.pids.push(me);
+                self.ranks_stage.push(self.stage);
                 self.ranks_ready.push(self.ready);
                 self.ranks_done.push(self.done);
                 continue;
@@ -225,19 +262,23 @@ impl Ring {
                 if r == next {
                     self.next_slots = as_u64(&local[0]);
                 }
-                local[1..].iter().map(|b| Event(as_u64(b))).collect()
+                self.ranks_stage.push(as_u64(&local[1]));
+                local[2..].iter().map(|b| Event(as_u64(b))).collect()
             } else {
                 self.others.push((r, pid));
                 self.host_wait |= uuid == my_uuid;
                 if r == next {
                     self.next_slots = self.gpu.ipc_open(self.device, &parts[0])?;
-                    self.next_opened = true;
+                    self.opened.push(self.next_slots);
                 }
+                let stage = self.gpu.ipc_open(self.device, &parts[1])?;
+                self.opened.push(stage);
+                self.ranks_stage.push(stage);
                 // Only the events this rank waits on: the neighbours' ring
                 // events, and everyone's ready and done.
                 let wanted = |i: usize| (r == prev && i < SLOTS) || (r == next && (SLOTS..2 * SLOTS).contains(&i)) || i >= 2 * SLOTS;
-                let mut events = Vec::with_capacity(PARTS - 1);
-                for (i, h) in parts[1..].iter().enumerate() {
+                let mut events = Vec::with_capacity(PARTS - 2);
+                for (i, h) in parts[2..].iter().enumerate() {
                     events.push(if wanted(i) {
                         let e = self.gpu.ipc_open_event(h)?;
                         self.opened_events.push(e);
@@ -264,7 +305,32 @@ impl Ring {
     }
 }
 
+/// At most this long, on dropping a group, for the other processes to close
+/// what they opened of this rank's (a process that keeps its group open
+/// longer, or is gone, does not hold this one up further).
+const CLOSE_WAIT: Duration = Duration::from_secs(10);
+
 impl Ring {
+    /// Say that this rank has closed what it opened of the others', and
+    /// wait until every rank in another process has said the same or
+    /// exited: CUDA leaves it undefined to free memory or destroy an event
+    /// that another process still has open.
+    fn await_peers_closed(&self) {
+        let key = |r: usize| format!("closed/{r}");
+        if self.others.is_empty() || self.store.set(&key(self.rank), b"1").is_err() {
+            return;
+        }
+        let deadline = Instant::now() + CLOSE_WAIT.min(self.timeout);
+        for &(peer, pid) in &self.others {
+            while let Err(e) = self.store.get(&key(peer), Duration::from_millis(50)) {
+                let waiting = e.kind() == &weft::ErrorKind::Timeout && Instant::now() < deadline;
+                if !waiting || first_gone(&[(peer, pid)]).is_some() {
+                    break;
+                }
+            }
+        }
+    }
+
     /// Order `stream` after another rank's `event`: on the device, or
     /// (`host_wait`) by blocking this thread until it has completed or a
     /// rank's process is found gone (its events would never complete).
@@ -272,6 +338,12 @@ impl Ring {
         if !self.host_wait {
             return self.gpu.wait_event(stream, event);
         }
+        self.wait_host(event, deadline, what)
+    }
+
+    /// Block this thread until `event` has completed, or until a rank's
+    /// process is found gone.
+    pub fn wait_host(&self, event: Event, deadline: Instant, what: &str) -> Result<()> {
         let alive = || match first_gone(&self.others) {
             Some((peer, pid)) => Err(Error::peer_lost(peer, format!("rank {peer} (pid {pid}) exited while this rank waited for {what}"))),
             None => Ok(()),
@@ -283,20 +355,22 @@ impl Ring {
 impl Drop for Ring {
     fn drop(&mut self) {
         let g = &self.gpu;
-        // SAFETY: the backend is shutting down and its stream was drained.
-        unsafe { self.peer_buffers.close_all(&**g) };
         for e in self.opened_events.drain(..) {
             g.destroy_event(e);
         }
-        if self.next_opened {
+        for mapped in self.opened.drain(..) {
             // SAFETY: opened by ipc_open; the backend is shutting down and
             // its stream was drained.
-            unsafe { g.ipc_close(self.next_slots) };
+            unsafe { g.ipc_close(mapped) };
         }
+        self.await_peers_closed();
         for e in self.events().collect::<Vec<_>>() {
             g.destroy_event(e);
         }
         // SAFETY: allocated in `export`; `free` waits for device work.
-        unsafe { g.free(self.my_slots) };
+        unsafe {
+            g.free(self.my_slots);
+            g.free(self.stage);
+        }
     }
 }
