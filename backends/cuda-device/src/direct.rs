@@ -129,7 +129,7 @@ fn map_all(
 /// cannot run here and the ring should; `Err` where `required` (the hint
 /// `cuda_algorithm=direct`) and it cannot.
 pub fn all_reduce(
-    ring: &mut Ring,
+    ring: &Ring,
     cpu: &dyn Backend,
     ctx: &OpContext,
     stream: StreamHandle,

@@ -69,7 +69,7 @@ struct DeviceBackend {
 
 impl DeviceBackend {
     fn all_reduce(&self, buf: &mut weft::TensorMut<'_>, op: weft::ReduceOp, ctx: &OpContext, algorithm: Algorithm) -> Result<()> {
-        let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         if buf.device() != Device::Cuda(ring.device as u32) {
             return Err(Error::invalid(format!(
                 "cuda-device: this rank's ring is on cuda:{}, the tensor on {} (choose the device with the group hint cuda_device=N or LOCAL_RANK)",
@@ -86,9 +86,7 @@ impl DeviceBackend {
                 // SAFETY: the op's buffer, on this stream after the caller's work.
                 unsafe { g.premul(self.stream, buf.as_ptr() as u64, buf.numel(), buf.dtype(), f)? };
             }
-            if algorithm != Algorithm::Ring
-                && direct::all_reduce(&mut ring, cpu, ctx, self.stream, buf, op, algorithm == Algorithm::Direct)?
-            {
+            if algorithm != Algorithm::Ring && direct::all_reduce(&ring, cpu, ctx, self.stream, buf, op, algorithm == Algorithm::Direct)? {
                 return Ok(());
             }
             ring::all_reduce(&ring, cpu, ctx, self.stream, buf, op)
@@ -112,7 +110,8 @@ impl DeviceBackend {
 /// How `cuda-device` runs an all_reduce (hint `cuda_algorithm`).
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]
 enum Algorithm {
-    /// Direct where every rank's buffer can be mapped, else the ring (the default).
+    /// Direct where the ranks share one GPU and it can run, else the ring
+    /// (the default).
     Auto,
     /// Direct, or an `Unsupported` error.
     Direct,
@@ -133,7 +132,7 @@ impl Algorithm {
     }
 }
 
-/// The ring op's device side; a failure or timeout while a neighbour's
+/// The device side of a ring or direct all_reduce; a failure or timeout while a neighbour's
 /// process is gone is reported as that peer lost (its events will never
 /// complete), not as an anonymous device error.
 struct RingCompletion {

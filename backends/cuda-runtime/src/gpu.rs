@@ -8,6 +8,18 @@ pub type DevicePtr = u64;
 /// The most sources and destinations one [`Gpu::reduce_all`] takes.
 pub const MAX_REDUCE_ALL: usize = 8;
 
+/// `InvalidArgument` unless [`Gpu::reduce_all`] can take these pointers.
+pub fn check_reduce_all(srcs: &[DevicePtr], dsts: &[DevicePtr]) -> Result<()> {
+    if (1..=MAX_REDUCE_ALL).contains(&srcs.len()) && (1..=MAX_REDUCE_ALL).contains(&dsts.len()) {
+        return Ok(());
+    }
+    Err(weft::Error::invalid(format!(
+        "cuda: reduce_all takes 1 to {MAX_REDUCE_ALL} sources and destinations, got {} and {}",
+        srcs.len(),
+        dsts.len()
+    )))
+}
+
 /// An event handle of one [`Gpu`] implementation.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Event(pub u64);

@@ -11,7 +11,7 @@
 
 mod kernels;
 
-use crate::gpu::{DevicePtr, Event, Gpu, MAX_REDUCE_ALL};
+use crate::gpu::{check_reduce_all, DevicePtr, Event, Gpu, MAX_REDUCE_ALL};
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 use kernels::Kernel;
 use std::collections::HashMap;
@@ -212,18 +212,13 @@ impl Gpu for DriverGpu {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        let pointers = |p: &[DevicePtr]| -> Result<kernels::Pointers> {
-            if p.is_empty() || p.len() > MAX_REDUCE_ALL {
-                return Err(Error::invalid(format!(
-                    "cuda: reduce_all takes 1 to {MAX_REDUCE_ALL} sources and destinations, got {}",
-                    p.len()
-                )));
-            }
+        check_reduce_all(srcs, dsts)?;
+        let pointers = |p: &[DevicePtr]| {
             let mut a = [0u64; MAX_REDUCE_ALL];
             a[..p.len()].copy_from_slice(p);
-            Ok(kernels::Pointers(a))
+            kernels::Pointers(a)
         };
-        let (mut s, mut d) = (pointers(srcs)?, pointers(dsts)?);
+        let (mut s, mut d) = (pointers(srcs), pointers(dsts));
         let (mut ns, mut nd, mut n) = (srcs.len() as u32, dsts.len() as u32, count as u64);
         let mut avg = u32::from(op == ReduceOp::Avg);
         let mut params = [

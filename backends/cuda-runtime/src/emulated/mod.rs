@@ -10,7 +10,7 @@
 mod queue;
 mod shared;
 
-use crate::gpu::{DevicePtr, Event, Gpu, MAX_REDUCE_ALL};
+use crate::gpu::{check_reduce_all, DevicePtr, Event, Gpu};
 use queue::{EventCell, Queue, Task};
 use shared::Mapping;
 use std::collections::HashMap;
@@ -222,9 +222,7 @@ impl Gpu for EmulatedGpu {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        if srcs.is_empty() || srcs.len() > MAX_REDUCE_ALL || dsts.len() > MAX_REDUCE_ALL {
-            return Err(Error::invalid(format!("cuda emulation: reduce_all takes 1 to {MAX_REDUCE_ALL} sources and destinations")));
-        }
+        check_reduce_all(srcs, dsts)?;
         let (srcs, dsts): (Vec<Addr>, Vec<Addr>) = (srcs.iter().map(|p| Addr(*p)).collect(), dsts.iter().map(|p| Addr(*p)).collect());
         let len = count * dtype.size();
         self.enqueue(stream, move || {
