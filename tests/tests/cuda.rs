@@ -331,5 +331,21 @@ fn cuda_errors_are_typed_and_nothing_hangs() {
     let store: Arc<dyn weft::store::Store> = Arc::new(weft::store::MemoryStore::new(Duration::from_secs(5)));
     let e = ProcessGroup::new(store, 0, 1, options("cpu:shm,cuda:cuda-device").hint("cuda_wait", "sometimes")).unwrap_err();
     assert!(e.to_string().contains("hint cuda_wait=\"sometimes\""), "{e}");
+    let store: Arc<dyn weft::store::Store> = Arc::new(weft::store::MemoryStore::new(Duration::from_secs(5)));
+    let e = ProcessGroup::new(store, 0, 1, options("cpu:shm,cuda:cuda-device").hint("cuda_direct_staged_bytes", "lots")).unwrap_err();
+    assert!(e.to_string().contains("hint cuda_direct_staged_bytes=\"lots\""), "{e}");
+    // A bad algorithm hint fails the op, saying the choices.
+    run_threads(1, options("cpu:shm,cuda:cuda-device"), |pg| {
+        let g = weft_cuda_runtime::gpu().unwrap();
+        let addr = g.alloc(0, 64).unwrap();
+        // SAFETY: 16 f32 of device memory.
+        let t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, DType::F32, 0, &[16]) }.unwrap();
+        let o = OpOptions::default().hint("cuda_algorithm", "fastest");
+        let e = pg.all_reduce(t, ReduceOp::Sum, &o).and_then(|w| w.wait()).unwrap_err();
+        assert_eq!(e.kind(), &ErrorKind::InvalidArgument, "{e}");
+        assert!(e.to_string().contains("\"direct\", \"ring\""), "{e}");
+        // SAFETY: unused now.
+        unsafe { g.free(addr) };
+    });
     let _ = (g, Device::Cpu);
 }
