@@ -65,8 +65,8 @@ fn cuda_device_ring_passes_conformance_with_in_process_peers() {
 
 #[test]
 fn cuda_device_direct_passes_conformance_with_in_process_peers() {
-    // W=1 has nothing to map: `auto` runs the ring (a copy-free no-op).
-    conformance(1, "cpu:shm,cuda:cuda-device", &[]);
+    // W=1 has nothing to map: the ring's no-op serves, also where direct is asked for.
+    conformance(1, "cpu:shm,cuda:cuda-device", &[("cuda_algorithm", "direct")]);
     for w in 2..=5 {
         // Staged through the staging buffers (small ops), and not.
         conformance(w, "cpu:shm,cuda:cuda-device", &[("cuda_algorithm", "direct")]);
@@ -135,6 +135,23 @@ fn ranks_on_different_gpus_run_the_ring_unless_direct_is_asked_for() {
             assert!(e.status.success(), "{hints} rank {r}:\n{}", e.output);
             assert!(e.output.contains("cuda=cuda-device cpu=shm"), "{}", e.output);
         }
+    }
+}
+
+#[test]
+fn ranks_given_different_staging_hints_get_an_error_naming_it() {
+    let vars = |rank: usize, port: &str| {
+        vec![
+            ("RANK".to_string(), rank.to_string()),
+            ("WORLD_SIZE".into(), "2".into()),
+            ("MASTER_ADDR".into(), "127.0.0.1".into()),
+            ("MASTER_PORT".into(), port.to_string()),
+            ("WEFT_TEST_HINTS".into(), format!("cuda_direct_staged_bytes={}", rank * 65536)),
+        ]
+    };
+    let ends = run_world_on_free_port(&worker(), 2, &["cuda_staging_disagrees"], &gpu_env(), Duration::from_secs(60), vars);
+    for (r, e) in ends.iter().enumerate() {
+        assert!(e.status.success(), "rank {r}:\n{}", e.output);
     }
 }
 

@@ -49,9 +49,10 @@ use weft::backend::{Backend, OpContext};
 use weft::{Error, ReduceOp, Result, StreamHandle, TensorMut};
 use weft_cuda_runtime::{DevicePtr, MAX_REDUCE_ALL};
 
-/// One rank's round-1 record: whether its buffer could be exported, what it
-/// reduces, and where its buffer is.
+/// One rank's round-1 record: whether it stages the op, whether its buffer
+/// could be exported, what it reduces, and where its buffer is.
 struct Offer {
+    staged: bool,
     exported: bool,
     signature: Signature,
     /// The buffer's offset in its allocation.
@@ -67,7 +68,8 @@ const OFFER_LEN: usize = 5 * 8 + 4 + HANDLE_MAX;
 impl Offer {
     fn encode(&self) -> [u8; OFFER_LEN] {
         let mut b = [0u8; OFFER_LEN];
-        let words = [u64::from(self.exported), self.signature.count, self.signature.kind, self.offset, self.ptr];
+        let flags = u64::from(self.exported) | (u64::from(self.staged) << 1);
+        let words = [flags, self.signature.count, self.signature.kind, self.offset, self.ptr];
         for (i, w) in words.iter().enumerate() {
             b[8 * i..8 * i + 8].copy_from_slice(&w.to_le_bytes());
         }
@@ -83,7 +85,8 @@ impl Offer {
             return Err(Error::backend(format!("cuda-device: malformed direct all-reduce record (handle of {n} bytes)")));
         }
         Ok(Offer {
-            exported: word(0) == 1,
+            exported: word(0) & 1 == 1,
+            staged: word(0) & 2 == 2,
             signature: Signature { count: word(1), kind: word(2) },
             offset: word(3),
             ptr: word(4),
@@ -144,8 +147,12 @@ pub fn all_reduce(
         }
         Ok(false)
     };
-    if w == 1 || w > MAX_REDUCE_ALL {
-        return fallback(format!("runs on 2 to {MAX_REDUCE_ALL} ranks, the group has {w}"));
+    if w == 1 {
+        // Nothing to exchange: the ring's no-op serves.
+        return Ok(false);
+    }
+    if w > MAX_REDUCE_ALL {
+        return fallback(format!("runs on at most {MAX_REDUCE_ALL} ranks, the group has {w}"));
     }
     if !ring.one_gpu && !required {
         // Measured only where the ranks share a GPU; across GPUs every
@@ -178,10 +185,18 @@ pub fn all_reduce(
         Ok((h, off)) if h.len() <= HANDLE_MAX => (true, h, off),
         _ => (ring.others.is_empty(), Vec::new(), 0),
     };
-    let mine = Offer { exported, signature: Signature::of(count, dtype, op), offset, ptr, handle };
+    let mine = Offer { staged, exported, signature: Signature::of(count, dtype, op), offset, ptr, handle };
     let offers = round(&c, 0, &mine.encode())?.iter().map(|b| Offer::decode(b)).collect::<Result<Vec<_>>>()?;
     let signatures: Vec<Signature> = offers.iter().map(|o| o.signature).collect();
     same_everywhere(&signatures, mine.signature, dtype, op)?;
+    let differ = ranks_where(&offers, |o| o.staged != staged);
+    if !differ.is_empty() {
+        return Err(Error::invalid(format!(
+            "cuda-device: rank(s) {differ:?} {} {bytes} bytes and this rank {}: give every rank the same hint cuda_direct_staged_bytes",
+            if staged { "do not stage" } else { "stage" },
+            if staged { "does" } else { "does not" },
+        )));
+    }
     let unexported = ranks_where(&offers, |o| !o.exported);
     if !unexported.is_empty() {
         return fallback(format!("the buffers of rank(s) {unexported:?} cannot be exported with CUDA IPC (pool or host memory)"));

@@ -150,6 +150,18 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             anyhow::ensure!(e.kind() == &ErrorKind::Unsupported && e.to_string().contains("rank(s) [0]"), "rank {r}: {e}");
             println!("rank {r}: fell back to the ring; direct refused: {e}");
         }
+        "cuda_staging_disagrees" => {
+            // The ranks were given different cuda_direct_staged_bytes: a
+            // clear error on every rank, not a timeout.
+            let g = weft_cuda_runtime::gpu().map_err(anyhow::Error::msg)?;
+            let addr = g.alloc(0, 4096)?;
+            // SAFETY: 1024 f32 of device memory, alive until the process exits.
+            let t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, weft::DType::F32, 0, &[1024]) }?;
+            let o = o.clone().hint("cuda_algorithm", "direct").timeout(Duration::from_secs(20));
+            let e = pg.all_reduce(t, ReduceOp::Sum, &o)?.synchronize().err().ok_or_else(|| anyhow::anyhow!("no error"))?;
+            anyhow::ensure!(e.kind() == &ErrorKind::InvalidArgument && e.to_string().contains("cuda_direct_staged_bytes"), "rank {r}: {e}");
+            println!("rank {r}: {e}");
+        }
         "cuda_sigkill" => {
             // The last rank dies during CUDA all_reduces; the others must
             // get PeerLost naming it, in seconds.
