@@ -24,16 +24,20 @@ pub struct RankEnd {
 pub fn run_world(program: &str, n: usize, args: &[&str], env: &[(&str, &str)], limit: Duration) -> Vec<RankEnd> {
     let server = TcpStoreServer::start(([127, 0, 0, 1], 0).into()).expect("store server");
     let port = server.local_addr().port().to_string();
-    let torchrun = |rank: usize| {
-        vec![
-            ("RANK".to_string(), rank.to_string()),
-            ("WORLD_SIZE".into(), n.to_string()),
-            ("MASTER_ADDR".into(), "127.0.0.1".into()),
-            ("MASTER_PORT".into(), port.clone()),
-            ("WEFT_AGENT_STORE".into(), "1".into()),
-        ]
-    };
-    run_world_with(program, n, args, env, limit, torchrun)
+    run_world_with(program, n, args, env, limit, |rank| torchrun_vars(rank, n, &port, &[("WEFT_AGENT_STORE", "1".into())]))
+}
+
+/// torchrun's variables for `rank` of `n` with the store at
+/// 127.0.0.1:`port`, then `extra`.
+pub fn torchrun_vars(rank: usize, n: usize, port: &str, extra: &[(&str, String)]) -> Vec<(String, String)> {
+    let mut v = vec![
+        ("RANK".to_string(), rank.to_string()),
+        ("WORLD_SIZE".into(), n.to_string()),
+        ("MASTER_ADDR".into(), "127.0.0.1".into()),
+        ("MASTER_PORT".into(), port.to_string()),
+    ];
+    v.extend(extra.iter().map(|(k, val)| (k.to_string(), val.clone())));
+    v
 }
 
 /// A free TCP port on loopback (for a store rank 0 hosts).

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use weft::prelude::*;
 use weft::{DType, Device, DeviceKind, ErrorKind, Layout, StreamHandle};
 use weft_cuda_runtime::{synchronize_stream, Gpu};
-use weft_tests::procs::{run_world, run_world_on_free_port};
+use weft_tests::procs::{run_world, run_world_on_free_port, torchrun_vars};
 use weft_tests::{options, run_threads};
 
 /// The emulated GPU, unless `WEFT_TEST_REAL_GPU=1` asks for the real one.
@@ -121,15 +121,7 @@ fn ranks_on_different_gpus_run_the_ring_unless_direct_is_asked_for() {
     for hints in ["", "cuda_algorithm=direct"] {
         let mut env = if real { vec![] } else { vec![("WEFT_CUDA_EMULATION", "2")] };
         env.push(("WEFT_TEST_HINTS", hints));
-        let vars = |rank: usize, port: &str| {
-            vec![
-                ("RANK".to_string(), rank.to_string()),
-                ("LOCAL_RANK".into(), rank.to_string()),
-                ("WORLD_SIZE".into(), "2".into()),
-                ("MASTER_ADDR".into(), "127.0.0.1".into()),
-                ("MASTER_PORT".into(), port.to_string()),
-            ]
-        };
+        let vars = |rank: usize, port: &str| torchrun_vars(rank, 2, port, &[("LOCAL_RANK", rank.to_string())]);
         let ends = run_world_on_free_port(&worker(), 2, &["cuda_conformance"], &env, Duration::from_secs(120), vars);
         for (r, e) in ends.iter().enumerate() {
             assert!(e.status.success(), "{hints} rank {r}:\n{}", e.output);
@@ -141,13 +133,7 @@ fn ranks_on_different_gpus_run_the_ring_unless_direct_is_asked_for() {
 #[test]
 fn ranks_given_different_staging_hints_get_an_error_naming_it() {
     let vars = |rank: usize, port: &str| {
-        vec![
-            ("RANK".to_string(), rank.to_string()),
-            ("WORLD_SIZE".into(), "2".into()),
-            ("MASTER_ADDR".into(), "127.0.0.1".into()),
-            ("MASTER_PORT".into(), port.to_string()),
-            ("WEFT_TEST_HINTS".into(), format!("cuda_direct_staged_bytes={}", rank * 65536)),
-        ]
+        torchrun_vars(rank, 2, port, &[("WEFT_TEST_HINTS", format!("cuda_direct_staged_bytes={}", rank * 65536))])
     };
     let ends = run_world_on_free_port(&worker(), 2, &["cuda_staging_disagrees"], &gpu_env(), Duration::from_secs(60), vars);
     for (r, e) in ends.iter().enumerate() {
@@ -168,15 +154,7 @@ fn cuda_device_falls_back_to_the_ring_where_a_buffer_cannot_be_exported() {
 
 #[test]
 fn auto_falls_back_to_host_staging_when_ranks_are_on_different_hosts() {
-    let vars = |rank: usize, port: &str| {
-        vec![
-            ("RANK".to_string(), rank.to_string()),
-            ("WORLD_SIZE".into(), "2".into()),
-            ("MASTER_ADDR".into(), "127.0.0.1".into()),
-            ("MASTER_PORT".into(), port.to_string()),
-            ("WEFT_HOST_ID".into(), format!("host{rank}")),
-        ]
-    };
+    let vars = |rank: usize, port: &str| torchrun_vars(rank, 2, port, &[("WEFT_HOST_ID", format!("host{rank}"))]);
     let ends = run_world_on_free_port(&worker(), 2, &["cuda_conformance"], &gpu_env(), Duration::from_secs(120), vars);
     for (r, e) in ends.iter().enumerate() {
         assert!(e.status.success(), "rank {r}:\n{}", e.output);

@@ -5,7 +5,7 @@
 
 use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
-use weft_tests::procs::{run_world_with, RankEnd};
+use weft_tests::procs::{run_world_with, torchrun_vars, RankEnd};
 
 /// Run the worker `scenario` with rank r on host `hosts[r]`; the store is
 /// hosted here, as `weft run` hosts it.
@@ -15,15 +15,8 @@ fn on_hosts(hosts: &[&str], scenario: &str, limit: Duration) -> Vec<RankEnd> {
     let port = server.local_addr().port().to_string();
     let n = hosts.len();
     let vars = |r: usize| {
-        vec![
-            ("RANK".to_string(), r.to_string()),
-            ("WORLD_SIZE".into(), n.to_string()),
-            ("MASTER_ADDR".into(), "127.0.0.1".into()),
-            ("MASTER_PORT".into(), port.clone()),
-            ("WEFT_AGENT_STORE".into(), "1".into()),
-            ("WEFT_BACKEND".into(), "auto".into()),
-            ("WEFT_HOST_ID".into(), hosts[r].to_string()),
-        ]
+        let extra = [("WEFT_AGENT_STORE", "1".into()), ("WEFT_BACKEND", "auto".into()), ("WEFT_HOST_ID", hosts[r].to_string())];
+        torchrun_vars(r, n, &port, &extra)
     };
     run_world_with(worker, n, &[scenario], &[], limit, vars)
 }

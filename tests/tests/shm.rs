@@ -5,7 +5,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
 use weft::prelude::*;
 use weft::ErrorKind;
-use weft_tests::procs::{run_world, run_world_on_free_port};
+use weft_tests::procs::{run_world, run_world_on_free_port, torchrun_vars};
 use weft_tests::{options, run_threads};
 
 fn shm_files() -> Vec<String> {
@@ -247,13 +247,7 @@ fn auto_picks_shm_on_one_host_and_leaves_it_when_a_rank_looks_remote() {
     }
     // Rank 2 claims another host: shm refuses the group and auto falls back.
     let vars = |r: usize, port: &str| {
-        let mut v = vec![
-            ("RANK".to_string(), r.to_string()),
-            ("WORLD_SIZE".into(), "3".into()),
-            ("MASTER_ADDR".into(), "127.0.0.1".into()),
-            ("MASTER_PORT".into(), port.to_string()),
-            ("WEFT_BACKEND".into(), "auto".into()),
-        ];
+        let mut v = torchrun_vars(r, 3, port, &[("WEFT_BACKEND", "auto".into())]);
         if r == 2 {
             v.push(("WEFT_HOST_ID".into(), "elsewhere".into()));
         }
