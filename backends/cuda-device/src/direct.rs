@@ -204,13 +204,15 @@ pub fn all_reduce(
 
     // Round 2 (unstaged): every buffer mapped here.
     let mut peers = PeerBuffers::new(&*g, ring.device, stream, ctx.deadline);
-    let bases = if staged {
-        ring.ranks_stage.clone()
+    let mapped;
+    let bases: &[DevicePtr] = if staged {
+        &ring.ranks_stage
     } else {
-        match map_all(ring, &c, &offers, &mut peers)? {
+        mapped = match map_all(ring, &c, &offers, &mut peers)? {
             Ok(bases) => bases,
             Err(why) => return fallback(why),
-        }
+        };
+        &mapped
     };
 
     for p in (0..w).filter(|p| *p != r) {
@@ -221,7 +223,7 @@ pub fn all_reduce(
         // SAFETY: every staging buffer holds `count` elements (checked in
         // round 1) until its owner's next op, which waits for every rank's
         // `done`; the op's buffer is borrowed until completion.
-        unsafe { g.reduce_all(stream, &bases, &[ptr], count, dtype, op)? };
+        unsafe { g.reduce_all(stream, bases, &[ptr], count, dtype, op)? };
     } else {
         // My block of every buffer. Block edges fall on 16 bytes where
         // they can, for the kernel's wide loads.
