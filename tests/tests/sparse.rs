@@ -20,12 +20,15 @@ enum Pattern {
     Identical,
     Disjoint,
     EmptyOnOdd,
+    /// Hundreds of entries, a third of them repeated (the radix sort's path).
+    Many,
 }
 
 fn input(shape: &[usize], sparse: usize, dtype: DType, rank: usize, pattern: Pattern) -> Input {
     let row: usize = shape[sparse..].iter().product();
     let nnz = match pattern {
         Pattern::EmptyOnOdd if rank % 2 == 1 => 0,
+        Pattern::Many => 600,
         _ => 6,
     };
     let mut idx = vec![Vec::new(); sparse];
@@ -35,6 +38,8 @@ fn input(shape: &[usize], sparse: usize, dtype: DType, rank: usize, pattern: Pat
             let i = match pattern {
                 Pattern::Identical => (k * 3 + d) % shape[d],
                 Pattern::Disjoint if d == 0 => (rank * 7 + k) % shape[0],
+                // Entries k and k+400 collide; ranks overlap in part.
+                Pattern::Many => ((((k % 400) * 7919 + (rank % 2) * 31 + d * 17) * 2_654_435_761) >> 7) % shape[d],
                 // Duplicates within a rank: entries k and k+3 collide.
                 _ => ((rank * 5 + (k % 3) * 7 + d) * 13) % shape[d],
             };
@@ -139,6 +144,9 @@ fn sparse_all_reduce_matches_the_dense_reference() {
                     run_case(&pg, &[23], 1, DType::F32, ReduceOp::Sum, pattern, algo);
                     run_case(&pg, &[6, 5, 3], 2, DType::I64, ReduceOp::Sum, pattern, algo);
                 }
+                // Hundreds of entries with repeats, keys over 2^21 positions.
+                run_case(&pg, &[3000, 700, 2], 2, DType::F32, ReduceOp::Sum, Pattern::Many, algo);
+                run_case(&pg, &[3000, 700, 2], 2, DType::I64, ReduceOp::Max, Pattern::Many, algo);
                 // Several sparse and dense dims.
                 run_case(&pg, &[4, 3, 5, 2, 2], 3, DType::F64, ReduceOp::Sum, Pattern::Random, algo);
                 for op in [ReduceOp::Min, ReduceOp::Max] {

@@ -92,9 +92,11 @@ pub fn run(pg: &ProcessGroup, w: &Workload) -> Result<u64> {
             pg.all_reduce_sparse(make()?, &mut out, ReduceOp::Sum, &opts)?.wait()?; // warm-up
             let mut t = Vec::new();
             for _ in 0..w.iters {
+                // The input is built before the clock starts: the op is timed, not the caller's copy.
+                let input = make()?;
                 pg.barrier(&o)?.wait()?;
                 let start = Instant::now();
-                pg.all_reduce_sparse(make()?, &mut out, ReduceOp::Sum, &opts)?.wait()?;
+                pg.all_reduce_sparse(input, &mut out, ReduceOp::Sum, &opts)?.wait()?;
                 t.push(start.elapsed().as_secs_f64() * 1e6);
             }
             pg.all_reduce(&mut t, ReduceOp::Max, &o)?.wait()?;

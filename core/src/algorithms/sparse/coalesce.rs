@@ -185,7 +185,7 @@ pub fn sort<'a>(t: &'a SparseCooTensor<'_>, l: &Layout, op: ReduceOp) -> Result<
         }
         entries.push((key, k));
     }
-    entries.sort_unstable();
+    super::radix::sort_by_key(&mut entries);
     let row = l.row;
     let mut out = Sorted { keys: Vec::with_capacity(nnz), at: Vec::with_capacity(nnz), input, reduced: Vec::new(), row };
     let mut reduced_rows = 0;

@@ -20,20 +20,18 @@ fn keys_of(bytes: &[u8]) -> Vec<i64> {
 }
 
 /// All-gather keys and values (counts known from the header), then merge
-/// (into `reused`, a finished result's buffer).
+/// (into `reused`, a finished result's buffer). Rows land in pooled
+/// scratch: no fresh pages to fault in on every call.
 pub fn allgather(c: &Comm<'_>, run: Run, nnz: &[usize], l: &Layout, op: ReduceOp, reused: Vec<u8>) -> Result<Run> {
-    let mut keys: Vec<Vec<u8>> = nnz.iter().map(|n| vec![0u8; n * 8]).collect();
-    let mut vals: Vec<Vec<u8>> = nnz.iter().map(|n| vec![0u8; n * l.row]).collect();
-    {
-        let mut outs: Vec<&mut [u8]> = keys.iter_mut().map(|v| &mut v[..]).collect();
-        ring::all_gather(&c.phase(2), &key_bytes(&run.keys), &mut outs)?;
-    }
-    {
-        let mut outs: Vec<&mut [u8]> = vals.iter_mut().map(|v| &mut v[..]).collect();
-        ring::all_gather(&c.phase(3), &run.values, &mut outs)?;
-    }
-    let runs: Vec<Run> = keys.iter().zip(vals).map(|(k, v)| Run { keys: keys_of(k), values: v }).collect();
-    let refs: Vec<RunRef<'_>> = runs.iter().map(Run::as_ref).collect();
+    let w = c.size();
+    let (keys_at, rows_at) = (offsets(nnz.iter().map(|n| n * 8)), offsets(nnz.iter().map(|n| n * l.row)));
+    let mut keys = vec![0u8; keys_at[w]];
+    let mut rows = Scratch::take(rows_at[w]);
+    ring::all_gather(&c.phase(2), &key_bytes(&run.keys), &mut ring::split_blocks(&mut keys, &keys_at))?;
+    ring::all_gather(&c.phase(3), &run.values, &mut ring::split_blocks(&mut rows, &rows_at))?;
+    let keys = keys_of(&keys);
+    let refs: Vec<RunRef<'_>> =
+        (0..w).map(|i| RunRef::packed(&keys[keys_at[i] / 8..keys_at[i + 1] / 8], &rows[rows_at[i]..rows_at[i + 1]])).collect();
     Ok(merge_k(&refs, l.row, l.dtype, op, reused))
 }
 

@@ -2,8 +2,9 @@
 //! sparse tensor of the same shape; every rank gets the same coalesced
 //! result over the union of indices (SUM, MIN or MAX).
 //!
-//! 1. Sort locally by key, reducing duplicates (rows stay where they lie
-//!    until an algorithm moves them: `coalesce::Sorted`).
+//! 1. Sort locally by key (a radix sort over the bits the shape needs,
+//!    `radix.rs`), reducing duplicates (rows stay where they lie until an
+//!    algorithm moves them: `coalesce::Sorted`).
 //! 2. Exchange a small header (dtype, shape, nnz, and a bottom-k sketch of
 //!    the keys, `sketch.rs`): shapes must agree, and every rank learns every
 //!    nnz and the same sample of the union, so all choose alike.
@@ -28,6 +29,7 @@ mod coalesce;
 mod cost;
 mod dense;
 mod exchange;
+mod radix;
 mod sketch;
 
 pub use coalesce::{merge2, merge_k, Rows, Run, RunRef, Sorted};
