@@ -2,7 +2,7 @@
 //! recursive doubling with a 2-way merge per step, and split (a sparse
 //! reduce-scatter over key ranges, then an all-gather of the shares).
 
-use super::coalesce::{distinct, merge2, merge_into, merge_k, reuse, Layout, Run, RunRef, Sorted};
+use super::coalesce::{distinct, merge2, merge_into, merge_k, recycle, reuse, Layout, Run, RunRef, Sorted};
 use crate::algorithms::recursive::Fold;
 use crate::algorithms::{linear, ring, Comm};
 use crate::backend::P2p;
@@ -20,8 +20,8 @@ fn keys_of(bytes: &[u8]) -> Vec<i64> {
 }
 
 /// All-gather keys and values (counts known from the header), then merge
-/// (into `reused`, a finished result's buffer). Rows land in pooled
-/// scratch: no fresh pages to fault in on every call.
+/// (into `reused`, a finished result's buffer; `run`'s is recycled). Rows
+/// land in pooled scratch: no fresh pages to fault in on every call.
 pub fn allgather(c: &Comm<'_>, run: Run, nnz: &[usize], l: &Layout, op: ReduceOp, reused: Vec<u8>) -> Result<Run> {
     let w = c.size();
     let (keys_at, rows_at) = (offsets(nnz.iter().map(|n| n * 8)), offsets(nnz.iter().map(|n| n * l.row)));
@@ -32,7 +32,9 @@ pub fn allgather(c: &Comm<'_>, run: Run, nnz: &[usize], l: &Layout, op: ReduceOp
     let keys = keys_of(&keys);
     let refs: Vec<RunRef<'_>> =
         (0..w).map(|i| RunRef::packed(&keys[keys_at[i] / 8..keys_at[i + 1] / 8], &rows[rows_at[i]..rows_at[i + 1]])).collect();
-    Ok(merge_k(&refs, l.row, l.dtype, op, reused))
+    let merged = merge_k(&refs, l.row, l.dtype, op, reused);
+    recycle(run.values);
+    Ok(merged)
 }
 
 /// Send a run: its length, then its keys and its rows (two messages, so
@@ -84,8 +86,8 @@ fn swap_run(c: &Comm<'_>, step: u32, peer: usize, run: &Run, row: usize) -> Resu
 /// Recursive doubling over the partial unions. Ranks beyond the largest
 /// power of two fold into a partner first and get the result back last
 /// ([`Fold`], as the dense recursive doubling does). Each merge writes into
-/// the buffer the merge before it read (the first into `spare`, a finished
-/// result's buffer).
+/// the buffer the merge before it read (the first into `spare`); the buffer
+/// left over is recycled for the next op.
 pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp, mut spare: Vec<u8>) -> Result<Run> {
     const FOLD: u32 = 4000;
     // Both partners combine the same two runs in the same order: results
@@ -118,6 +120,7 @@ pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp, 
         let (keys, values) = recv_run(c, FOLD + 3, from, l.row, |n| reuse(std::mem::take(&mut spare), n))?;
         run = Run { keys, values };
     }
+    recycle(spare);
     Ok(run)
 }
 

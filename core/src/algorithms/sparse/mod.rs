@@ -72,10 +72,13 @@ pub fn all_reduce(c: &Comm<'_>, input: &SparseCooTensor<'_>, output: &mut Sparse
     // The caller's previous result's buffer holds this one: its pages are
     // already there (a fresh one faults in every page on every call). Until
     // the new result is in, `output` is empty, also if this fails.
+    // Recursive doubling packs its run into the previous result's buffer
+    // and merges into a recycled one: the other way round, packing 134 KB
+    // at W=2 measured 31 us against 10 (and the op 74 us against 52).
     let reused = std::mem::take(output).values;
     let result = match algo {
-        "allgather" => exchange::allgather(&c.phase(1), sorted.into_run(), &plan.nnz, &layout, op, reused)?,
-        "recursive_doubling" => exchange::recursive_doubling(&c.phase(1), sorted.into_run(), &layout, op, reused)?,
+        "allgather" => exchange::allgather(&c.phase(1), sorted.into_run(coalesce::spare()), &plan.nnz, &layout, op, reused)?,
+        "recursive_doubling" => exchange::recursive_doubling(&c.phase(1), sorted.into_run(reused), &layout, op, coalesce::spare())?,
         "split" => exchange::split(&c.phase(1), &sorted, &layout, op, &plan.sketch.bounds(c.size()), reused)?,
         _ => dense::all_reduce(&c.phase(1), &sorted, &layout, op, reused)?,
     };
