@@ -147,8 +147,10 @@ fn sparse_all_reduce_matches_the_dense_reference() {
                 // Hundreds of entries with repeats, keys over 2^21 positions.
                 run_case(&pg, &[3000, 700, 2], 2, DType::F32, ReduceOp::Sum, Pattern::Many, algo);
                 run_case(&pg, &[3000, 700, 2], 2, DType::I64, ReduceOp::Max, Pattern::Many, algo);
-                // Several sparse and dense dims.
+                // Several sparse and dense dims; more of each than PyTorch's
+                // Gloo path takes (4 + 4).
                 run_case(&pg, &[4, 3, 5, 2, 2], 3, DType::F64, ReduceOp::Sum, Pattern::Random, algo);
+                run_case(&pg, &[3, 2, 3, 2, 2, 3, 2, 1, 2, 1, 2], 6, DType::F32, ReduceOp::Sum, Pattern::Random, algo);
                 for op in [ReduceOp::Min, ReduceOp::Max] {
                     run_case(&pg, &[9, 2], 1, DType::I32, op, Pattern::Random, algo);
                     run_case(&pg, &[9, 2], 1, DType::BF16, op, Pattern::Disjoint, algo);
@@ -157,6 +159,9 @@ fn sparse_all_reduce_matches_the_dense_reference() {
             for dtype in DType::ALL {
                 run_case(&pg, &[11, 2], 1, dtype, ReduceOp::Sum, Pattern::Random, "auto");
             }
+            // The most dims a tensor may have: 16 sparse, 16 dense.
+            let widest: Vec<usize> = [vec![2; 16], vec![1; 16]].concat();
+            run_case(&pg, &widest, 16, DType::I32, ReduceOp::Sum, Pattern::Identical, "auto");
             // Results written over earlier ones (algorithms reuse the
             // caller's result buffer): longer, then shorter, other dtypes.
             let mut out = stale();
@@ -202,6 +207,16 @@ fn sparse_errors_are_clear() {
         let mut out = SparseCoo::default();
         let r = pg.all_reduce_sparse(t.clone(), &mut out, ReduceOp::Product, &OpOptions::default());
         assert_eq!(r.unwrap_err().kind(), &ErrorKind::InvalidArgument);
+        // More dims than the header carries: refused on every rank before
+        // anything is sent.
+        let deep = SparseCooTensor::new(
+            weft::Tensor::from_slice(&idx).reshape(&[1, 2]).unwrap(),
+            weft::Tensor::from_slice(&vals).reshape(&[vec![2], vec![1; 32]].concat()).unwrap(),
+            [vec![8], vec![1; 32]].concat(),
+        )
+        .unwrap();
+        let e = pg.all_reduce_sparse(deep, &mut out, ReduceOp::Sum, &OpOptions::default()).and_then(|w| w.wait()).unwrap_err();
+        assert!(e.kind() == &ErrorKind::InvalidArgument && e.to_string().contains("at most 32 dims"), "{e}");
         let result = pg.all_reduce_sparse(t, &mut out, ReduceOp::Sum, &OpOptions::default()).unwrap().wait();
         result.unwrap_err()
     });
