@@ -218,21 +218,32 @@ pub fn sort<'a>(t: &'a SparseCooTensor<'_>, l: &Layout, op: ReduceOp) -> Result<
     super::radix::sort_by_key(&mut entries);
     let row = l.row;
     let mut out = Sorted { keys: Vec::with_capacity(nnz), at: Vec::with_capacity(nnz), input, reduced: Vec::new(), row };
-    let mut reduced_rows = 0;
+    // Keys first; then the entries of repeated keys are reduced, with the
+    // rows of a group a few groups ahead already loading (they lie anywhere
+    // in the input). Reduced inside the first pass, each group waited for
+    // its rows: 407 -> 262 us at 55,000 entries with 2,600 repeated keys.
+    let mut repeated = Vec::new();
     for same in entries.chunk_by(|a, b| a.0 == b.0) {
         let (key, first) = same[0];
         out.keys.push(key);
         if same.len() == 1 {
             out.at.push(first);
-            continue;
+        } else {
+            out.at.push(REDUCED | repeated.len());
+            repeated.push(same);
+        }
+    }
+    let row_of = |k: usize| &input[k * row..(k + 1) * row];
+    out.reduced.reserve_exact(repeated.len() * row);
+    for (g, same) in repeated.iter().enumerate() {
+        if let Some(ahead) = repeated.get(g + AHEAD) {
+            ahead.iter().for_each(|(_, k)| crate::kernels::prefetch(row_of(*k)));
         }
         let start = out.reduced.len();
-        out.reduced.extend_from_slice(&input[first * row..(first + 1) * row]);
+        out.reduced.extend_from_slice(row_of(same[0].1));
         for (_, k) in &same[1..] {
-            reduce_into(&mut out.reduced[start..], &input[k * row..(k + 1) * row], l.dtype, op);
+            reduce_into(&mut out.reduced[start..], row_of(*k), l.dtype, op);
         }
-        out.at.push(REDUCED | reduced_rows);
-        reduced_rows += 1;
     }
     Ok(out)
 }
