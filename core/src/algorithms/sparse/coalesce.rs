@@ -99,7 +99,8 @@ impl Layout {
     }
 }
 
-/// How many entries ahead of its use a [`Sorted`] row is prefetched.
+/// How many entries ahead of its use a [`Sorted`] row is prefetched (and
+/// how many groups ahead [`sort`] loads the rows of repeated keys).
 const AHEAD: usize = 8;
 
 /// Tag of a [`Sorted`] row index that points into its reduced duplicates.
