@@ -27,7 +27,9 @@ const MARGIN: f64 = 1.1;
 /// The cheapest algorithm's name.
 pub fn cheapest(world: usize, nnz: &[usize], union: f64, l: &Layout) -> &'static str {
     if world <= 1 {
-        return "allgather";
+        // Nothing to exchange: recursive doubling's zero steps only
+        // coalesce the input (the all-gather would copy it twice more).
+        return "recursive_doubling";
     }
     let w = world as f64;
     let n = nnz.iter().sum::<usize>() as f64 / w;
@@ -101,7 +103,7 @@ mod tests {
         // costs the baseline more than split's extra steps.
         let narrow_big = Layout { rows: 1_000_000, ..narrow.clone() };
         assert_eq!(cheapest(4, &[52_500; 4], 139_000.0, &narrow_big), "split");
-        // One rank: nothing to exchange.
-        assert_eq!(cheapest(1, &[5], 5.0, &l), "allgather");
+        // One rank: nothing to exchange, nothing to merge.
+        assert_eq!(cheapest(1, &[5], 5.0, &l), "recursive_doubling");
     }
 }
