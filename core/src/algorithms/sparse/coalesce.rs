@@ -371,15 +371,24 @@ pub fn reuse(mut buf: Vec<u8>, len: usize) -> Vec<u8> {
     buf
 }
 
-/// The run as a user-facing tensor: keys unravelled into `[sparse_dims, nnz]` indices.
-pub fn to_coo(run: Run, l: &Layout) -> SparseCoo {
+/// The run as a user-facing tensor: keys unravelled into `[sparse_dims, nnz]`
+/// indices, written into `indices` (a finished result's buffer: its pages
+/// are already there). The outermost index is what the inner dims leave, so
+/// one sparse dim needs no division at all.
+pub fn to_coo(run: Run, l: &Layout, mut indices: Vec<i64>) -> SparseCoo {
     let n = run.keys.len();
-    let mut indices = vec![0i64; l.sparse_dims * n];
+    indices.clear();
+    indices.resize(l.sparse_dims * n, 0);
     for (k, key) in run.keys.iter().enumerate() {
-        let mut rem = *key;
-        for d in (0..l.sparse_dims).rev() {
-            indices[d * n + k] = rem % l.shape[d] as i64;
-            rem /= l.shape[d] as i64;
+        // Keys lie in [0, rows), rows <= i64::MAX (`Layout::of`).
+        let mut rem = *key as u64;
+        for d in (1..l.sparse_dims).rev() {
+            let extent = l.shape[d] as u64;
+            indices[d * n + k] = (rem % extent) as i64;
+            rem /= extent;
+        }
+        if l.sparse_dims > 0 {
+            indices[k] = rem as i64;
         }
     }
     SparseCoo { shape: l.shape.clone(), sparse_dims: l.sparse_dims, dtype: Some(l.dtype), indices, values: run.values }
@@ -391,6 +400,15 @@ mod tests {
 
     fn run(keys: &[i64], vals: &[i32]) -> Run {
         Run { keys: keys.to_vec(), values: vals.iter().flat_map(|v| v.to_ne_bytes()).collect() }
+    }
+
+    #[test]
+    fn keys_unravel_into_a_reused_buffer() {
+        let l = Layout { shape: vec![3, 4, 5], sparse_dims: 2, dtype: DType::I32, row: 20, rows: 12 };
+        let coo = to_coo(Run { keys: vec![0, 7, 11], values: vec![0; 60] }, &l, vec![-1; 50]);
+        assert_eq!(coo.indices, vec![0, 1, 2, 0, 3, 3]);
+        let l1 = Layout { shape: vec![9, 5], sparse_dims: 1, ..l };
+        assert_eq!(to_coo(Run { keys: vec![2, 8], values: vec![0; 40] }, &l1, Vec::new()).indices, vec![2, 8]);
     }
 
     #[test]

@@ -24,7 +24,22 @@ fn hash(key: i64) -> u64 {
 /// This rank's part of the sketch: up to `k` (hash, key) pairs with the
 /// smallest hashes of `keys` (distinct keys), padded with (u64::MAX, 0).
 pub fn local(keys: &[i64], k: usize) -> Vec<(u64, i64)> {
-    let mut pairs: Vec<(u64, i64)> = keys.iter().map(|key| (hash(*key), *key)).collect();
+    let n = keys.len();
+    // The k-th smallest of n uniform hashes lies near k/n of their range:
+    // keep only the pairs below 3k/n of it (about 3k, so most keys cost a
+    // hash and one comparison), then select among those. Too few below it
+    // (a k-th hash far past its expectation): select among all.
+    let mut pairs: Vec<(u64, i64)> = if n > 4 * k {
+        let below = u64::MAX / n as u64 * (3 * k) as u64;
+        let mut few = Vec::with_capacity(4 * k);
+        few.extend(keys.iter().map(|key| (hash(*key), *key)).filter(|(h, _)| *h < below));
+        few
+    } else {
+        Vec::new()
+    };
+    if pairs.len() < k.min(n) {
+        pairs = keys.iter().map(|key| (hash(*key), *key)).collect();
+    }
     if pairs.len() > k {
         pairs.select_nth_unstable(k - 1);
         pairs.truncate(k);
@@ -77,6 +92,30 @@ mod tests {
     /// Which rank owns `key` under `bounds`.
     fn owner(bounds: &[i64], key: i64) -> usize {
         bounds.partition_point(|b| *b <= key)
+    }
+
+    /// The k smallest hashes, by sorting every pair.
+    fn bottom_k(keys: &[i64], k: usize) -> Vec<(u64, i64)> {
+        let mut all: Vec<(u64, i64)> = keys.iter().map(|key| (hash(*key), *key)).collect();
+        all.sort_unstable();
+        all.resize(k, (u64::MAX, 0));
+        all
+    }
+
+    #[test]
+    fn local_part_is_the_k_smallest_hashes() {
+        let sorted = |mut v: Vec<(u64, i64)>| {
+            v.sort_unstable();
+            v
+        };
+        for n in [0, 10, 64, 256, 257, 5000] {
+            let keys: Vec<i64> = (0..n).map(|i| i * 7919).collect();
+            assert_eq!(sorted(local(&keys, 64)), bottom_k(&keys, 64), "n = {n}");
+        }
+        // Keys whose hashes all lie in the upper half: nothing passes the
+        // filter, and the part still holds the k smallest.
+        let high: Vec<i64> = (0..).filter(|key| hash(*key) > u64::MAX / 2).take(1000).collect();
+        assert_eq!(sorted(local(&high, 64)), bottom_k(&high, 64));
     }
 
     #[test]
