@@ -125,15 +125,16 @@ pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp, 
 }
 
 /// Sparse reduce-scatter + all-gather over key ranges: rank i owns keys in
-/// [bounds[i-1], bounds[i]) (ranges holding equal shares of the union, from
-/// the sketch). Each rank's sorted input splits into W slices by binary
-/// search; every rank sends each owner its slice (rows packed from where
-/// the caller left them: the only copy a sent row takes before the wire);
-/// owners merge their range, reading their own slice where it lies,
-/// straight into its place in the result (`reused`, a finished result's
-/// buffer); the reduced shares, disjoint and in key order, are then
-/// all-gathered around it. Traffic follows the union when indices overlap,
-/// each rank merges only its range, and no row is copied twice on a rank.
+/// [bounds[i-1], bounds[i]) (ranges holding equal shares of all ranks'
+/// entries, from the spaced keys). Each rank's sorted input splits into W
+/// slices by binary search; every rank sends each owner its slice (rows
+/// packed from where the caller left them: the only copy a sent row takes
+/// before the wire); owners merge their range, reading their own slice
+/// where it lies, straight into its place in the result (`reused`, a
+/// finished result's buffer); the reduced shares, disjoint and in key
+/// order, are then all-gathered around it. Traffic follows the union when
+/// indices overlap, each rank merges only its range, and no row is copied
+/// twice on a rank.
 /// Each of the four exchanges (slice sizes, slices, share sizes, shares)
 /// talks to every peer at once: four steps whatever W.
 pub fn split(c: &Comm<'_>, input: &Sorted<'_>, l: &Layout, op: ReduceOp, bounds: &[i64], reused: Vec<u8>) -> Result<Run> {

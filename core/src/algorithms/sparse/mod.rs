@@ -5,19 +5,20 @@
 //! 1. Sort locally by key (a radix sort over the bits the shape needs,
 //!    `radix.rs`), reducing duplicates (rows stay where they lie until an
 //!    algorithm moves them: `coalesce::Sorted`).
-//! 2. Exchange a small header (dtype, shape, nnz, and a bottom-k sketch of
-//!    the keys, `sketch.rs`): shapes must agree, and every rank learns every
-//!    nnz and the same sample of the union, so all choose alike.
+//! 2. Exchange a small header (dtype, shape, nnz, a bottom-k sketch of the
+//!    keys and evenly spaced keys, `sketch.rs`): shapes must agree, and every
+//!    rank learns every nnz, the same estimate of the union and the same
+//!    spread of keys, so all choose alike.
 //! 3. Run one of (hint `sparse_algorithm=` forces it):
 //!    - `allgather`: all-gather every rank's keys and values, k-way merge
 //!      (PyTorch's Gloo path; traffic W x nnz);
 //!    - `recursive_doubling`: log2(W) exchanges of the partial union with
 //!      a 2-way merge each; traffic follows the union, not W x nnz;
-//!    - `split`: rank i owns a key range holding 1/W of the union (bounds
-//!      from the sketch); every rank sends each owner its slice of its run,
-//!      owners merge, and the reduced shares are all-gathered straight into
-//!      the result (a sparse reduce-scatter + all-gather, four steps that
-//!      each talk to every peer at once);
+//!    - `split`: rank i owns a key range holding 1/W of all ranks' entries
+//!      (bounds from the spaced keys); every rank sends each owner its
+//!      slice of its run, owners merge, and the reduced shares are
+//!      all-gathered straight into the result (a sparse reduce-scatter +
+//!      all-gather, four steps that each talk to every peer at once);
 //!    - `dense`: densify, dense all-reduce plus a presence mask (SparCML's
 //!      switch, cheaper once the union is dense enough).
 //!
@@ -39,7 +40,6 @@ use crate::error::{Error, Result};
 use crate::reduce_op::ReduceOp;
 use crate::tensor::{SparseCoo, SparseCooTensor};
 use coalesce::Layout;
-use sketch::Sketch;
 
 /// Largest number of dims a sparse tensor may have (header slots).
 const MAX_DIMS: usize = 32;
@@ -62,7 +62,7 @@ pub fn all_reduce(c: &Comm<'_>, input: &SparseCooTensor<'_>, output: &mut Sparse
         Some("recursive_doubling") => "recursive_doubling",
         Some("split") => "split",
         Some("dense") => "dense",
-        None | Some("auto") => cost::cheapest(c.size(), &plan.nnz, plan.sketch.union, &layout),
+        None | Some("auto") => cost::cheapest(c.size(), &plan.nnz, plan.union, &layout),
         Some(other) => {
             return Err(Error::invalid(format!(
                 "sparse all_reduce has no algorithm {other:?} (choices: auto, allgather, recursive_doubling, split, dense)"
@@ -79,7 +79,7 @@ pub fn all_reduce(c: &Comm<'_>, input: &SparseCooTensor<'_>, output: &mut Sparse
     let result = match algo {
         "allgather" => exchange::allgather(&c.phase(1), sorted.into_run(coalesce::spare()), &plan.nnz, &layout, op, reused)?,
         "recursive_doubling" => exchange::recursive_doubling(&c.phase(1), sorted.into_run(reused), &layout, op, coalesce::spare())?,
-        "split" => exchange::split(&c.phase(1), &sorted, &layout, op, &plan.sketch.bounds(c.size()), reused)?,
+        "split" => exchange::split(&c.phase(1), &sorted, &layout, op, &sketch::balanced_bounds(plan.spaced, c.size()), reused)?,
         _ => dense::all_reduce(&c.phase(1), &sorted, &layout, op, reused)?,
     };
     let mut out = coalesce::to_coo(result, &layout, reused_indices);
@@ -92,8 +92,10 @@ pub fn all_reduce(c: &Comm<'_>, input: &SparseCooTensor<'_>, output: &mut Sparse
 struct Plan {
     /// Every rank's number of distinct keys.
     nnz: Vec<usize>,
-    /// A sample of the union of keys and its estimated size.
-    sketch: Sketch,
+    /// The estimated number of distinct keys over all ranks.
+    union: f64,
+    /// Every rank's spaced keys (`sketch::spaced`).
+    spaced: Vec<(i64, u64)>,
 }
 
 /// All-gather every rank's header and sketch part; error if shapes, sparse
@@ -101,7 +103,8 @@ struct Plan {
 fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64]) -> Result<Plan> {
     let w = c.size();
     let k = sketch::sample_size(w);
-    let words = HEADER + 2 * k;
+    // Header, sketch pairs, spaced pairs.
+    let words = HEADER + 4 * k;
     let mut mine = vec![0u64; words];
     mine[0] = l.dtype as u64;
     mine[1] = l.sparse_dims as u64;
@@ -113,6 +116,10 @@ fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64]) -> Result<Plan> {
     for (i, (h, key)) in sketch::local(keys, k).into_iter().enumerate() {
         mine[HEADER + 2 * i] = h;
         mine[HEADER + 2 * i + 1] = key as u64;
+    }
+    for (i, (key, weight)) in sketch::spaced(keys, k).into_iter().enumerate() {
+        mine[HEADER + 2 * k + 2 * i] = key as u64;
+        mine[HEADER + 2 * k + 2 * i + 1] = weight;
     }
     let bytes: Vec<u8> = mine.iter().flat_map(|x| x.to_le_bytes()).collect();
     let mut all = vec![vec![0u8; words * 8]; w];
@@ -135,6 +142,10 @@ fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64]) -> Result<Plan> {
             describe(&heads[r])
         )));
     }
-    let parts = heads.iter().flat_map(|h| h[HEADER..].chunks_exact(2).map(|p| (p[0], p[1] as i64)));
-    Ok(Plan { nnz: heads.iter().map(|h| h[3] as usize).collect(), sketch: Sketch::combine(parts, k) })
+    let pairs = |h: &[u64], at: usize| h[at..at + 2 * k].chunks_exact(2).map(|p| (p[0], p[1])).collect::<Vec<_>>();
+    Ok(Plan {
+        nnz: heads.iter().map(|h| h[3] as usize).collect(),
+        union: sketch::union_size(heads.iter().flat_map(|h| pairs(h, HEADER)).map(|(hash, key)| (hash, key as i64)), k),
+        spaced: heads.iter().flat_map(|h| pairs(h, HEADER + 2 * k)).map(|(key, weight)| (key as i64, weight)).collect(),
+    })
 }

@@ -1,13 +1,17 @@
-//! What ranks learn about the union of indices before moving any rows: a
-//! bottom-k sketch (the k keys with the smallest hashes). The bottom-k of a
-//! union is the bottom-k of the ranks' bottom-k's, so a few hundred bytes
-//! per rank in the header give every rank the same uniform sample of the
-//! union. From it: an estimate of the union's size (k minimum values, for
-//! choosing an algorithm) and key ranges holding equal shares of the union
-//! (for `split`). Hashing runs once per key while planning; merges never hash.
+//! What ranks learn about each other's keys before moving any rows, from a
+//! few hundred bytes per rank in the header:
+//! - a bottom-k sketch (the k keys with the smallest hashes): the bottom-k
+//!   of a union is the bottom-k of the ranks' bottom-k's, so every rank gets
+//!   the same uniform sample of the union, and from it an estimate of the
+//!   union's size (k minimum values), for choosing an algorithm;
+//! - evenly spaced keys of every rank's sorted keys, each weighted by the
+//!   entries it stands for: key ranges holding equal shares of all ranks'
+//!   entries (for `split`, whose owners each merge one range).
+//!
+//! Hashing runs once per key while planning; merges never hash.
 
-/// Sample size: enough for quantiles at W ranks and a union estimate within
-/// about 1/sqrt(k).
+/// Sample size (of each kind, per rank): enough for quantiles at W ranks
+/// and a union estimate within about 1/sqrt(k).
 pub fn sample_size(world: usize) -> usize {
     (32 * world).clamp(64, 1024)
 }
@@ -48,41 +52,63 @@ pub fn local(keys: &[i64], k: usize) -> Vec<(u64, i64)> {
     pairs
 }
 
-/// The union's sketch, built alike on every rank from all ranks' parts.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Sketch {
-    /// Estimated number of distinct keys over all ranks.
-    pub union: f64,
-    /// The sampled keys of the union, sorted.
-    pub keys: Vec<i64>,
+/// The estimated number of distinct keys over all ranks, from every rank's
+/// [`local`] part (`k` pairs each); the same on every rank.
+pub fn union_size(parts: impl IntoIterator<Item = (u64, i64)>, k: usize) -> f64 {
+    let mut all: Vec<(u64, i64)> = parts.into_iter().filter(|(h, _)| *h != u64::MAX).collect();
+    all.sort_unstable();
+    all.dedup();
+    if all.len() < k {
+        // Fewer distinct keys than the sample size: the sample is the union.
+        all.len() as f64
+    } else {
+        // k minimum values: the k-th smallest of U uniform hashes sits near k/U.
+        let kth = all[k - 1].0 as f64 / u64::MAX as f64;
+        (k - 1) as f64 / kth.max(f64::MIN_POSITIVE)
+    }
 }
 
-impl Sketch {
-    /// Combine every rank's [`local`] part (`k` pairs each).
-    pub fn combine(parts: impl IntoIterator<Item = (u64, i64)>, k: usize) -> Sketch {
-        let mut all: Vec<(u64, i64)> = parts.into_iter().filter(|(h, _)| *h != u64::MAX).collect();
-        all.sort_unstable();
-        all.dedup();
-        all.truncate(k);
-        let union = if all.len() < k {
-            // Fewer distinct keys than the sample size: the sample is the union.
-            all.len() as f64
-        } else {
-            // k minimum values: the k-th smallest of U uniform hashes sits near k/U.
-            let kth = all[k - 1].0 as f64 / u64::MAX as f64;
-            (k - 1) as f64 / kth.max(f64::MIN_POSITIVE)
-        };
-        let mut keys: Vec<i64> = all.into_iter().map(|(_, key)| key).collect();
-        keys.sort_unstable();
-        Sketch { union, keys }
-    }
+/// This rank's spaced keys: `keys` (sorted, distinct) cut into up to `k`
+/// blocks of equal length, each as (its first key, its length); padded
+/// with (0, 0).
+pub fn spaced(keys: &[i64], k: usize) -> Vec<(i64, u64)> {
+    let (n, m) = (keys.len(), k.min(keys.len()));
+    let mut out: Vec<(i64, u64)> = (0..m).map(|j| (keys[j * n / m], ((j + 1) * n / m - j * n / m) as u64)).collect();
+    out.resize(k, (0, 0));
+    out
+}
 
-    /// W-1 non-decreasing key bounds splitting the union into W ranges of
-    /// about equal size: rank i owns keys k with bounds[i-1] <= k < bounds[i].
-    pub fn bounds(&self, world: usize) -> Vec<i64> {
-        let n = self.keys.len();
-        (1..world).map(|i| if n == 0 { i64::MAX } else { self.keys[(i * n / world).min(n - 1)] }).collect()
-    }
+/// W-1 non-decreasing key bounds splitting all ranks' entries (every
+/// rank's [`spaced`] part together) into W ranges of about equal size:
+/// rank i owns keys k with bounds[i-1] <= k < bounds[i]. Balancing entries
+/// rather than distinct keys balances the owners' work: an owner merges
+/// every entry in its range and receives the rest of the union, so its
+/// share of distinct keys evens out. (Where popular keys cluster, a range
+/// with an equal share of the union would hold most of the entries.)
+pub fn balanced_bounds(parts: impl IntoIterator<Item = (i64, u64)>, world: usize) -> Vec<i64> {
+    let mut samples: Vec<(i64, u64)> = parts.into_iter().filter(|(_, weight)| *weight > 0).collect();
+    samples.sort_unstable();
+    let total: u64 = samples.iter().map(|(_, weight)| weight).sum();
+    // `before`: the entries of the samples before the j-th (about those with
+    // a smaller key: samples of equal keys, from different ranks, are taken
+    // together). A range ends before the first key whose samples lie mostly
+    // past its target (2 * (before + weight / 2) compared with 2 * target).
+    let (mut before, mut j) = (0u128, 0usize);
+    let (total, w) = (u128::from(total), world as u128);
+    (1..world)
+        .map(|i| {
+            while let Some(&(key, _)) = samples.get(j) {
+                let same = samples[j..].iter().take_while(|(k, _)| *k == key);
+                let (count, weight) = same.fold((0, 0u128), |(n, sum), (_, x)| (n + 1, sum + u128::from(*x)));
+                if (2 * before + weight) * w >= 2 * total * i as u128 {
+                    break;
+                }
+                before += weight;
+                j += count;
+            }
+            samples.get(j).map_or(i64::MAX, |(key, _)| *key)
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -119,24 +145,40 @@ mod tests {
     }
 
     #[test]
-    fn union_estimate_and_bounds() {
+    fn union_estimate() {
         let k = 256;
         // Four ranks with 3000 keys each, overlapping by half: 7500 distinct.
         let parts: Vec<Vec<i64>> = (0..4).map(|r| (r * 1500..r * 1500 + 3000).collect()).collect();
-        let sketch = Sketch::combine(parts.iter().flat_map(|p| local(p, k)), k);
-        assert!((sketch.union - 7500.0).abs() < 7500.0 * 0.2, "{}", sketch.union);
-        // Equal shares of the union, within sampling error.
-        let bounds = sketch.bounds(4);
-        let mut share = [0usize; 4];
-        for key in 0..7500 {
-            share[owner(&bounds, key)] += 1;
-        }
-        assert!(share.iter().all(|s| (*s as f64 - 1875.0).abs() < 1875.0 * 0.4), "{share:?}");
-        // A small union is counted exactly.
-        let small = Sketch::combine([vec![1i64, 5, 9], vec![5, 7]].iter().flat_map(|p| local(p, k)), k);
-        assert_eq!((small.union, small.keys.clone()), (4.0, vec![1, 5, 7, 9]));
+        let union = union_size(parts.iter().flat_map(|p| local(p, k)), k);
+        assert!((union - 7500.0).abs() < 7500.0 * 0.2, "{union}");
+        // A small union is counted exactly; none at all is none.
+        assert_eq!(union_size([vec![1i64, 5, 9], vec![5, 7]].iter().flat_map(|p| local(p, k)), k), 4.0);
+        assert_eq!(union_size(local(&[], k), k), 0.0);
+    }
+
+    #[test]
+    fn bounds_balance_entries() {
+        let k = 64;
+        // Entries per owner under `bounds`, over every rank's keys.
+        let shares = |parts: &[Vec<i64>], bounds: &[i64]| {
+            let mut share = vec![0usize; bounds.len() + 1];
+            parts.iter().flatten().for_each(|key| share[owner(bounds, *key)] += 1);
+            share
+        };
+        // Popular keys cluster low: every rank has 0..2000, and 1000 keys of
+        // its own above. 12,000 entries: 3000 per owner at W=4, where equal
+        // shares of the 6000 distinct keys would put 8000 entries in the
+        // first two ranges.
+        let parts: Vec<Vec<i64>> = (0..4).map(|r| (0..2000).chain(10_000 + r * 1000..11_000 + r * 1000).collect()).collect();
+        let bounds = balanced_bounds(parts.iter().flat_map(|p| spaced(p, k)), 4);
+        assert!(bounds.windows(2).all(|b| b[0] <= b[1]), "{bounds:?}");
+        let share = shares(&parts, &bounds);
+        assert!(share.iter().all(|s| (*s as f64 - 3000.0).abs() < 3000.0 * 0.1), "{share:?}");
+        // Fewer keys than samples: every key counts exactly.
+        let few = vec![vec![1i64, 5, 9], vec![5, 7]];
+        let bounds = balanced_bounds(few.iter().flat_map(|p| spaced(p, k)), 2);
+        assert_eq!(shares(&few, &bounds), vec![3, 2]);
         // No keys anywhere: every key belongs to rank 0.
-        let empty = Sketch::combine(local(&[], k), k);
-        assert_eq!((empty.union, owner(&empty.bounds(3), 42)), (0.0, 0));
+        assert_eq!(owner(&balanced_bounds(spaced(&[], k), 3), 42), 0);
     }
 }
