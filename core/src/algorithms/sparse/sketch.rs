@@ -1,5 +1,5 @@
 //! What ranks learn about each other's keys before moving any rows, from a
-//! few hundred bytes per rank in the header:
+//! few kilobytes per rank in the header:
 //! - a bottom-k sketch (the k keys with the smallest hashes): the bottom-k
 //!   of a union is the bottom-k of the ranks' bottom-k's, so every rank gets
 //!   the same uniform sample of the union, and from it an estimate of the
@@ -88,13 +88,12 @@ pub fn spaced(keys: &[i64], k: usize) -> Vec<(i64, u64)> {
 pub fn balanced_bounds(parts: impl IntoIterator<Item = (i64, u64)>, world: usize) -> Vec<i64> {
     let mut samples: Vec<(i64, u64)> = parts.into_iter().filter(|(_, weight)| *weight > 0).collect();
     samples.sort_unstable();
-    let total: u64 = samples.iter().map(|(_, weight)| weight).sum();
+    let total: u128 = samples.iter().map(|(_, weight)| u128::from(*weight)).sum();
     // `before`: the entries of the samples before the j-th (about those with
     // a smaller key: samples of equal keys, from different ranks, are taken
     // together). A range ends before the first key whose samples lie mostly
     // past its target (2 * (before + weight / 2) compared with 2 * target).
-    let (mut before, mut j) = (0u128, 0usize);
-    let (total, w) = (u128::from(total), world as u128);
+    let (mut before, mut j, w) = (0u128, 0usize, world as u128);
     (1..world)
         .map(|i| {
             while let Some(&(key, _)) = samples.get(j) {
