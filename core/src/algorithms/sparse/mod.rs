@@ -143,9 +143,11 @@ fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64]) -> Result<Plan> {
         )));
     }
     let pairs = |h: &[u64], at: usize| h[at..at + 2 * k].chunks_exact(2).map(|p| (p[0], p[1])).collect::<Vec<_>>();
+    let nnz: Vec<usize> = heads.iter().map(|h| h[3] as usize).collect();
+    let sampled = heads.iter().flat_map(|h| pairs(h, HEADER)).map(|(hash, key)| (hash, key as i64));
     Ok(Plan {
-        nnz: heads.iter().map(|h| h[3] as usize).collect(),
-        union: sketch::union_size(heads.iter().flat_map(|h| pairs(h, HEADER)).map(|(hash, key)| (hash, key as i64)), k),
+        union: sketch::union_size(sampled, k, nnz.iter().sum()),
+        nnz,
         spaced: heads.iter().flat_map(|h| pairs(h, HEADER + 2 * k)).map(|(key, weight)| (key as i64, weight)).collect(),
     })
 }
