@@ -98,8 +98,8 @@ struct Plan {
     spaced: Vec<(i64, u64)>,
 }
 
-/// All-gather every rank's header and sketch part; error if shapes, sparse
-/// dims or dtypes differ (naming the ranks).
+/// All-gather every rank's header, sketch part and spaced keys; error if
+/// shapes, sparse dims or dtypes differ (naming the ranks).
 fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64]) -> Result<Plan> {
     let w = c.size();
     let k = sketch::sample_size(w);
