@@ -142,12 +142,15 @@ fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64]) -> Result<Plan> {
             describe(&heads[r])
         )));
     }
-    let pairs = |h: &[u64], at: usize| h[at..at + 2 * k].chunks_exact(2).map(|p| (p[0], p[1])).collect::<Vec<_>>();
+    // The k word pairs of a header from word `at` on.
+    fn pairs(h: &[u64], at: usize, k: usize) -> impl Iterator<Item = (u64, u64)> + '_ {
+        h[at..at + 2 * k].chunks_exact(2).map(|p| (p[0], p[1]))
+    }
     let nnz: Vec<usize> = heads.iter().map(|h| h[3] as usize).collect();
-    let sampled = heads.iter().flat_map(|h| pairs(h, HEADER)).map(|(hash, key)| (hash, key as i64));
+    let sampled = heads.iter().flat_map(|h| pairs(h, HEADER, k)).map(|(hash, key)| (hash, key as i64));
     Ok(Plan {
         union: sketch::union_size(sampled, k, nnz.iter().sum()),
         nnz,
-        spaced: heads.iter().flat_map(|h| pairs(h, HEADER + 2 * k)).map(|(key, weight)| (key as i64, weight)).collect(),
+        spaced: heads.iter().flat_map(|h| pairs(h, HEADER + 2 * k, k)).map(|(key, weight)| (key as i64, weight)).collect(),
     })
 }

@@ -30,6 +30,7 @@ fn hash(key: i64) -> u64 {
 /// smallest hashes of `keys` (distinct keys), padded with (u64::MAX, 0).
 pub fn local(keys: &[i64], k: usize) -> Vec<(u64, i64)> {
     let n = keys.len();
+    let hashed = || keys.iter().map(|key| (hash(*key), *key));
     // The k-th smallest of n uniform hashes lies near k/n of their range:
     // keep only the pairs below 3k/n of it (about 3k, so most keys cost a
     // hash and one comparison), then select among those. Too few below it
@@ -37,13 +38,13 @@ pub fn local(keys: &[i64], k: usize) -> Vec<(u64, i64)> {
     let mut pairs: Vec<(u64, i64)> = if n > 4 * k {
         let below = u64::MAX / n as u64 * (3 * k) as u64;
         let mut few = Vec::with_capacity(4 * k);
-        few.extend(keys.iter().map(|key| (hash(*key), *key)).filter(|(h, _)| *h < below));
+        few.extend(hashed().filter(|(h, _)| *h < below));
         few
     } else {
         Vec::new()
     };
     if pairs.len() < k.min(n) {
-        pairs = keys.iter().map(|key| (hash(*key), *key)).collect();
+        pairs = hashed().collect();
     }
     if pairs.len() > k {
         pairs.select_nth_unstable(k - 1);
