@@ -249,36 +249,6 @@ pub fn sort<'a>(t: &'a SparseCooTensor<'_>, l: &Layout, op: ReduceOp) -> Result<
     Ok(out)
 }
 
-/// Merge two coalesced runs into one, reducing rows with equal keys.
-///
-/// The result's values go into `values`, a buffer to reuse (its contents
-/// are dropped).
-pub fn merge2(a: RunRef<'_>, b: RunRef<'_>, row: usize, dtype: DType, op: ReduceOp, values: Vec<u8>) -> Run {
-    let mut out = Run::reusing(values, a.keys.len() + b.keys.len(), row);
-    let (mut i, mut j) = (0, 0);
-    while i < a.keys.len() || j < b.keys.len() {
-        let take_a = j == b.keys.len() || (i < a.keys.len() && a.keys[i] <= b.keys[j]);
-        let both = i < a.keys.len() && j < b.keys.len() && a.keys[i] == b.keys[j];
-        if both {
-            out.keys.push(a.keys[i]);
-            let start = out.values.len();
-            out.values.extend_from_slice(a.row(i, row));
-            reduce_into(&mut out.values[start..], b.row(j, row), dtype, op);
-            i += 1;
-            j += 1;
-        } else if take_a {
-            out.keys.push(a.keys[i]);
-            out.values.extend_from_slice(a.row(i, row));
-            i += 1;
-        } else {
-            out.keys.push(b.keys[j]);
-            out.values.extend_from_slice(b.row(j, row));
-            j += 1;
-        }
-    }
-    out
-}
-
 /// Up to this many runs, the smallest head is found by scanning the heads
 /// (predictable branches, no heap upkeep); beyond, a heap.
 const SCAN_RUNS: usize = 16;
@@ -287,6 +257,9 @@ const SCAN_RUNS: usize = 16;
 /// each unique within its run) in key order; entries with equal keys come
 /// together, in run order.
 fn in_key_order(runs: &[RunRef<'_>], mut each: impl FnMut(i64, usize, usize)) {
+    if let [a, b] = runs {
+        return in_key_order2(a.keys, b.keys, each);
+    }
     let mut pos = vec![0usize; runs.len()];
     if runs.len() <= SCAN_RUNS {
         while let Some(key) = runs.iter().zip(&pos).filter_map(|(r, p)| r.keys.get(*p)).min().copied() {
@@ -310,6 +283,26 @@ fn in_key_order(runs: &[RunRef<'_>], mut each: impl FnMut(i64, usize, usize)) {
             heap.push(Reverse((*next, i)));
         }
     }
+}
+
+/// [`in_key_order`] of two runs (every algorithm's case at two ranks): a
+/// plain two-way merge, one comparison per entry, instead of scanning the
+/// heads twice per key.
+fn in_key_order2(a: &[i64], b: &[i64], mut each: impl FnMut(i64, usize, usize)) {
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() && j < b.len() {
+        let (x, y) = (a[i], b[j]);
+        if x <= y {
+            each(x, 0, i);
+            i += 1;
+        }
+        if y <= x {
+            each(y, 1, j);
+            j += 1;
+        }
+    }
+    (i..a.len()).for_each(|i| each(a[i], 0, i));
+    (j..b.len()).for_each(|j| each(b[j], 1, j));
 }
 
 /// Merge k coalesced runs (k-way merge), reducing rows with equal keys.
@@ -414,13 +407,17 @@ mod tests {
     #[test]
     fn two_way_and_k_way_merges_agree() {
         let a = run(&[1, 4, 9], &[1, 2, 3]);
-        let b = run(&[0, 4, 10], &[5, 6, 7]);
+        let b = run(&[0, 4, 10, 11], &[5, 6, 7, 8]);
         let c = run(&[4], &[100]);
-        let ab = merge2(a.as_ref(), b.as_ref(), 4, DType::I32, ReduceOp::Sum, Vec::new());
-        let m2 = merge2(ab.as_ref(), c.as_ref(), 4, DType::I32, ReduceOp::Sum, vec![1; 100]);
-        let mk = merge_k(&[a.as_ref(), b.as_ref(), c.as_ref(), RunRef::default()], 4, DType::I32, ReduceOp::Sum, Vec::new());
-        assert_eq!(m2, mk);
-        assert_eq!(mk, run(&[0, 1, 4, 9, 10], &[5, 1, 108, 3, 7]));
+        let merge = |runs: &[RunRef<'_>]| merge_k(runs, 4, DType::I32, ReduceOp::Sum, vec![1; 100]);
+        // Two runs take the two-way path; with an empty third, the scan.
+        let ab = merge(&[a.as_ref(), b.as_ref()]);
+        assert_eq!(ab, merge(&[a.as_ref(), b.as_ref(), RunRef::default()]));
+        assert_eq!(merge(&[b.as_ref(), a.as_ref()]), merge(&[b.as_ref(), RunRef::default(), a.as_ref()]));
+        assert_eq!(distinct(&[a.as_ref(), b.as_ref()]), 6);
+        let mk = merge(&[a.as_ref(), b.as_ref(), c.as_ref(), RunRef::default()]);
+        assert_eq!(merge(&[ab.as_ref(), c.as_ref()]), mk);
+        assert_eq!(mk, run(&[0, 1, 4, 9, 10, 11], &[5, 1, 108, 3, 7, 8]));
     }
 
     #[test]
@@ -433,7 +430,7 @@ mod tests {
         let pairwise = scanned
             .iter()
             .skip(1)
-            .fold(scanned[0].clone(), |a, b| merge2(a.as_ref(), b.as_ref(), 4, DType::I32, ReduceOp::Sum, Vec::new()));
+            .fold(scanned[0].clone(), |a, b| merge_k(&[a.as_ref(), b.as_ref()], 4, DType::I32, ReduceOp::Sum, Vec::new()));
         assert_eq!(heap, pairwise);
         assert_eq!(heap.keys.len(), 7 + 40 + 1);
     }

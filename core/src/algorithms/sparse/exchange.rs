@@ -2,7 +2,7 @@
 //! recursive doubling with a 2-way merge per step, and split (a sparse
 //! reduce-scatter over key ranges, then an all-gather of the shares).
 
-use super::coalesce::{distinct, merge2, merge_into, merge_k, recycle, reuse, Layout, Run, RunRef, Sorted};
+use super::coalesce::{distinct, merge_into, merge_k, recycle, reuse, Layout, Run, RunRef, Sorted};
 use crate::algorithms::recursive::Fold;
 use crate::algorithms::{linear, ring, Comm};
 use crate::backend::P2p;
@@ -93,7 +93,7 @@ pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp, 
     // Both partners combine the same two runs in the same order: results
     // stay identical on every rank.
     let absorb = |run: Run, keys: &[i64], rows: &[u8], spare: &mut Vec<u8>| {
-        let merged = merge2(run.as_ref(), RunRef::packed(keys, rows), l.row, l.dtype, op, std::mem::take(spare));
+        let merged = merge_k(&[run.as_ref(), RunRef::packed(keys, rows)], l.row, l.dtype, op, std::mem::take(spare));
         *spare = run.values;
         merged
     };

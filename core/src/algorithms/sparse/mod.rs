@@ -33,7 +33,7 @@ mod exchange;
 mod radix;
 mod sketch;
 
-pub use coalesce::{merge2, merge_k, Rows, Run, RunRef, Sorted};
+pub use coalesce::{merge_k, Rows, Run, RunRef, Sorted};
 
 use super::Comm;
 use crate::error::{Error, Result};
