@@ -217,6 +217,34 @@ fn sparse_errors_are_clear() {
         .unwrap();
         let e = pg.all_reduce_sparse(deep, &mut out, ReduceOp::Sum, &OpOptions::default()).and_then(|w| w.wait()).unwrap_err();
         assert!(e.kind() == &ErrorKind::InvalidArgument && e.to_string().contains("at most 32 dims"), "{e}");
+        // Ranks that disagree on the op or the algorithm all fail, naming
+        // both calls; the group goes on working.
+        let same = SparseCooTensor::new(weft::Tensor::from_slice(&idx).reshape(&[1, 2]).unwrap(), weft::Tensor::from_slice(&vals), vec![8])
+            .unwrap();
+        let call = |op: ReduceOp, algo: &str| {
+            let opts = OpOptions::default().hint("sparse_algorithm", algo);
+            let mut out = SparseCoo::default();
+            pg.all_reduce_sparse(same.clone(), &mut out, op, &opts).and_then(|w| w.wait()).map(|_| out)
+        };
+        let mismatch = |op, algo, want: &[&str]| {
+            let e = call(op, algo).unwrap_err();
+            assert_eq!(e.kind(), &ErrorKind::InvalidArgument, "{e}");
+            assert!(want.iter().all(|w| e.to_string().contains(w)), "{e}");
+        };
+        let rank = pg.rank();
+        mismatch(
+            if rank == 2 { ReduceOp::Max } else { ReduceOp::Sum },
+            "allgather",
+            &["rank 0 called it with op sum and sparse_algorithm=allgather", "rank 2 with op max and sparse_algorithm=allgather"],
+        );
+        mismatch(
+            ReduceOp::Sum,
+            if rank == 1 { "split" } else { "dense" },
+            &["sparse_algorithm=dense", "rank 1 with op sum and sparse_algorithm=split"],
+        );
+        mismatch(ReduceOp::Sum, if rank == 1 { "bogus" } else { "auto" }, &["rank 1 with op sum and sparse_algorithm=(unknown)"]);
+        mismatch(ReduceOp::Sum, "bogus", &["no algorithm \"bogus\""]);
+        assert_eq!(call(ReduceOp::Max, "split").unwrap().values, [1f32, 2.0].iter().flat_map(|v| v.to_ne_bytes()).collect::<Vec<u8>>());
         let result = pg.all_reduce_sparse(t, &mut out, ReduceOp::Sum, &OpOptions::default()).unwrap().wait();
         result.unwrap_err()
     });

@@ -340,9 +340,10 @@ pub trait Collectives<'t>: sealed::Sealed {
 
     /// Reduce every rank's sparse COO tensor (SUM, MIN or MAX over the union
     /// of indices) into `output`: a new coalesced tensor, identical on every
-    /// rank. All ranks must pass the same shape and dtype; a mismatch is an
-    /// error naming the ranks and both shapes. The hint
-    /// `sparse_algorithm=allgather|recursive_doubling|dense` forces an algorithm.
+    /// rank. All ranks must pass the same shape, dtype, op and hint
+    /// `sparse_algorithm=auto|allgather|recursive_doubling|split|dense` (which
+    /// forces an algorithm); a mismatch is an error on every rank naming the
+    /// ranks and both calls.
     fn all_reduce_sparse(&self, input: SparseCooTensor<'t>, output: &'t mut SparseCoo, op: ReduceOp, opts: &OpOptions) -> Result<Work<'t>> {
         let c = check(self, "all_reduce_sparse");
         if !matches!(op, ReduceOp::Sum | ReduceOp::Min | ReduceOp::Max) {

@@ -5,10 +5,12 @@
 //! 1. Sort locally by key (a radix sort over the bits the shape needs,
 //!    `radix.rs`), reducing duplicates (rows stay where they lie until an
 //!    algorithm moves them: `coalesce::Sorted`).
-//! 2. Exchange a small header (dtype, shape, nnz, a bottom-k sketch of the
-//!    keys and evenly spaced keys, `sketch.rs`): shapes must agree, and every
-//!    rank learns every nnz, the same estimate of the union and the same
-//!    spread of keys, so all choose alike.
+//! 2. Exchange a small header (dtype, shape, nnz, op, the algorithm asked
+//!    for; for `auto` a bottom-k sketch of the keys, and for `auto` and
+//!    `split` evenly spaced keys, `sketch.rs`): shapes, ops and algorithms
+//!    must agree (else every rank fails, naming the ranks), and every rank
+//!    learns every nnz, the same estimate of the union and the same spread
+//!    of keys, so all choose alike.
 //! 3. Run one of (hint `sparse_algorithm=` forces it):
 //!    - `allgather`: all-gather every rank's keys and values, k-way merge
 //!      (PyTorch's Gloo path; traffic W x nnz);
@@ -43,31 +45,34 @@ use coalesce::Layout;
 
 /// Largest number of dims a sparse tensor may have (header slots).
 const MAX_DIMS: usize = 32;
-/// Header words: dtype, sparse dims, ndims, nnz, dims.
-const HEADER: usize = 4 + MAX_DIMS;
+/// Header words: dtype, sparse dims, ndims, nnz, op, algorithm, then dims.
+const DIMS: usize = 6;
+/// Header words in all.
+const HEADER: usize = DIMS + MAX_DIMS;
+/// The hint `sparse_algorithm=`'s choices, in header code order.
+const ALGORITHMS: [&str; 5] = ["auto", "allgather", "recursive_doubling", "split", "dense"];
+/// The ops a sparse all-reduce supports, in header code order.
+const OPS: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max];
 
 /// The sparse all-reduce of `input` into `output`.
 pub fn all_reduce(c: &Comm<'_>, input: &SparseCooTensor<'_>, output: &mut SparseCoo, op: ReduceOp) -> Result<()> {
-    if !matches!(op, ReduceOp::Sum | ReduceOp::Min | ReduceOp::Max) {
+    let Some(op_code) = OPS.iter().position(|o| *o == op) else {
         return Err(Error::invalid(format!("sparse all_reduce supports sum, min and max, not {op}")));
-    }
+    };
     if input.shape.len() > MAX_DIMS {
         return Err(Error::invalid(format!("sparse tensors have at most {MAX_DIMS} dims, got {}", input.shape.len())));
     }
+    // An unknown name still takes part in the header exchange (as code
+    // `ALGORITHMS.len()`), so every rank fails alike instead of waiting.
+    let hint = c.ctx().hints.get("sparse_algorithm").map(String::as_str).unwrap_or("auto");
+    let requested = ALGORITHMS.iter().position(|a| *a == hint).unwrap_or(ALGORITHMS.len());
     let layout = Layout::of(input)?;
     let sorted = coalesce::sort(input, &layout, op)?;
-    let plan = agree(&c.phase(0), &layout, &sorted.keys)?;
-    let algo = match c.ctx().hints.get("sparse_algorithm").map(String::as_str) {
-        Some("allgather") => "allgather",
-        Some("recursive_doubling") => "recursive_doubling",
-        Some("split") => "split",
-        Some("dense") => "dense",
-        None | Some("auto") => cost::cheapest(c.size(), &plan.nnz, plan.union, &layout),
-        Some(other) => {
-            return Err(Error::invalid(format!(
-                "sparse all_reduce has no algorithm {other:?} (choices: auto, allgather, recursive_doubling, split, dense)"
-            )))
-        }
+    let plan = agree(&c.phase(0), &layout, &sorted.keys, op_code, requested)?;
+    let algo = match ALGORITHMS.get(requested) {
+        Some(&"auto") => cost::cheapest(c.size(), &plan.nnz, plan.union, &layout),
+        Some(algo) => algo,
+        None => return Err(Error::invalid(format!("sparse all_reduce has no algorithm {hint:?} (choices: {})", ALGORITHMS.join(", ")))),
     };
     // The caller's previous result's buffers hold this one: their pages are
     // already there (fresh ones fault in every page on every call). Until
@@ -92,17 +97,19 @@ pub fn all_reduce(c: &Comm<'_>, input: &SparseCooTensor<'_>, output: &mut Sparse
 struct Plan {
     /// Every rank's number of distinct keys.
     nnz: Vec<usize>,
-    /// The estimated number of distinct keys over all ranks.
+    /// The estimated number of distinct keys over all ranks (`auto` only).
     union: f64,
-    /// Every rank's spaced keys (`sketch::spaced`).
+    /// Every rank's spaced keys (`sketch::spaced`; `auto` and `split` only).
     spaced: Vec<(i64, u64)>,
 }
 
-/// All-gather every rank's header, sketch part and spaced keys; error if
-/// shapes, sparse dims or dtypes differ (naming the ranks).
-fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64]) -> Result<Plan> {
+/// All-gather every rank's header, sketch part and spaced keys (each only
+/// where the `requested` algorithm uses it); error if shapes, sparse dims,
+/// dtypes, ops or requested algorithms differ (naming the ranks).
+fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64], op_code: usize, requested: usize) -> Result<Plan> {
     let w = c.size();
     let k = sketch::sample_size(w);
+    let (auto, split) = (ALGORITHMS.get(requested) == Some(&"auto"), ALGORITHMS.get(requested) == Some(&"split"));
     // Header, sketch pairs, spaced pairs.
     let words = HEADER + 4 * k;
     let mut mine = vec![0u64; words];
@@ -110,16 +117,22 @@ fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64]) -> Result<Plan> {
     mine[1] = l.sparse_dims as u64;
     mine[2] = l.shape.len() as u64;
     mine[3] = keys.len() as u64;
+    mine[4] = op_code as u64;
+    mine[5] = requested as u64;
     for (i, d) in l.shape.iter().enumerate() {
-        mine[4 + i] = *d as u64;
+        mine[DIMS + i] = *d as u64;
     }
-    for (i, (h, key)) in sketch::local(keys, k).into_iter().enumerate() {
-        mine[HEADER + 2 * i] = h;
-        mine[HEADER + 2 * i + 1] = key as u64;
+    if auto {
+        for (i, (h, key)) in sketch::local(keys, k).into_iter().enumerate() {
+            mine[HEADER + 2 * i] = h;
+            mine[HEADER + 2 * i + 1] = key as u64;
+        }
     }
-    for (i, (key, weight)) in sketch::spaced(keys, k).into_iter().enumerate() {
-        mine[HEADER + 2 * k + 2 * i] = key as u64;
-        mine[HEADER + 2 * k + 2 * i + 1] = weight;
+    if auto || split {
+        for (i, (key, weight)) in sketch::spaced(keys, k).into_iter().enumerate() {
+            mine[HEADER + 2 * k + 2 * i] = key as u64;
+            mine[HEADER + 2 * k + 2 * i + 1] = weight;
+        }
     }
     let bytes: Vec<u8> = mine.iter().flat_map(|x| x.to_le_bytes()).collect();
     let mut all = vec![vec![0u8; words * 8]; w];
@@ -130,16 +143,29 @@ fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64]) -> Result<Plan> {
     let heads: Vec<Vec<u64>> =
         all.iter().map(|b| b.chunks(8).map(|x| u64::from_le_bytes(x.try_into().expect("8 bytes"))).collect()).collect();
     let describe = |h: &[u64]| {
-        let dims: Vec<u64> = h[4..4 + (h[2] as usize).min(MAX_DIMS)].to_vec();
+        let dims: Vec<u64> = h[DIMS..DIMS + (h[2] as usize).min(MAX_DIMS)].to_vec();
         let dtype = crate::DType::from_code(h[0] as u8).map(|d| d.name()).unwrap_or("?");
         format!("shape {dims:?} with {} sparse dims, {dtype}", h[1])
     };
-    let key = |h: &[u64]| (h[0], h[1], h[2], h[4..HEADER].to_vec());
+    let key = |h: &[u64]| (h[0], h[1], h[2], h[DIMS..HEADER].to_vec());
     if let Some(r) = (0..w).find(|r| key(&heads[*r]) != key(&heads[0])) {
         return Err(Error::invalid(format!(
             "sparse tensors differ between ranks: rank 0 has {}, rank {r} has {}",
             describe(&heads[0]),
             describe(&heads[r])
+        )));
+    }
+    // The same call everywhere: one op and one algorithm (an unknown one
+    // on every rank fails in the caller, naming it).
+    let call = |h: &[u64]| {
+        let op = OPS.get(h[4] as usize).map_or("?", |o| o.name());
+        format!("op {op} and sparse_algorithm={}", ALGORITHMS.get(h[5] as usize).unwrap_or(&"(unknown)"))
+    };
+    if let Some(r) = (0..w).find(|r| heads[*r][4..6] != heads[0][4..6]) {
+        return Err(Error::invalid(format!(
+            "mismatched sparse all_reduce calls: rank 0 called it with {}, rank {r} with {}",
+            call(&heads[0]),
+            call(&heads[r])
         )));
     }
     // The k word pairs of a header from word `at` on.
@@ -149,7 +175,7 @@ fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64]) -> Result<Plan> {
     let nnz: Vec<usize> = heads.iter().map(|h| h[3] as usize).collect();
     let sampled = heads.iter().flat_map(|h| pairs(h, HEADER, k)).map(|(hash, key)| (hash, key as i64));
     Ok(Plan {
-        union: sketch::union_size(sampled, k, nnz.iter().sum()),
+        union: if auto { sketch::union_size(sampled, k, nnz.iter().sum()) } else { 0.0 },
         nnz,
         spaced: heads.iter().flat_map(|h| pairs(h, HEADER + 2 * k, k)).map(|(key, weight)| (key as i64, weight)).collect(),
     })
