@@ -179,6 +179,36 @@ fn sparse_all_reduce_matches_the_dense_reference() {
 }
 
 #[test]
+fn every_rank_gets_the_same_bits() {
+    // Where contributions meet, the result's bits can depend on the order
+    // they combine in: min and max of -0.0 and +0.0, and which NaN payload
+    // a sum or min carries on. Every rank must combine them in one order.
+    for w in 2..=5 {
+        for algo in ALGOS {
+            for op in [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max] {
+                let results = run_threads(w, options("cpu:auto"), move |pg| {
+                    let r = pg.rank();
+                    let idx = vec![0i64, 1, 2];
+                    let zero = if r % 2 == 0 { -0.0 } else { 0.0 };
+                    let vals = vec![zero, f32::from_bits(0x7fc0_0000 | (r as u32 + 1)), r as f32];
+                    let t = SparseCooTensor::new(
+                        weft::Tensor::from_slice(&idx).reshape(&[1, 3]).unwrap(),
+                        weft::Tensor::from_slice(&vals),
+                        vec![3],
+                    )
+                    .unwrap();
+                    let mut out = SparseCoo::default();
+                    let opts = OpOptions::default().hint("sparse_algorithm", algo);
+                    pg.all_reduce_sparse(t, &mut out, op, &opts).unwrap().wait().unwrap();
+                    out.values
+                });
+                assert!(results.iter().all(|v| *v == results[0]), "{algo} w={w} {op}: ranks differ: {results:?}");
+            }
+        }
+    }
+}
+
+#[test]
 fn cuda_sparse_tensors_are_reduced_through_host_staging() {
     weft_cuda_runtime::emulate(1).unwrap();
     for w in [1, 2, 3] {

@@ -90,10 +90,14 @@ fn swap_run(c: &Comm<'_>, step: u32, peer: usize, run: &Run, row: usize) -> Resu
 /// left over is recycled for the next op.
 pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp, mut spare: Vec<u8>) -> Result<Run> {
     const FOLD: u32 = 4000;
-    // Both partners combine the same two runs in the same order: results
-    // stay identical on every rank.
-    let absorb = |run: Run, keys: &[i64], rows: &[u8], spare: &mut Vec<u8>| {
-        let merged = merge_k(&[run.as_ref(), RunRef::packed(keys, rows)], l.row, l.dtype, op, std::mem::take(spare));
+    // Both partners combine the two runs in the same order, the lower
+    // rank's first (`mine_first` on that rank): where contributions meet,
+    // the result's bits may depend on the order (min of -0.0 and +0.0, a
+    // NaN's payload), and every rank must end with the same bits.
+    let absorb = |run: Run, keys: &[i64], rows: &[u8], mine_first: bool, spare: &mut Vec<u8>| {
+        let (mine, theirs) = (run.as_ref(), RunRef::packed(keys, rows));
+        let runs = if mine_first { [mine, theirs] } else { [theirs, mine] };
+        let merged = merge_k(&runs, l.row, l.dtype, op, std::mem::take(spare));
         *spare = run.values;
         merged
     };
@@ -102,14 +106,14 @@ pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp, 
         send_run(c, FOLD, to, &run)?;
     } else if let Some(from) = fold.stands_for() {
         let (keys, rows) = recv_run(c, FOLD, from, l.row, Scratch::take)?;
-        run = absorb(run, &keys, &rows, &mut spare);
+        run = absorb(run, &keys, &rows, true, &mut spare);
     }
     if let Some(v) = fold.virtual_rank() {
         let (mut mask, mut step) = (1, 0);
         while mask < fold.p {
             let peer = fold.real(v ^ mask);
             let (keys, rows) = swap_run(c, step, peer, &run, l.row)?;
-            run = absorb(run, &keys, &rows, &mut spare);
+            run = absorb(run, &keys, &rows, v & mask == 0, &mut spare);
             mask <<= 1;
             step += 3;
         }
