@@ -342,6 +342,15 @@ pub trait Backend: Send + Sync {
     /// the error that poisoned the group); must return promptly.
     fn abort(&self, reason: &Error);
 
+    /// About how many bytes a rank receives in the time one more message
+    /// step costs on this transport (its latency times its bandwidth).
+    /// Algorithm choices that trade steps for bytes (the sparse `auto`)
+    /// weigh them with it. The default suits sockets; a backend layered
+    /// over another reports that one's.
+    fn step_bytes(&self) -> usize {
+        64 << 10
+    }
+
     /// Close cleanly (peers learn this rank left on purpose). Called once,
     /// when the group is dropped after its last op.
     fn shutdown(&self) {}

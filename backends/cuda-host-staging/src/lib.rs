@@ -59,6 +59,9 @@ impl Backend for HostStagingBackend {
     fn abort(&self, reason: &Error) {
         self.staging.cpu().abort(reason)
     }
+    fn step_bytes(&self) -> usize {
+        self.staging.cpu().step_bytes()
+    }
 }
 
 static HOST_STAGING: HostStaging = HostStaging;

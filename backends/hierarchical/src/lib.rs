@@ -212,6 +212,9 @@ impl Backend for HierBackend {
     fn shutdown(&self) {
         self.subs().for_each(|s| s.backend.shutdown());
     }
+    fn step_bytes(&self) -> usize {
+        self.flat.backend.step_bytes()
+    }
 }
 
 static HIERARCHICAL: Hierarchical = Hierarchical;

@@ -47,6 +47,9 @@ impl Backend for SparseBackend {
     fn abort(&self, reason: &Error) {
         self.dense.abort(reason)
     }
+    fn step_bytes(&self) -> usize {
+        self.dense.step_bytes()
+    }
 }
 
 static SPARSE: Sparse = Sparse;

@@ -75,6 +75,10 @@ impl<'a> Comm<'a> {
     pub fn ctx(&self) -> &OpContext {
         self.ctx
     }
+    /// The backend's [`Backend::step_bytes`].
+    pub fn step_bytes(&self) -> usize {
+        self.backend.step_bytes()
+    }
     /// Run a batch of point-to-point ops.
     pub fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()> {
         self.backend.exchange(ops, self.ctx.deadline)

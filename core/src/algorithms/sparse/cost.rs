@@ -3,7 +3,8 @@
 //! sketch's estimate of the union). Cost counts the bytes each rank
 //! receives, a quarter of the bytes its merges read plus a price per
 //! merged row, half of the bytes it copies locally, and a price per
-//! message step; the dense path pays its ring traffic and passes over the
+//! message step (the transport's: a few µs through shared memory, tens
+//! over sockets); the dense path pays its ring traffic and passes over the
 //! dense table (fill, reduce, compact). The weights were fitted to
 //! `weft bench --ops sparse_all_reduce` at W = 2 and 4; another algorithm
 //! replaces the all-gather baseline only when it is clearly cheaper, so
@@ -11,8 +12,6 @@
 
 use super::coalesce::Layout;
 
-/// One message step costs about as much as receiving this many bytes.
-const STEP_BYTES: f64 = 64.0 * 1024.0;
 /// A byte read by a merge, against a byte received.
 const MERGE: f64 = 0.25;
 /// Each row a merge reads also costs a fixed price (compare, branch): what
@@ -24,14 +23,17 @@ const COPY: f64 = 0.5;
 /// How much cheaper than the baseline an estimate must be to replace it.
 const MARGIN: f64 = 1.1;
 
-/// The cheapest algorithm's name.
-pub fn cheapest(world: usize, nnz: &[usize], union: f64, l: &Layout) -> &'static str {
+/// The cheapest algorithm's name, where one message step costs as much as
+/// receiving `step_bytes` (the transport's [`Backend::step_bytes`]).
+///
+/// [`Backend::step_bytes`]: crate::backend::Backend::step_bytes
+pub fn cheapest(world: usize, nnz: &[usize], union: f64, l: &Layout, step_bytes: usize) -> &'static str {
     if world <= 1 {
         // Nothing to exchange: recursive doubling's zero steps only
         // coalesce the input (the all-gather would copy it twice more).
         return "recursive_doubling";
     }
-    let w = world as f64;
+    let (w, step) = (world as f64, step_bytes as f64);
     let n = nnz.iter().sum::<usize>() as f64 / w;
     // The union holds at least the largest contribution, at most all of them.
     let max = nnz.iter().copied().max().unwrap_or(0) as f64;
@@ -44,7 +46,7 @@ pub fn cheapest(world: usize, nnz: &[usize], union: f64, l: &Layout) -> &'static
     // packs only the rows it sends).
     let pack = n * l.row as f64 * COPY;
     // The baseline also copies its own run into the gathered buffers.
-    let baseline = (w - 1.0) * n * b + merge(w * n) + 2.0 * (w - 1.0) * STEP_BYTES + pack + n * b * COPY;
+    let baseline = (w - 1.0) * n * b + merge(w * n) + 2.0 * (w - 1.0) * step + pack + n * b * COPY;
     let others = [
         // Step i swaps partial unions of 2^i ranks and merges two of them.
         (
@@ -55,16 +57,16 @@ pub fn cheapest(world: usize, nnz: &[usize], union: f64, l: &Layout) -> &'static
                     partial * b + merge(2.0 * partial)
                 })
                 .sum::<f64>()
-                + 2.0 * log_w * STEP_BYTES
+                + 2.0 * log_w * step
                 + pack,
         ),
         // Each owner receives its range from the others and merges it; the
         // reduced union is all-gathered. Four steps, each with every peer.
-        ("split", (w - 1.0) / w * (n + u) * b + merge(n) + 4.0 * STEP_BYTES + (w - 1.0) / w * pack),
+        ("split", (w - 1.0) / w * (n + u) * b + merge(n) + 4.0 * step + (w - 1.0) / w * pack),
         // A dense ring all-reduce (and its mask), plus passes over the table.
         ("dense", {
             let table = l.rows as f64 * (l.row + 1) as f64;
-            2.0 * (w - 1.0) / w * table + 4.0 * MERGE * table + 4.0 * (w - 1.0) * STEP_BYTES
+            2.0 * (w - 1.0) / w * table + 4.0 * MERGE * table + 4.0 * (w - 1.0) * step
         }),
     ];
     match others.iter().min_by(|a, b| a.1.total_cmp(&b.1)) {
@@ -78,6 +80,10 @@ mod tests {
     use super::*;
     use crate::dtype::DType;
 
+    /// The default step price (sockets), and shared memory's.
+    const SOCKET: usize = 64 << 10;
+    const SHM: usize = 16 << 10;
+
     fn table(rows: u64) -> Layout {
         Layout { shape: vec![rows as usize, 64], sparse_dims: 1, dtype: DType::F32, row: 256, rows }
     }
@@ -87,23 +93,30 @@ mod tests {
         let l = table(100_000);
         // Tiny tensors: the fewest steps (four either way at W=4), never the
         // baseline's six.
-        assert!(matches!(cheapest(4, &[10; 4], 30.0, &l), "recursive_doubling" | "split"));
+        assert!(matches!(cheapest(4, &[10; 4], 30.0, &l, SOCKET), "recursive_doubling" | "split"));
         // Indices overlapping heavily: the union is barely larger than one rank's.
-        assert_eq!(cheapest(4, &[10_000; 4], 11_000.0, &l), "split");
+        assert_eq!(cheapest(4, &[10_000; 4], 11_000.0, &l, SOCKET), "split");
         // Nearly the whole table on every rank: with wide rows, moving keys
         // too costs little more than dense; with narrow rows, dense wins.
-        assert_eq!(cheapest(4, &[90_000; 4], 99_000.0, &l), "split");
+        assert_eq!(cheapest(4, &[90_000; 4], 99_000.0, &l, SOCKET), "split");
         let narrow = Layout { shape: vec![100_000], sparse_dims: 1, dtype: DType::F32, row: 4, rows: 100_000 };
-        assert_eq!(cheapest(4, &[90_000; 4], 99_000.0, &narrow), "dense");
+        assert_eq!(cheapest(4, &[90_000; 4], 99_000.0, &narrow, SOCKET), "dense");
         // Little or no overlap at two ranks: the traffic is the baseline's,
         // but not its copies of every row (measured 1.2-1.4x faster).
-        assert_ne!(cheapest(2, &[26_000; 2], 38_000.0, &l), "allgather");
-        assert_ne!(cheapest(2, &[26_000; 2], 52_000.0, &l), "allgather");
+        assert_ne!(cheapest(2, &[26_000; 2], 38_000.0, &l, SOCKET), "allgather");
+        assert_ne!(cheapest(2, &[26_000; 2], 52_000.0, &l, SOCKET), "allgather");
         // Narrow rows, light overlap at four ranks: merging 4x the rows
         // costs the baseline more than split's extra steps.
         let narrow_big = Layout { rows: 1_000_000, ..narrow.clone() };
-        assert_eq!(cheapest(4, &[52_500; 4], 139_000.0, &narrow_big), "split");
+        assert_eq!(cheapest(4, &[52_500; 4], 139_000.0, &narrow_big, SOCKET), "split");
+        // Two ranks, 1000 keys each, 1762 in all: split's four steps pay
+        // off where a step is cheap (measured through shm: split 102-105
+        // us, recursive doubling 103-110, the baseline 112-116), not over
+        // sockets. With a tenth of that, the fewest steps still win.
+        assert_eq!(cheapest(2, &[1000; 2], 1762.0, &l, SHM), "split");
+        assert_ne!(cheapest(2, &[1000; 2], 1762.0, &l, SOCKET), "split");
+        assert_eq!(cheapest(2, &[100; 2], 181.0, &l, SHM), "recursive_doubling");
         // One rank: nothing to exchange, nothing to merge.
-        assert_eq!(cheapest(1, &[5], 5.0, &l), "recursive_doubling");
+        assert_eq!(cheapest(1, &[5], 5.0, &l, SOCKET), "recursive_doubling");
     }
 }

@@ -6,7 +6,7 @@
 //!    `radix.rs`), reducing duplicates (rows stay where they lie until an
 //!    algorithm moves them: `coalesce::Sorted`).
 //! 2. Exchange a small header (dtype, shape, nnz, op, the algorithm asked
-//!    for; for `auto` a bottom-k sketch of the keys, and for `auto` and
+//!    for; for `auto` a hash sample of the keys, and for `auto` and
 //!    `split` evenly spaced keys, `sketch.rs`): shapes, ops and algorithms
 //!    must agree (else every rank fails, naming the ranks), and every rank
 //!    learns every nnz, the same estimate of the union and the same spread
@@ -70,7 +70,7 @@ pub fn all_reduce(c: &Comm<'_>, input: &SparseCooTensor<'_>, output: &mut Sparse
     let sorted = coalesce::sort(input, &layout, op)?;
     let plan = agree(&c.phase(0), &layout, &sorted.keys, op_code, requested)?;
     let algo = match ALGORITHMS.get(requested) {
-        Some(&"auto") => cost::cheapest(c.size(), &plan.nnz, plan.union, &layout),
+        Some(&"auto") => cost::cheapest(c.size(), &plan.nnz, plan.union, &layout, c.step_bytes()),
         Some(algo) => algo,
         None => return Err(Error::invalid(format!("sparse all_reduce has no algorithm {hint:?} (choices: {})", ALGORITHMS.join(", ")))),
     };
@@ -110,8 +110,9 @@ fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64], op_code: usize, requested: usiz
     let w = c.size();
     let k = sketch::sample_size(w);
     let (auto, split) = (ALGORITHMS.get(requested) == Some(&"auto"), ALGORITHMS.get(requested) == Some(&"split"));
-    // Header, sketch pairs, spaced pairs.
-    let words = HEADER + 4 * k;
+    // Header; sketch: threshold, key count, keys; spaced pairs.
+    let (sketch_at, spaced_at) = (HEADER, HEADER + 2 + k);
+    let words = spaced_at + 2 * k;
     let mut mine = vec![0u64; words];
     mine[0] = l.dtype as u64;
     mine[1] = l.sparse_dims as u64;
@@ -123,15 +124,17 @@ fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64], op_code: usize, requested: usiz
         mine[DIMS + i] = *d as u64;
     }
     if auto {
-        for (i, (h, key)) in sketch::local(keys, k).into_iter().enumerate() {
-            mine[HEADER + 2 * i] = h;
-            mine[HEADER + 2 * i + 1] = key as u64;
+        let (threshold, sample) = sketch::local(keys, k);
+        mine[sketch_at] = threshold;
+        mine[sketch_at + 1] = sample.len() as u64;
+        for (i, key) in sample.into_iter().enumerate() {
+            mine[sketch_at + 2 + i] = key as u64;
         }
     }
     if auto || split {
         for (i, (key, weight)) in sketch::spaced(keys, k).into_iter().enumerate() {
-            mine[HEADER + 2 * k + 2 * i] = key as u64;
-            mine[HEADER + 2 * k + 2 * i + 1] = weight;
+            mine[spaced_at + 2 * i] = key as u64;
+            mine[spaced_at + 2 * i + 1] = weight;
         }
     }
     let bytes: Vec<u8> = mine.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -168,15 +171,17 @@ fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64], op_code: usize, requested: usiz
             call(&heads[r])
         )));
     }
-    // The k word pairs of a header from word `at` on.
-    fn pairs(h: &[u64], at: usize, k: usize) -> impl Iterator<Item = (u64, u64)> + '_ {
-        h[at..at + 2 * k].chunks_exact(2).map(|p| (p[0], p[1]))
-    }
     let nnz: Vec<usize> = heads.iter().map(|h| h[3] as usize).collect();
-    let sampled = heads.iter().flat_map(|h| pairs(h, HEADER, k)).map(|(hash, key)| (hash, key as i64));
-    Ok(Plan {
-        union: if auto { sketch::union_size(sampled, k, nnz.iter().sum()) } else { 0.0 },
-        nnz,
-        spaced: heads.iter().flat_map(|h| pairs(h, HEADER + 2 * k, k)).map(|(key, weight)| (key as i64, weight)).collect(),
-    })
+    let union = if auto {
+        let samples: Vec<Vec<i64>> = heads
+            .iter()
+            .map(|h| h[sketch_at + 2..][..(h[sketch_at + 1] as usize).min(k)].iter().map(|key| *key as i64).collect())
+            .collect();
+        let parts: Vec<(u64, &[i64])> = heads.iter().zip(&samples).map(|(h, keys)| (h[sketch_at], &keys[..])).collect();
+        sketch::union_size(&parts, nnz.iter().sum())
+    } else {
+        0.0
+    };
+    let spaced = heads.iter().flat_map(|h| h[spaced_at..][..2 * k].chunks_exact(2).map(|p| (p[0] as i64, p[1])));
+    Ok(Plan { union, nnz, spaced: spaced.collect() })
 }
