@@ -90,14 +90,27 @@ pub fn all_reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> R
     let fold = Fold::new(c);
     let mut tmp = Scratch::take(buf.len());
     if let Some(v) = fold.enter(c, buf, &mut tmp, dtype, op)? {
-        let mut mask = 1;
-        let mut step = 1;
+        // Both partners combine the lower rank's data first: where the
+        // order shows in the bits (min of -0.0 and +0.0, which NaN payload
+        // survives), both must still end alike. So the partial result lies
+        // in `buf` or in `tmp`, whichever it was reduced into.
+        let tmp = &mut tmp[..buf.len()];
+        let (mut mask, mut step, mut in_tmp) = (1, 1, false);
         while mask < fold.p {
             let peer = fold.real(v ^ mask);
-            c.send_recv(step, peer, buf, peer, &mut tmp)?;
-            reduce_into(buf, &tmp, dtype, op);
+            let (mine, theirs) = if in_tmp { (&mut *tmp, &mut *buf) } else { (&mut *buf, &mut *tmp) };
+            c.send_recv(step, peer, mine, peer, theirs)?;
+            if v & mask == 0 {
+                reduce_into(mine, theirs, dtype, op);
+            } else {
+                reduce_into(theirs, mine, dtype, op);
+                in_tmp = !in_tmp;
+            }
             mask <<= 1;
             step += 1;
+        }
+        if in_tmp {
+            buf.copy_from_slice(tmp);
         }
         finish(buf, dtype, op, c.size());
     }

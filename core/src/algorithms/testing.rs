@@ -253,6 +253,27 @@ mod algorithm_tests {
         }
     }
 
+    /// Where contributions meet, bits can depend on the order they combine
+    /// in (min and max of -0.0 and +0.0; which NaN payload survives): every
+    /// rank must still end with the same bits.
+    #[test]
+    fn all_reduce_leaves_the_same_bits_on_every_rank() {
+        for w in 2..=8 {
+            for algo in ["ring", "recursive_doubling", "halving_doubling"] {
+                for op in [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max] {
+                    let out = run_ranks_with(w, OpKind::AllReduce, &[("algorithm", algo)], |r, b, c| {
+                        let zero = if r % 2 == 0 { -0.0f32 } else { 0.0 };
+                        let mut v: Vec<f32> =
+                            (0..3 * w).map(|i| if i % 2 == 0 { zero } else { f32::from_bits(0x7fc0_0000 | (r as u32 + 1)) }).collect();
+                        run(b, &mut Op::AllReduce { buf: TensorMut::from_slice(&mut v), op }, c).unwrap();
+                        v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()
+                    });
+                    assert!(out.iter().all(|o| *o == out[0]), "{algo} w={w} {op}: {out:x?}");
+                }
+            }
+        }
+    }
+
     /// Pipelined segments of 1–3 elements, at sizes one element either side
     /// of a whole number of segments per block, through every algorithm
     /// that segments.
