@@ -90,10 +90,12 @@ pub fn all_reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> R
     let fold = Fold::new(c);
     let mut tmp = Scratch::take(buf.len());
     if let Some(v) = fold.enter(c, buf, &mut tmp, dtype, op)? {
-        // Both partners combine the lower rank's data first: where the
-        // order shows in the bits (min of -0.0 and +0.0, which NaN payload
-        // survives), both must still end alike. So the partial result lies
-        // in `buf` or in `tmp`, whichever it was reduced into.
+        // Both partners reduce into the lower rank's data: where the order
+        // shows in the bits (min of -0.0 and +0.0, which NaN payload
+        // survives), both must still end alike. (Swapping the operands of
+        // the reduction instead does not do: the compiler may commute an
+        // addition; only the same accumulator gives both the same bits.)
+        // So the partial result lies in `buf` or in `tmp`.
         let tmp = &mut tmp[..buf.len()];
         let (mut mask, mut step, mut in_tmp) = (1, 1, false);
         while mask < fold.p {
