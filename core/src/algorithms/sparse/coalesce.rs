@@ -97,6 +97,19 @@ impl Layout {
         let dense: usize = t.shape[sparse_dims..].iter().product();
         Ok(Layout { shape: t.shape.clone(), sparse_dims, dtype: t.values.dtype(), row: dense * t.values.dtype().size(), rows })
     }
+
+    /// A count of distinct entries that rank `from` sent, checked against
+    /// the shape's positions: a garbled count (almost always far beyond
+    /// them) is an error, not an attempt to allocate that much.
+    pub fn entries(&self, n: u64, from: usize) -> Result<usize> {
+        if n > self.rows {
+            return Err(Error::backend(format!(
+                "rank {from} sent a corrupt sparse message: {n} entries, where the shape has {} positions",
+                self.rows
+            )));
+        }
+        Ok(n as usize)
+    }
 }
 
 /// How many entries ahead of its use a [`Sorted`] row is prefetched (and

@@ -51,13 +51,13 @@ fn recv_run<B: DerefMut<Target = [u8]>>(
     c: &Comm<'_>,
     step: u32,
     peer: usize,
-    row: usize,
+    l: &Layout,
     rows: impl FnOnce(usize) -> B,
 ) -> Result<(Vec<i64>, B)> {
     let mut n = [0u8; 8];
     c.recv(step, peer, &mut n)?;
-    let n = u64::from_le_bytes(n) as usize;
-    let (mut keys, mut values) = (vec![0u8; n * 8], rows(n * row));
+    let n = l.entries(u64::from_le_bytes(n), peer)?;
+    let (mut keys, mut values) = (vec![0u8; n * 8], rows(n * l.row));
     c.exchange(&mut [
         P2p::Recv { peer, tag: c.tag(step + 1), buf: &mut keys },
         P2p::Recv { peer, tag: c.tag(step + 2), buf: &mut values },
@@ -67,12 +67,12 @@ fn recv_run<B: DerefMut<Target = [u8]>>(
 
 /// Swap runs with `peer` (both send, both receive, as [`send_run`] and
 /// [`recv_run`] do); theirs arrives in pooled scratch.
-fn swap_run(c: &Comm<'_>, step: u32, peer: usize, run: &Run, row: usize) -> Result<(Vec<i64>, Scratch)> {
+fn swap_run(c: &Comm<'_>, step: u32, peer: usize, run: &Run, l: &Layout) -> Result<(Vec<i64>, Scratch)> {
     let mut n = [0u8; 8];
     c.send_recv(step, peer, &(run.keys.len() as u64).to_le_bytes(), peer, &mut n)?;
-    let theirs = u64::from_le_bytes(n) as usize;
+    let theirs = l.entries(u64::from_le_bytes(n), peer)?;
     let mine = key_bytes(&run.keys);
-    let (mut keys, mut values) = (vec![0u8; theirs * 8], Scratch::take(theirs * row));
+    let (mut keys, mut values) = (vec![0u8; theirs * 8], Scratch::take(theirs * l.row));
     let (kt, vt) = (c.tag(step + 1), c.tag(step + 2));
     c.exchange(&mut [
         P2p::Send { peer, tag: kt, data: &mine },
@@ -105,14 +105,14 @@ pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp, 
     if let Some(to) = fold.sits_out_for() {
         send_run(c, FOLD, to, &run)?;
     } else if let Some(from) = fold.stands_for() {
-        let (keys, rows) = recv_run(c, FOLD, from, l.row, Scratch::take)?;
+        let (keys, rows) = recv_run(c, FOLD, from, l, Scratch::take)?;
         run = absorb(run, &keys, &rows, true, &mut spare);
     }
     if let Some(v) = fold.virtual_rank() {
         let (mut mask, mut step) = (1, 0);
         while mask < fold.p {
             let peer = fold.real(v ^ mask);
-            let (keys, rows) = swap_run(c, step, peer, &run, l.row)?;
+            let (keys, rows) = swap_run(c, step, peer, &run, l)?;
             run = absorb(run, &keys, &rows, v & mask == 0, &mut spare);
             mask <<= 1;
             step += 3;
@@ -121,7 +121,7 @@ pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp, 
     if let Some(to) = fold.stands_for() {
         send_run(c, FOLD + 3, to, &run)?;
     } else if let Some(from) = fold.sits_out_for() {
-        let (keys, values) = recv_run(c, FOLD + 3, from, l.row, |n| reuse(std::mem::take(&mut spare), n))?;
+        let (keys, values) = recv_run(c, FOLD + 3, from, l, |n| reuse(std::mem::take(&mut spare), n))?;
         run = Run { keys, values };
     }
     recycle(spare);
@@ -153,7 +153,7 @@ pub fn split(c: &Comm<'_>, input: &Sorted<'_>, l: &Layout, op: ReduceOp, bounds:
     let slice = |i: usize| cut[i]..cut[i + 1];
     // How many rows each rank sends each owner.
     let counts: Vec<[u8; 8]> = (0..w).map(|i| (slice(i).len() as u64).to_le_bytes()).collect();
-    let incoming = exchange_counts(&c.phase_step(0), &counts)?;
+    let incoming = exchange_counts(&c.phase_step(0), &counts, l)?;
     // Every owner's slice: keys as they lie, rows packed (this rank's own
     // slice is not); received where the merge reads them. The row buffers
     // come from the scratch pool: no fresh pages on every call.
@@ -184,7 +184,7 @@ pub fn split(c: &Comm<'_>, input: &Sorted<'_>, l: &Layout, op: ReduceOp, bounds:
     // Every rank's share size, then each share's place in the result (in
     // rank order, which is key order).
     let share = distinct(&parts);
-    let mut sizes = exchange_counts(&c.phase_step(16), &vec![(share as u64).to_le_bytes(); w])?;
+    let mut sizes = exchange_counts(&c.phase_step(16), &vec![(share as u64).to_le_bytes(); w], l)?;
     sizes[r] = share;
     let starts = offsets(sizes.iter().copied());
     let bytes_at = |unit: usize| starts.iter().map(|s| s * unit).collect::<Vec<usize>>();
@@ -215,12 +215,11 @@ fn offsets(lens: impl Iterator<Item = usize>) -> Vec<usize> {
         .collect()
 }
 
-/// Send `counts[i]` (8 bytes) to every rank i at once; what each rank sent
-/// this one (0 from itself).
-fn exchange_counts(c: &Comm<'_>, counts: &[[u8; 8]]) -> Result<Vec<usize>> {
+/// Send `counts[i]` (8 bytes, entries) to every rank i at once; what each
+/// rank sent this one (0 from itself).
+fn exchange_counts(c: &Comm<'_>, counts: &[[u8; 8]], l: &Layout) -> Result<Vec<usize>> {
     let mut incoming = vec![[0u8; 8]; counts.len()];
     linear::exchange_all(c, &[counts.iter().map(|x| &x[..]).collect()], &mut [incoming.iter_mut().map(|x| &mut x[..]).collect()])?;
-    let mut n: Vec<usize> = incoming.iter().map(|b| u64::from_le_bytes(*b) as usize).collect();
-    n[c.rank()] = 0;
-    Ok(n)
+    incoming[c.rank()] = [0; 8];
+    incoming.iter().enumerate().map(|(from, b)| l.entries(u64::from_le_bytes(*b), from)).collect()
 }

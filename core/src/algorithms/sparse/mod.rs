@@ -171,7 +171,7 @@ fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64], op_code: usize, requested: usiz
             call(&heads[r])
         )));
     }
-    let nnz: Vec<usize> = heads.iter().map(|h| h[3] as usize).collect();
+    let nnz: Vec<usize> = heads.iter().enumerate().map(|(r, h)| l.entries(h[3], r)).collect::<Result<_>>()?;
     let union = if auto {
         let samples: Vec<Vec<i64>> = heads
             .iter()
@@ -184,4 +184,76 @@ fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64], op_code: usize, requested: usiz
     };
     let spaced = heads.iter().flat_map(|h| h[spaced_at..][..2 * k].chunks_exact(2).map(|p| (p[0] as i64, p[1])));
     Ok(Plan { union, nnz, spaced: spaced.collect() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithms::testing::run_ranks_with;
+    use crate::backend::{Backend, OpKind, P2p};
+    use crate::tensor::Tensor;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Instant;
+
+    /// Passes messages on, but overwrites 8 bytes at `at` of every message
+    /// this rank sends in its `batch`-th exchange with a huge count.
+    struct Garbling<'a> {
+        inner: &'a dyn Backend,
+        batch: usize,
+        at: usize,
+        seen: AtomicUsize,
+    }
+
+    impl Backend for Garbling<'_> {
+        fn name(&self) -> &str {
+            "garbling"
+        }
+        fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
+            if self.seen.fetch_add(1, Ordering::Relaxed) != self.batch {
+                return self.inner.exchange(ops, deadline);
+            }
+            let garbled: Vec<Vec<u8>> = ops
+                .iter()
+                .map(|op| match op {
+                    P2p::Send { data, .. } => {
+                        let mut d = data.to_vec();
+                        d[self.at..self.at + 8].copy_from_slice(&(1u64 << 60).to_le_bytes());
+                        d
+                    }
+                    P2p::Recv { .. } => Vec::new(),
+                })
+                .collect();
+            let mut passed: Vec<P2p<'_>> = ops
+                .iter_mut()
+                .zip(&garbled)
+                .map(|(op, g)| match op {
+                    P2p::Send { peer, tag, .. } => P2p::Send { peer: *peer, tag: *tag, data: g },
+                    P2p::Recv { peer, tag, buf } => P2p::Recv { peer: *peer, tag: *tag, buf },
+                })
+                .collect();
+            self.inner.exchange(&mut passed, deadline)
+        }
+        fn abort(&self, _: &Error) {}
+    }
+
+    #[test]
+    fn a_garbled_count_is_an_error_on_every_rank() {
+        // (algorithm, exchange to garble, byte offset): the header's nnz
+        // word; split's first counts; recursive doubling's run length.
+        for (algo, batch, at) in [("allgather", 0, 24), ("split", 1, 0), ("recursive_doubling", 1, 0)] {
+            let errors = run_ranks_with(2, OpKind::AllReduce, &[("sparse_algorithm", algo)], |_, inner, ctx| {
+                let b = Garbling { inner, batch, at, seen: AtomicUsize::new(0) };
+                let (idx, vals) = (vec![1i64, 4, 7], vec![1f32, 2.0, 3.0]);
+                let t =
+                    SparseCooTensor::new(Tensor::from_slice(&idx).reshape(&[1, 3]).unwrap(), Tensor::from_slice(&vals), vec![10]).unwrap();
+                let started = Instant::now();
+                let e = all_reduce(&Comm::new(&b, ctx), &t, &mut SparseCoo::default(), ReduceOp::Sum).unwrap_err();
+                (e, started.elapsed())
+            });
+            for (rank, (e, took)) in errors.iter().enumerate() {
+                assert!(e.to_string().contains("sent a corrupt sparse message"), "{algo} rank {rank}: {e}");
+                assert!(took.as_secs() < 5, "{algo} rank {rank}: failed only after {took:?}");
+            }
+        }
+    }
 }
