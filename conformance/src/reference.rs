@@ -16,6 +16,15 @@ pub fn value(dtype: DType, rank: usize, i: usize) -> f64 {
     }
 }
 
+/// `n` f32 values whose combined bits depend on the order ranks' values
+/// meet in: -0.0 on even ranks and +0.0 on odd ones (min and max keep the
+/// first), alternating with NaNs whose payload is the rank (a sum or min
+/// keeps one of them). A reduction must still leave every rank the same bits.
+pub fn order_sensitive(rank: usize, n: usize) -> Vec<f32> {
+    let zero = if rank.is_multiple_of(2) { -0.0 } else { 0.0 };
+    (0..n).map(|i| if i % 2 == 0 { zero } else { f32::from_bits(0x7fc0_0000 | (rank as u32 + 1)) }).collect()
+}
+
 /// Bytes of `n` elements of `dtype` from `value(rank, i)`.
 pub fn make(dtype: DType, rank: usize, n: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(n * dtype.size());

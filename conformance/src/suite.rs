@@ -198,14 +198,13 @@ fn cases(pg: &ProcessGroup, n: usize, placement: Option<SharedPlacement>) -> Vec
             Ok((out.read()?, make(d, (r + w - 1) % w, n)))
         });
     }
-    // Where the order contributions combine in shows in the bits (min and
-    // max of -0.0 and +0.0, which NaN payload survives), every rank must
-    // still end with the same bits: each gathers everyone's result.
+    // Values whose reduced bits depend on the order they combine in
+    // (`order_sensitive`): every rank must still end with the same bits, so
+    // each gathers everyone's result.
     for op in [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max] {
         t.case("all_reduce (bits alike on every rank)", DType::F32, Some(op), |pg, m| {
-            let zero = if r % 2 == 0 { -0.0f32 } else { 0.0 };
-            let v = (0..n).map(|i| if i % 2 == 0 { zero } else { f32::from_bits(0x7fc0_0000 | (r as u32 + 1)) });
-            let mut b = m.buf(DType::F32, &v.flat_map(f32::to_ne_bytes).collect::<Vec<u8>>())?;
+            let v = crate::reference::order_sensitive(r, n);
+            let mut b = m.buf(DType::F32, &v.into_iter().flat_map(f32::to_ne_bytes).collect::<Vec<u8>>())?;
             pg.all_reduce(b.tm(), op, &o)?.wait()?;
             let mut all = m.zeros(DType::F32, n * w)?;
             pg.all_gather_single(all.tm(), b.t(), &o)?.wait()?;

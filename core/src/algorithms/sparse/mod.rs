@@ -182,8 +182,12 @@ fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64], op_code: usize, requested: usiz
     } else {
         0.0
     };
-    let spaced = heads.iter().flat_map(|h| h[spaced_at..][..2 * k].chunks_exact(2).map(|p| (p[0] as i64, p[1])));
-    Ok(Plan { union, nnz, spaced: spaced.collect() })
+    let spaced = if auto || split {
+        heads.iter().flat_map(|h| h[spaced_at..][..2 * k].chunks_exact(2).map(|p| (p[0] as i64, p[1]))).collect()
+    } else {
+        Vec::new()
+    };
+    Ok(Plan { union, nnz, spaced })
 }
 
 #[cfg(test)]
