@@ -99,7 +99,8 @@ struct Plan {
     nnz: Vec<usize>,
     /// The estimated number of distinct keys over all ranks (`auto` only).
     union: f64,
-    /// Every rank's spaced keys (`sketch::spaced`; `auto` and `split` only).
+    /// Every rank's spaced keys with their weights (`sketch::weighted`;
+    /// `auto` and `split` only).
     spaced: Vec<(i64, u64)>,
 }
 
@@ -108,11 +109,11 @@ struct Plan {
 /// dtypes, ops or requested algorithms differ (naming the ranks).
 fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64], op_code: usize, requested: usize) -> Result<Plan> {
     let w = c.size();
-    let k = sketch::sample_size(w);
+    let (k, spaced_k) = (sketch::sketch_size(w), sketch::spaced_size(w));
     let (auto, split) = (ALGORITHMS.get(requested) == Some(&"auto"), ALGORITHMS.get(requested) == Some(&"split"));
-    // Header; sketch: threshold, key count, keys; spaced pairs.
+    // Header; sketch: threshold, key count, keys; spaced keys.
     let (sketch_at, spaced_at) = (HEADER, HEADER + 2 + k);
-    let words = spaced_at + 2 * k;
+    let words = spaced_at + spaced_k;
     let mut mine = vec![0u64; words];
     mine[0] = l.dtype as u64;
     mine[1] = l.sparse_dims as u64;
@@ -132,9 +133,8 @@ fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64], op_code: usize, requested: usiz
         }
     }
     if auto || split {
-        for (i, (key, weight)) in sketch::spaced(keys, k).into_iter().enumerate() {
-            mine[spaced_at + 2 * i] = key as u64;
-            mine[spaced_at + 2 * i + 1] = weight;
+        for (i, key) in sketch::spaced(keys, spaced_k).into_iter().enumerate() {
+            mine[spaced_at + i] = key as u64;
         }
     }
     let bytes: Vec<u8> = mine.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -183,7 +183,11 @@ fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64], op_code: usize, requested: usiz
         0.0
     };
     let spaced = if auto || split {
-        heads.iter().flat_map(|h| h[spaced_at..][..2 * k].chunks_exact(2).map(|p| (p[0] as i64, p[1]))).collect()
+        heads
+            .iter()
+            .zip(&nnz)
+            .flat_map(|(h, n)| sketch::weighted(h[spaced_at..][..spaced_k].iter().map(|key| *key as i64), *n, spaced_k))
+            .collect()
     } else {
         Vec::new()
     };

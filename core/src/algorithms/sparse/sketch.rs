@@ -12,10 +12,19 @@
 //! Hashing runs once per key while planning; merges never hash.
 
 use super::coalesce::{distinct, RunRef};
+use std::borrow::Cow;
 
-/// Sample size (of each kind, per rank): enough for quantiles at W ranks
-/// and a union estimate within about 1/sqrt(k).
-pub fn sample_size(world: usize) -> usize {
+/// Keys per rank in the hash sample: the union estimate is within about
+/// 1/sqrt(k) (far tighter where indices overlap heavily, see
+/// [`union_size`]); more ranks add samples of their own.
+pub fn sketch_size(world: usize) -> usize {
+    (32 * world).clamp(64, 256)
+}
+
+/// Spaced keys per rank: a range bound can be off by one block of every
+/// rank's keys (n / k entries each), so k grows with W to keep that a
+/// small part of a range (n entries over all ranks): W / k of it.
+pub fn spaced_size(world: usize) -> usize {
     (32 * world).clamp(64, 1024)
 }
 
@@ -62,9 +71,16 @@ pub fn local(keys: &[i64], k: usize) -> (u64, Vec<i64>) {
 /// the sample's size alone says (about 1/sqrt(k) off).
 pub fn union_size(parts: &[(u64, &[i64])], entries: usize) -> f64 {
     let threshold = parts.iter().map(|p| p.0).min().unwrap_or(u64::MAX);
-    let below: Vec<Vec<i64>> = parts.iter().map(|(_, keys)| keys.iter().copied().filter(|key| hash(*key) <= threshold).collect()).collect();
+    // Every key lies below the highest threshold: no hashing there.
+    let below: Vec<Cow<'_, [i64]>> = parts
+        .iter()
+        .map(|(_, keys)| match threshold {
+            u64::MAX => Cow::Borrowed(*keys),
+            _ => Cow::Owned(keys.iter().copied().filter(|key| hash(*key) <= threshold).collect()),
+        })
+        .collect();
     let runs: Vec<RunRef<'_>> = below.iter().map(|keys| RunRef::packed(keys, &[])).collect();
-    let (distinct, sampled) = (distinct(&runs) as f64, below.iter().map(Vec::len).sum::<usize>() as f64);
+    let (distinct, sampled) = (distinct(&runs) as f64, below.iter().map(|keys| keys.len()).sum::<usize>() as f64);
     if threshold == u64::MAX {
         // Every rank sent all of its keys: the sample is the union.
         distinct
@@ -77,17 +93,42 @@ pub fn union_size(parts: &[(u64, &[i64])], entries: usize) -> f64 {
 }
 
 /// This rank's spaced keys: `keys` (sorted, distinct) cut into up to `k`
-/// blocks of equal length, each as (its first key, its length); padded
-/// with (0, 0).
-pub fn spaced(keys: &[i64], k: usize) -> Vec<(i64, u64)> {
-    let (n, m) = (keys.len(), k.min(keys.len()));
-    let mut out: Vec<(i64, u64)> = (0..m).map(|j| (keys[j * n / m], ((j + 1) * n / m - j * n / m) as u64)).collect();
-    out.resize(k, (0, 0));
+/// blocks of equal length, the first key of each; padded with 0. What each
+/// stands for follows from the rank's key count ([`weighted`]), which every
+/// rank knows from the header: the spaced keys travel alone.
+pub fn spaced(keys: &[i64], k: usize) -> Vec<i64> {
+    let mut out: Vec<i64> = blocks(keys.len(), k).map(|(start, _)| keys[start]).collect();
+    out.resize(k, 0);
     out
 }
 
+/// A rank's [`spaced`] keys (`k` of them, for its `n` keys), each with the
+/// length of its block; padding left out.
+pub fn weighted(spaced: impl IntoIterator<Item = i64>, n: usize, k: usize) -> impl Iterator<Item = (i64, u64)> {
+    spaced.into_iter().zip(blocks(n, k)).map(|(key, (_, len))| (key, len as u64))
+}
+
+/// `n` entries cut into `min(k, n)` blocks of equal length (block j starts
+/// at `j * n / m`), as (start, length): one division in all, where a
+/// division per block cost a microsecond per 100 ranks' blocks.
+fn blocks(n: usize, k: usize) -> impl Iterator<Item = (usize, usize)> {
+    let m = k.min(n);
+    let (q, r) = (n.checked_div(m).unwrap_or(0), n.checked_rem(m).unwrap_or(0));
+    // `rest` = j * r mod m: block j is one longer when it wraps.
+    let (mut start, mut rest) = (0, 0);
+    (0..m).map(move |_| {
+        rest += r;
+        let len = q + usize::from(rest >= m);
+        if rest >= m {
+            rest -= m;
+        }
+        start += len;
+        (start - len, len)
+    })
+}
+
 /// W-1 non-decreasing key bounds splitting all ranks' entries (every
-/// rank's [`spaced`] part together) into W ranges of about equal size:
+/// rank's [`weighted`] spaced keys together) into W ranges of about equal size:
 /// rank i owns keys k with bounds[i-1] <= k < bounds[i]. Balancing entries
 /// rather than distinct keys balances the owners' work: an owner merges
 /// every entry in its range and receives the rest of the union, so its
@@ -174,6 +215,15 @@ mod tests {
     }
 
     #[test]
+    fn blocks_cut_where_the_division_does() {
+        for (n, k) in [(0, 4), (3, 64), (64, 64), (65, 64), (1000, 64), (1001, 7), (52_500, 1024)] {
+            let m = k.min(n);
+            let want: Vec<(usize, usize)> = (0..m).map(|j| (j * n / m, (j + 1) * n / m - j * n / m)).collect();
+            assert_eq!(blocks(n, k).collect::<Vec<_>>(), want, "n = {n}, k = {k}");
+        }
+    }
+
+    #[test]
     fn bounds_balance_entries() {
         let k = 64;
         // Entries per owner under `bounds`, over every rank's keys.
@@ -187,15 +237,15 @@ mod tests {
         // shares of the 6000 distinct keys would put 8000 entries in the
         // first two ranges.
         let parts: Vec<Vec<i64>> = (0..4).map(|r| (0..2000).chain(10_000 + r * 1000..11_000 + r * 1000).collect()).collect();
-        let bounds = balanced_bounds(parts.iter().flat_map(|p| spaced(p, k)), 4);
+        let bounds = balanced_bounds(parts.iter().flat_map(|p| weighted(spaced(p, k), p.len(), k)), 4);
         assert!(bounds.windows(2).all(|b| b[0] <= b[1]), "{bounds:?}");
         let share = shares(&parts, &bounds);
         assert!(share.iter().all(|s| (*s as f64 - 3000.0).abs() < 3000.0 * 0.1), "{share:?}");
         // Fewer keys than samples: every key counts exactly.
         let few = vec![vec![1i64, 5, 9], vec![5, 7]];
-        let bounds = balanced_bounds(few.iter().flat_map(|p| spaced(p, k)), 2);
+        let bounds = balanced_bounds(few.iter().flat_map(|p| weighted(spaced(p, k), p.len(), k)), 2);
         assert_eq!(shares(&few, &bounds), vec![3, 2]);
         // No keys anywhere: every key belongs to rank 0.
-        assert_eq!(owner(&balanced_bounds(spaced(&[], k), 3), 42), 0);
+        assert_eq!(owner(&balanced_bounds(weighted(spaced(&[], k), 0, k), 3), 42), 0);
     }
 }
