@@ -7,6 +7,7 @@
 //! memory the host cannot touch. Transports never see a collective unless
 //! they ask for it; algorithms never see a socket.
 
+pub use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::reduce_op::ReduceOp;
 use crate::store::Store;
@@ -265,7 +266,7 @@ pub struct OpContext {
     /// Collective sequence number in the group (same on every rank).
     pub seq: u64,
     /// When the op must be finished.
-    pub deadline: Instant,
+    pub deadline: Deadline,
     /// The op's hints merged over the group's.
     pub hints: HashMap<String, String>,
     /// Device ops: the caller's stream, captured at issue (`None`: the
@@ -283,7 +284,7 @@ impl OpContext {
     }
     /// Time left before the deadline (zero if passed).
     pub fn remaining(&self) -> Duration {
-        self.deadline.saturating_duration_since(Instant::now())
+        self.deadline.get().saturating_duration_since(Instant::now())
     }
 }
 

@@ -23,6 +23,7 @@
 
 pub mod algorithms;
 pub mod backend;
+mod deadline;
 mod dtype;
 mod error;
 mod group;

@@ -267,7 +267,6 @@ impl<'a> Tensor<'a> {
     pub fn split(&self, counts: &[usize]) -> Result<Vec<Tensor<'a>>> {
         let offsets = split_offsets(self.numel(), counts, self.is_contiguous())?;
         Ok(offsets
-            .into_iter()
             .zip(counts)
             .map(|(off, &n)| Tensor {
                 ptr: self.ptr.wrapping_add(off * self.dtype.size()),
@@ -332,7 +331,6 @@ impl<'a> TensorMut<'a> {
     pub fn split_mut(self, counts: &[usize]) -> Result<Vec<TensorMut<'a>>> {
         let offsets = split_offsets(self.numel(), counts, self.is_contiguous())?;
         Ok(offsets
-            .into_iter()
             .zip(counts)
             .map(|(off, &n)| TensorMut {
                 ptr: self.ptr.wrapping_add(off * self.dtype.size()),
@@ -394,7 +392,8 @@ fn check_align<T>(ptr: *const u8) -> Result<()> {
     Ok(())
 }
 
-fn split_offsets(numel: usize, counts: &[usize], contiguous: bool) -> Result<Vec<usize>> {
+/// Where each part starts (no allocation: this runs on every `_single` op).
+fn split_offsets(numel: usize, counts: &[usize], contiguous: bool) -> Result<impl Iterator<Item = usize> + '_> {
     if !contiguous {
         return Err(Error::invalid("cannot split a non-contiguous tensor"));
     }
@@ -402,14 +401,11 @@ fn split_offsets(numel: usize, counts: &[usize], contiguous: bool) -> Result<Vec
     if total != numel {
         return Err(Error::invalid(format!("split sizes {counts:?} add up to {total}, tensor has {numel} elements")));
     }
-    Ok(counts
-        .iter()
-        .scan(0, |acc, &n| {
-            let off = *acc;
-            *acc += n;
-            Some(off)
-        })
-        .collect())
+    Ok(counts.iter().scan(0, |acc, &n| {
+        let off = *acc;
+        *acc += n;
+        Some(off)
+    }))
 }
 
 /// A sparse COO tensor: `indices` (i64, `[sparse_dims, nnz]`), `values`

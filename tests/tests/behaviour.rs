@@ -186,6 +186,20 @@ fn groups_rendezvous_through_a_file_store_and_two_groups_share_one_store() {
     std::fs::remove_file(&path).unwrap();
 }
 
+/// An op's hint overrides the group's hint of the same key; the group's
+/// holds for ops that do not set it.
+#[test]
+fn op_hints_override_group_hints() {
+    run_threads(2, options("cpu-tcp").hint("algorithm", "butterfly"), |pg| {
+        let mut v = vec![pg.rank() as f32; 7];
+        pg.all_reduce(&mut v, ReduceOp::Sum, &o().hint("algorithm", "ring")).unwrap().wait().unwrap();
+        assert_eq!(v, vec![1.0; 7]);
+        let e = pg.all_reduce(&mut v, ReduceOp::Sum, &o()).unwrap().wait().unwrap_err();
+        assert_eq!(e.kind(), &ErrorKind::InvalidArgument, "{e}");
+        assert!(e.to_string().contains("butterfly"), "{e}");
+    });
+}
+
 #[test]
 fn algorithm_hints_select_and_unknown_names_are_clear_errors() {
     run_threads(3, options("cpu-tcp"), |pg| {

@@ -126,20 +126,34 @@ fn mismatched_collectives_fail_fast_and_detail_mode_names_the_ranks() {
     }
 }
 
+/// A peer that never joins: the op fails with `Timeout` once its own
+/// timeout has passed (not before: the shm fast path reads the clock only
+/// when it starts to wait), naming the op and the peer.
 #[test]
 fn timeouts_are_reported_with_the_op_name() {
-    run_threads(2, options("cpu-tcp"), |pg| {
-        if pg.rank() == 0 {
-            // Stay in the group (leaving would be reported as PeerLost).
-            std::thread::sleep(Duration::from_secs(1));
-        } else {
-            let mut v = [0u8; 4];
-            let start = Instant::now();
-            let e = pg.recv(&mut v[..], 0, 1, &OpOptions::default().timeout(Duration::from_millis(300))).unwrap().wait().unwrap_err();
-            assert_eq!(e.kind(), &ErrorKind::Timeout, "{e}");
-            assert_eq!(e.op(), Some("recv"));
-            assert!(e.to_string().contains("peer rank 0"), "{e}");
-            assert!(start.elapsed() < Duration::from_secs(5));
+    let timeout = Duration::from_millis(300);
+    for backend in ["cpu-tcp", "shm"] {
+        for op in ["recv", "all_reduce"] {
+            run_threads(2, options(backend), move |pg| {
+                if pg.rank() == 0 {
+                    // Stay in the group (leaving would be reported as PeerLost).
+                    std::thread::sleep(Duration::from_secs(1));
+                    return;
+                }
+                let o = OpOptions::default().timeout(timeout);
+                let mut v = [0u8; 4];
+                let start = Instant::now();
+                let work = match op {
+                    "recv" => pg.recv(&mut v[..], 0, 1, &o),
+                    _ => pg.all_reduce(&mut v[..], ReduceOp::Sum, &o),
+                };
+                let e = work.unwrap().wait().unwrap_err();
+                let took = start.elapsed();
+                assert_eq!(e.kind(), &ErrorKind::Timeout, "{backend} {op}: {e}");
+                assert_eq!(e.op(), Some(op));
+                assert!(e.to_string().contains("rank 0"), "{backend} {op}: {e}");
+                assert!(took >= timeout && took < Duration::from_secs(5), "{backend} {op}: timed out after {took:?}");
+            });
         }
-    });
+    }
 }

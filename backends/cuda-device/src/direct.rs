@@ -203,7 +203,7 @@ pub fn all_reduce(
     }
 
     // Round 2 (unstaged): every buffer mapped here.
-    let mut peers = PeerBuffers::new(&*g, ring.device, stream, ctx.deadline);
+    let mut peers = PeerBuffers::new(&*g, ring.device, stream, ctx.deadline.get());
     let mapped;
     let bases: &[DevicePtr] = if staged {
         &ring.ranks_stage
@@ -216,7 +216,7 @@ pub fn all_reduce(
     };
 
     for p in (0..w).filter(|p| *p != r) {
-        ring.after(stream, ring.ranks_ready[p], ctx.deadline, &format!("rank {p}'s input"))?;
+        ring.after(stream, ring.ranks_ready[p], ctx.deadline.get(), &format!("rank {p}'s input"))?;
     }
     if staged {
         // One shot: the whole of every staging buffer, reduced into mine.
@@ -246,14 +246,14 @@ pub fn all_reduce(
         // over before my next op fills it.
         round(&c, 2, &[1])?;
         for p in (0..w).filter(|p| *p != r) {
-            ring.after(stream, ring.ranks_done[p], ctx.deadline, &format!("rank {p}'s part of the op"))?;
+            ring.after(stream, ring.ranks_done[p], ctx.deadline.get(), &format!("rank {p}'s part of the op"))?;
         }
     } else {
         // Other processes' buffers are closed before any rank's op can
         // complete (their owners may free them then): my kernel first,
         // then the mappings, then the round, after which every rank knows
         // every block is written and every mapping of its buffer closed.
-        ring.wait_host(ring.done, ctx.deadline, "this rank's share of the result")?;
+        ring.wait_host(ring.done, ctx.deadline.get(), "this rank's share of the result")?;
         // SAFETY: the kernel that used the mappings has finished.
         unsafe { peers.close() };
         round(&c, 2, &[1])?;

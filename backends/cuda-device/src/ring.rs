@@ -144,7 +144,7 @@ pub fn all_reduce(
         prev: (r + w - 1) % w,
         sent: 0,
         received: 0,
-        deadline: ctx.deadline,
+        deadline: ctx.deadline.get(),
     };
     // Each step moves one block; both neighbours cut it into the same
     // pieces. Piece i+1 is sent before piece i is received, so the next

@@ -133,7 +133,7 @@ impl Staging {
 
     fn drain(&self, st: &DeviceState, ctx: &OpContext) {
         for s in [st.d2h, st.h2d] {
-            let _ = synchronize_stream(&*self.gpu, st.device, s, ctx.deadline, ctx.name);
+            let _ = synchronize_stream(&*self.gpu, st.device, s, ctx.deadline.get(), ctx.name);
         }
     }
 
@@ -158,7 +158,7 @@ impl Staging {
         let slots = SLOTS.min(chunks);
         if let (Some(last), true) = (st.last, st.pool.capacity() < slot_bytes * slots) {
             // Reallocating the pool must wait for copies of the previous op.
-            synchronize_event(g, last, ctx.deadline, ctx.name)?;
+            synchronize_event(g, last, ctx.deadline.get(), ctx.name)?;
         }
         let base = st.pool.get(slot_bytes * slots)?;
         g.record(st.start, caller)?;
@@ -183,7 +183,7 @@ impl Staging {
         }
         for k in 0..chunks {
             let s = k % slots;
-            synchronize_event(g, st.in_done[s], ctx.deadline, ctx.name)?;
+            synchronize_event(g, st.in_done[s], ctx.deadline.get(), ctx.name)?;
             let views = HostViews {
                 ptrs: parts
                     .iter()

@@ -24,7 +24,7 @@ fn download(st: &Staging, tensors: [&Tensor<'_>; 2], ctx: &OpContext) -> Result<
             // tensor, borrowed for the op.
             unsafe { gpu.copy_dtoh(stream, w.as_mut_ptr() as *mut u8, t.as_ptr() as u64, t.nbytes())? };
         }
-        synchronize_stream(&*gpu, device, stream, ctx.deadline, ctx.name)
+        synchronize_stream(&*gpu, device, stream, ctx.deadline.get(), ctx.name)
     })();
     gpu.destroy_stream(stream);
     r.map(|()| words)

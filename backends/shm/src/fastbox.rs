@@ -16,7 +16,7 @@
 
 use crate::ring::{Bytes, RawBytes};
 use crate::sync::{AtomicU64, Ordering};
-use std::time::Instant;
+use weft::backend::Deadline;
 use weft::kernels::{finish, prescale, reduce_into};
 use weft::{DType, Error, ReduceOp, Result};
 
@@ -134,7 +134,8 @@ impl<B: Bytes> Slot<B> {
         unsafe { self.data.put(0, data) };
         let h = self.header();
         h.what.store(what, Ordering::Relaxed);
-        // SeqCst: pairs with a sleeping peer's flag (see `Waiter`).
+        // SeqCst: `Waiter::wake_sleepers` relies on it to see a sleeping
+        // peer's flag (no separate fence).
         h.seq.store(seq, Ordering::SeqCst);
     }
     /// The description of op `seq`, once published.
@@ -168,8 +169,9 @@ fn with_scratch<T>(len: usize, f: impl FnOnce(&mut [u8]) -> T) -> T {
 pub trait Waiter {
     /// Wait until `ready()` or fail (timeout, peer lost, aborted); `what()`
     /// names the op for the error (built only then: it allocates).
-    fn wait_until(&self, peer: usize, what: &dyn Fn() -> String, deadline: Instant, ready: &dyn Fn() -> bool) -> Result<()>;
-    /// Wake peers sleeping in `wait_until` (after a publish).
+    fn wait_until(&self, peer: usize, what: &dyn Fn() -> String, deadline: &Deadline, ready: &dyn Fn() -> bool) -> Result<()>;
+    /// Wake peers sleeping in `wait_until`, after a publication (a SeqCst
+    /// store).
     fn wake_sleepers(&self);
 }
 
@@ -204,7 +206,7 @@ impl<B: Bytes> Fastbox<B> {
     /// One round: publish `mine` as this rank's part of op `kind` (`len`
     /// bytes in all, the same on every rank), then wait until every peer
     /// has published its part of the same op.
-    fn round(&self, waiter: &dyn Waiter, kind: Kind, len: usize, mine: &[u8], deadline: Instant) -> Result<Round<'_, B>> {
+    fn round(&self, waiter: &dyn Waiter, kind: Kind, len: usize, mine: &[u8], deadline: &Deadline) -> Result<Round<'_, B>> {
         debug_assert!(mine.len() <= FASTBOX_BYTES);
         let k = self.next.fetch_add(1, Ordering::Relaxed);
         let round = Round { fb: self, k };
@@ -230,7 +232,7 @@ impl<B: Bytes> Fastbox<B> {
     }
 
     /// all_reduce of `buf` (at most [`FASTBOX_BYTES`]) in place.
-    pub fn all_reduce(&self, waiter: &dyn Waiter, buf: &mut [u8], dtype: DType, op: ReduceOp, deadline: Instant) -> Result<()> {
+    pub fn all_reduce(&self, waiter: &dyn Waiter, buf: &mut [u8], dtype: DType, op: ReduceOp, deadline: &Deadline) -> Result<()> {
         with_scratch(buf.len(), |scratch| {
             scratch.copy_from_slice(buf);
             prescale(scratch, dtype, op);
@@ -250,7 +252,7 @@ impl<B: Bytes> Fastbox<B> {
         output: &mut [u8],
         dtype: DType,
         op: ReduceOp,
-        deadline: Instant,
+        deadline: &Deadline,
     ) -> Result<()> {
         with_scratch(inputs.iter().map(|i| i.len()).sum(), |mine| {
             let mut at = 0;
@@ -269,7 +271,7 @@ impl<B: Bytes> Fastbox<B> {
 
     /// all_gather: `outputs[p]` receives rank p's `input` (outputs at most
     /// [`FASTBOX_BYTES`] together).
-    pub fn all_gather(&self, waiter: &dyn Waiter, input: &[u8], outputs: &mut [&mut [u8]], deadline: Instant) -> Result<()> {
+    pub fn all_gather(&self, waiter: &dyn Waiter, input: &[u8], outputs: &mut [&mut [u8]], deadline: &Deadline) -> Result<()> {
         let len = outputs.iter().map(|o| o.len()).sum();
         let round = self.round(waiter, Kind::AllGather, len, input, deadline)?;
         for (p, out) in outputs.iter_mut().enumerate() {
@@ -279,7 +281,7 @@ impl<B: Bytes> Fastbox<B> {
     }
 
     /// broadcast of `buf` (at most [`FASTBOX_BYTES`]) from `root`.
-    pub fn broadcast(&self, waiter: &dyn Waiter, buf: &mut [u8], root: usize, deadline: Instant) -> Result<()> {
+    pub fn broadcast(&self, waiter: &dyn Waiter, buf: &mut [u8], root: usize, deadline: &Deadline) -> Result<()> {
         let mine: &[u8] = if root == self.rank { buf } else { &[] };
         let round = self.round(waiter, Kind::Broadcast(root), buf.len(), mine, deadline)?;
         if root != self.rank {
@@ -289,7 +291,7 @@ impl<B: Bytes> Fastbox<B> {
     }
 
     /// barrier.
-    pub fn barrier(&self, waiter: &dyn Waiter, deadline: Instant) -> Result<()> {
+    pub fn barrier(&self, waiter: &dyn Waiter, deadline: &Deadline) -> Result<()> {
         self.round(waiter, Kind::Barrier, 0, &[], deadline).map(drop)
     }
 }
@@ -325,11 +327,12 @@ mod loom_tests {
     use super::*;
     use crate::ring::loom_tests::Cells;
     use std::sync::Arc;
+    use std::time::Duration;
 
     struct Spin;
 
     impl Waiter for Spin {
-        fn wait_until(&self, _: usize, _: &dyn Fn() -> String, _: Instant, ready: &dyn Fn() -> bool) -> Result<()> {
+        fn wait_until(&self, _: usize, _: &dyn Fn() -> String, _: &Deadline, ready: &dyn Fn() -> bool) -> Result<()> {
             while !ready() {
                 loom::thread::yield_now();
             }
@@ -356,7 +359,7 @@ mod loom_tests {
                 let mut sums = Vec::new();
                 for op in 0..3u8 {
                     let mut v = [10 * op + r as u8];
-                    fb.all_reduce(&Spin, &mut v, DType::U8, ReduceOp::Sum, Instant::now()).unwrap();
+                    fb.all_reduce(&Spin, &mut v, DType::U8, ReduceOp::Sum, &Deadline::after(Duration::ZERO)).unwrap();
                     sums.push(v[0]);
                 }
                 sums

@@ -14,7 +14,7 @@ use smallvec::{smallvec, SmallVec};
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-use weft::backend::{Backend, Op, OpContext, P2p};
+use weft::backend::{Backend, Deadline, Op, OpContext, P2p};
 use weft::matching::Inbound;
 use weft::{Error, Result};
 
@@ -227,7 +227,7 @@ impl Backend for ShmBackend {
         if !fast {
             return None;
         }
-        Some(self.check_failed().and_then(|()| self.run_fast(op, ctx.deadline)))
+        Some(self.check_failed().and_then(|()| self.run_fast(op, &ctx.deadline)))
     }
 
     fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
@@ -304,7 +304,7 @@ impl Waiter for ShmBackend {
     /// Spin (a few µs without reading the clock, then yielding) for `SPIN`,
     /// then sleep on this rank's doorbell; the peer's health is checked at
     /// each wake-up. Oversubscribed, yield from the start.
-    fn wait_until(&self, peer: usize, what: &dyn Fn() -> String, deadline: Instant, ready: &dyn Fn() -> bool) -> Result<()> {
+    fn wait_until(&self, peer: usize, what: &dyn Fn() -> String, deadline: &Deadline, ready: &dyn Fn() -> bool) -> Result<()> {
         // More ranks than cores: the peer may be waiting for this core, so
         // go straight to yielding (9x faster 8 B ops at W=4 on 2 cores).
         let pure_spins = if self.oversubscribed { 0 } else { PURE_SPINS };
@@ -315,6 +315,7 @@ impl Waiter for ShmBackend {
             std::hint::spin_loop();
         }
         let start = Instant::now();
+        let deadline = deadline.get();
         loop {
             if ready() {
                 return Ok(());
@@ -339,8 +340,10 @@ impl Waiter for ShmBackend {
         }
     }
 
+    /// No fence of its own: the publication was a SeqCst store (a full
+    /// barrier already), and with these SeqCst loads it pairs with a
+    /// sleeper's flag and fence (see `nap`).
     fn wake_sleepers(&self) {
-        fence(Ordering::SeqCst);
         for p in (0..self.size).filter(|p| *p != self.rank) {
             if self.control(p).sleeping.load(Ordering::SeqCst) != 0 {
                 self.wake(p);
@@ -351,7 +354,7 @@ impl Waiter for ShmBackend {
 
 impl ShmBackend {
     /// Run a fast-path op (`native_op` chose it).
-    fn run_fast(&self, op: &mut Op<'_>, d: Instant) -> Result<()> {
+    fn run_fast(&self, op: &mut Op<'_>, d: &Deadline) -> Result<()> {
         let fb = &self.fast;
         match op {
             Op::AllReduce { buf, op } => {
@@ -565,8 +568,9 @@ impl ShmBackend {
         let ctl = self.control(self.rank);
         let seen = ctl.doorbell.value.load(Ordering::SeqCst);
         ctl.sleeping.store(1, Ordering::SeqCst);
-        // With the fence in `wake_sleepers` (and `wake`'s read-modify-write):
-        // either the writer sees this flag, or `ready()` sees its write.
+        // With the writer's SeqCst store then SeqCst load of this flag
+        // (`wake_sleepers`), or `wake`'s read-modify-write: either the
+        // writer sees this flag, or `ready()` sees its write.
         fence(Ordering::SeqCst);
         if !ready() {
             let _ = ctl.doorbell.wait_for(seen, NAP.min(deadline.saturating_duration_since(now)));

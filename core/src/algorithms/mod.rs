@@ -81,7 +81,7 @@ impl<'a> Comm<'a> {
     }
     /// Run a batch of point-to-point ops.
     pub fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()> {
-        self.backend.exchange(ops, self.ctx.deadline)
+        self.backend.exchange(ops, self.ctx.deadline.get())
     }
     /// Send `data` to `to` and receive `buf` from `from` at once, as step `step`.
     pub fn send_recv(&self, step: u32, to: usize, data: &[u8], from: usize, buf: &mut [u8]) -> Result<()> {
@@ -111,10 +111,10 @@ pub fn run(backend: &dyn Backend, op: &mut Op<'_>, ctx: &OpContext) -> Result<()
     let c = Comm::new(backend, ctx);
     match op {
         Op::Send { data, peer, tag } => {
-            backend.exchange(&mut [P2p::Send { peer: *peer, tag: *tag, data: data.host_bytes()? }], ctx.deadline)
+            backend.exchange(&mut [P2p::Send { peer: *peer, tag: *tag, data: data.host_bytes()? }], ctx.deadline.get())
         }
         Op::Recv { buf, peer, tag } => {
-            backend.exchange(&mut [P2p::Recv { peer: *peer, tag: *tag, buf: buf.host_bytes_mut()? }], ctx.deadline)
+            backend.exchange(&mut [P2p::Recv { peer: *peer, tag: *tag, buf: buf.host_bytes_mut()? }], ctx.deadline.get())
         }
         Op::Broadcast { buf, root } => match select::pick(ctx, "broadcast", buf.nbytes())? {
             "scatter_allgather" => ring::broadcast_scatter_allgather(&c, buf.host_bytes_mut()?, *root),

@@ -12,7 +12,7 @@ pub use scope::Scope;
 pub use work::Work;
 
 use crate::algorithms;
-use crate::backend::{Backend, Op, OpContext};
+use crate::backend::{Backend, Deadline, Op, OpContext};
 use crate::error::{Error, Result};
 use crate::kernels::sanitize;
 use crate::options::GroupOptions;
@@ -24,7 +24,6 @@ use executor::Executor;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::Instant;
 
 /// A group of ranks that run collectives together.
 ///
@@ -242,15 +241,19 @@ impl GroupCore {
         let result = (|| {
             self.usable()?;
             let backend = self.route(route)?;
-            let mut hints = self.options.hints.clone();
-            hints.extend(std::mem::take(&mut opts.hints));
+            // The op's hints over the group's (no map copied when either is
+            // empty, as both usually are).
+            let mut hints = std::mem::take(&mut opts.hints);
+            for (k, v) in &self.options.hints {
+                hints.entry(k.clone()).or_insert_with(|| v.clone());
+            }
             let ctx = OpContext {
                 rank: self.rank,
                 size: self.size,
                 name,
                 kind,
                 seq,
-                deadline: Instant::now() + opts.timeout.unwrap_or(self.options.timeout),
+                deadline: Deadline::after(opts.timeout.unwrap_or(self.options.timeout)),
                 hints,
                 stream: opts.stream.take(),
                 completion: completion.clone(),

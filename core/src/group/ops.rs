@@ -70,7 +70,8 @@ impl Check {
         }
         Ok(())
     }
-    fn numel(&self, what: &str, got: usize, want: usize) -> Result<()> {
+    /// `what` is formatted only on failure (this runs per tensor per op).
+    fn numel(&self, what: impl std::fmt::Display, got: usize, want: usize) -> Result<()> {
         if got != want {
             return Err(self.fail(format!("{what} has {got} elements, expected {want}")));
         }
@@ -100,6 +101,12 @@ impl Check {
         let (dtype, device) = first.unwrap_or((DType::U8, Device::Cpu));
         Ok(((device.kind(), Layout::Dense), dtype, device))
     }
+}
+
+/// `n` elements for each of `w` ranks: split sizes without a heap
+/// allocation in groups of up to 16.
+fn equal_parts(n: usize, w: usize) -> smallvec::SmallVec<[usize; 16]> {
+    smallvec::SmallVec::from_elem(n, w)
 }
 
 fn meta(t: &Tensor<'_>) -> (DType, Device, bool) {
@@ -186,7 +193,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         let c = check(self, "all_gather");
         c.list_len("outputs", outputs.len())?;
         for (i, o) in outputs.iter().enumerate() {
-            c.numel(&format!("outputs[{i}]"), o.numel(), input.numel())?;
+            c.numel(format_args!("outputs[{i}]"), o.numel(), input.numel())?;
         }
         gather_job(self, c, input, outputs, opts)
     }
@@ -197,7 +204,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         let c = check(self, "all_gather_single");
         c.numel("output", output.numel(), input.numel() * c.size)?;
         c.tensors([meta_mut(&output), meta(&input)])?;
-        let outputs = output.split_mut(&vec![input.numel(); c.size]).map_err(|e| e.with_op(c.name))?;
+        let outputs = output.split_mut(&equal_parts(input.numel(), c.size)).map_err(|e| e.with_op(c.name))?;
         gather_job(self, c, input, outputs, opts)
     }
 
@@ -207,7 +214,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         let input = input.into();
         let c = check(self, "all_gather_v");
         c.list_len("outputs", outputs.len())?;
-        c.numel(&format!("outputs[{}] (this rank's part)", c.rank), outputs[c.rank].numel(), input.numel())?;
+        c.numel(format_args!("outputs[{}] (this rank's part)", c.rank), outputs[c.rank].numel(), input.numel())?;
         gather_job(self, c, input, outputs, opts)
     }
 
@@ -224,7 +231,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         let c = check(self, "reduce_scatter");
         c.list_len("inputs", inputs.len())?;
         for (i, t) in inputs.iter().enumerate() {
-            c.numel(&format!("inputs[{i}]"), t.numel(), output.numel())?;
+            c.numel(format_args!("inputs[{i}]"), t.numel(), output.numel())?;
         }
         scatter_reduce_job(self, c, output, inputs, op, opts)
     }
@@ -241,7 +248,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         let c = check(self, "reduce_scatter_single");
         c.numel("input", input.numel(), output.numel() * c.size)?;
         c.tensors([meta_mut(&output), meta(&input)])?;
-        let inputs = input.split(&vec![output.numel(); c.size]).map_err(|e| e.with_op(c.name))?;
+        let inputs = input.split(&equal_parts(output.numel(), c.size)).map_err(|e| e.with_op(c.name))?;
         scatter_reduce_job(self, c, output, inputs, op, opts)
     }
 
@@ -257,7 +264,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         let output = output.into();
         let c = check(self, "reduce_scatter_v");
         c.list_len("inputs", inputs.len())?;
-        c.numel(&format!("inputs[{}] (this rank's part)", c.rank), inputs[c.rank].numel(), output.numel())?;
+        c.numel(format_args!("inputs[{}] (this rank's part)", c.rank), inputs[c.rank].numel(), output.numel())?;
         scatter_reduce_job(self, c, output, inputs, op, opts)
     }
 
@@ -266,7 +273,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         let c = check(self, "all_to_all");
         c.list_len("outputs", outputs.len())?;
         c.list_len("inputs", inputs.len())?;
-        c.numel(&format!("outputs[{}] (from this rank)", c.rank), outputs[c.rank].numel(), inputs[c.rank].numel())?;
+        c.numel(format_args!("outputs[{}] (from this rank)", c.rank), outputs[c.rank].numel(), inputs[c.rank].numel())?;
         all_to_all_job(self, c, outputs, inputs, opts)
     }
 
@@ -279,7 +286,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         if input.numel() % c.size != 0 {
             return Err(c.fail(format!("input has {} elements, not divisible by the group size {}", input.numel(), c.size)));
         }
-        let part = vec![input.numel() / c.size; c.size];
+        let part = equal_parts(input.numel() / c.size, c.size);
         c.tensors([meta_mut(&output), meta(&input)])?;
         let inputs = input.split(&part).map_err(|e| e.with_op(c.name))?;
         let outputs = output.split_mut(&part).map_err(|e| e.with_op(c.name))?;
@@ -316,7 +323,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         c.rank_arg("root", root)?;
         root_list(&c, root, "outputs", outputs.len())?;
         for (i, o) in outputs.iter().enumerate() {
-            c.numel(&format!("outputs[{i}]"), o.numel(), input.numel())?;
+            c.numel(format_args!("outputs[{i}]"), o.numel(), input.numel())?;
         }
         let (route, dtype, _) = c.tensors(std::iter::once(meta(&input)).chain(outputs.iter().map(meta_mut)))?;
         let fp = c.fingerprint(OpKind::Gather, || format!("{dtype} x {} root {root}", input.numel()));
@@ -331,7 +338,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         c.rank_arg("root", root)?;
         root_list(&c, root, "inputs", inputs.len())?;
         for (i, t) in inputs.iter().enumerate() {
-            c.numel(&format!("inputs[{i}]"), t.numel(), output.numel())?;
+            c.numel(format_args!("inputs[{i}]"), t.numel(), output.numel())?;
         }
         let (route, dtype, _) = c.tensors(std::iter::once(meta_mut(&output)).chain(inputs.iter().map(meta)))?;
         let fp = c.fingerprint(OpKind::Scatter, || format!("{dtype} x {} root {root}", output.numel()));
