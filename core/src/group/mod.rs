@@ -13,6 +13,7 @@ pub use work::Work;
 
 use crate::algorithms;
 use crate::backend::{Backend, Deadline, Op, OpContext};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kernels::sanitize;
 use crate::options::GroupOptions;
@@ -284,9 +285,8 @@ impl GroupCore {
         }
         // Bytes from peers must never become invalid bools in user memory.
         for out in op.outputs_mut() {
-            if out.device() == Device::Cpu {
-                let dtype = out.dtype();
-                sanitize(out.host_bytes_mut()?, dtype);
+            if out.dtype() == DType::Bool && out.device() == Device::Cpu {
+                sanitize(out.host_bytes_mut()?, DType::Bool);
             }
         }
         Ok(())
