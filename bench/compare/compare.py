@@ -8,8 +8,9 @@ iteration, slowest rank per iteration, median). Prints one table: the
 median over rounds of each tool's time, the spread (min-max over rounds),
 and weft's speed relative to each anchor (>1 means weft is faster).
 
-The last column is the ceiling: every rank copying N bytes at once (host
-memcpy, `weft bench --ops device_copy`), in the same rounds; "x copy" is
+The last column is the ceiling: every rank copying N bytes at once (the
+host copy weft uses for outputs, `weft bench --ops device_copy`), in the
+same rounds; "x copy" is
 that time over weft's (1.0: the op costs one plain copy of its buffer).
 
 Usage: bench/compare/compare.py [--world 2] [--rounds 5] [--backend cpu-tcp]

@@ -169,6 +169,16 @@ fn large_tensors_on_a_representative_subset() {
                 let (src, i) = (k / (N / w), k % (N / w));
                 assert_eq!(*x, (i * w + src) as i32);
             }
+            // Part p of rank r's input goes to rank p; element i of a part
+            // tells who sent it and where it sat.
+            let part = N / w;
+            let input: Vec<i32> = (0..part * w).map(|k| ((k % part) * w * w + (k / part) * w + r) as i32).collect();
+            let mut out = vec![0i32; part * w];
+            pg.all_to_all_single(&mut out, &input, &o()).unwrap().wait().unwrap();
+            for (k, x) in out.iter().enumerate() {
+                let (src, i) = (k / part, k % part);
+                assert_eq!(*x, (i * w * w + r * w + src) as i32, "all_to_all 4Mi w={w} at {k}");
+            }
             let mut b: Vec<u8> = if r == 0 { (0..N).map(|i| (i % 251) as u8).collect() } else { vec![0; N] };
             pg.broadcast(&mut b, 0, &o()).unwrap().wait().unwrap();
             assert!(b.iter().enumerate().all(|(i, x)| *x == (i % 251) as u8));

@@ -67,9 +67,9 @@ pub struct BenchArgs {
     backend: String,
     /// Where the tensors live: cpu, or cuda (device LOCAL_RANK modulo the
     /// device count; the emulated GPU under WEFT_CUDA_EMULATION). The op
-    /// device_copy times a copy of N bytes on every rank at once (host
-    /// memcpy, or device-to-device with cuda): the memory-bandwidth
-    /// reference.
+    /// device_copy times a copy of N bytes on every rank at once (host:
+    /// the copy weft uses for op outputs, streaming from 4 MiB; cuda:
+    /// device-to-device): the memory-bandwidth reference.
     #[arg(long, default_value = "cpu")]
     device: String,
     /// Group hints KEY=VALUE (repeatable), e.g. staging=whole.

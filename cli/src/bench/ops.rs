@@ -140,7 +140,7 @@ impl Case {
             "device_copy" => match &self.place {
                 Some(p) => p.copy(self.output.addr(), self.input.addr(), self.count * self.dtype.size()),
                 None => {
-                    self.output.bytes_mut().copy_from_slice(self.input.bytes());
+                    weft::kernels::copy(self.output.bytes_mut(), self.input.bytes());
                     Ok(())
                 }
             },

@@ -11,7 +11,7 @@ pub fn gather(c: &Comm<'_>, input: &[u8], outputs: &mut [&mut [u8]], root: usize
     if r != root {
         return c.send(0, root, input);
     }
-    outputs[r].copy_from_slice(input);
+    crate::kernels::copy(outputs[r], input);
     let tag = c.tag(0);
     let mut ops: Vec<P2p<'_>> =
         outputs.iter_mut().enumerate().filter(|(i, _)| *i != r).map(|(peer, buf)| P2p::Recv { peer, tag, buf }).collect();
@@ -24,7 +24,7 @@ pub fn scatter(c: &Comm<'_>, inputs: &[&[u8]], output: &mut [u8], root: usize) -
     if r != root {
         return c.recv(0, root, output);
     }
-    output.copy_from_slice(inputs[r]);
+    crate::kernels::copy(output, inputs[r]);
     let tag = c.tag(0);
     let mut ops: Vec<P2p<'_>> =
         inputs.iter().enumerate().filter(|(i, _)| *i != r).map(|(peer, data)| P2p::Send { peer, tag, data }).collect();

@@ -94,7 +94,7 @@ fn reduce_scatter_blocks<'b>(
         }
     };
     if w == 1 {
-        out.copy_from_slice(block(0));
+        crate::kernels::copy(out, block(0));
     } else {
         let max = (0..w).map(|i| block(i).len()).max().unwrap_or(0);
         let seg = Segments::new(c, max, dtype.size())?;
@@ -123,7 +123,7 @@ fn all_gather_blocks(c: &Comm<'_>, blocks: &mut [&mut [u8]], own: Option<&[u8]>,
     let (w, r) = (c.size(), c.rank());
     let (right, left) = ((r + 1) % w, (r + w - 1) % w);
     if let Some(own) = own {
-        blocks[r].copy_from_slice(own);
+        crate::kernels::copy(blocks[r], own);
     }
     for k in 0..w.saturating_sub(1) {
         let (sb, rb) = ((r + w - k) % w, (r + 2 * w - k - 1) % w);
