@@ -171,6 +171,11 @@ fn shm_fast_path_agrees_with_the_rings_and_catches_mismatched_calls() {
                         .unwrap();
                     let want: Vec<f32> = (0..part).map(|i| (0..w).map(|q| value(q, r * part + i)).sum()).collect();
                     assert_eq!(out, want, "reduce_scatter part={part} fastbox={path}");
+                    // Part q of rank r's input goes to rank q.
+                    let mut out = vec![0f32; part * w];
+                    pg.all_to_all_single(&mut out[..], &input[..], &o().hint("shm_fastbox", path)).unwrap().wait().unwrap();
+                    let want: Vec<f32> = (0..w).flat_map(|q| (0..part).map(move |i| value(q, r * part + i))).collect();
+                    assert_eq!(out, want, "all_to_all part={part} fastbox={path}");
                 }
             }
             // PREMUL_SUM with a factor of its own on each rank, and AVG.
@@ -198,6 +203,36 @@ fn shm_fast_path_agrees_with_the_rings_and_catches_mismatched_calls() {
         pg.all_reduce(&mut v[..], ReduceOp::Sum, &o).unwrap().wait().unwrap();
         assert_eq!(v, [2.0; 2]);
     });
+}
+
+/// all_to_all takes the fast path only if every rank's parts fit in its
+/// slot. Here, every other time, rank 0's do not while the others' do: rank
+/// 0 publishes that and goes to the rings at once, the others see it and
+/// follow. Fast ops in between reuse the same slots.
+#[test]
+fn shm_fast_all_to_all_falls_back_together_when_one_rank_does_not_fit() {
+    let o = OpOptions::default;
+    for w in [2, 3] {
+        run_threads(w, options("cpu:shm"), move |pg| {
+            let r = pg.rank();
+            // Elements rank s sends rank d: 1100 f32 (4400 bytes) from rank 0 when `big`.
+            let count = |s: usize, d: usize, big: bool| if big && s == 0 { 1100 } else { 1 + (s + 2 * d) % 3 };
+            let value = |s: usize, d: usize, i: usize| (s * 1000 + d * 100 + i % 97) as f32;
+            for round in 0..40 {
+                let big = round % 2 == 0;
+                let send: Vec<usize> = (0..w).map(|d| count(r, d, big)).collect();
+                let recv: Vec<usize> = (0..w).map(|s| count(s, r, big)).collect();
+                let input: Vec<f32> = (0..w).flat_map(|d| (0..send[d]).map(move |i| value(r, d, i))).collect();
+                let mut out = vec![0f32; recv.iter().sum()];
+                pg.all_to_all_v_single(&mut out[..], &input[..], &recv, &send, &o()).unwrap().wait().unwrap();
+                let want: Vec<f32> = (0..w).flat_map(|s| (0..recv[s]).map(move |i| value(s, r, i))).collect();
+                assert_eq!(out, want, "round {round} W={w}");
+                let mut v = [r as f32; 2];
+                pg.all_reduce(&mut v[..], ReduceOp::Sum, &o()).unwrap().wait().unwrap();
+                assert_eq!(v, [(w * (w - 1) / 2) as f32; 2], "round {round} W={w}");
+            }
+        });
+    }
 }
 
 #[test]

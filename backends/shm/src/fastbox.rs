@@ -41,12 +41,28 @@ pub enum Kind {
     AllGather,
     /// reduce_scatter with this dtype and op.
     ReduceScatter(DType, ReduceOp),
+    /// all_to_all (lists and `_v` alike); its length is this rank's
+    /// payload, or [`NO_FIT`].
+    AllToAll,
+}
+
+/// An all_to_all length word: this rank's parts did not fit in its slot.
+const NO_FIT: usize = 0xffff_ffff;
+
+/// The part of a description that every rank must share: all but the
+/// length for all_to_all (whose payloads differ between ranks).
+fn shared_part(word: u64) -> u64 {
+    if word >> 56 == 6 {
+        word & !0xffff_ffff
+    } else {
+        word
+    }
 }
 
 impl Kind {
     /// (kind, dtype or root, op) in one word, with the op's length (the
-    /// same on every rank: for all_gather and reduce_scatter, all ranks'
-    /// parts together).
+    /// same on every rank except for all_to_all: for all_gather and
+    /// reduce_scatter, all ranks' parts together).
     fn describe(self, len: usize) -> u64 {
         let (kind, a, b) = match self {
             Kind::AllReduce(d, op) => (1u64, d as u64, op_code(op)),
@@ -54,6 +70,7 @@ impl Kind {
             Kind::Barrier => (3, 0, 0),
             Kind::AllGather => (4, 0, 0),
             Kind::ReduceScatter(d, op) => (5, d as u64, op_code(op)),
+            Kind::AllToAll => (6, 0, 0),
         };
         (kind << 56) | ((a & 0xffff) << 40) | (b << 32) | len as u64
     }
@@ -82,6 +99,7 @@ fn explain(word: u64) -> String {
         3 => "barrier".into(),
         4 => format!("all_gather of {len} bytes in all"),
         5 => format!("reduce_scatter of {len} bytes in all"),
+        6 => "all_to_all".into(),
         _ => format!("an unknown op ({word:#x})"),
     }
 }
@@ -207,16 +225,12 @@ impl<B: Bytes> Fastbox<B> {
     /// bytes in all, the same on every rank), then wait until every peer
     /// has published its part of the same op.
     fn round(&self, waiter: &dyn Waiter, kind: Kind, len: usize, mine: &[u8], deadline: &Deadline) -> Result<Round<'_, B>> {
-        debug_assert!(mine.len() <= FASTBOX_BYTES);
-        let k = self.next.fetch_add(1, Ordering::Relaxed);
-        let round = Round { fb: self, k };
-        let what = kind.describe(len);
-        round.slot(self.rank).publish(k, what, mine);
-        waiter.wake_sleepers();
+        let round = self.publish(waiter, kind, len, mine);
+        let (k, what) = (round.k, kind.describe(len));
         for p in (0..self.size()).filter(|p| *p != self.rank) {
             waiter.wait_until(p, &|| explain(what), deadline, &|| round.slot(p).published(k).is_some())?;
             let theirs = round.slot(p).published(k).expect("published");
-            if theirs != what {
+            if shared_part(theirs) != shared_part(what) {
                 return Err(Error::invalid(format!(
                     "mismatched collectives: this rank called {}, rank {p} {}",
                     explain(what),
@@ -225,6 +239,16 @@ impl<B: Bytes> Fastbox<B> {
             }
         }
         Ok(round)
+    }
+
+    /// The first half of [`Fastbox::round`]: publish, without waiting.
+    fn publish(&self, waiter: &dyn Waiter, kind: Kind, len: usize, mine: &[u8]) -> Round<'_, B> {
+        debug_assert!(mine.len() <= FASTBOX_BYTES);
+        let k = self.next.fetch_add(1, Ordering::Relaxed);
+        let round = Round { fb: self, k };
+        round.slot(self.rank).publish(k, kind.describe(len), mine);
+        waiter.wake_sleepers();
+        round
     }
 
     fn size(&self) -> usize {
@@ -290,6 +314,60 @@ impl<B: Bytes> Fastbox<B> {
         Ok(())
     }
 
+    /// all_to_all: `outputs[p]` receives rank p's part for this rank, if
+    /// every rank's parts fit in its slot. `Ok(false)` if some rank's did
+    /// not, with nothing written: the op must then run through the rings.
+    ///
+    /// Whether they fit differs between ranks, so every rank publishes:
+    /// its part lengths and parts, or that they do not fit. A rank whose
+    /// parts fit waits for every peer's publication; one whose parts do not
+    /// returns at once. Its slot stays safe to reuse: it finishes this op
+    /// only after every peer has sent it a part through the rings, which
+    /// each does after reading every slot of the round.
+    pub fn all_to_all(&self, waiter: &dyn Waiter, inputs: &[&[u8]], outputs: &mut [&mut [u8]], deadline: &Deadline) -> Result<bool> {
+        let table = 4 * self.size();
+        let total = table + inputs.iter().map(|i| i.len()).sum::<usize>();
+        if total > FASTBOX_BYTES {
+            self.publish(waiter, Kind::AllToAll, NO_FIT, &[]);
+            return Ok(false);
+        }
+        let round = with_scratch(total, |mine| {
+            let mut at = table;
+            for (p, i) in inputs.iter().enumerate() {
+                mine[4 * p..4 * p + 4].copy_from_slice(&(i.len() as u32).to_le_bytes());
+                mine[at..at + i.len()].copy_from_slice(i);
+                at += i.len();
+            }
+            self.round(waiter, Kind::AllToAll, total, mine, deadline)
+        })?;
+        if (0..self.size()).any(|p| round.len(p) == NO_FIT) {
+            return Ok(false);
+        }
+        let me = self.rank;
+        for (p, out) in outputs.iter_mut().enumerate() {
+            // Rank p's lengths up to this rank's part locate it; they come
+            // from another process, so they are checked against its slot.
+            let slot = round.slot(p);
+            let bad = |why: String| Error::backend(format!("shm: rank {p}'s all_to_all slot {why}"));
+            let (mut at, mut len) = (table, 0);
+            for q in 0..=me {
+                at += len;
+                let mut word = [0u8; 4];
+                slot.read(4 * q, &mut word);
+                len = u32::from_le_bytes(word) as usize;
+            }
+            let size = round.len(p);
+            if size > FASTBOX_BYTES || at + len > size {
+                return Err(bad(format!("puts a part at {at}..{} of its {size} bytes", at + len)));
+            }
+            if len != out.len() {
+                return Err(bad(format!("holds {len} bytes for this rank, which expects {}", out.len())));
+            }
+            slot.read(at, out);
+        }
+        Ok(true)
+    }
+
     /// barrier.
     pub fn barrier(&self, waiter: &dyn Waiter, deadline: &Deadline) -> Result<()> {
         self.round(waiter, Kind::Barrier, 0, &[], deadline).map(drop)
@@ -305,6 +383,11 @@ struct Round<'a, B: Bytes> {
 impl<B: Bytes> Round<'_, B> {
     fn slot(&self, r: usize) -> &Slot<B> {
         &self.fb.slots[r * 2 + (self.k % 2) as usize]
+    }
+
+    /// The length in rank `r`'s description of this op.
+    fn len(&self, r: usize) -> usize {
+        (self.slot(r).published(self.k).expect("every slot of a round is published") & 0xffff_ffff) as usize
     }
 
     /// `out` = the bytes at `at` of every rank's part, reduced in rank

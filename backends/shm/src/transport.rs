@@ -16,7 +16,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use weft::backend::{Backend, Deadline, Op, OpContext, P2p};
 use weft::matching::Inbound;
-use weft::{Error, Result};
+use weft::{Error, Result, Tensor, TensorMut};
 
 const RUNNING: u32 = 0;
 const CLOSED: u32 = 1;
@@ -207,14 +207,24 @@ impl Backend for ShmBackend {
     }
 
     /// all_reduce, broadcast, all_gather and reduce_scatter of at most
-    /// `FASTBOX_BYTES` (all ranks' parts together), and barrier, through
-    /// the fast path (hint `shm_fastbox=off`: through the rings).
+    /// `FASTBOX_BYTES` (all ranks' parts together), barrier, and
+    /// all_to_all where every rank's parts fit, through the fast path (hint
+    /// `shm_fastbox=off`: through the rings).
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
         // (`is_empty` first: no hashing on the common path.)
         match (!ctx.hints.is_empty()).then(|| ctx.hints.get("shm_fastbox")).flatten().map(String::as_str) {
             None | Some("on") => {}
             Some("off") => return None,
             Some(v) => return Some(Err(Error::invalid(format!("hint shm_fastbox={v:?}: use on or off")))),
+        }
+        if let Op::AllToAll { inputs, outputs } = op {
+            // Whether a rank's parts fit differs between ranks: every rank
+            // takes the fast round, and all take the rings if one did not fit.
+            return match self.check_failed().and_then(|()| self.fast_all_to_all(inputs, outputs, &ctx.deadline)) {
+                Ok(true) => Some(Ok(())),
+                Ok(false) => None,
+                Err(e) => Some(Err(e)),
+            };
         }
         let small = |n: usize| n <= FASTBOX_BYTES;
         let fast = match op {
@@ -374,6 +384,14 @@ impl ShmBackend {
             Op::Barrier => fb.barrier(self, d),
             _ => unreachable!("native_op sends only the ops above"),
         }
+    }
+
+    /// all_to_all through the fast path; `Ok(false)` if some rank's parts
+    /// did not fit.
+    fn fast_all_to_all(&self, inputs: &[Tensor<'_>], outputs: &mut [TensorMut<'_>], d: &Deadline) -> Result<bool> {
+        let ins = inputs.iter().map(|i| i.host_bytes()).collect::<Result<SmallVec<[&[u8]; 8]>>>()?;
+        let mut outs = outputs.iter_mut().map(|o| o.host_bytes_mut()).collect::<Result<SmallVec<[&mut [u8]; 8]>>>()?;
+        self.fast.all_to_all(self, &ins, &mut outs, d)
     }
 
     /// Withdraw single-copy offer `seq` to `peer`; if the peer is reading
