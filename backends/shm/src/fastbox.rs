@@ -48,11 +48,13 @@ pub enum Kind {
 
 /// An all_to_all length word: this rank's parts did not fit in its slot.
 const NO_FIT: usize = 0xffff_ffff;
+/// all_to_all's code in a description word.
+const ALL_TO_ALL: u64 = 6;
 
 /// The part of a description that every rank must share: all but the
 /// length for all_to_all (whose payloads differ between ranks).
 fn shared_part(word: u64) -> u64 {
-    if word >> 56 == 6 {
+    if word >> 56 == ALL_TO_ALL {
         word & !0xffff_ffff
     } else {
         word
@@ -70,7 +72,7 @@ impl Kind {
             Kind::Barrier => (3, 0, 0),
             Kind::AllGather => (4, 0, 0),
             Kind::ReduceScatter(d, op) => (5, d as u64, op_code(op)),
-            Kind::AllToAll => (6, 0, 0),
+            Kind::AllToAll => (ALL_TO_ALL, 0, 0),
         };
         (kind << 56) | ((a & 0xffff) << 40) | (b << 32) | len as u64
     }
@@ -99,7 +101,7 @@ fn explain(word: u64) -> String {
         3 => "barrier".into(),
         4 => format!("all_gather of {len} bytes in all"),
         5 => format!("reduce_scatter of {len} bytes in all"),
-        6 => "all_to_all".into(),
+        ALL_TO_ALL => "all_to_all".into(),
         _ => format!("an unknown op ({word:#x})"),
     }
 }
