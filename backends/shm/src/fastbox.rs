@@ -46,8 +46,10 @@ pub enum Kind {
     AllToAll,
 }
 
-/// An all_to_all length word: this rank's parts did not fit in its slot.
-const NO_FIT: usize = 0xffff_ffff;
+/// The length field of a description word.
+const LEN: u64 = 0xffff_ffff;
+/// An all_to_all length: this rank's parts did not fit in its slot.
+const NO_FIT: usize = LEN as usize;
 /// all_to_all's code in a description word.
 const ALL_TO_ALL: u64 = 6;
 
@@ -55,7 +57,7 @@ const ALL_TO_ALL: u64 = 6;
 /// length for all_to_all (whose payloads differ between ranks).
 fn shared_part(word: u64) -> u64 {
     if word >> 56 == ALL_TO_ALL {
-        word & !0xffff_ffff
+        word & !LEN
     } else {
         word
     }
@@ -94,7 +96,7 @@ fn op_code(op: ReduceOp) -> u64 {
 }
 
 fn explain(word: u64) -> String {
-    let len = word & 0xffff_ffff;
+    let len = word & LEN;
     match word >> 56 {
         1 => format!("all_reduce of {len} bytes"),
         2 => format!("broadcast of {len} bytes from root {}", (word >> 40) & 0xffff),
@@ -389,7 +391,7 @@ impl<B: Bytes> Round<'_, B> {
 
     /// The length in rank `r`'s description of this op.
     fn len(&self, r: usize) -> usize {
-        (self.slot(r).published(self.k).expect("every slot of a round is published") & 0xffff_ffff) as usize
+        (self.slot(r).published(self.k).expect("every slot of a round is published") & LEN) as usize
     }
 
     /// `out` = the bytes at `at` of every rank's part, reduced in rank

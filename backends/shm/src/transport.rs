@@ -362,6 +362,16 @@ impl Waiter for ShmBackend {
     }
 }
 
+/// The bytes of a fast op's tensors (no heap allocation for up to 8).
+fn host_bytes<'t>(ts: &'t [Tensor<'_>]) -> Result<SmallVec<[&'t [u8]; 8]>> {
+    ts.iter().map(|t| t.host_bytes()).collect()
+}
+
+/// As [`host_bytes`], writable.
+fn host_bytes_mut<'t>(ts: &'t mut [TensorMut<'_>]) -> Result<SmallVec<[&'t mut [u8]; 8]>> {
+    ts.iter_mut().map(|t| t.host_bytes_mut()).collect()
+}
+
 impl ShmBackend {
     /// Run a fast-path op (`native_op` chose it).
     fn run_fast(&self, op: &mut Op<'_>, d: &Deadline) -> Result<()> {
@@ -372,14 +382,10 @@ impl ShmBackend {
                 fb.all_reduce(self, buf.host_bytes_mut()?, dtype, *op, d)
             }
             Op::Broadcast { buf, root } => fb.broadcast(self, buf.host_bytes_mut()?, *root, d),
-            Op::AllGather { input, outputs } => {
-                let mut outs = outputs.iter_mut().map(|o| o.host_bytes_mut()).collect::<Result<Vec<_>>>()?;
-                fb.all_gather(self, input.host_bytes()?, &mut outs, d)
-            }
+            Op::AllGather { input, outputs } => fb.all_gather(self, input.host_bytes()?, &mut host_bytes_mut(outputs)?, d),
             Op::ReduceScatter { inputs, output, op } => {
-                let ins = inputs.iter().map(|i| i.host_bytes()).collect::<Result<Vec<_>>>()?;
                 let dtype = output.dtype();
-                fb.reduce_scatter(self, &ins, output.host_bytes_mut()?, dtype, *op, d)
+                fb.reduce_scatter(self, &host_bytes(inputs)?, output.host_bytes_mut()?, dtype, *op, d)
             }
             Op::Barrier => fb.barrier(self, d),
             _ => unreachable!("native_op sends only the ops above"),
@@ -389,9 +395,7 @@ impl ShmBackend {
     /// all_to_all through the fast path; `Ok(false)` if some rank's parts
     /// did not fit.
     fn fast_all_to_all(&self, inputs: &[Tensor<'_>], outputs: &mut [TensorMut<'_>], d: &Deadline) -> Result<bool> {
-        let ins = inputs.iter().map(|i| i.host_bytes()).collect::<Result<SmallVec<[&[u8]; 8]>>>()?;
-        let mut outs = outputs.iter_mut().map(|o| o.host_bytes_mut()).collect::<Result<SmallVec<[&mut [u8]; 8]>>>()?;
-        self.fast.all_to_all(self, &ins, &mut outs, d)
+        self.fast.all_to_all(self, &host_bytes(inputs)?, &mut host_bytes_mut(outputs)?, d)
     }
 
     /// Withdraw single-copy offer `seq` to `peer`; if the peer is reading
