@@ -8,6 +8,7 @@ mod cores;
 mod fastbox;
 mod ring;
 mod segment;
+mod stream;
 mod sync;
 mod transport;
 
