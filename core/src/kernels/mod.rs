@@ -1,12 +1,20 @@
-//! Elementwise reduction kernels over raw byte buffers, dispatched by dtype.
+//! Kernels over raw byte buffers: elementwise reductions dispatched by dtype
+//! (here), copies into op outputs (`copy.rs`), and the algorithms' scratch
+//! buffers (`buffers.rs`).
 //!
-//! The algorithms move bytes; these functions give the bytes meaning. Buffers
+//! The algorithms move bytes; the reductions give the bytes meaning. Buffers
 //! are normally aligned for their dtype (user tensors, [`AlignedBuf`]); an
 //! unaligned buffer takes a slower per-element path instead of failing.
 
 use crate::dtype::DType;
 use crate::reduce_op::ReduceOp;
 use half::{bf16, f16};
+
+mod buffers;
+mod copy;
+
+pub use buffers::{AlignedBuf, Scratch};
+pub use copy::{copy, prefetch, STREAM_COPY_BYTES};
 
 /// Arithmetic each element type provides for the reductions.
 trait Arith: Copy {
@@ -333,210 +341,9 @@ pub fn sanitize(buf: &mut [u8], dtype: DType) {
     }
 }
 
-/// Reusable scratch space for the algorithms: buffers go back to a
-/// per-thread pool when dropped, so the hot path does not allocate (and
-/// fault in fresh pages) on every op. Contents are unspecified on reuse:
-/// callers write before they read.
-pub struct Scratch {
-    buf: Option<AlignedBuf>,
-    len: usize,
-}
-
-thread_local! {
-    static POOL: std::cell::RefCell<Vec<AlignedBuf>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// Buffers kept per thread, and the largest one kept.
-const POOL_BUFFERS: usize = 4;
-const POOL_MAX_BYTES: usize = 512 << 20;
-
-impl Scratch {
-    /// At least `len` bytes, aligned to 16.
-    pub fn take(len: usize) -> Scratch {
-        let reused = POOL.with(|p| {
-            let mut p = p.borrow_mut();
-            // The smallest pooled buffer that is large enough.
-            let best = p.iter().enumerate().filter(|(_, b)| b.capacity() >= len).min_by_key(|(_, b)| b.capacity()).map(|(i, _)| i);
-            best.map(|i| p.swap_remove(i))
-        });
-        Scratch { buf: Some(reused.unwrap_or_else(|| AlignedBuf::zeroed(len))), len }
-    }
-}
-
-impl Scratch {
-    /// Keep only the first `len` bytes (no copy).
-    pub fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
-    }
-}
-
-impl std::ops::Deref for Scratch {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        &self.buf.as_ref().expect("present until drop").as_ref_full()[..self.len]
-    }
-}
-impl std::ops::DerefMut for Scratch {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        let len = self.len;
-        &mut self.buf.as_mut().expect("present until drop").as_mut_full()[..len]
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        if let Some(b) = self.buf.take() {
-            if b.capacity() <= POOL_MAX_BYTES {
-                POOL.with(|p| {
-                    let mut p = p.borrow_mut();
-                    if p.len() >= POOL_BUFFERS {
-                        // Keep the largest buffers.
-                        if let Some((i, _)) = p.iter().enumerate().min_by_key(|(_, x)| x.capacity()) {
-                            if p[i].capacity() < b.capacity() {
-                                p[i] = b;
-                            }
-                        }
-                    } else {
-                        p.push(b);
-                    }
-                });
-            }
-        }
-    }
-}
-
-/// A zeroed byte buffer aligned to 16 bytes, for scratch space that kernels
-/// read as any dtype.
-pub struct AlignedBuf {
-    words: Vec<u128>,
-    len: usize,
-}
-
-impl AlignedBuf {
-    /// `len` zero bytes.
-    pub fn zeroed(len: usize) -> Self {
-        AlignedBuf { words: vec![0u128; len.div_ceil(16)], len }
-    }
-    /// A copy of `data`.
-    pub fn copy_of(data: &[u8]) -> Self {
-        let mut b = Self::zeroed(data.len());
-        b.as_mut().copy_from_slice(data);
-        b
-    }
-}
-
-impl AlignedBuf {
-    fn capacity(&self) -> usize {
-        self.words.len() * 16
-    }
-    fn as_ref_full(&self) -> &[u8] {
-        // SAFETY: the Vec<u128> holds capacity() bytes.
-        unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const u8, self.capacity()) }
-    }
-    fn as_mut_full(&mut self) -> &mut [u8] {
-        // SAFETY: as above, unique through &mut self.
-        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr() as *mut u8, self.capacity()) }
-    }
-}
-
-impl AsRef<[u8]> for AlignedBuf {
-    fn as_ref(&self) -> &[u8] {
-        // SAFETY: the Vec<u128> holds at least len bytes; u8 has no alignment needs.
-        unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const u8, self.len) }
-    }
-}
-impl AsMut<[u8]> for AlignedBuf {
-    fn as_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as above, unique through &mut self.
-        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr() as *mut u8, self.len) }
-    }
-}
-
-/// Copies at least this long stream to memory (see [`copy`]). The
-/// crossover sits near a core's L2 size; this is above it on current
-/// x86 servers (1-2 MiB of L2 per core).
-pub const STREAM_COPY_BYTES: usize = 4 << 20;
-
-/// `dst.copy_from_slice(src)`, for an op's output. From
-/// [`STREAM_COPY_BYTES`] on x86_64 it uses non-temporal stores: a copy
-/// that large cannot stay in this core's cache anyway, and streaming skips
-/// reading each destination line before writing it. Measured on this
-/// project's 2-core machine: a 32 MiB copy 13.0 -> 15.7 GB/s, and a
-/// 64 MiB all_to_all (a local copy plus a cross-memory read of the same
-/// size) 11.3 -> 9.6 ms. glibc does the same above a threshold it derives
-/// from the L3 size, which virtual machines often report as the host's
-/// whole cache (260 MiB here: never).
-pub fn copy(dst: &mut [u8], src: &[u8]) {
-    assert_eq!(dst.len(), src.len(), "copy between slices of different lengths");
-    #[cfg(target_arch = "x86_64")]
-    if src.len() >= STREAM_COPY_BYTES {
-        return stream_copy(dst, src);
-    }
-    dst.copy_from_slice(src);
-}
-
-/// The streaming part of [`copy`]: plain copies up to the first 16-byte
-/// aligned destination address and for the tail, 16-byte non-temporal
-/// stores between, then a store fence so that later stores (a flag a peer
-/// waits on, an offer to read this memory) are seen after the data.
-#[cfg(target_arch = "x86_64")]
-fn stream_copy(dst: &mut [u8], src: &[u8]) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
-    let head = dst.as_ptr().align_offset(16).min(dst.len());
-    let body = (dst.len() - head) / 64 * 64;
-    dst[..head].copy_from_slice(&src[..head]);
-    let (d, s) = (dst[head..head + body].as_mut_ptr(), src[head..head + body].as_ptr());
-    for at in (0..body).step_by(64) {
-        // SAFETY: `at + 64 <= body`, so every access lies inside the two
-        // sub-slices taken above (which do not overlap: `&mut` and `&`);
-        // loads are unaligned, stores are 16-byte aligned (`head`). SSE2 is
-        // part of x86_64.
-        unsafe {
-            for lane in 0..4 {
-                let v = _mm_loadu_si128(s.add(at + 16 * lane) as *const __m128i);
-                _mm_stream_si128(d.add(at + 16 * lane) as *mut __m128i, v);
-            }
-        }
-    }
-    // SAFETY: a fence has no memory-safety preconditions.
-    unsafe { _mm_sfence() };
-    dst[head + body..].copy_from_slice(&src[head + body..]);
-}
-
-/// Ask the CPU to start loading `bytes` into cache: for rows read in an
-/// order the hardware prefetcher cannot guess (a sorted view of unsorted
-/// rows), issued a few rows ahead of their use. A hint only.
-#[inline]
-pub fn prefetch(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    for line in bytes.chunks(64) {
-        // SAFETY: a prefetch never faults and changes no memory; the address
-        // is inside a live slice anyway.
-        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line.as_ptr() as *const i8) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = bytes;
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Every byte lands, whatever the destination's alignment and the
-    /// length's remainder, on both sides of the streaming threshold.
-    #[test]
-    fn copy_is_exact_at_any_alignment_and_length() {
-        let src: Vec<u8> = (0..STREAM_COPY_BYTES + 200).map(|i| (i * 7 + i / 251) as u8).collect();
-        let mut dst = vec![0u8; src.len() + 32];
-        for len in [1000, STREAM_COPY_BYTES - 1, STREAM_COPY_BYTES, STREAM_COPY_BYTES + 63, STREAM_COPY_BYTES + 129] {
-            for (d_off, s_off) in [(0, 0), (1, 0), (7, 3), (15, 17), (16, 1)] {
-                dst.fill(0);
-                copy(&mut dst[d_off..d_off + len], &src[s_off..s_off + len]);
-                assert!(dst[d_off..d_off + len] == src[s_off..s_off + len], "len {len}, offsets {d_off}/{s_off}");
-                assert!(dst[..d_off].iter().chain(&dst[d_off + len..]).all(|b| *b == 0), "len {len}: wrote outside");
-            }
-        }
-    }
 
     fn bytes<T>(v: &[T]) -> &[u8] {
         // SAFETY: test helper over plain numeric slices.

@@ -1,0 +1,88 @@
+//! Copies into op outputs, and cache prefetch hints.
+
+/// Copies at least this long stream to memory (see [`copy`]). The
+/// crossover sits near a core's L2 size; this is above it on current
+/// x86 servers (1-2 MiB of L2 per core).
+pub const STREAM_COPY_BYTES: usize = 4 << 20;
+
+/// `dst.copy_from_slice(src)`, for an op's output. From
+/// [`STREAM_COPY_BYTES`] on x86_64 it uses non-temporal stores: a copy
+/// that large cannot stay in this core's cache anyway, and streaming skips
+/// reading each destination line before writing it. Measured on this
+/// project's 2-core machine: a 32 MiB copy 13.0 -> 15.7 GB/s, and a
+/// 64 MiB all_to_all (a local copy plus a cross-memory read of the same
+/// size) 11.3 -> 9.6 ms. glibc does the same above a threshold it derives
+/// from the L3 size, which virtual machines often report as the host's
+/// whole cache (260 MiB here: never).
+pub fn copy(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "copy between slices of different lengths");
+    #[cfg(target_arch = "x86_64")]
+    if src.len() >= STREAM_COPY_BYTES {
+        return stream_copy(dst, src);
+    }
+    dst.copy_from_slice(src);
+}
+
+/// The streaming part of [`copy`]: plain copies up to the first 16-byte
+/// aligned destination address and for the tail, 16-byte non-temporal
+/// stores between, then a store fence so that later stores (a flag a peer
+/// waits on, an offer to read this memory) are seen after the data.
+#[cfg(target_arch = "x86_64")]
+fn stream_copy(dst: &mut [u8], src: &[u8]) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+    let head = dst.as_ptr().align_offset(16).min(dst.len());
+    let body = (dst.len() - head) / 64 * 64;
+    dst[..head].copy_from_slice(&src[..head]);
+    let (d, s) = (dst[head..head + body].as_mut_ptr(), src[head..head + body].as_ptr());
+    for at in (0..body).step_by(64) {
+        // SAFETY: `at + 64 <= body`, so every access lies inside the two
+        // sub-slices taken above (which do not overlap: `&mut` and `&`);
+        // loads are unaligned, stores are 16-byte aligned (`head`). SSE2 is
+        // part of x86_64.
+        unsafe {
+            for lane in 0..4 {
+                let v = _mm_loadu_si128(s.add(at + 16 * lane) as *const __m128i);
+                _mm_stream_si128(d.add(at + 16 * lane) as *mut __m128i, v);
+            }
+        }
+    }
+    // SAFETY: a fence has no memory-safety preconditions.
+    unsafe { _mm_sfence() };
+    dst[head + body..].copy_from_slice(&src[head + body..]);
+}
+
+/// Ask the CPU to start loading `bytes` into cache: for rows read in an
+/// order the hardware prefetcher cannot guess (a sorted view of unsorted
+/// rows), issued a few rows ahead of their use. A hint only.
+#[inline]
+pub fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in bytes.chunks(64) {
+        // SAFETY: a prefetch never faults and changes no memory; the address
+        // is inside a live slice anyway.
+        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line.as_ptr() as *const i8) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every byte lands, whatever the destination's alignment and the
+    /// length's remainder, on both sides of the streaming threshold.
+    #[test]
+    fn copy_is_exact_at_any_alignment_and_length() {
+        let src: Vec<u8> = (0..STREAM_COPY_BYTES + 200).map(|i| (i * 7 + i / 251) as u8).collect();
+        let mut dst = vec![0u8; src.len() + 32];
+        for len in [1000, STREAM_COPY_BYTES - 1, STREAM_COPY_BYTES, STREAM_COPY_BYTES + 63, STREAM_COPY_BYTES + 129] {
+            for (d_off, s_off) in [(0, 0), (1, 0), (7, 3), (15, 17), (16, 1)] {
+                dst.fill(0);
+                copy(&mut dst[d_off..d_off + len], &src[s_off..s_off + len]);
+                assert!(dst[d_off..d_off + len] == src[s_off..s_off + len], "len {len}, offsets {d_off}/{s_off}");
+                assert!(dst[..d_off].iter().chain(&dst[d_off + len..]).all(|b| *b == 0), "len {len}: wrote outside");
+            }
+        }
+    }
+}
