@@ -242,6 +242,18 @@ impl OpKind {
             OpKind::AllReduceSparse => "all_reduce_sparse",
         }
     }
+    /// Whether the collective a tag belongs to combines what its ranks
+    /// receive as soon as it arrives (the reductions): a transport that can
+    /// leave a message in either side's cache then leaves it in the
+    /// receiver's. False for user messages.
+    pub fn combines_received(tag: u64) -> bool {
+        tag >> 63 == 1
+            && matches!(
+                OpKind::from_code(crate::tag::op_code(tag)),
+                Some(OpKind::AllReduce | OpKind::Reduce | OpKind::ReduceScatter | OpKind::AllReduceSparse)
+            )
+    }
+
     /// A readable description of a tag, for error messages.
     pub fn describe_tag(tag: u64) -> String {
         if tag >> 63 == 0 {

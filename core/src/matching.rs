@@ -147,6 +147,12 @@ impl Inbound {
         }
     }
 
+    /// Whether the open frame fills a receive posted in this batch (not a
+    /// copy set aside for a later one).
+    pub fn fills_receive(&self) -> bool {
+        matches!(self.frame, Some(Frame { dest: Dest::Recv(_), .. }))
+    }
+
     /// `n` more bytes of the open frame arrived.
     pub fn advance(&mut self, n: usize) {
         if let Some(f) = self.frame.as_mut() {

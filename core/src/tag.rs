@@ -51,4 +51,13 @@ mod tests {
         assert!(!conflicts(user(1), collective(2, 0, 1)));
         assert_eq!(op_code(collective(9, 1, 1)), 9);
     }
+
+    #[test]
+    fn reductions_combine_what_they_receive() {
+        use crate::backend::OpKind;
+        let t = |k: OpKind| collective(k as u8, 3, 1);
+        assert!(OpKind::combines_received(t(OpKind::ReduceScatter)) && OpKind::combines_received(t(OpKind::AllReduce)));
+        assert!(!OpKind::combines_received(t(OpKind::AllGather)) && !OpKind::combines_received(t(OpKind::AllToAll)));
+        assert!(!OpKind::combines_received(user(OpKind::AllReduce as u32)));
+    }
 }

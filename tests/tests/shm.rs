@@ -47,9 +47,10 @@ fn shm_sub_groups_and_large_messages() {
     });
 }
 
-/// Large messages go single-copy (process_vm_readv); a rank that refuses
-/// to read peers' memory (hint `shm_cma=off`) gets them through the ring,
-/// in both directions, with identical results.
+/// Large messages go single-copy (pulled with process_vm_readv, or pushed
+/// with process_vm_writev by a sender that is receiving too); a rank that
+/// refuses (hint `shm_cma=off`) gets them through the ring, in both
+/// directions, with identical results.
 #[test]
 fn shm_single_copy_and_its_refusal_give_the_same_results() {
     for refusing in [None, Some(1)] {
@@ -74,11 +75,13 @@ fn shm_single_copy_and_its_refusal_give_the_same_results() {
                 let mut all = vec![0u32; n * w];
                 pg.all_gather_single(&mut all, &mine[..], &o).unwrap().wait().unwrap();
                 assert!(all.chunks(n).enumerate().all(|(k, c)| c.iter().enumerate().all(|(i, x)| *x == (i * w + k) as u32)));
-                let input: Vec<u64> = (0..n * w).map(|i| (r * 1_000_000 + i) as u64).collect();
-                let mut out = vec![0u64; n * w];
+                // 1.2 MB parts: like all_gather's, pushed whole by their senders
+                // (receiving too, the size of a core's L2), unless refused.
+                let input: Vec<u32> = (0..n * w).map(|i| (r * 1_000_000 + i) as u32).collect();
+                let mut out = vec![0u32; n * w];
                 pg.all_to_all_single(&mut out, &input[..], &o).unwrap().wait().unwrap();
                 for (src, c) in out.chunks(n).enumerate() {
-                    assert!(c.iter().enumerate().all(|(i, x)| *x == (src * 1_000_000 + r * n + i) as u64));
+                    assert!(c.iter().enumerate().all(|(i, x)| *x == (src * 1_000_000 + r * n + i) as u32));
                 }
             }
         });

@@ -59,6 +59,31 @@ pub fn oversubscribed(store: &dyn Store, rank: usize, size: usize, timeout: Dura
     Ok(size > capacity(&all))
 }
 
+/// The size of this CPU's level-2 cache (one core's, on current x86), from
+/// sysfs; 1 MiB if it does not say.
+pub fn l2_bytes() -> usize {
+    let read = |i: usize, f: &str| std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu0/cache/index{i}/{f}")).ok();
+    (0..8)
+        .find(|i| read(*i, "level").as_deref().map(str::trim) == Some("2"))
+        .and_then(|i| read(i, "size"))
+        .and_then(|s| cache_size(&s))
+        .unwrap_or(1 << 20)
+}
+
+/// Bytes in sysfs's cache size notation ("2048K").
+fn cache_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: usize = num.parse().ok()?;
+    let shift = match unit {
+        "" => 0,
+        "K" => 10,
+        "M" => 20,
+        _ => return None,
+    };
+    Some(n << shift).filter(|n| *n > 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -79,5 +104,13 @@ mod tests {
         assert_eq!(decode(&encode(&me)), Some(me.clone()));
         assert!(capacity(&[me]) >= 1);
         assert_eq!(decode("x 1"), None);
+    }
+
+    #[test]
+    fn cache_sizes_parse() {
+        assert_eq!(cache_size("2048K\n"), Some(2 << 20));
+        assert_eq!(cache_size("1M"), Some(1 << 20));
+        assert_eq!((cache_size("0K"), cache_size("12Q"), cache_size("")), (None, None, None));
+        assert!(l2_bytes() >= 64 << 10);
     }
 }

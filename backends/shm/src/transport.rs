@@ -89,6 +89,8 @@ pub struct ShmBackend {
     /// More ranks than cores: a waiting rank yields at once instead of
     /// spinning, since the peer it waits for may need its core.
     pub(crate) oversubscribed: bool,
+    /// One core's L2 cache, in bytes (`stream.rs` pushes messages that fit).
+    pub(crate) l2: usize,
 }
 
 impl ShmBackend {
@@ -116,6 +118,7 @@ impl ShmBackend {
             failed: std::sync::OnceLock::new(),
             cma: std::sync::atomic::AtomicBool::new(cma),
             oversubscribed,
+            l2: crate::cores::l2_bytes(),
         };
         b.control(rank).pid.store(std::process::id(), Ordering::Release);
         b
