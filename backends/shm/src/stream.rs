@@ -188,8 +188,9 @@ impl ShmBackend {
                 }
                 busy[*peer] = true;
                 let ring = self.ring(me, *peer);
-                // An offer made while a large receive is pending is pushed
-                // whole by this rank (all_gather, all_to_all, ring steps).
+                // An offer made while a large receive is pending says so
+                // (all_gather, all_to_all, ring steps), and may be pushed
+                // whole by this rank (`prefix` decides).
                 let first = sent[i] == 0;
                 let receiving = first
                     && ops.iter().zip(done.iter()).any(|(op, d)| !*d && matches!(op, P2p::Recv { buf, .. } if buf.len() >= cma::MIN_BYTES));
