@@ -142,23 +142,20 @@ impl Cell {
     /// instead: the other side is busy elsewhere, and one system call copies
     /// them all.
     pub fn claim(&self, seq: u64, count: u64, rest_at: Option<u64>) -> Option<std::ops::Range<u64>> {
-        let mut w = self.next.load(Ordering::Acquire);
-        loop {
-            let i = untag(w, seq).filter(|i| *i < count)?;
-            let end = if rest_at == Some(i) { count } else { i + 1 };
-            match self.next.compare_exchange_weak(w, w + (end - i), Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return Some(i..end),
-                Err(now) => w = now,
-            }
-        }
+        self.claim_to(seq, count, |i| if rest_at == Some(i) { count } else { i + 1 })
     }
     /// Either side: take every chunk of `seq` still unclaimed, if any.
     pub fn claim_rest(&self, seq: u64, count: u64) -> Option<std::ops::Range<u64>> {
+        self.claim_to(seq, count, |_| count)
+    }
+    /// Take chunks from the next unclaimed one, `i`, to `end(i)`.
+    fn claim_to(&self, seq: u64, count: u64, end: impl Fn(u64) -> u64) -> Option<std::ops::Range<u64>> {
         let mut w = self.next.load(Ordering::Acquire);
         loop {
             let i = untag(w, seq).filter(|i| *i < count)?;
-            match self.next.compare_exchange_weak(w, tagged(seq, count), Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => return Some(i..count),
+            let end = end(i);
+            match self.next.compare_exchange_weak(w, w + (end - i), Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Some(i..end),
                 Err(now) => w = now,
             }
         }
@@ -427,6 +424,15 @@ mod loom_tests {
     use loom::cell::UnsafeCell;
     use loom::sync::Arc;
 
+    /// Transfer 1 in READING, into a destination of `chunks` one-byte chunks.
+    fn reading(chunks: usize) -> (Arc<Cell>, Arc<Vec<UnsafeCell<u8>>>) {
+        let cell = Arc::new(Cell::new());
+        cell.post(1);
+        cell.open_chunks(1, 0);
+        cell.advance(1, READING).unwrap();
+        (cell, Arc::new((0..chunks).map(|_| UnsafeCell::new(0)).collect()))
+    }
+
     /// The receiver counts the sender's pushed chunks (acquire) before it
     /// reads them, and each chunk is written by exactly one side: the
     /// destination's bytes are tracked cells, so either mistake is a
@@ -434,11 +440,7 @@ mod loom_tests {
     #[test]
     fn loom_pushed_chunks_are_visible_before_the_receiver_finishes() {
         loom::model(|| {
-            let cell = Arc::new(Cell::new());
-            let dst: Arc<Vec<UnsafeCell<u8>>> = Arc::new((0..3).map(|_| UnsafeCell::new(0)).collect());
-            cell.post(1);
-            cell.open_chunks(1, 0);
-            cell.advance(1, READING).unwrap();
+            let (cell, dst) = reading(3);
             let sender = {
                 let (cell, dst) = (cell.clone(), dst.clone());
                 loom::thread::spawn(move || {
@@ -479,11 +481,7 @@ mod loom_tests {
     #[test]
     fn loom_a_pushed_payload_or_a_stolen_one_is_whole() {
         loom::model(|| {
-            let cell = Arc::new(Cell::new());
-            let dst: Arc<Vec<UnsafeCell<u8>>> = Arc::new((0..2).map(|_| UnsafeCell::new(0)).collect());
-            cell.post(1);
-            cell.open_chunks(1, 0);
-            cell.advance(1, READING).unwrap();
+            let (cell, dst) = reading(2);
             let write = |dst: &[UnsafeCell<u8>], run: std::ops::Range<u64>| {
                 for i in run {
                     // SAFETY: the run is the writer's alone (claimed).

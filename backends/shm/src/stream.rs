@@ -67,8 +67,10 @@ impl ShmBackend {
         }
         let result = self.progress(ops, &mut incoming, &mut done, &mut sent, &mut offers, deadline);
         if let Err(e) = &result {
-            // A peer may be pushing into a receive buffer: stop it before
-            // the caller gets the buffer back.
+            // Before the caller gets its buffers back: a peer may be pushing
+            // into a receive buffer (stop it), or reading a send buffer
+            // (withdraw the offer). Either way the pair's stream is then
+            // out of step for good.
             let mut cancelled = false;
             for peer in 0..self.size {
                 cancelled |= self.cancel_awaiting(peer, &mut incoming[peer], ops);
@@ -76,19 +78,16 @@ impl ShmBackend {
             for p in incoming.iter_mut() {
                 p.inbound.detach(ops);
             }
-            if cancelled {
-                return Err(self.fail(e.clone()));
-            }
-            // Offers still open are withdrawn before the caller gets its
-            // buffers back; the pair's stream is then out of step for good.
             let open: Vec<(usize, u64)> = (0..n).filter(|i| !done[*i]).filter_map(|i| offers[i].map(|o| (ops[i].peer(), o.seq))).collect();
             if !open.is_empty() {
                 // Abort first, so a peer that finds the offer withdrawn also
                 // finds why (and whom to blame) in our control block.
                 self.abort(e);
-                for (peer, seq) in open {
+                for &(peer, seq) in &open {
                     self.revoke(peer, seq);
                 }
+            }
+            if cancelled || !open.is_empty() {
                 return Err(self.fail(e.clone()));
             }
         }
@@ -295,24 +294,25 @@ impl ShmBackend {
                 std::thread::yield_now();
                 continue;
             }
-            // Ready: bytes in a ring, or a single-copy transfer moved on (a
-            // peer opened an offer this rank pushes, finished reading one,
-            // or pushed one this rank waits for).
             self.nap(now, deadline, &|| {
-                (0..w).any(|p| p != me && self.ring(p, me).available() > 0)
-                    || (0..ops.len()).any(|i| match offers[i] {
-                        Some(o) if !done[i] => {
-                            let cell = self.cell(me, ops[i].peer());
-                            match cell.phase(o.seq) {
-                                Some(cma::READING) => o.pushes && cell.claimed(o.seq) == 0,
-                                phase => phase != Some(cma::POSTED),
-                            }
-                        }
-                        _ => false,
-                    })
-                    || incoming.iter().enumerate().any(|(p, st)| st.awaiting.is_some_and(|(o, _)| self.cell(p, me).pushed_count(o.seq) > 0))
+                (0..w).any(|p| p != me && self.ring(p, me).available() > 0) || self.single_copy_moved(ops, done, offers, incoming)
             });
         }
+    }
+
+    /// Whether a single-copy transfer of this exchange needs this rank: a
+    /// peer opened an offer this rank pushes, finished reading (or
+    /// refused) one, or pushed one this rank waits for.
+    fn single_copy_moved(&self, ops: &[P2p<'_>], done: &[bool], offers: &[Option<cma::Offer>], incoming: &[PeerIn]) -> bool {
+        let me = self.rank;
+        let mut open = ops.iter().zip(done).zip(offers).filter_map(|((op, d), o)| o.filter(|_| !*d).map(|o| (op.peer(), o)));
+        open.any(|(peer, o)| {
+            let cell = self.cell(me, peer);
+            match cell.phase(o.seq) {
+                Some(cma::READING) => o.pushes && cell.claimed(o.seq) == 0,
+                phase => phase != Some(cma::POSTED),
+            }
+        }) || incoming.iter().enumerate().any(|(p, st)| st.awaiting.is_some_and(|(o, _)| self.cell(p, me).pushed_count(o.seq) > 0))
     }
 
     /// Take single-copy offer `offer` from `peer` into the current frame's
