@@ -239,10 +239,11 @@ fn shm_fast_all_to_all_falls_back_together_when_one_rank_does_not_fit() {
 }
 
 #[test]
-fn shm_sigkill_mid_all_reduce_gives_peer_lost_and_leaves_dev_shm_clean() {
+fn shm_sigkill_mid_op_gives_peer_lost_and_leaves_dev_shm_clean() {
     let worker = env!("CARGO_BIN_EXE_weft-test-worker");
-    // Large all_reduces (rings, single copy) and 8-byte ones (the fast path).
-    for scenario in ["sigkill", "sigkill_small"] {
+    // Large all_reduces (rings, single copy), 8-byte ones (the fast path)
+    // and all_gathers whose parts senders push.
+    for scenario in ["sigkill", "sigkill_small", "sigkill_all_gather"] {
         let ends = run_world(worker, 3, &[scenario], &[("WEFT_BACKEND", "cpu:shm")], Duration::from_secs(90));
         let victim = &ends[2];
         assert_eq!(victim.status.signal(), Some(9), "{}", victim.output);

@@ -50,27 +50,36 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             pg.barrier(&o)?.wait()?;
             println!("rank {r} of {w}: ok");
         }
-        "sigkill" | "sigkill_small" => {
+        "sigkill" | "sigkill_small" | "sigkill_all_gather" => {
             // The last rank kills itself in the middle of 64 MiB (or 8-byte:
-            // shm's fast path) all_reduces; every other rank must get
-            // PeerLost naming it.
+            // shm's fast path) all_reduces, or of all_gathers of 1 MiB parts
+            // (shm: single copy, pushed by senders that also receive); every
+            // other rank must get PeerLost naming it.
             let victim = w - 1;
             if r == victim {
                 sigkill_self_after(Duration::from_millis(400));
             }
-            let mut v = vec![1f32; if scenario == "sigkill" { 16 << 20 } else { 2 }];
+            let (op, n) = match scenario {
+                "sigkill" => ("all_reduce", 16 << 20),
+                "sigkill_small" => ("all_reduce", 2),
+                _ => ("all_gather_single", 300_000),
+            };
+            let mut v = vec![1f32; n];
+            let mut all = vec![0f32; if op == "all_gather_single" { n * w } else { 0 }];
             loop {
-                match pg.all_reduce(&mut v, ReduceOp::Sum, &o)?.wait() {
+                let work = match op {
+                    "all_reduce" => pg.all_reduce(&mut v, ReduceOp::Sum, &o)?,
+                    _ => pg.all_gather_single(&mut all, &v, &o)?,
+                };
+                match work.wait() {
                     Ok(()) => continue,
                     Err(e) => {
-                        let at = Instant::now();
                         println!("rank {r}: {e}");
                         anyhow::ensure!(
                             e.kind() == &ErrorKind::PeerLost { rank: victim },
                             "expected PeerLost {{ rank: {victim} }}, got {e}"
                         );
-                        anyhow::ensure!(e.op() == Some("all_reduce"), "the error names the op");
-                        let _ = at;
+                        anyhow::ensure!(e.op() == Some(op), "the error names the op");
                         return Ok(());
                     }
                 }
