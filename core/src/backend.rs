@@ -242,25 +242,13 @@ impl OpKind {
             OpKind::AllReduceSparse => "all_reduce_sparse",
         }
     }
-    /// Whether the collective a tag belongs to combines what its ranks
-    /// receive as soon as it arrives (the reductions): a transport that can
-    /// leave a message in either side's cache then leaves it in the
-    /// receiver's. False for user messages.
-    pub fn combines_received(tag: u64) -> bool {
-        tag >> 63 == 1
-            && matches!(
-                OpKind::from_code(crate::tag::op_code(tag)),
-                Some(OpKind::AllReduce | OpKind::Reduce | OpKind::ReduceScatter | OpKind::AllReduceSparse)
-            )
-    }
-
     /// A readable description of a tag, for error messages.
     pub fn describe_tag(tag: u64) -> String {
         if tag >> 63 == 0 {
             return format!("user tag {tag}");
         }
         let op = OpKind::from_code(crate::tag::op_code(tag)).map(OpKind::name).unwrap_or("unknown op");
-        format!("{op} #{} step {}", (tag >> 16) & ((1 << 40) - 1), tag & 0xffff)
+        format!("{op} #{} step {}", crate::tag::seq(tag), tag & 0xffff)
     }
 }
 

@@ -8,8 +8,18 @@
 //! ```text
 //! bit 63      : 1 = internal (collective), 0 = user send/recv
 //! user        : low 32 bits = the user's tag
-//! collective  : bits 56..63 op code, 16..56 sequence number (mod 2^40), 0..16 step
+//! collective  : bits 56..63 op code, bit 55 combines, bit 54 fresh,
+//!               16..54 sequence number (mod 2^38), 0..16 step
 //! ```
+//!
+//! The two locality bits tell a transport that can move a message with
+//! either side's core (shared memory) which cache it should come from or
+//! go to: *combines* marks steps whose receiver reduces what it receives as
+//! it arrives (keep it in the receiver's cache), *fresh* steps whose sender
+//! has just written what it sends (a reduced block, a forwarded one: move
+//! it from the sender's cache). Set by
+//! [`Comm::combining`](crate::algorithms::Comm::combining) and
+//! [`Comm::sending_fresh`](crate::algorithms::Comm::sending_fresh).
 
 /// Largest tag a user may pass to send/recv (tags are `u32`, top bit reserved).
 pub const MAX_USER_TAG: u32 = (1 << 31) - 1;
@@ -19,9 +29,33 @@ pub const fn user(tag: u32) -> u64 {
     tag as u64
 }
 
+/// The bit of a collective tag whose step combines what it receives.
+pub const COMBINES: u64 = 1 << 55;
+/// The bit of a collective tag whose step sends what its sender has just written.
+pub const FRESH: u64 = 1 << 54;
+/// A collective tag's sequence number bits (after shifting out the step).
+const SEQ_MASK: u64 = (1 << 38) - 1;
+
 /// Tag of step `step` of collective number `seq` (op code `op`).
 pub const fn collective(op: u8, seq: u64, step: u32) -> u64 {
-    (1 << 63) | ((op as u64 & 0x7f) << 56) | ((seq & ((1 << 40) - 1)) << 16) | (step as u64 & 0xffff)
+    (1 << 63) | ((op as u64 & 0x7f) << 56) | ((seq & SEQ_MASK) << 16) | (step as u64 & 0xffff)
+}
+
+/// The sequence number of a collective tag (mod 2^38).
+pub const fn seq(tag: u64) -> u64 {
+    (tag >> 16) & SEQ_MASK
+}
+
+/// Whether `tag` is a collective step whose receiver combines (reduces)
+/// what it receives as it arrives. False for user messages.
+pub const fn combines(tag: u64) -> bool {
+    tag >> 63 == 1 && tag & COMBINES != 0
+}
+
+/// Whether `tag` is a collective step whose sender has just written what
+/// it sends. False for user messages.
+pub const fn fresh(tag: u64) -> bool {
+    tag >> 63 == 1 && tag & FRESH != 0
 }
 
 /// True when two tags belong to the same collective slot (same sequence
@@ -29,7 +63,7 @@ pub const fn collective(op: u8, seq: u64, step: u32) -> u64 {
 /// they are in. Transports may use this to fail fast instead of waiting.
 pub const fn conflicts(a: u64, b: u64) -> bool {
     let internal = (a >> 63) == 1 && (b >> 63) == 1;
-    let same_seq = ((a >> 16) & ((1 << 40) - 1)) == ((b >> 16) & ((1 << 40) - 1));
+    let same_seq = seq(a) == seq(b);
     internal && same_seq && ((a >> 56) & 0x7f) != ((b >> 56) & 0x7f)
 }
 
@@ -53,11 +87,14 @@ mod tests {
     }
 
     #[test]
-    fn reductions_combine_what_they_receive() {
-        use crate::backend::OpKind;
-        let t = |k: OpKind| collective(k as u8, 3, 1);
-        assert!(OpKind::combines_received(t(OpKind::ReduceScatter)) && OpKind::combines_received(t(OpKind::AllReduce)));
-        assert!(!OpKind::combines_received(t(OpKind::AllGather)) && !OpKind::combines_received(t(OpKind::AllToAll)));
-        assert!(!OpKind::combines_received(user(OpKind::AllReduce as u32)));
+    fn locality_bits_are_apart_from_sequence_and_op() {
+        let t = collective(3, (1 << 38) + 7, 2);
+        assert!(!combines(t) && combines(t | COMBINES) && !fresh(t | COMBINES));
+        assert!(!fresh(t) && fresh(t | FRESH) && !combines(t | FRESH));
+        for bits in [COMBINES, FRESH, COMBINES | FRESH] {
+            assert_eq!((seq(t | bits), op_code(t | bits), (t | bits) & 0xffff), (7, 3, 2));
+            assert!(!conflicts(t, t | bits), "one op's steps, whatever their locality");
+        }
+        assert!(!combines(user(u32::MAX >> 1)) && !fresh(user(u32::MAX >> 1)));
     }
 }

@@ -83,6 +83,17 @@ fn shm_single_copy_and_its_refusal_give_the_same_results() {
                 for (src, c) in out.chunks(n).enumerate() {
                     assert!(c.iter().enumerate().all(|(i, x)| *x == (src * 1_000_000 + r * n + i) as u32));
                 }
+                // all_reduce's all-gather half and a large reduce's gather
+                // send blocks their senders have just reduced: pushed whole,
+                // by senders receiving too and by idle ones, unless refused.
+                let own = |i: usize| (i % 7 + r) as f32;
+                let sum = |i: usize| (3 * (i % 7) + 3) as f32;
+                let mut s: Vec<f32> = (0..n).map(own).collect();
+                pg.all_reduce(&mut s, ReduceOp::Sum, &o).unwrap().wait().unwrap();
+                assert!(s.iter().enumerate().all(|(i, x)| *x == sum(i)));
+                let mut s: Vec<f32> = (0..n).map(own).collect();
+                pg.reduce(&mut s, 1, ReduceOp::Sum, &o).unwrap().wait().unwrap();
+                assert!(s.iter().enumerate().all(|(i, x)| *x == if r == 1 { sum(i) } else { own(i) }));
             }
         });
     }

@@ -31,13 +31,15 @@
 //! - A sender that is receiving a large message too (all_gather,
 //!   all_to_all, ring steps: every rank sends and receives) says so in its
 //!   offer (`busy`): the receiver pulls the whole payload in one system
-//!   call. Where the payload is likely still in the sender's cache (it
-//!   fits in one core's L2) and the receiver will not read it at once (no
-//!   reduction), the sender **pushes** it instead, all in one system call,
+//!   call. Where the payload is likely still in the sender's cache (the
+//!   sender has just written it, as the step's tag says, or it fits in one
+//!   core's L2) and the receiver will not reduce it at once (the tag says
+//!   that too), the sender **pushes** it instead, all in one system call,
 //!   and the receiver publishes its destination and waits; if the sender
 //!   has claimed nothing after a while (it is not running), the receiver
 //!   pulls everything after all. Measured (two processes, 512 KiB each, a
-//!   local copy then the exchange): 49.8 µs pulling, 38.4 µs pushing.
+//!   local copy then the exchange): 49.8 µs pulling, 38.4 µs pushing. An
+//!   idle sender pushes data it has just written whole too.
 //!
 //! The receiver declares DONE only after closing the counter and seeing
 //! every chunk the sender claimed pushed, so the sender never writes into

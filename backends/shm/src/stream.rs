@@ -129,18 +129,19 @@ impl ShmBackend {
             if data.len() >= cma::MIN_BYTES && !peer.refused && self.cma.load(Ordering::Relaxed) {
                 peer.out_seq += 1;
                 // Receiving too: push it all (see `cma`), if this rank can,
-                // while its data is likely still in its own cache and the
-                // receiver will not read it at once (a reduction wants it in
-                // the receiver's cache). Measured (W=2, alternating): with
-                // this window, all_gather 1 MiB 50.1 -> 41.3 us and 2 MiB
-                // 149 -> 131 us, other sizes and ops unchanged; pushing
-                // everything made 64-256 KiB messages 4-10 % slower (one
-                // more hand-over), 16 and 64 MiB 4-29 % slower (nothing
-                // cached to gain), and reduce_scatter 64 KiB 2x slower.
-                let pushes = receiving
-                    && !peer.no_push
-                    && (self.l2 / 4..self.l2).contains(&data.len())
-                    && !weft::backend::OpKind::combines_received(tag);
+                // where the data is likely in its own cache and the receiver
+                // will not reduce it at once (a reduction wants it in the
+                // receiver's cache): data this rank has just written, of
+                // any size (measured, W=2, all_reduce: 1 MiB 167 -> 69 us,
+                // 256 KiB 42 -> 20, 16 MiB 2.2-2.4 -> 1.9-2.1 ms), and
+                // other data within one core's L2 (all_gather 1 MiB 50.1 ->
+                // 41.3 us, 2 MiB 149 -> 131 us). Pushing other data of
+                // 64-256 KiB made it 3-10 % slower (one more hand-over),
+                // of 16 and 64 MiB 4-29 % slower (nothing cached to gain).
+                let cached = weft::tag::fresh(tag) || (self.l2 / 4..self.l2).contains(&data.len());
+                // An idle sender pushes what it has just written too
+                // (otherwise it copies chunks alongside the reader).
+                let pushes = (receiving || weft::tag::fresh(tag)) && !peer.no_push && cached && !weft::tag::combines(tag);
                 *offer = Some(cma::Offer { addr: data.as_ptr() as u64, seq: peer.out_seq, busy: receiving, pushes });
                 // Posted before the descriptor can be seen.
                 self.cell(self.rank, to).post(peer.out_seq);

@@ -37,7 +37,7 @@ pub fn all_reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> R
         let (keep_r, give_r) = (at(keep.0)..at(keep.1), at(give.0)..at(give.1));
         let seg = Segments::new(c, keep_r.len().max(give_r.len()), esize)?;
         let (kept, given) = split_pair(buf, keep_r.clone(), give_r);
-        pipelined_step(c, step, (peer, given), (peer, keep_r.len(), Landing::Scratch(&mut tmp)), seg, |rp, got| {
+        pipelined_step(&c.combining(), step, (peer, given), (peer, keep_r.len(), Landing::Scratch(&mut tmp)), seg, |rp, got| {
             reduce_into(&mut kept[rp], got, dtype, op)
         })?;
         (lo, hi) = keep;
@@ -53,7 +53,7 @@ pub fn all_reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> R
         let theirs = if v & mask == 0 { (hi, hi + width) } else { (lo - width, lo) };
         let (mine_r, theirs_r) = (at(lo)..at(hi), at(theirs.0)..at(theirs.1));
         let (got, mine) = split_pair(buf, theirs_r, mine_r);
-        c.send_recv(step, peer, mine, peer, got)?;
+        c.sending_fresh().send_recv(step, peer, mine, peer, got)?;
         (lo, hi) = (lo.min(theirs.0), hi.max(theirs.1));
         mask *= 2;
         step += 1;

@@ -62,6 +62,7 @@ impl Fold {
     /// Fold `buf` in (as step 0, reducing with `tmp` of at least its size);
     /// this rank's virtual rank, or None when it sits the exchange out.
     pub fn enter(&self, c: &Comm<'_>, buf: &mut [u8], tmp: &mut [u8], dtype: DType, op: ReduceOp) -> Result<Option<usize>> {
+        let c = &c.combining();
         if let Some(to) = self.sits_out_for() {
             c.send(0, to, buf)?;
         } else if let Some(from) = self.stands_for() {
@@ -74,6 +75,7 @@ impl Fold {
 
     /// Give the finished `buf` back to the ranks that folded in.
     pub fn leave(&self, c: &Comm<'_>, buf: &mut [u8]) -> Result<()> {
+        let c = &c.sending_fresh();
         if let Some(to) = self.stands_for() {
             c.send(UNFOLD_STEP, to, buf)
         } else if let Some(from) = self.sits_out_for() {
@@ -101,7 +103,7 @@ pub fn all_reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> R
         while mask < fold.p {
             let peer = fold.real(v ^ mask);
             let (mine, theirs) = if in_tmp { (&mut *tmp, &mut *buf) } else { (&mut *buf, &mut *tmp) };
-            c.send_recv(step, peer, mine, peer, theirs)?;
+            c.combining().send_recv(step, peer, mine, peer, theirs)?;
             if v & mask == 0 {
                 reduce_into(mine, theirs, dtype, op);
             } else {

@@ -101,6 +101,7 @@ fn reduce_scatter_blocks<'b>(
         // Partial blocks in flight: received into one, sent from the other.
         let (mut sending, mut receiving) = (Scratch::take(if w > 2 { max } else { 0 }), Scratch::take(if w > 2 { max } else { 0 }));
         let mut send_len = 0;
+        let c = &c.combining();
         for k in 0..w - 1 {
             let rb = (r + 2 * w - k - 2) % w;
             let rlen = block(rb).len();
@@ -118,7 +119,9 @@ fn reduce_scatter_blocks<'b>(
 }
 
 /// Ring all-gather: `blocks[rank]` already holds this rank's data, or
-/// `own` does (it is copied in first, but sent from `own` itself).
+/// `own` does (it is copied in first, but sent from `own` itself). Every
+/// step but an `own` block's sends a block this rank has just written (it
+/// reduced it, or received it in the step before).
 fn all_gather_blocks(c: &Comm<'_>, blocks: &mut [&mut [u8]], own: Option<&[u8]>, step0: u32) -> Result<()> {
     let (w, r) = (c.size(), c.rank());
     let (right, left) = ((r + 1) % w, (r + w - 1) % w);
@@ -129,7 +132,10 @@ fn all_gather_blocks(c: &Comm<'_>, blocks: &mut [&mut [u8]], own: Option<&[u8]>,
         let (sb, rb) = ((r + w - k) % w, (r + 2 * w - k - 1) % w);
         let [send, recv] = blocks.get_disjoint_mut([sb, rb]).expect("distinct blocks when w > 1");
         // Only step 0 sends this rank's own block.
-        let send = if k == 0 { own.unwrap_or(send) } else { send };
+        let (send, c) = match own {
+            Some(own) if k == 0 => (own, *c),
+            _ => (&**send, c.sending_fresh()),
+        };
         c.send_recv(step0 + k as u32, right, send, left, recv)?;
     }
     Ok(())
@@ -150,7 +156,8 @@ pub fn reduce_scatter(c: &Comm<'_>, inputs: &[&[u8]], output: &mut [u8], dtype: 
 
 /// In-place all-reduce: a ring reduce-scatter that accumulates in `buf`
 /// itself (each step sends the partial block it just reduced and adds the
-/// received one into the next), then a ring all-gather of the W blocks.
+/// received one into the next), then a ring all-gather of the W blocks
+/// (not combining: each rank sends a block its own core has just written).
 /// One block of scratch, taken from the pool.
 pub fn all_reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     let (w, r) = (c.size(), c.rank());
@@ -168,7 +175,7 @@ pub fn all_reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> R
         let (sb, rb) = ((r + 2 * w - k - 1) % w, (r + 2 * w - k - 2) % w);
         let [send, acc] = blocks.get_disjoint_mut([sb, rb]).expect("distinct blocks when w > 1");
         let rlen = acc.len();
-        pipelined_step(c, k as u32, (right, send), (left, rlen, Landing::Scratch(&mut tmp)), seg, |rp, got| {
+        pipelined_step(&c.combining(), k as u32, (right, send), (left, rlen, Landing::Scratch(&mut tmp)), seg, |rp, got| {
             reduce_into(&mut acc[rp], got, dtype, op)
         })?;
     }
@@ -213,7 +220,8 @@ pub(super) fn split_blocks<'b>(buf: &'b mut [u8], bounds: &[usize]) -> Vec<&'b m
 
 /// Reduce for large buffers: a ring reduce-scatter leaves block i reduced on
 /// rank i, then every rank sends its block to the root. Each byte crosses
-/// the wire about twice instead of log2(W) times in a tree.
+/// the wire about twice instead of log2(W) times in a tree. Only the
+/// root's `buf` is written.
 pub fn reduce_scatter_gather(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, root: usize) -> Result<()> {
     let (w, r) = (c.size(), c.rank());
     let esize = dtype.size();
@@ -224,7 +232,7 @@ pub fn reduce_scatter_gather(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: Red
         let ro: &[u8] = buf;
         reduce_scatter_blocks(c, |i| &ro[bounds[i]..bounds[i + 1]], &mut mine, dtype, op, 0)?;
     }
-    let g = c.phase_step(w as u32);
+    let g = c.phase_step(w as u32).sending_fresh();
     if r != root {
         return g.send(0, root, &mine);
     }

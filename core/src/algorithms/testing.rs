@@ -369,4 +369,77 @@ mod algorithm_tests {
             out[0]
         );
     }
+
+    /// Wraps a rank's backend and keeps the tag of every message it sends.
+    struct Recording<'a> {
+        inner: &'a dyn Backend,
+        sent: Mutex<Vec<u64>>,
+    }
+
+    impl Backend for Recording<'_> {
+        fn name(&self) -> &str {
+            "recording"
+        }
+        fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
+            let tags = ops.iter().filter_map(|op| match op {
+                P2p::Send { tag, .. } => Some(*tag),
+                P2p::Recv { .. } => None,
+            });
+            self.sent.lock().unwrap().extend(tags);
+            self.inner.exchange(ops, deadline)
+        }
+        fn abort(&self, e: &Error) {
+            self.inner.abort(e)
+        }
+    }
+
+    /// Per rank, how many of the messages it sent while `f` ran its op (on
+    /// the recording backend it is given) were marked combining, fresh,
+    /// neither.
+    fn localities(w: usize, kind: OpKind, algo: &str, f: impl Fn(usize, &dyn Backend, &OpContext) + Sync) -> Vec<[usize; 3]> {
+        run_ranks_with(w, kind, &[("algorithm", algo)], |r, b, c| {
+            let rec = Recording { inner: b, sent: Mutex::default() };
+            f(r, &rec, c);
+            let sent = rec.sent.into_inner().unwrap();
+            let combining = sent.iter().filter(|t| crate::tag::combines(**t)).count();
+            let fresh = sent.iter().filter(|t| crate::tag::fresh(**t)).count();
+            [combining, fresh, sent.len() - combining - fresh]
+        })
+    }
+
+    #[test]
+    fn steps_say_whether_their_receiver_combines_or_their_sender_just_wrote() {
+        use crate::tensor::{Tensor, TensorMut};
+        // 64 f32: one segment per step.
+        let all_reduce = |_, b: &dyn Backend, c: &OpContext| {
+            let mut v = vec![1f32; 64];
+            run(b, &mut Op::AllReduce { buf: TensorMut::from_slice(&mut v), op: ReduceOp::Sum }, c).unwrap()
+        };
+        // Ring: W-1 reduce-scatter steps combine; the W-1 all-gather steps
+        // send blocks their sender reduced or received just before.
+        assert!(localities(3, OpKind::AllReduce, "ring", all_reduce).iter().all(|l| *l == [2, 2, 0]));
+        // Halving-doubling: log2(W) steps each way.
+        assert!(localities(4, OpKind::AllReduce, "halving_doubling", all_reduce).iter().all(|l| *l == [2, 2, 0]));
+        // Recursive doubling combines at every step; at W=3 rank 0 folds
+        // into rank 1 (combining) and gets the result back (fresh).
+        assert!(localities(4, OpKind::AllReduce, "recursive_doubling", all_reduce).iter().all(|l| *l == [2, 0, 0]));
+        assert_eq!(localities(3, OpKind::AllReduce, "recursive_doubling", all_reduce), [[1, 0, 0], [1, 1, 0], [1, 0, 0]]);
+        // An all-gather's first step sends the caller's input, which this
+        // rank did not write; later steps forward what it just received.
+        let all_gather = |r: usize, b: &dyn Backend, c: &OpContext| {
+            let input = vec![r as u32; 8];
+            let mut outs = vec![vec![0u32; 8]; 3];
+            let outputs = outs.iter_mut().map(|o| TensorMut::from_slice(o)).collect();
+            run(b, &mut Op::AllGather { input: Tensor::from_slice(&input), outputs }, c).unwrap()
+        };
+        assert!(localities(3, OpKind::AllGather, "auto", all_gather).iter().all(|l| *l == [0, 1, 1]));
+        // A tree reduce combines on every edge; a reduce-scatter then
+        // gather combines, then sends blocks just reduced.
+        let reduce = |_, b: &dyn Backend, c: &OpContext| {
+            let mut v = vec![1f32; 64];
+            run(b, &mut Op::Reduce { buf: TensorMut::from_slice(&mut v), root: 0, op: ReduceOp::Sum }, c).unwrap()
+        };
+        assert_eq!(localities(4, OpKind::Reduce, "binomial", reduce), [[0, 0, 0], [1, 0, 0], [1, 0, 0], [1, 0, 0]]);
+        assert_eq!(localities(3, OpKind::Reduce, "reduce_scatter_gather", reduce), [[2, 0, 0], [2, 1, 0], [2, 1, 0]]);
+    }
 }

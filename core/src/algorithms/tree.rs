@@ -54,6 +54,7 @@ pub fn reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, root: us
         None => buf,
     };
     let mut tmp = Scratch::take(seg.bytes.min(acc.len()));
+    let c = &c.combining();
     let mut mask = 1;
     while mask < w {
         if vr & mask == 0 {

@@ -173,7 +173,7 @@ pub fn split(c: &Comm<'_>, input: &Sorted<'_>, l: &Layout, op: ReduceOp, bounds:
         let gv = ring::split_blocks(&mut got_rows, &got_at);
         let gk = got_keys.iter_mut().map(Vec::as_mut_slice).collect();
         let sends = [keys_out.iter().map(Vec::as_slice).collect(), sent.iter().map(|b| &**b).collect()];
-        linear::exchange_all(&c.phase_step(8), &sends, &mut [gk, gv])?;
+        linear::exchange_all(&c.phase_step(8).combining(), &sends, &mut [gk, gv])?;
     }
     drop(sent);
     drop((keys_out, packed));
@@ -200,7 +200,7 @@ pub fn split(c: &Comm<'_>, input: &Sorted<'_>, l: &Layout, op: ReduceOp, bounds:
         drop(parts);
         drop(got_rows);
         let sends = [vec![&*own_keys; w], vec![&*own_values; w]];
-        linear::exchange_all(&c.phase_step(24), &sends, &mut [kb, vb])?;
+        linear::exchange_all(&c.phase_step(24).sending_fresh(), &sends, &mut [kb, vb])?;
     }
     Ok(Run { keys: keys_of(&all_keys), values: all_values })
 }
