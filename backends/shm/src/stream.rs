@@ -138,10 +138,11 @@ impl ShmBackend {
                 // 41.3 us, 2 MiB 149 -> 131 us). Pushing other data of
                 // 64-256 KiB made it 3-10 % slower (one more hand-over),
                 // of 16 and 64 MiB 4-29 % slower (nothing cached to gain).
-                let cached = weft::tag::fresh(tag) || (self.l2 / 4..self.l2).contains(&data.len());
+                let fresh = weft::tag::fresh(tag);
+                let cached = fresh || (self.l2 / 4..self.l2).contains(&data.len());
                 // An idle sender pushes what it has just written too
                 // (otherwise it copies chunks alongside the reader).
-                let pushes = (receiving || weft::tag::fresh(tag)) && !peer.no_push && cached && !weft::tag::combines(tag);
+                let pushes = (receiving || fresh) && !peer.no_push && cached && !weft::tag::combines(tag);
                 *offer = Some(cma::Offer { addr: data.as_ptr() as u64, seq: peer.out_seq, busy: receiving, pushes });
                 // Posted before the descriptor can be seen.
                 self.cell(self.rank, to).post(peer.out_seq);
