@@ -1,4 +1,4 @@
-//! Scratch space for the algorithms: 16-byte aligned buffers, and a
+//! Scratch space for the algorithms: page- or line-aligned buffers, and a
 //! per-thread pool that lends them out so the hot path does not allocate.
 
 /// Reusable scratch space for the algorithms: buffers go back to a
@@ -19,7 +19,7 @@ const POOL_BUFFERS: usize = 4;
 const POOL_MAX_BYTES: usize = 512 << 20;
 
 impl Scratch {
-    /// At least `len` bytes, aligned to 16.
+    /// At least `len` bytes, aligned as [`AlignedBuf`] is.
     pub fn take(len: usize) -> Scratch {
         let reused = POOL.with(|p| {
             let mut p = p.borrow_mut();
@@ -73,17 +73,40 @@ impl Drop for Scratch {
     }
 }
 
-/// A zeroed byte buffer aligned to 16 bytes, for scratch space that kernels
-/// read as any dtype.
+/// A zeroed byte buffer for scratch space that kernels read as any dtype:
+/// page-aligned from a page up, else cache-line aligned.
+///
+/// Why pages: user buffers usually start on a page (or a cache line), and
+/// a copy whose destination sits a few bytes off its source's alignment
+/// runs at half speed. Measured on AMD Zen 3 (W=2, shm all_reduce 64 MiB):
+/// pulling 128 KiB segments into scratch 16 bytes past a page (where
+/// glibc's `malloc` puts blocks of 128 KiB and up) took 25-29 ms against
+/// 15 ms with scratch on a page.
 pub struct AlignedBuf {
-    words: Vec<u128>,
+    ptr: std::ptr::NonNull<u8>,
+    cap: usize,
     len: usize,
 }
 
+// SAFETY: AlignedBuf owns its allocation outright (like a Vec<u8>).
+unsafe impl Send for AlignedBuf {}
+// SAFETY: shared access only reads.
+unsafe impl Sync for AlignedBuf {}
+
 impl AlignedBuf {
+    /// The allocation layout for `cap` bytes (`cap` > 0).
+    fn layout(cap: usize) -> std::alloc::Layout {
+        let align = if cap >= 4096 { 4096 } else { 64 };
+        std::alloc::Layout::from_size_align(cap, align).expect("scratch sizes fit a layout")
+    }
     /// `len` zero bytes.
     pub fn zeroed(len: usize) -> Self {
-        AlignedBuf { words: vec![0u128; len.div_ceil(16)], len }
+        let cap = len.max(1).next_multiple_of(64);
+        let layout = Self::layout(cap);
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        AlignedBuf { ptr, cap, len }
     }
     /// A copy of `data`.
     pub fn copy_of(data: &[u8]) -> Self {
@@ -93,29 +116,58 @@ impl AlignedBuf {
     }
 }
 
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with this layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.cap)) }
+    }
+}
+
 impl AlignedBuf {
     fn capacity(&self) -> usize {
-        self.words.len() * 16
+        self.cap
     }
     fn as_ref_full(&self) -> &[u8] {
-        // SAFETY: the Vec<u128> holds capacity() bytes.
-        unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const u8, self.capacity()) }
+        // SAFETY: the allocation holds cap initialised (zeroed) bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.cap) }
     }
     fn as_mut_full(&mut self) -> &mut [u8] {
         // SAFETY: as above, unique through &mut self.
-        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr() as *mut u8, self.capacity()) }
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.cap) }
     }
 }
 
 impl AsRef<[u8]> for AlignedBuf {
     fn as_ref(&self) -> &[u8] {
-        // SAFETY: the Vec<u128> holds at least len bytes; u8 has no alignment needs.
-        unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const u8, self.len) }
+        &self.as_ref_full()[..self.len]
     }
 }
 impl AsMut<[u8]> for AlignedBuf {
     fn as_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as above, unique through &mut self.
-        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr() as *mut u8, self.len) }
+        let len = self.len;
+        &mut self.as_mut_full()[..len]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scratch_starts_on_a_page_or_a_line_and_is_zeroed_when_new() {
+        for (len, align) in [(1, 64), (100, 64), (4096, 4096), (128 << 10, 4096), ((1 << 20) + 3, 4096)] {
+            let b = AlignedBuf::zeroed(len);
+            assert_eq!(b.as_ref().len(), len);
+            assert_eq!(b.as_ref().as_ptr() as usize % align, 0, "{len} bytes aligned to {align}");
+            assert!(b.as_ref().iter().all(|x| *x == 0));
+        }
+        assert_eq!(AlignedBuf::copy_of(&[1, 2, 3]).as_ref(), &[1, 2, 3]);
+        assert_eq!(AlignedBuf::zeroed(0).as_ref().len(), 0);
+        let mut s = Scratch::take(200 << 10);
+        assert_eq!(s.as_ptr() as usize % 4096, 0);
+        s[0] = 7;
+        drop(s);
+        // Reused from the pool: still on a page.
+        assert_eq!(Scratch::take(150 << 10).as_ptr() as usize % 4096, 0);
     }
 }
