@@ -48,21 +48,15 @@ fn shm_sub_groups_and_large_messages() {
 }
 
 /// Large messages go single-copy (pulled with process_vm_readv, or pushed
-/// with process_vm_writev by a sender that is receiving too); a rank that
-/// refuses (hint `shm_cma=off`) gets them through the ring, in both
+/// with process_vm_writev by a sender that is receiving too; hint
+/// `shm_cma=on`, so on every machine, whatever its copy costs); a rank
+/// that refuses (hint `shm_cma=off`) gets them through the ring, in both
 /// directions, with identical results.
 #[test]
 fn shm_single_copy_and_its_refusal_give_the_same_results() {
     for refusing in [None, Some(1)] {
         let store: std::sync::Arc<dyn weft::store::Store> = std::sync::Arc::new(weft::store::MemoryStore::new(Duration::from_secs(30)));
-        let opts = move |r: usize| {
-            let o = options("cpu:shm");
-            if Some(r) == refusing {
-                o.hint("shm_cma", "off")
-            } else {
-                o
-            }
-        };
+        let opts = move |r: usize| options("cpu:shm").hint("shm_cma", if Some(r) == refusing { "off" } else { "on" });
         weft_tests::run_threads_each(store, 3, opts, |pg| {
             let (r, w) = (pg.rank(), pg.size());
             let o = OpOptions::default();
@@ -105,7 +99,7 @@ fn shm_single_copy_and_its_refusal_give_the_same_results() {
 /// lands in a stash) and when receives are posted out of order.
 #[test]
 fn shm_two_sided_copies_land_in_posted_and_stashed_buffers() {
-    run_threads(2, options("cpu:shm"), |pg| {
+    run_threads(2, options("cpu:shm").hint("shm_cma", "on"), |pg| {
         let o = OpOptions::default();
         let n = 1_200_003; // 4.8 MB: several chunks, the last one short
         let data = |tag: u32| -> Vec<u32> { (0..n).map(|i| (i as u32).wrapping_mul(2_654_435_761) ^ tag).collect() };
@@ -252,15 +246,15 @@ fn shm_fast_all_to_all_falls_back_together_when_one_rank_does_not_fit() {
 #[test]
 fn shm_sigkill_mid_op_gives_peer_lost_and_leaves_dev_shm_clean() {
     let worker = env!("CARGO_BIN_EXE_weft-test-worker");
-    // Large all_reduces (rings, single copy), 8-byte ones (the fast path)
-    // and all_gathers whose parts senders push.
-    for scenario in ["sigkill", "sigkill_small", "sigkill_all_gather"] {
-        let ends = run_world(worker, 3, &[scenario], &[("WEFT_BACKEND", "cpu:shm")], Duration::from_secs(90));
+    // Large all_reduces (through the rings only, and single copy as well),
+    // 8-byte ones (the fast path) and all_gathers whose parts senders push.
+    for (scenario, cma) in [("sigkill", "off"), ("sigkill", "on"), ("sigkill_small", "auto"), ("sigkill_all_gather", "on")] {
+        let ends = run_world(worker, 3, &[scenario], &[("WEFT_BACKEND", "cpu:shm"), ("WEFT_SHM_CMA", cma)], Duration::from_secs(90));
         let victim = &ends[2];
         assert_eq!(victim.status.signal(), Some(9), "{}", victim.output);
         for (r, e) in ends[..2].iter().enumerate() {
-            assert!(e.status.success(), "{scenario} rank {r}: {:?}\n{}", e.status, e.output);
-            assert!(e.at.saturating_duration_since(victim.at) < Duration::from_secs(10), "{scenario} rank {r} was late");
+            assert!(e.status.success(), "{scenario} (cma {cma}) rank {r}: {:?}\n{}", e.status, e.output);
+            assert!(e.at.saturating_duration_since(victim.at) < Duration::from_secs(10), "{scenario} (cma {cma}) rank {r} was late");
         }
         assert_all_clean(&ends);
     }

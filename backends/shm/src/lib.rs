@@ -85,13 +85,16 @@ impl BackendFactory for ShmFactory {
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        // Single-copy large messages unless the hint `shm_cma=off` (or
-        // WEFT_SHM_CMA=0) says otherwise; a peer that may not read our memory
-        // refuses offers and everything goes through the ring.
+        // Single-copy large messages as this machine's copy costs say
+        // (`cma::Policy::measured`), unless the hint `shm_cma` (or
+        // WEFT_SHM_CMA) says `on` (from 32 KiB, every message) or `off`; a
+        // peer that may not read our memory refuses offers and everything
+        // goes through the ring.
         let cma = match ctx.hints.get("shm_cma").cloned().or_else(|| std::env::var("WEFT_SHM_CMA").ok()).as_deref() {
-            None | Some("on" | "1") => true,
-            Some("off" | "0") => false,
-            Some(v) => return Err(Error::invalid(format!("shm_cma={v:?}: use on or off"))),
+            None | Some("auto") => Some(cma::Policy::measured()),
+            Some("on" | "1") => Some(cma::Policy::FAST),
+            Some("off" | "0") => None,
+            Some(v) => return Err(Error::invalid(format!("shm_cma={v:?}: use auto, on or off"))),
         };
         let oversubscribed = cores::oversubscribed(&*ctx.store, ctx.rank, ctx.size, left())?;
         Ok(Arc::new(transport::ShmBackend::new(ctx.rank, ctx.size, seg, cap, cma, oversubscribed)))

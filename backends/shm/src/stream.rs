@@ -126,7 +126,7 @@ impl ShmBackend {
         // decided afresh.
         if first {
             *offer = None;
-            if data.len() >= cma::MIN_BYTES && !peer.refused && self.cma.load(Ordering::Relaxed) {
+            if self.single_copy.offers(data.len(), tag, receiving) && !peer.refused && self.cma.load(Ordering::Relaxed) {
                 peer.out_seq += 1;
                 // Receiving too: push it all (see `cma`), if this rank can,
                 // where the data is likely in its own cache and the receiver

@@ -84,6 +84,8 @@ pub struct ShmBackend {
     failed: std::sync::OnceLock<Error>,
     /// Offer large sends single-copy, and read peers' offers (hint `shm_cma`).
     pub(crate) cma: std::sync::atomic::AtomicBool,
+    /// Which sends are offered single-copy.
+    pub(crate) single_copy: crate::cma::Policy,
     /// Small collectives and barrier (`fastbox.rs`).
     fast: Fastbox,
     /// More ranks than cores: a waiting rank yields at once instead of
@@ -95,8 +97,9 @@ pub struct ShmBackend {
 
 impl ShmBackend {
     /// Wrap a mapped segment of `size` ranks with rings of `cap` bytes
-    /// (zeroed by its creator); `oversubscribed`: see `cores`.
-    pub fn new(rank: usize, size: usize, seg: Segment, cap: usize, cma: bool, oversubscribed: bool) -> Self {
+    /// (zeroed by its creator); `cma`: which sends go single-copy, if any;
+    /// `oversubscribed`: see `cores`.
+    pub fn new(rank: usize, size: usize, seg: Segment, cap: usize, cma: Option<crate::cma::Policy>, oversubscribed: bool) -> Self {
         let ctl = rings_at(size);
         assert!(seg.len() >= segment_len(size, cap), "segment sized by segment_len");
         let rings = (0..size * size)
@@ -116,7 +119,8 @@ impl ShmBackend {
             rings,
             incoming: Mutex::new((0..size).map(|_| PeerIn::default()).collect()),
             failed: std::sync::OnceLock::new(),
-            cma: std::sync::atomic::AtomicBool::new(cma),
+            cma: std::sync::atomic::AtomicBool::new(cma.is_some()),
+            single_copy: cma.unwrap_or(crate::cma::Policy::FAST),
             oversubscribed,
             l2: crate::cores::l2_bytes(),
         };
