@@ -51,6 +51,8 @@ use crate::sync::{AtomicU64, Ordering};
 /// Messages at least this large go single-copy (below, the ring is faster
 /// than a system call).
 pub const MIN_BYTES: usize = 32 << 10;
+/// Bytes of the descriptor after the frame header: address, sequence.
+pub const DESCRIPTOR: usize = 16;
 
 /// Which messages go single-copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,7 +109,8 @@ impl Policy {
 fn kernel_copy_cost() -> Option<f64> {
     use weft::kernels::AlignedBuf;
     const BYTES: usize = 256 << 10;
-    let src = AlignedBuf::copy_of(&[1u8; BYTES]);
+    let mut src = AlignedBuf::zeroed(BYTES);
+    src.as_mut().fill(1);
     let mut dst = AlignedBuf::zeroed(BYTES);
     let best = |f: &mut dyn FnMut() -> bool| -> Option<std::time::Duration> {
         let mut best = std::time::Duration::MAX;
@@ -129,8 +132,6 @@ fn kernel_copy_cost() -> Option<f64> {
     let kernel = best(&mut || read(std::process::id(), addr, dst.as_mut()).is_ok())?;
     Some(kernel.as_secs_f64() / plain.as_secs_f64().max(1e-9))
 }
-/// Bytes of the descriptor after the frame header: address, sequence.
-pub const DESCRIPTOR: usize = 16;
 
 pub const POSTED: u64 = 0;
 pub const READING: u64 = 1;
