@@ -83,7 +83,10 @@ impl Drop for Scratch {
 /// glibc's `malloc` puts blocks of 128 KiB and up) took 25-29 ms against
 /// 15 ms with scratch on a page.
 pub struct AlignedBuf {
-    ptr: std::ptr::NonNull<u8>,
+    /// The allocation (`alloc_zeroed` with [`AlignedBuf::raw_layout`]).
+    raw: std::ptr::NonNull<u8>,
+    /// Where the buffer starts in it.
+    offset: usize,
     cap: usize,
     len: usize,
 }
@@ -94,19 +97,30 @@ unsafe impl Send for AlignedBuf {}
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
-    /// The allocation layout for `cap` bytes (`cap` > 0).
-    fn layout(cap: usize) -> std::alloc::Layout {
-        let align = if cap >= 4096 { 4096 } else { 64 };
-        std::alloc::Layout::from_size_align(cap, align).expect("scratch sizes fit a layout")
+    /// The start alignment of a buffer of `cap` bytes.
+    fn align(cap: usize) -> usize {
+        if cap >= 4096 {
+            4096
+        } else {
+            64
+        }
+    }
+    /// The allocation for `cap` bytes: 16-byte aligned with room to start
+    /// on `align(cap)`, so that the allocator's zeroed allocation (`calloc`:
+    /// fresh zero pages, faulted in as touched) serves; asking it for page
+    /// alignment meant `memset` of the whole buffer on every allocation.
+    fn raw_layout(cap: usize) -> std::alloc::Layout {
+        std::alloc::Layout::from_size_align(cap + Self::align(cap) - 16, 16).expect("scratch sizes fit a layout")
     }
     /// `len` zero bytes.
     pub fn zeroed(len: usize) -> Self {
         let cap = len.max(1).next_multiple_of(64);
-        let layout = Self::layout(cap);
+        let layout = Self::raw_layout(cap);
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        AlignedBuf { ptr, cap, len }
+        let raw = std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        let offset = (raw.as_ptr() as usize).next_multiple_of(Self::align(cap)) - raw.as_ptr() as usize;
+        AlignedBuf { raw, offset, cap, len }
     }
     /// A copy of `data`.
     pub fn copy_of(data: &[u8]) -> Self {
@@ -119,7 +133,7 @@ impl AlignedBuf {
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
         // SAFETY: allocated in `zeroed` with this layout, freed once.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.cap)) }
+        unsafe { std::alloc::dealloc(self.raw.as_ptr(), Self::raw_layout(self.cap)) }
     }
 }
 
@@ -128,12 +142,13 @@ impl AlignedBuf {
         self.cap
     }
     fn as_ref_full(&self) -> &[u8] {
-        // SAFETY: the allocation holds cap initialised (zeroed) bytes.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.cap) }
+        // SAFETY: the allocation holds `offset + cap` initialised (zeroed)
+        // bytes: offset < align(cap) - 15, and 16 | the allocation's start.
+        unsafe { std::slice::from_raw_parts(self.raw.as_ptr().add(self.offset), self.cap) }
     }
     fn as_mut_full(&mut self) -> &mut [u8] {
         // SAFETY: as above, unique through &mut self.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.cap) }
+        unsafe { std::slice::from_raw_parts_mut(self.raw.as_ptr().add(self.offset), self.cap) }
     }
 }
 
