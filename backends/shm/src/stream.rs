@@ -1,10 +1,11 @@
 //! Point-to-point exchanges over the rings: an exchange's progress loop
 //! streams each send into its peer's ring as framed bytes (tag, length,
 //! payload) and drains every incoming ring into the matching receives, in
-//! one loop, so two ranks sending to each other never block. Payloads of
-//! `cma::MIN_BYTES` and more go single-copy instead: the frame carries a
-//! descriptor, and the receiver reads (and an idle sender pushes) the
-//! bytes straight between the two processes' buffers (`cma.rs`).
+//! one loop, so two ranks sending to each other never block. Large
+//! payloads (as the backend's `cma::Policy` says) go single-copy instead:
+//! the frame carries a descriptor, and the receiver reads (and an idle
+//! sender pushes) the bytes straight between the two processes' buffers
+//! (`cma.rs`).
 
 use crate::cma;
 use crate::transport::{ShmBackend, CMA_SPIN, NAP, PAUSE_SPIN, SPIN};
