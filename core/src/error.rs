@@ -29,8 +29,15 @@ pub enum ErrorKind {
 }
 
 /// The error type of the weft API.
-#[derive(Clone, Debug)]
-pub struct Error {
+///
+/// One pointer wide (the details are boxed), so `Result<()>` is too: every
+/// op returns one, and moving a 72-byte result through each layer cost
+/// the small-op fast path measurably.
+#[derive(Clone)]
+pub struct Error(Box<Details>);
+
+#[derive(Clone)]
+struct Details {
     kind: ErrorKind,
     op: Option<&'static str>,
     rank: Option<usize>,
@@ -43,7 +50,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     /// An error of `kind` with `message`.
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Error { kind, op: None, rank: None, message: message.into() }
+        Error(Box::new(Details { kind, op: None, rank: None, message: message.into() }))
     }
     /// A [`ErrorKind::Timeout`] error.
     pub fn timeout(message: impl Into<String>) -> Self {
@@ -72,45 +79,53 @@ impl Error {
 
     /// The kind, for matching.
     pub fn kind(&self) -> &ErrorKind {
-        &self.kind
+        &self.0.kind
     }
     /// The op that failed, when known.
     pub fn op(&self) -> Option<&'static str> {
-        self.op
+        self.0.op
     }
     /// The rank that reported the error, when known.
     pub fn rank(&self) -> Option<usize> {
-        self.rank
+        self.0.rank
     }
     /// The message without the op/rank prefix.
     pub fn message(&self) -> &str {
-        &self.message
+        &self.0.message
     }
     /// True for [`ErrorKind::Timeout`].
     pub fn is_timeout(&self) -> bool {
-        self.kind == ErrorKind::Timeout
+        self.0.kind == ErrorKind::Timeout
     }
 
     /// Attach the op name unless one is already set.
     pub fn with_op(mut self, op: &'static str) -> Self {
-        self.op.get_or_insert(op);
+        self.0.op.get_or_insert(op);
         self
     }
     /// Attach the reporting rank unless one is already set.
     pub fn with_rank(mut self, rank: usize) -> Self {
-        self.rank.get_or_insert(rank);
+        self.0.rank.get_or_insert(rank);
         self
     }
     /// Prefix the message with more context.
     pub fn context(mut self, context: impl fmt::Display) -> Self {
-        self.message = format!("{context}: {}", self.message);
+        self.0.message = format!("{context}: {}", self.0.message);
         self
+    }
+}
+
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let d = &*self.0;
+        f.debug_struct("Error").field("kind", &d.kind).field("op", &d.op).field("rank", &d.rank).field("message", &d.message).finish()
     }
 }
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let kind = match &self.kind {
+        let Details { kind, op, rank, message } = &*self.0;
+        let kind = match kind {
             ErrorKind::Timeout => "timeout".to_string(),
             ErrorKind::PeerLost { rank } => format!("peer rank {rank} lost"),
             ErrorKind::InvalidArgument => "invalid argument".into(),
@@ -118,11 +133,11 @@ impl fmt::Display for Error {
             ErrorKind::Aborted => "aborted".into(),
             ErrorKind::Backend => "backend error".into(),
         };
-        match (self.op, self.rank) {
-            (Some(op), Some(r)) => write!(f, "{op} on rank {r}: {kind}: {}", self.message),
-            (Some(op), None) => write!(f, "{op}: {kind}: {}", self.message),
-            (None, Some(r)) => write!(f, "rank {r}: {kind}: {}", self.message),
-            (None, None) => write!(f, "{kind}: {}", self.message),
+        match (op, rank) {
+            (Some(op), Some(r)) => write!(f, "{op} on rank {r}: {kind}: {message}"),
+            (Some(op), None) => write!(f, "{op}: {kind}: {message}"),
+            (None, Some(r)) => write!(f, "rank {r}: {kind}: {message}"),
+            (None, None) => write!(f, "{kind}: {message}"),
         }
     }
 }
