@@ -15,11 +15,14 @@ mod sparse;
 pub use device::{Device, DeviceKind, Layout};
 pub use sparse::{SparseCoo, SparseCooTensor};
 
-/// Shape and strides of a dense view, in elements.
+/// Shape and strides of a dense view, in elements, with the element count
+/// and contiguity worked out once (ops ask for them several times each).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Shape {
     dims: Dims,
     strides: Dims,
+    numel: usize,
+    contiguous: bool,
 }
 
 /// Dims or strides: up to 4 inline, so making a view (every op makes
@@ -27,33 +30,35 @@ pub struct Shape {
 type Dims = smallvec::SmallVec<[usize; 4]>;
 
 impl Shape {
+    fn new(dims: Dims, strides: Dims) -> Self {
+        let numel = dims.iter().product();
+        // Row-major strides for the dims; a dim of 1 may have any stride,
+        // and with no element nothing can be out of place.
+        let mut expect = 1;
+        let mut contiguous = true;
+        for (d, s) in dims.iter().zip(&strides).rev() {
+            contiguous &= *d <= 1 || *s == expect;
+            expect *= d;
+        }
+        Shape { dims, strides, numel, contiguous: contiguous || numel == 0 }
+    }
     fn flat(numel: usize) -> Self {
-        Shape { dims: smallvec::smallvec![numel], strides: smallvec::smallvec![1] }
+        Shape { dims: smallvec::smallvec![numel], strides: smallvec::smallvec![1], numel, contiguous: true }
     }
     fn contiguous(dims: &[usize]) -> Self {
         let mut strides: Dims = smallvec::smallvec![1; dims.len()];
         for i in (0..dims.len().saturating_sub(1)).rev() {
             strides[i] = strides[i + 1] * dims[i + 1].max(1);
         }
-        Shape { dims: dims.into(), strides }
+        Shape::new(dims.into(), strides)
     }
     /// True when strides are the row-major strides of the dims.
     fn is_contiguous(&self) -> bool {
-        if self.numel() == 0 {
-            return true; // no element to be out of place
-        }
-        let mut expect = 1;
-        for (d, s) in self.dims.iter().zip(&self.strides).rev() {
-            if *d > 1 && *s != expect {
-                return false;
-            }
-            expect *= d;
-        }
-        true
+        self.contiguous
     }
     /// Number of elements the dims describe.
     fn numel(&self) -> usize {
-        self.dims.iter().product()
+        self.numel
     }
 }
 
@@ -312,7 +317,7 @@ impl<'a> From<TensorMut<'a>> for Tensor<'a> {
 fn make_shape(dims: &[usize], strides: Option<&[usize]>) -> Result<Shape> {
     let shape = match strides {
         None => Shape::contiguous(dims),
-        Some(s) if s.len() == dims.len() => Shape { dims: dims.into(), strides: s.into() },
+        Some(s) if s.len() == dims.len() => Shape::new(dims.into(), s.into()),
         Some(s) => return Err(Error::invalid(format!("{} strides given for {} dims", s.len(), dims.len()))),
     };
     Ok(shape)
