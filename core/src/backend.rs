@@ -142,8 +142,9 @@ pub enum Op<'a> {
     /// `output` becomes the coalesced reduction of every rank's sparse
     /// `input` over the union of their indices (SUM, MIN or MAX).
     AllReduceSparse {
-        /// This rank's contribution (may be uncoalesced).
-        input: SparseCooTensor<'a>,
+        /// This rank's contribution (may be uncoalesced); boxed so that
+        /// this rare variant does not double the size of every op.
+        input: Box<SparseCooTensor<'a>>,
         /// The result, identical on every rank.
         output: &'a mut SparseCoo,
         /// Operator.

@@ -43,7 +43,7 @@ impl Staging {
             unsafe { Tensor::from_raw_parts(w.as_ptr() as *const u8, t.dtype(), Device::Cpu, t.dims(), None) }
         };
         let host_input = SparseCooTensor::new(host(&input.indices, &iw)?, host(&input.values, &vw)?, input.shape.clone())?;
-        let mut host_op = Op::AllReduceSparse { input: host_input, output, op: *redop };
+        let mut host_op = Op::AllReduceSparse { input: Box::new(host_input), output, op: *redop };
         weft::algorithms::run(&**self.cpu(), &mut host_op, ctx)
     }
 }

@@ -363,7 +363,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         }
         let route = (input.device().kind(), Layout::SparseCoo);
         let fp = c.fingerprint(OpKind::AllReduceSparse, || format!("{dtype} shape {:?} op {op}", input.shape));
-        self.submit(job(&c, OpKind::AllReduceSparse, route, opts, fp, Op::AllReduceSparse { input, output, op }))
+        self.submit(job(&c, OpKind::AllReduceSparse, route, opts, fp, Op::AllReduceSparse { input: Box::new(input), output, op }))
     }
 
     /// Return once every rank has entered the barrier (and, as ops of a group
@@ -380,7 +380,10 @@ fn check<'t, G: Collectives<'t> + ?Sized>(g: &G, name: &'static str) -> Check {
 }
 
 fn job<'t>(c: &Check, kind: OpKind, route: Route, opts: &OpOptions, fingerprint: Option<Fingerprint>, op: Op<'t>) -> Job<'t> {
-    let mut opts = opts.clone();
+    // Field by field: cloning an empty hint map still costs a call (and
+    // dropping it another) on every op.
+    let hints = if opts.hints.is_empty() { Default::default() } else { opts.hints.clone() };
+    let mut opts = OpOptions { timeout: opts.timeout, hints, stream: opts.stream };
     // The caller's stream is the one current when the op is issued, not
     // when a worker thread runs it.
     if route.0 != crate::tensor::DeviceKind::Cpu && opts.stream.is_none() {
