@@ -172,6 +172,12 @@ impl<B: Bytes> Slot<B> {
         // this rank finishes the op (module doc); within FASTBOX_BYTES.
         unsafe { self.data.get(at, dst) }
     }
+    /// Reduce the published payload's bytes from `at` into `acc`.
+    fn reduce_into(&self, at: usize, acc: &mut [u8], dtype: DType, op: ReduceOp) {
+        debug_assert!(at + acc.len() <= FASTBOX_BYTES);
+        // SAFETY: as in `read`.
+        unsafe { self.data.read_with(at, acc.len(), |src| reduce_into(acc, src, dtype, op)) }
+    }
 }
 
 /// Run `f` on `len` zeroed bytes of scratch: on the stack when small (the
@@ -261,14 +267,22 @@ impl<B: Bytes> Fastbox<B> {
 
     /// all_reduce of `buf` (at most [`FASTBOX_BYTES`]) in place.
     pub fn all_reduce(&self, waiter: &dyn Waiter, buf: &mut [u8], dtype: DType, op: ReduceOp, deadline: &Deadline) -> Result<()> {
-        with_scratch(buf.len(), |scratch| {
-            scratch.copy_from_slice(buf);
-            prescale(scratch, dtype, op);
-            let round = self.round(waiter, Kind::AllReduce(dtype, op), buf.len(), scratch, deadline)?;
-            round.reduce(0, buf, scratch, dtype, op);
-            finish(buf, dtype, op, self.size());
-            Ok(())
-        })
+        let kind = Kind::AllReduce(dtype, op);
+        let round = if matches!(op, ReduceOp::PremulSum(_)) {
+            with_scratch(buf.len(), |scratch| {
+                scratch.copy_from_slice(buf);
+                prescale(scratch, dtype, op);
+                self.round(waiter, kind, buf.len(), scratch, deadline)
+            })?
+        } else {
+            // Published straight from the caller's buffer: the round
+            // copies it into this rank's slot, and the result is read back
+            // from the slots.
+            self.round(waiter, kind, buf.len(), buf, deadline)?
+        };
+        round.reduce(0, buf, dtype, op);
+        finish(buf, dtype, op, self.size());
+        Ok(())
     }
 
     /// reduce_scatter: `inputs` (one per rank, at most [`FASTBOX_BYTES`]
@@ -291,7 +305,7 @@ impl<B: Bytes> Fastbox<B> {
             prescale(mine, dtype, op);
             let at = inputs[..self.rank].iter().map(|i| i.len()).sum();
             let round = self.round(waiter, Kind::ReduceScatter(dtype, op), mine.len(), mine, deadline)?;
-            round.reduce(at, output, &mut mine[..output.len()], dtype, op);
+            round.reduce(at, output, dtype, op);
             finish(output, dtype, op, self.size());
             Ok(())
         })
@@ -395,12 +409,11 @@ impl<B: Bytes> Round<'_, B> {
     }
 
     /// `out` = the bytes at `at` of every rank's part, reduced in rank
-    /// order (so every rank gets the same bits); `tmp` is as long as `out`.
-    fn reduce(&self, at: usize, out: &mut [u8], tmp: &mut [u8], dtype: DType, op: ReduceOp) {
+    /// order (so every rank gets the same bits), straight from the slots.
+    fn reduce(&self, at: usize, out: &mut [u8], dtype: DType, op: ReduceOp) {
         self.slot(0).read(at, out);
         for p in 1..self.fb.size() {
-            self.slot(p).read(at, tmp);
-            reduce_into(out, tmp, dtype, op);
+            self.slot(p).reduce_into(at, out, dtype, op);
         }
     }
 }

@@ -24,6 +24,20 @@ pub trait Bytes {
     /// # Safety
     /// As `put`.
     unsafe fn get(&self, at: usize, dst: &mut [u8]);
+    /// Run `f` on the `len` bytes at offset `at`: borrowed in place where
+    /// they can be (the segment), else on a copy.
+    ///
+    /// # Safety
+    /// As `put`, for the whole call.
+    unsafe fn read_with<R>(&self, at: usize, len: usize, f: impl FnOnce(&[u8]) -> R) -> R
+    where
+        Self: Sized,
+    {
+        let mut copy = vec![0; len];
+        // SAFETY: the caller's contract.
+        unsafe { self.get(at, &mut copy) };
+        f(&copy)
+    }
 }
 
 /// Bytes in the mapped segment.
@@ -47,6 +61,11 @@ impl Bytes for RawBytes {
     unsafe fn get(&self, at: usize, dst: &mut [u8]) {
         // SAFETY: as above.
         unsafe { std::ptr::copy_nonoverlapping(self.0.add(at), dst.as_mut_ptr(), dst.len()) }
+    }
+    unsafe fn read_with<R>(&self, at: usize, len: usize, f: impl FnOnce(&[u8]) -> R) -> R {
+        // SAFETY: the caller's contract: inside the mapping, and no one
+        // writes these bytes until the call returns.
+        f(unsafe { std::slice::from_raw_parts(self.0.add(at), len) })
     }
 }
 
