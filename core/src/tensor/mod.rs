@@ -383,5 +383,10 @@ mod tests {
         let c = Tensor::from_slice(&v[..]).reshape(&[3, 4]).unwrap();
         assert!(c.is_contiguous());
         assert_eq!(c.strides(), &[4, 1]);
+        // A dim of 1 may carry any stride.
+        // SAFETY: 3 bytes at stride 1 stay inside the array.
+        let one = unsafe { Tensor::from_raw_parts(v.as_ptr(), DType::U8, Device::Cpu, &[3, 1], Some(&[1, 7])) }.unwrap();
+        assert!(one.is_contiguous());
+        assert_eq!((one.numel(), one.nbytes()), (3, 3));
     }
 }
