@@ -124,6 +124,14 @@ impl ShmBackend {
             oversubscribed,
             l2: crate::cores::l2_bytes(),
         };
+        // The rings this rank writes or reads, at once rather than a page
+        // fault at a time during its first transfers (the others' rings it
+        // never touches).
+        for p in (0..size).filter(|&p| p != rank) {
+            for i in [rank * size + p, p * size + rank] {
+                b.seg.prefault(ctl + i * footprint(cap), footprint(cap));
+            }
+        }
         b.control(rank).pid.store(std::process::id(), Ordering::Release);
         b
     }
