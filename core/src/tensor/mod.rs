@@ -50,7 +50,8 @@ impl Shape {
         for i in (0..dims.len().saturating_sub(1)).rev() {
             strides[i] = strides[i + 1] * dims[i + 1].max(1);
         }
-        Shape::new(dims.into(), strides)
+        // Row-major by construction: no need to check the strides again.
+        Shape { numel: dims.iter().product(), dims: dims.into(), strides, contiguous: true }
     }
     /// True when strides are the row-major strides of the dims.
     fn is_contiguous(&self) -> bool {
