@@ -4,7 +4,8 @@
 Builds gloo_bench.cc (Debian libgloo-dev) and mpi_bench.c (openmpi-bin,
 libopenmpi-dev), then runs weft, Gloo and Open MPI alternately, ROUNDS
 times, at each size, with the same timing method (barrier before each
-iteration, slowest rank per iteration, median). Prints one table: the
+iteration, slowest rank per iteration, median, after the same number of
+untimed warm-up iterations). Prints one table: the
 median over rounds of each tool's time, the spread (min-max over rounds),
 and weft's speed relative to each anchor (>1 means weft is faster).
 
@@ -15,6 +16,7 @@ that time over weft's (1.0: the op costs one plain copy of its buffer).
 
 Usage: bench/compare/compare.py [--world 2] [--rounds 5] [--backend cpu-tcp]
        [--ops all_reduce,...] [--sizes 8,1048576,67108864] [--iters 10]
+       [--warmup 20]
 Needs: apt-get install libgloo-dev openmpi-bin libopenmpi-dev g++
 """
 import argparse, os, statistics, subprocess, sys, tempfile
@@ -45,7 +47,7 @@ def parse_lines(text):
 
 def run_weft(a, size, weft):
     csv = sh([weft, "bench", "--world", str(a.world), "--backend", a.backend, "--ops", a.ops, "-b", str(size), "-e", str(size),
-              "-n", str(a.iters), "-w", "3", "--time-per-size", "1000", "--no-check", "--csv", "-"])
+              "-n", str(a.iters), "-w", str(a.warmup), "--time-per-size", "1000", "--no-check", "--csv", "-"])
     res = {}
     for line in csv.splitlines()[1:]:
         f = line.split(",")
@@ -55,7 +57,7 @@ def run_weft(a, size, weft):
 
 def run_copy(a, size, weft):
     csv = sh([weft, "bench", "--world", str(a.world), "--backend", a.backend, "--ops", "device_copy", "-b", str(size), "-e", str(size),
-              "-n", str(a.iters), "-w", "3", "--time-per-size", "1000", "--no-check", "--csv", "-"])
+              "-n", str(a.iters), "-w", str(a.warmup), "--time-per-size", "1000", "--no-check", "--csv", "-"])
     return {("device_copy", int(f[3])): float(f[9]) for f in (line.split(",") for line in csv.splitlines()[1:])}
 
 
@@ -64,7 +66,7 @@ def run_gloo(a, size, out, weft):
     with tempfile.TemporaryDirectory() as store:
         env = dict(os.environ, GLOO_STORE_DIR=store)
         text = sh([weft, "run", "-n", str(a.world), "--no-prefix", "--timeout", "600", "--",
-                   f"{out}/gloo_bench", ops, str(size), str(size), "2", str(a.iters)], env=env)
+                   f"{out}/gloo_bench", ops, str(size), str(size), "2", str(a.iters), str(a.warmup)], env=env)
     return parse_lines(text)
 
 
@@ -73,7 +75,7 @@ def run_mpi(a, size, out, btl):
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(a.world), "--mca", "pml", "ob1", "--mca", "btl", btl]
     if btl.startswith("tcp"):
         cmd += ["--mca", "btl_tcp_if_include", "lo"]
-    return parse_lines(sh(cmd + [f"{out}/mpi_bench", ops, str(size), str(size), "2", str(a.iters)]))
+    return parse_lines(sh(cmd + [f"{out}/mpi_bench", ops, str(size), str(size), "2", str(a.iters), str(a.warmup)]))
 
 
 def main():
@@ -81,6 +83,11 @@ def main():
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
+    # Every tool warms up alike. On this kind of VM memory copies run up to
+    # twice as slow for the first few ms of copying (a plain memcpy loop in
+    # C too: 150-250 us falling to 80 over its first 20 iterations of 2 MiB),
+    # so 3 warm-ups measured whichever tool the machine had just warmed up.
+    p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--backend", default="cpu-tcp")
     p.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,p2p,barrier")
     p.add_argument("--sizes", default="8,1048576,67108864")
@@ -103,7 +110,7 @@ def main():
                     samples.setdefault((tool,) + key, []).append(us)
         print(f"round {rnd + 1}/{a.rounds} done", file=sys.stderr)
     keys = sorted({k[1:] for k in samples if k[0] == "weft"}, key=lambda k: (k[0], k[1]))
-    print(f"# W={a.world}, backend {a.backend}, {a.rounds} alternating rounds, {a.iters} iterations each; "
+    print(f"# W={a.world}, backend {a.backend}, {a.rounds} alternating rounds, {a.iters} iterations each after {a.warmup} warm-ups; "
           f"time = median over rounds of each run's median (us), [min-max over rounds]; x = anchor time / weft time (>1: weft faster)")
     hdr = f"{'op':<15} {'bytes':>10} " + " ".join(f"{t:>24}" for t in tools) + "  " + " ".join(f"{'x ' + t:>10}" for t in tools if t != "weft")
     print(hdr)

@@ -3,7 +3,7 @@
 // slowest rank's time per iteration, the median over iterations).
 // Ranks come from RANK / WORLD_SIZE (run it under `weft run`); rendezvous
 // through a FileStore in GLOO_STORE_DIR.
-// Usage: gloo_bench OPS MINBYTES MAXBYTES FACTOR ITERS
+// Usage: gloo_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP
 // Prints: "op bytes median_us" per size on rank 0.
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
@@ -41,8 +41,11 @@ static double median_of_max(const Ctx &c, std::vector<double> t) {
     return t[t.size() / 2];
 }
 
+/// Untimed iterations before each timing (argument WARMUP).
+static int warmup = 3;
+
 static double timeit(const Ctx &c, int iters, const std::function<void()> &f) {
-    for (int i = 0; i < 3; i++) f();
+    for (int i = 0; i < warmup; i++) f();
     std::vector<double> t;
     for (int i = 0; i < iters; i++) {
         barrier(c);
@@ -54,14 +57,15 @@ static double timeit(const Ctx &c, int iters, const std::function<void()> &f) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 6) {
-        fprintf(stderr, "usage: gloo_bench OPS MINBYTES MAXBYTES FACTOR ITERS\n");
+    if (argc != 7) {
+        fprintf(stderr, "usage: gloo_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP\n");
         return 2;
     }
     int rank = atoi(getenv("RANK")), size = atoi(getenv("WORLD_SIZE"));
     std::string ops = argv[1];
     size_t minb = strtoull(argv[2], 0, 10), maxb = strtoull(argv[3], 0, 10), factor = strtoull(argv[4], 0, 10);
     int iters = atoi(argv[5]);
+    warmup = atoi(argv[6]);
     gloo::transport::tcp::attr attr("127.0.0.1");
     auto dev = gloo::transport::tcp::CreateDevice(attr);
     gloo::rendezvous::FileStore store(getenv("GLOO_STORE_DIR"));

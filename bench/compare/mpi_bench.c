@@ -1,7 +1,7 @@
 /* Open MPI anchor for weft's comparison harness: times MPI collectives the
  * way `weft bench` times its own (a barrier before each iteration, the
  * slowest rank's time per iteration, the median over iterations).
- * Usage: mpirun -np 2 [--mca btl tcp,self | vader,self] mpi_bench OPS MINBYTES MAXBYTES FACTOR ITERS
+ * Usage: mpirun -np 2 [--mca btl tcp,self | vader,self] mpi_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP
  * Prints: "op bytes median_us" per size on rank 0. */
 #include <mpi.h>
 #include <stdio.h>
@@ -13,7 +13,7 @@ static int cmp(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-static int rank, size, iters;
+static int rank, size, iters, warmup;
 static float *A, *B;
 
 static int want(const char *ops, const char *op) {
@@ -27,7 +27,7 @@ typedef void (*op_fn)(size_t n, size_t part);
 
 static double timeit(op_fn f, size_t n, size_t part) {
     double *t = malloc(sizeof(double) * iters);
-    for (int i = 0; i < 3; i++) f(n, part);
+    for (int i = 0; i < warmup; i++) f(n, part);
     for (int i = 0; i < iters; i++) {
         MPI_Barrier(MPI_COMM_WORLD);
         double a = MPI_Wtime();
@@ -58,14 +58,15 @@ int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
-    if (argc != 6) {
-        if (rank == 0) fprintf(stderr, "usage: mpi_bench OPS MINBYTES MAXBYTES FACTOR ITERS\n");
+    if (argc != 7) {
+        if (rank == 0) fprintf(stderr, "usage: mpi_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP\n");
         MPI_Finalize();
         return 2;
     }
     const char *ops = argv[1];
     size_t minb = strtoull(argv[2], 0, 10), maxb = strtoull(argv[3], 0, 10), factor = strtoull(argv[4], 0, 10);
     iters = atoi(argv[5]);
+    warmup = atoi(argv[6]);
     struct { const char *name; op_fn f; int full; } table[] = {
         {"all_reduce", all_reduce, 0}, {"all_gather", all_gather, 1}, {"reduce_scatter", reduce_scatter, 1},
         {"all_to_all", all_to_all, 1}, {"broadcast", broadcast, 0}, {"reduce", reduce, 0}, {"p2p", p2p, 0},
