@@ -211,34 +211,94 @@ pub fn recycle(buf: Vec<u8>) {
     }
 }
 
+thread_local! {
+    /// The packed sort's two buffers, kept for the next op on this thread:
+    /// fresh ones fault in every page on every call (three times the sort's
+    /// own cost at 25,000 entries, where malloc maps large blocks anew).
+    static PACKED: std::cell::RefCell<(Vec<u64>, Vec<u64>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
 /// Sort `t`'s entries by key and reduce duplicates with `op` (in entry
 /// order, so every rank's bits are reproducible).
 pub fn sort<'a>(t: &'a SparseCooTensor<'_>, l: &Layout, op: ReduceOp) -> Result<Sorted<'a>> {
     let nnz = t.nnz();
     let idx: &[i64] = t.indices.as_slice()?;
     let input = t.values.host_bytes()?;
-    let mut entries = Vec::with_capacity(nnz);
-    for k in 0..nnz {
-        let mut key = 0i64;
-        for d in 0..l.sparse_dims {
-            let i = idx[d * nnz + k];
-            if i < 0 || i as usize >= l.shape[d] {
-                return Err(Error::invalid(format!("index {i} of entry {k} is out of range for sparse dim {d} of size {}", l.shape[d])));
+    // Key and entry number in one word where both fit (keys below `rows`),
+    // as they do for any table of fewer than 2^40 rows and 2^24 entries.
+    let entry_bits = usize::BITS - nnz.leading_zeros();
+    let key_bits = u64::BITS - l.rows.saturating_sub(1).leading_zeros();
+    if key_bits + entry_bits <= u64::BITS {
+        PACKED.with(|p| {
+            let (entries, scratch) = &mut *p.borrow_mut();
+            entries.clear();
+            entries.reserve(nnz);
+            let max = keys(idx, l, nnz, |key, k| entries.push(key << entry_bits | k as u64))?;
+            super::radix::sort_by_key(entries, max, entry_bits, scratch);
+            let mask = (1u64 << entry_bits) - 1;
+            let sorted = group(entries, |e| ((e >> entry_bits) as i64, (e & mask) as usize), input, l, op);
+            if entries.capacity() * 8 > SPARE_MAX_BYTES {
+                *entries = Vec::new();
+                *scratch = Vec::new();
             }
-            key = key * l.shape[d] as i64 + i;
-        }
-        entries.push((key, k));
+            Ok(sorted)
+        })
+    } else {
+        let mut entries = Vec::with_capacity(nnz);
+        let max = keys(idx, l, nnz, |key, k| entries.push((key as i64, k)))?;
+        super::radix::sort_by_key(&mut entries, max, 0, &mut Vec::new());
+        Ok(group(&entries, |e| e, input, l, op))
     }
-    super::radix::sort_by_key(&mut entries);
-    let row = l.row;
+}
+
+/// Call `each(key, entry)` for every entry's linear key, in entry order,
+/// checking every index against its dim; the largest key.
+fn keys(idx: &[i64], l: &Layout, nnz: usize, mut each: impl FnMut(u64, usize)) -> Result<u64> {
+    let bad = |k: usize, d: usize| {
+        let i = idx[d * nnz + k];
+        Error::invalid(format!("index {i} of entry {k} is out of range for sparse dim {d} of size {}", l.shape[d]))
+    };
+    let mut max = 0;
+    if l.sparse_dims == 1 {
+        // The usual case (an embedding table's rows), one compare per entry.
+        let rows = l.shape[0] as u64;
+        for (k, i) in idx[..nnz].iter().enumerate() {
+            let key = *i as u64; // a negative index wraps beyond any dim
+            if key >= rows {
+                return Err(bad(k, 0));
+            }
+            max = max.max(key);
+            each(key, k);
+        }
+        return Ok(max);
+    }
+    for k in 0..nnz {
+        let mut key = 0u64;
+        for d in 0..l.sparse_dims {
+            let i = idx[d * nnz + k] as u64;
+            if i >= l.shape[d] as u64 {
+                return Err(bad(k, d));
+            }
+            key = key * l.shape[d] as u64 + i;
+        }
+        max = max.max(key);
+        each(key, k);
+    }
+    Ok(max)
+}
+
+/// The entries sorted by key (`decode` gives an entry's key and number)
+/// as a [`Sorted`] over `input`'s rows: keys first; then the entries of
+/// repeated keys are reduced, with the rows of a group a few groups ahead
+/// already loading (they lie anywhere in the input). Reduced inside the
+/// first pass, each group waited for its rows: 407 -> 262 us at 55,000
+/// entries with 2,600 repeated keys.
+fn group<'a, E: Copy>(entries: &[E], decode: impl Fn(E) -> (i64, usize), input: &'a [u8], l: &Layout, op: ReduceOp) -> Sorted<'a> {
+    let (nnz, row) = (entries.len(), l.row);
     let mut out = Sorted { keys: Vec::with_capacity(nnz), at: Vec::with_capacity(nnz), input, reduced: Vec::new(), row };
-    // Keys first; then the entries of repeated keys are reduced, with the
-    // rows of a group a few groups ahead already loading (they lie anywhere
-    // in the input). Reduced inside the first pass, each group waited for
-    // its rows: 407 -> 262 us at 55,000 entries with 2,600 repeated keys.
     let mut repeated = Vec::new();
-    for same in entries.chunk_by(|a, b| a.0 == b.0) {
-        let (key, first) = same[0];
+    for same in entries.chunk_by(|a, b| decode(*a).0 == decode(*b).0) {
+        let (key, first) = decode(same[0]);
         out.keys.push(key);
         if same.len() == 1 {
             out.at.push(first);
@@ -247,19 +307,22 @@ pub fn sort<'a>(t: &'a SparseCooTensor<'_>, l: &Layout, op: ReduceOp) -> Result<
             repeated.push(same);
         }
     }
-    let row_of = |k: usize| &input[k * row..(k + 1) * row];
+    let row_of = |e: E| {
+        let k = decode(e).1;
+        &input[k * row..(k + 1) * row]
+    };
     out.reduced.reserve_exact(repeated.len() * row);
     for (g, same) in repeated.iter().enumerate() {
         if let Some(ahead) = repeated.get(g + AHEAD) {
-            ahead.iter().for_each(|(_, k)| crate::kernels::prefetch(row_of(*k)));
+            ahead.iter().for_each(|e| crate::kernels::prefetch(row_of(*e)));
         }
         let start = out.reduced.len();
-        out.reduced.extend_from_slice(row_of(same[0].1));
-        for (_, k) in &same[1..] {
-            reduce_into(&mut out.reduced[start..], row_of(*k), l.dtype, op);
+        out.reduced.extend_from_slice(row_of(same[0]));
+        for e in &same[1..] {
+            reduce_into(&mut out.reduced[start..], row_of(*e), l.dtype, op);
         }
     }
-    Ok(out)
+    out
 }
 
 /// Up to this many runs, the smallest head is found by scanning the heads
@@ -446,5 +509,59 @@ mod tests {
             .fold(scanned[0].clone(), |a, b| merge_k(&[a.as_ref(), b.as_ref()], 4, DType::I32, ReduceOp::Sum, Vec::new()));
         assert_eq!(heap, pairwise);
         assert_eq!(heap.keys.len(), 7 + 40 + 1);
+    }
+
+    /// A sparse tensor of `shape` (its first `idx.len()` dims sparse)
+    /// with one i32 value per entry, 1, 2, 3, ...
+    fn coo(idx: &[Vec<i64>], shape: Vec<usize>) -> (Vec<i64>, Vec<i32>, Vec<usize>) {
+        let vals = (1..=idx[0].len() as i32).collect();
+        (idx.concat(), vals, shape)
+    }
+
+    /// `sort`'s keys and rows (each row as its i32), or its error.
+    fn sorted(idx: &[Vec<i64>], shape: Vec<usize>) -> Result<(Vec<i64>, Vec<i32>)> {
+        use crate::tensor::Tensor;
+        let (flat, vals, shape) = coo(idx, shape);
+        let t = SparseCooTensor::new(Tensor::from_slice(&flat).reshape(&[idx.len(), idx[0].len()])?, Tensor::from_slice(&vals), shape)?;
+        let l = Layout::of(&t)?;
+        let s = sort(&t, &l, ReduceOp::Sum)?;
+        let rows = (0..s.keys.len()).map(|i| i32::from_ne_bytes(s.row(i).try_into().expect("4 bytes"))).collect();
+        Ok((s.keys.clone(), rows))
+    }
+
+    #[test]
+    fn sort_packs_narrow_keys_and_keeps_wide_ones_exact() {
+        // 300 entries (the radix path), keys repeating every 100.
+        let narrow: Vec<i64> = (0..300).map(|k| (k * 37) % 100).collect();
+        let (keys, rows) = sorted(std::slice::from_ref(&narrow), vec![1000]).unwrap();
+        assert_eq!(keys, (0..100).collect::<Vec<_>>());
+        // Key j is entries j', j'+100, j'+200 with j' * 37 = j (mod 100),
+        // values j'+1 and so on: their sum.
+        for (key, row) in keys.iter().zip(&rows) {
+            let first = (0..100).find(|k| (k * 37) % 100 == *key).unwrap() as i32;
+            assert_eq!(*row, 3 * first + 300 + 3, "key {key}");
+        }
+        // Two sparse dims of 2^31: 62-bit keys leave no room for entry
+        // numbers in one word, and must come out the same.
+        let big = 1i64 << 31;
+        let hi: Vec<i64> = narrow.iter().map(|k| big - 1 - k).collect();
+        let lo: Vec<i64> = narrow.iter().map(|k| k * 1000).collect();
+        let (wide, wide_rows) = sorted(&[hi, lo], vec![1 << 31, 1 << 31]).unwrap();
+        let want: Vec<i64> = (0..100).rev().map(|k| (big - 1 - k) * big + k * 1000).collect();
+        assert_eq!(wide, want);
+        assert_eq!(wide_rows, rows.iter().rev().copied().collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn an_index_outside_its_dim_is_an_error_naming_it() {
+        for (idx, shape, what) in [
+            (vec![vec![0, 5, 2]], vec![5], "index 5 of entry 1 is out of range for sparse dim 0 of size 5"),
+            (vec![vec![0, -1, 2]], vec![5], "index -1 of entry 1 is out of range for sparse dim 0 of size 5"),
+            (vec![vec![0, 1, 2], vec![3, 3, -2]], vec![5, 4], "index -2 of entry 2 is out of range for sparse dim 1 of size 4"),
+            (vec![vec![0, 7, 2], vec![3, 3, 3]], vec![5, 4], "index 7 of entry 1 is out of range for sparse dim 0 of size 5"),
+        ] {
+            let e = sorted(&idx, shape).unwrap_err();
+            assert!(e.to_string().contains(what), "{e}");
+        }
     }
 }
