@@ -45,7 +45,7 @@ impl Entry for u64 {
 /// Sort `entries` (arriving in entry order) by key, equal keys in entry
 /// order; keys are at most `max_key`; `shift` as [`Entry::key_bits`] takes
 /// it. `scratch` is the second buffer the passes swap with (its contents
-/// are dropped; pass one kept from an earlier sort: no fresh pages).
+/// are dropped): pass the one an earlier sort left, whose pages are in.
 pub fn sort_by_key<E: Entry>(entries: &mut Vec<E>, max_key: u64, shift: u32, scratch: &mut Vec<E>) {
     debug_assert!(entries.windows(2).all(|w| w[0].number(shift) < w[1].number(shift)), "entries arrive in entry order");
     if entries.len() < MIN_RADIX {
