@@ -245,11 +245,11 @@ impl OpKind {
     }
     /// A readable description of a tag, for error messages.
     pub fn describe_tag(tag: u64) -> String {
-        if tag >> 63 == 0 {
+        if !crate::tag::is_collective(tag) {
             return format!("user tag {tag}");
         }
         let op = OpKind::from_code(crate::tag::op_code(tag)).map(OpKind::name).unwrap_or("unknown op");
-        format!("{op} #{} step {}", crate::tag::seq(tag), tag & 0xffff)
+        format!("{op} #{} step {}", crate::tag::seq(tag), crate::tag::step(tag))
     }
 }
 

@@ -41,6 +41,16 @@ pub const fn collective(op: u8, seq: u64, step: u32) -> u64 {
     (1 << 63) | ((op as u64 & 0x7f) << 56) | ((seq & SEQ_MASK) << 16) | (step as u64 & 0xffff)
 }
 
+/// Whether `tag` belongs to a collective (else it is a user message).
+pub const fn is_collective(tag: u64) -> bool {
+    tag >> 63 == 1
+}
+
+/// The step of a collective tag.
+pub const fn step(tag: u64) -> u32 {
+    (tag & 0xffff) as u32
+}
+
 /// The sequence number of a collective tag (mod 2^38).
 pub const fn seq(tag: u64) -> u64 {
     (tag >> 16) & SEQ_MASK
@@ -49,22 +59,20 @@ pub const fn seq(tag: u64) -> u64 {
 /// Whether `tag` is a collective step whose receiver combines (reduces)
 /// what it receives as it arrives. False for user messages.
 pub const fn combines(tag: u64) -> bool {
-    tag >> 63 == 1 && tag & COMBINES != 0
+    is_collective(tag) && tag & COMBINES != 0
 }
 
 /// Whether `tag` is a collective step whose sender has just written what
 /// it sends. False for user messages.
 pub const fn fresh(tag: u64) -> bool {
-    tag >> 63 == 1 && tag & FRESH != 0
+    is_collective(tag) && tag & FRESH != 0
 }
 
 /// True when two tags belong to the same collective slot (same sequence
 /// number) but different ops: the two ranks disagree on which collective
 /// they are in. Transports may use this to fail fast instead of waiting.
 pub const fn conflicts(a: u64, b: u64) -> bool {
-    let internal = (a >> 63) == 1 && (b >> 63) == 1;
-    let same_seq = seq(a) == seq(b);
-    internal && same_seq && ((a >> 56) & 0x7f) != ((b >> 56) & 0x7f)
+    is_collective(a) && is_collective(b) && seq(a) == seq(b) && op_code(a) != op_code(b)
 }
 
 /// Op code from a collective tag.
