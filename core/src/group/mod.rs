@@ -16,7 +16,7 @@ use crate::backend::{Backend, Deadline, Op, OpContext};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kernels::sanitize;
-use crate::options::GroupOptions;
+use crate::options::{GroupOptions, OpOptions};
 use crate::registry::Route;
 use crate::store::{PrefixStore, Store};
 use crate::stream::{CompletionSlot, DeviceCompletion};
@@ -54,6 +54,9 @@ pub(crate) struct GroupCore {
     /// The first failure after bytes may have moved (checked on every op).
     poisoned: OnceLock<Error>,
     splits: AtomicU64,
+    /// Hashes every op's hint map: seeded once, so an op without hints
+    /// makes its empty map without reading the per-thread seed.
+    hasher: std::collections::hash_map::RandomState,
 }
 
 impl ProcessGroup {
@@ -155,9 +158,11 @@ impl Drop for ProcessGroup {
 }
 
 impl<'t> Collectives<'t> for ProcessGroup {
-    fn submit(&self, mut job: Job<'t>) -> Result<Work<'t>> {
+    #[inline]
+    fn submit(&self, mut job: Job<'t>, opts: &OpOptions) -> Result<Work<'t>> {
+        let opts = job.options(opts);
         let ticket = self.core.exec.issue();
-        let (result, device) = self.core.exec.run_inline(ticket, job.is_collective(), |seq| self.core.run_job(&mut job, seq));
+        let (result, device) = self.core.exec.run_inline(ticket, job.is_collective(), |seq| self.core.run_job(&mut job, &opts, seq));
         Ok(Work::done(result, device))
     }
     fn rank(&self) -> usize {
@@ -222,29 +227,32 @@ impl GroupCore {
     ///
     /// The job is borrowed, not moved: it is a few hundred bytes, and each
     /// move through these layers was a memcpy call on every op.
-    fn run_job(&self, job: &mut Job<'_>, seq: u64) -> (Result<()>, Option<Arc<dyn DeviceCompletion>>) {
+    fn run_job(&self, job: &mut Job<'_>, opts: &OpOptions, seq: u64) -> (Result<()>, Option<Arc<dyn DeviceCompletion>>) {
         let name = job.name;
         let slot = if job.route.0 == crate::tensor::DeviceKind::Cpu { CompletionSlot::default() } else { CompletionSlot::for_device() };
         // A panic inside an op (a bug) becomes that op's error, and poisons
         // the group like any failure after bytes may have moved.
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_job_inner(job, seq, &slot))).unwrap_or_else(|p| {
-            let what = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
-            let e = Error::backend(format!("internal error (panic) in {name}: {what}")).with_op(name).with_rank(self.rank);
-            self.poison(e.clone());
-            Err(e)
-        });
+        let result =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_job_inner(job, opts, seq, &slot))).unwrap_or_else(|p| {
+                let what =
+                    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+                let e = Error::backend(format!("internal error (panic) in {name}: {what}")).with_op(name).with_rank(self.rank);
+                self.poison(e.clone());
+                Err(e)
+            });
         (result, slot.take())
     }
 
-    fn run_job_inner(&self, job: &mut Job<'_>, seq: u64, completion: &CompletionSlot) -> Result<()> {
-        let Job { name, kind, route, opts, fingerprint, op } = job;
+    fn run_job_inner(&self, job: &mut Job<'_>, opts: &OpOptions, seq: u64, completion: &CompletionSlot) -> Result<()> {
+        let Job { name, kind, route, fingerprint, op } = job;
         let (name, kind, route) = (*name, *kind, *route);
         let result = (|| {
             self.usable()?;
             let backend = self.route(route)?;
-            // The op's hints over the group's (no map copied when either is
-            // empty, as both usually are).
-            let mut hints = std::mem::take(&mut opts.hints);
+            // The op's hints over the group's. Usually both are empty: then
+            // the map is made from the group's hasher, without reading the
+            // per-thread seed a fresh one takes.
+            let mut hints = if opts.hints.is_empty() { HashMap::with_hasher(self.hasher.clone()) } else { opts.hints.clone() };
             for (k, v) in &self.options.hints {
                 hints.entry(k.clone()).or_insert_with(|| v.clone());
             }
@@ -256,7 +264,7 @@ impl GroupCore {
                 seq,
                 deadline: Deadline::after(opts.timeout.unwrap_or(self.options.timeout)),
                 hints,
-                stream: opts.stream.take(),
+                stream: opts.stream,
                 completion: completion.clone(),
             };
             let r = self.execute(backend.as_ref(), &ctx, fingerprint.as_ref(), op);

@@ -22,7 +22,6 @@ pub struct Job<'t> {
     pub(crate) name: &'static str,
     pub(crate) kind: OpKind,
     pub(crate) route: Route,
-    pub(crate) opts: OpOptions,
     pub(crate) fingerprint: Option<Fingerprint>,
     pub(crate) op: Op<'t>,
 }
@@ -124,7 +123,7 @@ fn meta_mut(t: &TensorMut<'_>) -> (DType, Device, bool) {
 /// Collectives must be issued in the same order on every rank of the group.
 pub trait Collectives<'t>: sealed::Sealed {
     #[doc(hidden)]
-    fn submit(&self, job: Job<'t>) -> Result<Work<'t>>;
+    fn submit(&self, job: Job<'t>, opts: &OpOptions) -> Result<Work<'t>>;
     /// This rank in the group.
     fn rank(&self) -> usize;
     /// Number of ranks in the group.
@@ -141,7 +140,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         c.peer(dst)?;
         user_tag(&c, tag)?;
         let (route, ..) = c.tensors([meta(&data)])?;
-        self.submit(job(&c, OpKind::Send, route, opts, None, Op::Send { data, peer: dst, tag: crate::tag::user(tag) }))
+        self.submit(job(&c, OpKind::Send, route, None, Op::Send { data, peer: dst, tag: crate::tag::user(tag) }), opts)
     }
 
     /// Receive into `tensor` from rank `src` the oldest message sent under `tag`;
@@ -152,7 +151,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         c.peer(src)?;
         user_tag(&c, tag)?;
         let (route, ..) = c.tensors([meta_mut(&buf)])?;
-        self.submit(job(&c, OpKind::Recv, route, opts, None, Op::Recv { buf, peer: src, tag: crate::tag::user(tag) }))
+        self.submit(job(&c, OpKind::Recv, route, None, Op::Recv { buf, peer: src, tag: crate::tag::user(tag) }), opts)
     }
 
     /// Copy `root`'s tensor into every rank's tensor.
@@ -162,7 +161,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         c.rank_arg("root", root)?;
         let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
         let fp = c.fingerprint(OpKind::Broadcast, || format!("{dtype} x {} root {root}", buf.numel()));
-        self.submit(job(&c, OpKind::Broadcast, route, opts, fp, Op::Broadcast { buf, root }))
+        self.submit(job(&c, OpKind::Broadcast, route, fp, Op::Broadcast { buf, root }), opts)
     }
 
     /// Reduce every rank's tensor with `op`; the result replaces each tensor.
@@ -172,7 +171,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
         c.reduce_op(op, dtype)?;
         let fp = c.fingerprint(OpKind::AllReduce, || format!("{dtype} x {} op {op}", buf.numel()));
-        self.submit(job(&c, OpKind::AllReduce, route, opts, fp, Op::AllReduce { buf, op }))
+        self.submit(job(&c, OpKind::AllReduce, route, fp, Op::AllReduce { buf, op }), opts)
     }
 
     /// Reduce every rank's tensor with `op` into `root`'s tensor; the other
@@ -184,7 +183,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
         c.reduce_op(op, dtype)?;
         let fp = c.fingerprint(OpKind::Reduce, || format!("{dtype} x {} root {root} op {op}", buf.numel()));
-        self.submit(job(&c, OpKind::Reduce, route, opts, fp, Op::Reduce { buf, root, op }))
+        self.submit(job(&c, OpKind::Reduce, route, fp, Op::Reduce { buf, root, op }), opts)
     }
 
     /// `outputs[i]` receives rank i's `input`; every tensor has the same size.
@@ -327,7 +326,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         }
         let (route, dtype, _) = c.tensors(std::iter::once(meta(&input)).chain(outputs.iter().map(meta_mut)))?;
         let fp = c.fingerprint(OpKind::Gather, || format!("{dtype} x {} root {root}", input.numel()));
-        self.submit(job(&c, OpKind::Gather, route, opts, fp, Op::Gather { input, outputs, root }))
+        self.submit(job(&c, OpKind::Gather, route, fp, Op::Gather { input, outputs, root }), opts)
     }
 
     /// Every rank's `output` receives `root`'s `inputs[rank]`; pass an empty
@@ -342,7 +341,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         }
         let (route, dtype, _) = c.tensors(std::iter::once(meta_mut(&output)).chain(inputs.iter().map(meta)))?;
         let fp = c.fingerprint(OpKind::Scatter, || format!("{dtype} x {} root {root}", output.numel()));
-        self.submit(job(&c, OpKind::Scatter, route, opts, fp, Op::Scatter { inputs, output, root }))
+        self.submit(job(&c, OpKind::Scatter, route, fp, Op::Scatter { inputs, output, root }), opts)
     }
 
     /// Reduce every rank's sparse COO tensor (SUM, MIN or MAX over the union
@@ -363,7 +362,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         }
         let route = (input.device().kind(), Layout::SparseCoo);
         let fp = c.fingerprint(OpKind::AllReduceSparse, || format!("{dtype} shape {:?} op {op}", input.shape));
-        self.submit(job(&c, OpKind::AllReduceSparse, route, opts, fp, Op::AllReduceSparse { input: Box::new(input), output, op }))
+        self.submit(job(&c, OpKind::AllReduceSparse, route, fp, Op::AllReduceSparse { input: Box::new(input), output, op }), opts)
     }
 
     /// Return once every rank has entered the barrier (and, as ops of a group
@@ -371,7 +370,7 @@ pub trait Collectives<'t>: sealed::Sealed {
     fn barrier(&self, opts: &OpOptions) -> Result<Work<'t>> {
         let c = check(self, "barrier");
         let fp = c.fingerprint(OpKind::Barrier, String::new);
-        self.submit(job(&c, OpKind::Barrier, (crate::tensor::DeviceKind::Cpu, Layout::Dense), opts, fp, Op::Barrier))
+        self.submit(job(&c, OpKind::Barrier, (crate::tensor::DeviceKind::Cpu, Layout::Dense), fp, Op::Barrier), opts)
     }
 }
 
@@ -379,17 +378,21 @@ fn check<'t, G: Collectives<'t> + ?Sized>(g: &G, name: &'static str) -> Check {
     Check { name, rank: g.rank(), size: g.size(), detail: g.debug_detail() }
 }
 
-fn job<'t>(c: &Check, kind: OpKind, route: Route, opts: &OpOptions, fingerprint: Option<Fingerprint>, op: Op<'t>) -> Job<'t> {
-    // Field by field: cloning an empty hint map still costs a call (and
-    // dropping it another) on every op.
-    let hints = if opts.hints.is_empty() { Default::default() } else { opts.hints.clone() };
-    let mut opts = OpOptions { timeout: opts.timeout, hints, stream: opts.stream };
-    // The caller's stream is the one current when the op is issued, not
-    // when a worker thread runs it.
-    if route.0 != crate::tensor::DeviceKind::Cpu && opts.stream.is_none() {
-        opts.stream = crate::stream::current_stream();
+fn job<'t>(c: &Check, kind: OpKind, route: Route, fingerprint: Option<Fingerprint>, op: Op<'t>) -> Job<'t> {
+    Job { name: c.name, kind, route, fingerprint, op }
+}
+
+impl Job<'_> {
+    /// The options this job runs with: the caller's, borrowed (no copy on
+    /// the latency-bound path), except that a device op without a stream
+    /// takes the one current on the issuing thread, not on whichever
+    /// thread runs it.
+    pub(crate) fn options<'o>(&self, opts: &'o OpOptions) -> std::borrow::Cow<'o, OpOptions> {
+        if self.route.0 == crate::tensor::DeviceKind::Cpu || opts.stream.is_some() {
+            return std::borrow::Cow::Borrowed(opts);
+        }
+        std::borrow::Cow::Owned(OpOptions { stream: crate::stream::current_stream(), ..opts.clone() })
     }
-    Job { name: c.name, kind, route, opts, fingerprint, op }
 }
 
 fn user_tag(c: &Check, tag: u32) -> Result<()> {
@@ -418,7 +421,7 @@ fn gather_job<'t, G: Collectives<'t> + ?Sized>(
 ) -> Result<Work<'t>> {
     let (route, dtype, _) = c.tensors(std::iter::once(meta(&input)).chain(outputs.iter().map(meta_mut)))?;
     let fp = c.fingerprint(OpKind::AllGather, || format!("{dtype} counts {:?}", outputs.iter().map(|o| o.numel()).collect::<Vec<_>>()));
-    g.submit(job(&c, OpKind::AllGather, route, opts, fp, Op::AllGather { input, outputs }))
+    g.submit(job(&c, OpKind::AllGather, route, fp, Op::AllGather { input, outputs }), opts)
 }
 
 fn scatter_reduce_job<'t, G: Collectives<'t> + ?Sized>(
@@ -434,7 +437,7 @@ fn scatter_reduce_job<'t, G: Collectives<'t> + ?Sized>(
     let fp = c.fingerprint(OpKind::ReduceScatter, || {
         format!("{dtype} counts {:?} op {op}", inputs.iter().map(|t| t.numel()).collect::<Vec<_>>())
     });
-    g.submit(job(&c, OpKind::ReduceScatter, route, opts, fp, Op::ReduceScatter { inputs, output, op }))
+    g.submit(job(&c, OpKind::ReduceScatter, route, fp, Op::ReduceScatter { inputs, output, op }), opts)
 }
 
 fn all_to_all_job<'t, G: Collectives<'t> + ?Sized>(
@@ -446,5 +449,5 @@ fn all_to_all_job<'t, G: Collectives<'t> + ?Sized>(
 ) -> Result<Work<'t>> {
     let (route, dtype, _) = c.tensors(inputs.iter().map(meta).chain(outputs.iter().map(meta_mut)))?;
     let fp = c.fingerprint(OpKind::AllToAll, || format!("{dtype}"));
-    g.submit(job(&c, OpKind::AllToAll, route, opts, fp, Op::AllToAll { inputs, outputs }))
+    g.submit(job(&c, OpKind::AllToAll, route, fp, Op::AllToAll { inputs, outputs }), opts)
 }

@@ -11,6 +11,7 @@ use super::ops::{Collectives, Job};
 use super::work::{Work, WorkState};
 use super::ProcessGroup;
 use crate::error::Result;
+use crate::options::OpOptions;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
@@ -55,7 +56,8 @@ impl ProcessGroup {
 }
 
 impl<'scope, 'env> Collectives<'scope> for Scope<'scope, 'env> {
-    fn submit(&self, job: Job<'scope>) -> Result<Work<'scope>> {
+    fn submit(&self, job: Job<'scope>, opts: &OpOptions) -> Result<Work<'scope>> {
+        let opts = job.options(opts).into_owned();
         let core = self.group.core.clone();
         let ticket = core.exec.issue();
         let collective = job.is_collective();
@@ -72,7 +74,7 @@ impl<'scope, 'env> Collectives<'scope> for Scope<'scope, 'env> {
             collective,
             Box::new(move |seq| {
                 let mut job = job;
-                let (result, device) = core.run_job(&mut job, seq);
+                let (result, device) = core.run_job(&mut job, &opts, seq);
                 // The job (and its borrow of the tensors) ends before the
                 // Work completes.
                 drop(job);
