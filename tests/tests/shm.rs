@@ -51,16 +51,28 @@ fn shm_sub_groups_and_large_messages() {
 /// with process_vm_writev by a sender that is receiving too; hint
 /// `shm_cma=on`, so on every machine, whatever its copy costs); a rank
 /// that refuses (hint `shm_cma=off`) gets them through the ring, in both
-/// directions, with identical results.
+/// directions, with identical results; ranks left on `auto` agree on their
+/// policy without waiting for one whose hint forces its own.
 #[test]
 fn shm_single_copy_and_its_refusal_give_the_same_results() {
-    for refusing in [None, Some(1)] {
+    for (refusing, others) in [(None, "on"), (Some(1), "on"), (Some(1), "auto"), (Some(1), "large")] {
         let store: std::sync::Arc<dyn weft::store::Store> = std::sync::Arc::new(weft::store::MemoryStore::new(Duration::from_secs(30)));
-        let opts = move |r: usize| options("cpu:shm").hint("shm_cma", if Some(r) == refusing { "off" } else { "on" });
+        let opts = move |r: usize| options("cpu:shm").hint("shm_cma", if Some(r) == refusing { "off" } else { others });
         weft_tests::run_threads_each(store, 3, opts, |pg| {
             let (r, w) = (pg.rank(), pg.size());
             let o = OpOptions::default();
             let n = 300_001; // 1.2 MB: above the single-copy threshold, odd-sized
+                             // The first offer to rank 1, larger than the 1 MiB rings of
+                             // three ranks: refused, its payload must stream inline over
+                             // several rounds.
+            let sent: Vec<u32> = (0..n as u32).collect();
+            if r == 0 {
+                pg.send(&sent[..], 1, 7, &o).unwrap().wait().unwrap();
+            } else if r == 1 {
+                let mut got = vec![0u32; n];
+                pg.recv(&mut got[..], 0, 7, &o).unwrap().wait().unwrap();
+                assert_eq!(got, sent);
+            }
             for _ in 0..3 {
                 let mut b: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 + if r == 2 { 0.5 } else { 0.0 }).collect();
                 pg.broadcast(&mut b, 2, &o).unwrap().wait().unwrap();

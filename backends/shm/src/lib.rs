@@ -85,17 +85,21 @@ impl BackendFactory for ShmFactory {
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        // Single-copy large messages as this machine's copy costs say
-        // (`cma::Policy::measured`), unless the hint `shm_cma` (or
-        // WEFT_SHM_CMA) says `on` (from 32 KiB, every message) or `off`; a
+        // Single-copy large messages as the group's copy costs say
+        // (`cma::Policy::agreed`, alike on every rank), unless the hint
+        // `shm_cma` (or WEFT_SHM_CMA) says `on` (from 32 KiB, every
+        // message), `large` (the policy for slow kernel copies) or `off`; a
         // peer that may not read our memory refuses offers and everything
         // goes through the ring.
-        let cma = match ctx.hints.get("shm_cma").cloned().or_else(|| std::env::var("WEFT_SHM_CMA").ok()).as_deref() {
-            None | Some("auto") => Some(cma::Policy::measured()),
-            Some("on" | "1") => Some(cma::Policy::FAST),
-            Some("off" | "0") => None,
-            Some(v) => return Err(Error::invalid(format!("shm_cma={v:?}: use auto, on or off"))),
+        let forced = match ctx.hints.get("shm_cma").cloned().or_else(|| std::env::var("WEFT_SHM_CMA").ok()).as_deref() {
+            None | Some("auto") => None,
+            Some("on" | "1") => Some(Some(cma::Policy::FAST)),
+            Some("large") => Some(Some(cma::Policy::SLOW)),
+            Some("off" | "0") => Some(None),
+            Some(v) => return Err(Error::invalid(format!("shm_cma={v:?}: use auto, on, large or off"))),
         };
+        let agreed = cma::Policy::agreed(&*ctx.store, ctx.rank, ctx.size, left(), forced.is_none())?;
+        let cma = forced.unwrap_or(Some(agreed));
         let oversubscribed = cores::oversubscribed(&*ctx.store, ctx.rank, ctx.size, left())?;
         Ok(Arc::new(transport::ShmBackend::new(ctx.rank, ctx.size, seg, cap, cma, oversubscribed)))
     }

@@ -202,8 +202,11 @@ impl ShmBackend {
                     sent[i] += ring.write(&prefix[sent[i]..plen]);
                 }
                 let mut inline = offers[i].is_none();
-                if let (Some(cma::Offer { seq, pushes, .. }), true) = (offers[i], sent[i] == plen) {
-                    // Offered: done when the peer has read it, inline if it cannot.
+                if let (Some(cma::Offer { seq, pushes, .. }), true) = (offers[i], sent[i] >= plen) {
+                    // Offered: done when the peer has read it, inline if it
+                    // cannot (asked again while the inline payload streams:
+                    // a payload larger than the ring's free space takes
+                    // several rounds).
                     match self.cell(me, *peer).phase(seq) {
                         Some(cma::DONE) => {
                             done[i] = true;
