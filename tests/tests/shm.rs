@@ -62,9 +62,9 @@ fn shm_single_copy_and_its_refusal_give_the_same_results() {
             let (r, w) = (pg.rank(), pg.size());
             let o = OpOptions::default();
             let n = 300_001; // 1.2 MB: above the single-copy threshold, odd-sized
-                             // The first offer to rank 1, larger than the 1 MiB rings of
-                             // three ranks: refused, its payload must stream inline over
-                             // several rounds.
+
+            // The first offer to rank 1, larger than the 1 MiB rings of three
+            // ranks: refused, its payload must stream inline over several rounds.
             let sent: Vec<u32> = (0..n as u32).collect();
             if r == 0 {
                 pg.send(&sent[..], 1, 7, &o).unwrap().wait().unwrap();

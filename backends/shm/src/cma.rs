@@ -130,8 +130,10 @@ fn group_cost(store: &dyn Store, rank: usize, size: usize, timeout: Duration, mi
     for r in 0..size {
         let raw = store.get(&format!("cma_cost/{r}"), timeout)?;
         let text = String::from_utf8_lossy(&raw);
+        if text == "-" {
+            continue;
+        }
         match text.parse::<f64>() {
-            _ if text == "-" => {}
             Ok(cost) if cost.is_finite() => costs.push(cost),
             _ => return Err(Error::backend(format!("shm: rank {r} published a malformed copy cost {text:?}"))),
         }
