@@ -48,6 +48,37 @@ impl P2p<'_> {
     }
 }
 
+/// The bytes of a send that are not in one buffer (rows that lie where a
+/// caller left them): the transport asks for them piece by piece, as it
+/// writes them out, so they are copied once instead of packed first.
+pub trait Gather: Sync {
+    /// Bytes in all.
+    fn len(&self) -> usize;
+    /// Whether there are none.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Write bytes `[at, at + dst.len())` into `dst` (always inside `len`).
+    fn fill(&self, at: usize, dst: &mut [u8]);
+}
+
+/// A send of gathered bytes, for [`Backend::exchange_gathered`].
+#[derive(Clone, Copy)]
+pub struct GatherSend<'a> {
+    /// Destination rank.
+    pub peer: usize,
+    /// Message tag (see [`crate::tag`]).
+    pub tag: u64,
+    /// The bytes.
+    pub src: &'a dyn Gather,
+}
+
+impl std::fmt::Debug for GatherSend<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GatherSend").field("peer", &self.peer).field("tag", &self.tag).field("len", &self.src.len()).finish()
+    }
+}
+
 /// The ops as a backend sees them, in one canonical form each: single-tensor
 /// and list variants arrive here as lists of views (disjoint parts of one
 /// tensor for the `_single` forms). Inputs and outputs are already checked
@@ -332,6 +363,31 @@ pub trait Backend: Send + Sync {
     /// protocol violation. After an error the batch's buffers are no longer
     /// touched.
     fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()>;
+
+    /// [`Backend::exchange`] with more sends, whose bytes `gathered` give
+    /// piece by piece (received like any other). A transport that writes
+    /// them straight where they go (shared memory's rings) saves a copy;
+    /// this default gathers each into a buffer first, then exchanges.
+    /// Wrappers forward it, or their inner transport never sees it.
+    fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
+        let packed: Vec<crate::kernels::Scratch> = gathered
+            .iter()
+            .map(|g| {
+                let mut b = crate::kernels::Scratch::take(g.src.len());
+                g.src.fill(0, &mut b);
+                b
+            })
+            .collect();
+        let mut all: Vec<P2p<'_>> = ops
+            .iter_mut()
+            .map(|op| match op {
+                P2p::Send { peer, tag, data } => P2p::Send { peer: *peer, tag: *tag, data },
+                P2p::Recv { peer, tag, buf } => P2p::Recv { peer: *peer, tag: *tag, buf },
+            })
+            .collect();
+        all.extend(gathered.iter().zip(&packed).map(|(g, b)| P2p::Send { peer: g.peer, tag: g.tag, data: b }));
+        self.exchange(&mut all, deadline)
+    }
 
     /// Run `op` natively, or return `None` to let core run its generic
     /// algorithm over [`Backend::exchange`] (host memory only).

@@ -179,6 +179,20 @@ fn sparse_all_reduce_matches_the_dense_reference() {
 }
 
 #[test]
+fn split_streams_slices_larger_than_a_shm_ring() {
+    // Three ranks: 1 MiB rings. Rows of 3001 f32 (12 KB, not a divisor of
+    // the ring) and about 130 rows per owner: each slice is gathered into
+    // the ring over several rounds, pieces ending inside rows. Over
+    // sockets, the same slices are packed before they are sent.
+    for spec in ["cpu:shm", "cpu:cpu-tcp"] {
+        run_threads(3, options(spec), |pg| {
+            run_case(&pg, &[3000, 700, 3001], 2, DType::F32, ReduceOp::Sum, Pattern::Many, "split");
+            run_case(&pg, &[3000, 700, 3001], 2, DType::F32, ReduceOp::Max, Pattern::Many, "split");
+        });
+    }
+}
+
+#[test]
 fn every_rank_gets_the_same_bits() {
     // Where contributions meet, the result's bits can depend on the order
     // they combine in (`order_sensitive`): every rank must still get the

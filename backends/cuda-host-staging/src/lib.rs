@@ -14,7 +14,7 @@ pub use pipeline::{Staging, DEFAULT_CHUNK_BYTES};
 
 use std::sync::Arc;
 use std::time::Instant;
-use weft::backend::{Backend, BackendContext, Op, OpContext, P2p};
+use weft::backend::{Backend, BackendContext, GatherSend, Op, OpContext, P2p};
 use weft::registry::{BackendFactory, StaticBackend};
 use weft::{DeviceKind, Error, Layout, Result};
 
@@ -52,6 +52,9 @@ impl Backend for HostStagingBackend {
     }
     fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
         self.staging.cpu().exchange(ops, deadline)
+    }
+    fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
+        self.staging.cpu().exchange_gathered(ops, gathered, deadline)
     }
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
         Some(self.staging.run(op, ctx))

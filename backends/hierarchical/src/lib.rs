@@ -17,7 +17,7 @@ mod topology;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use topology::Topology;
-use weft::backend::{Backend, BackendContext, Op, OpContext, P2p};
+use weft::backend::{Backend, BackendContext, GatherSend, Op, OpContext, P2p};
 use weft::registry::{BackendFactory, StaticBackend};
 use weft::store::PrefixStore;
 use weft::{DeviceKind, Error, ErrorKind, Layout, Result};
@@ -193,6 +193,9 @@ impl Backend for HierBackend {
     }
     fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
         self.flat.backend.exchange(ops, deadline).map_err(|e| self.flat.translate(e))
+    }
+    fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
+        self.flat.backend.exchange_gathered(ops, gathered, deadline).map_err(|e| self.flat.translate(e))
     }
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
         match op {

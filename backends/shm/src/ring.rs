@@ -24,6 +24,20 @@ pub trait Bytes {
     /// # Safety
     /// As `put`.
     unsafe fn get(&self, at: usize, dst: &mut [u8]);
+    /// Let `f` write the `len` bytes at offset `at`: in place where they
+    /// can be (the segment), else through a copy.
+    ///
+    /// # Safety
+    /// As `put`.
+    unsafe fn write_with(&self, at: usize, len: usize, f: impl FnOnce(&mut [u8]))
+    where
+        Self: Sized,
+    {
+        let mut copy = vec![0; len];
+        f(&mut copy);
+        // SAFETY: the caller's contract.
+        unsafe { self.put(at, &copy) };
+    }
     /// Run `f` on the `len` bytes at offset `at`: borrowed in place where
     /// they can be (the segment), else on a copy.
     ///
@@ -66,6 +80,11 @@ impl Bytes for RawBytes {
         // SAFETY: the caller's contract: inside the mapping, and no one
         // writes these bytes until the call returns.
         f(unsafe { std::slice::from_raw_parts(self.0.add(at), len) })
+    }
+    unsafe fn write_with(&self, at: usize, len: usize, f: impl FnOnce(&mut [u8])) {
+        // SAFETY: the caller's contract: inside the mapping, and owned by
+        // the producer (no one reads these bytes) until the call returns.
+        f(unsafe { std::slice::from_raw_parts_mut(self.0.add(at), len) })
     }
 }
 
@@ -117,13 +136,11 @@ impl<B: Bytes> Ring<B> {
     /// Producer: copy as much of `src` as fits; bytes written.
     pub fn write(&self, src: &[u8]) -> usize {
         let tail = self.tail().load(Ordering::Relaxed);
-        let free = self.cap - (tail - self.head().load(Ordering::Acquire)) as usize;
-        let n = src.len().min(free);
+        let n = src.len().min(self.free(tail));
         if n == 0 {
             return 0;
         }
-        let at = tail as usize % self.cap;
-        let first = n.min(self.cap - at);
+        let (at, first) = self.place(tail, n);
         // SAFETY: [at, at+first) and [0, n-first) are free space owned by the
         // producer until `tail` is published below.
         unsafe {
@@ -132,6 +149,39 @@ impl<B: Bytes> Ring<B> {
         }
         self.tail().store(tail + n as u64, Ordering::Release);
         n
+    }
+
+    /// Producer: write as much of `len` bytes as fits, each piece of free
+    /// space filled by `fill(offset, piece)` (offset from the first of the
+    /// `len` bytes); bytes written.
+    pub fn write_with(&self, len: usize, mut fill: impl FnMut(usize, &mut [u8])) -> usize {
+        let tail = self.tail().load(Ordering::Relaxed);
+        let n = len.min(self.free(tail));
+        if n == 0 {
+            return 0;
+        }
+        let (at, first) = self.place(tail, n);
+        // SAFETY: as in `write`.
+        unsafe {
+            self.data.write_with(at, first, |piece| fill(0, piece));
+            if n > first {
+                self.data.write_with(0, n - first, |piece| fill(first, piece));
+            }
+        }
+        self.tail().store(tail + n as u64, Ordering::Release);
+        n
+    }
+
+    /// Free bytes, the producer's `tail` given.
+    fn free(&self, tail: u64) -> usize {
+        self.cap - (tail - self.head().load(Ordering::Acquire)) as usize
+    }
+
+    /// Where `n` bytes from `tail` on go: their offset, and how many fit
+    /// before the end of the buffer (the rest wrap to its start).
+    fn place(&self, tail: u64, n: usize) -> (usize, usize) {
+        let at = tail as usize % self.cap;
+        (at, n.min(self.cap - at))
     }
 
     /// Consumer: read up to `dst.len()` bytes.
@@ -171,6 +221,26 @@ mod tests {
         while got.len() < data.len() {
             sent += ring.write(&data[sent..(sent + 23).min(data.len())]);
             let mut buf = [0u8; 17];
+            let n = ring.read(&mut buf);
+            got.extend_from_slice(&buf[..n]);
+        }
+        assert_eq!(got, data);
+    }
+
+    #[test]
+    fn filled_writes_wrap_around_like_copies() {
+        let cap = 64;
+        let mut mem = vec![0u128; footprint(cap) / 16 + 8];
+        let base = mem.as_mut_ptr() as *mut u8;
+        let base = unsafe { base.add(base.align_offset(64)) };
+        // SAFETY: the buffer above is large enough and 64-byte aligned.
+        let ring = unsafe { Ring::at(base, cap) };
+        let data: Vec<u8> = (0..=255).collect();
+        let (mut sent, mut got) = (0, Vec::new());
+        while got.len() < data.len() {
+            let left = (data.len() - sent).min(29);
+            sent += ring.write_with(left, |at, piece| piece.copy_from_slice(&data[sent + at..][..piece.len()]));
+            let mut buf = [0u8; 19];
             let n = ring.read(&mut buf);
             got.extend_from_slice(&buf[..n]);
         }
@@ -225,7 +295,13 @@ pub(crate) mod loom_tests {
                     let data = [1u8, 2, 3, 4, 5];
                     let mut sent = 0;
                     while sent < data.len() {
-                        let n = ring.write(&data[sent..(sent + 2).min(data.len())]);
+                        // Copies and filled writes alternate: both publish alike.
+                        let piece = &data[sent..(sent + 2).min(data.len())];
+                        let n = if sent % 2 == 0 {
+                            ring.write(piece)
+                        } else {
+                            ring.write_with(piece.len(), |at, dst| dst.copy_from_slice(&piece[at..][..dst.len()]))
+                        };
                         if n == 0 {
                             loom::thread::yield_now();
                         }

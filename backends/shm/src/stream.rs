@@ -12,7 +12,7 @@ use crate::transport::{ShmBackend, CMA_SPIN, NAP, PAUSE_SPIN, SPIN};
 use smallvec::{smallvec, SmallVec};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-use weft::backend::{Backend, P2p};
+use weft::backend::{Backend, Gather, GatherSend, P2p};
 use weft::matching::Inbound;
 use weft::{Error, Result};
 
@@ -44,17 +44,62 @@ pub(crate) struct PeerIn {
     awaiting: Option<(cma::Offer, Instant)>,
 }
 
+/// What a send of an exchange sends: bytes in one buffer (which may go
+/// single-copy), or gathered bytes (always inline: written into the ring
+/// as they are gathered).
+#[derive(Clone, Copy)]
+enum Out<'a> {
+    Bytes(&'a [u8]),
+    Gathered(&'a dyn Gather),
+}
+
+impl Out<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Out::Bytes(data) => data.len(),
+            Out::Gathered(g) => g.len(),
+        }
+    }
+}
+
+/// Send `i` of an exchange (sends in `ops`, then `gathered`): peer, tag
+/// and what it sends; `None` for a receive.
+fn send_of<'a>(ops: &'a [P2p<'_>], gathered: &'a [GatherSend<'_>], i: usize) -> Option<(usize, u64, Out<'a>)> {
+    match ops.get(i) {
+        Some(P2p::Send { peer, tag, data }) => Some((*peer, *tag, Out::Bytes(data))),
+        Some(P2p::Recv { .. }) => None,
+        None => gathered.get(i - ops.len()).map(|g| (g.peer, g.tag, Out::Gathered(g.src))),
+    }
+}
+
+/// Op `i`'s peer, and whether it is a send.
+fn peer_of(ops: &[P2p<'_>], gathered: &[GatherSend<'_>], i: usize) -> (usize, bool) {
+    match ops.get(i) {
+        Some(op) => (op.peer(), matches!(op, P2p::Send { .. })),
+        None => (gathered[i - ops.len()].peer, true),
+    }
+}
+
+/// The frame prefix of an inline send: tag and length.
+fn plain_header(tag: u64, len: usize) -> ([u8; HEADER + cma::DESCRIPTOR], usize) {
+    let mut p = [0u8; HEADER + cma::DESCRIPTOR];
+    p[..8].copy_from_slice(&tag.to_le_bytes());
+    p[8..16].copy_from_slice(&(len as u64).to_le_bytes());
+    (p, HEADER)
+}
+
 impl ShmBackend {
-    /// Run `ops` to completion, or fail by `deadline` (`Backend::exchange`).
-    pub(crate) fn exchange_p2p(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
+    /// Run `ops` and the `gathered` sends to completion, or fail by
+    /// `deadline` (`Backend::exchange_gathered`).
+    pub(crate) fn exchange_p2p(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
         self.check_failed()?;
-        for op in ops.iter() {
-            if op.peer() >= self.size || op.peer() == self.rank {
-                return Err(Error::invalid(format!("shm: bad peer rank {}", op.peer())));
+        for peer in ops.iter().map(P2p::peer).chain(gathered.iter().map(|g| g.peer)) {
+            if peer >= self.size || peer == self.rank {
+                return Err(Error::invalid(format!("shm: bad peer rank {peer}")));
             }
         }
         let mut incoming = self.incoming.lock().unwrap_or_else(|p| p.into_inner());
-        let n = ops.len();
+        let n = ops.len() + gathered.len();
         // Inline for the usual few ops: no allocation per exchange.
         let mut done: SmallVec<[bool; 8]> = smallvec![false; n];
         let mut sent: SmallVec<[usize; 8]> = smallvec![0; n];
@@ -66,7 +111,7 @@ impl ShmBackend {
                 done[i] = incoming[*peer].inbound.serve_early(self.rank, *peer, *tag, buf).map_err(|e| self.fail(e))?;
             }
         }
-        let result = self.progress(ops, &mut incoming, &mut done, &mut sent, &mut offers, deadline);
+        let result = self.progress(ops, gathered, &mut incoming, &mut done, &mut sent, &mut offers, deadline);
         if let Err(e) = &result {
             // Before the caller gets its buffers back: a peer may be pushing
             // into a receive buffer (stop it), or reading a send buffer
@@ -79,7 +124,9 @@ impl ShmBackend {
             for p in incoming.iter_mut() {
                 p.inbound.detach(ops);
             }
-            let open: Vec<(usize, u64)> = (0..n).filter(|i| !done[*i]).filter_map(|i| offers[i].map(|o| (ops[i].peer(), o.seq))).collect();
+            // (Gathered sends make no offers.)
+            let open: Vec<(usize, u64)> =
+                (0..ops.len()).filter(|i| !done[*i]).filter_map(|i| offers[i].map(|o| (ops[i].peer(), o.seq))).collect();
             if !open.is_empty() {
                 // Abort first, so a peer that finds the offer withdrawn also
                 // finds why (and whom to blame) in our control block.
@@ -155,10 +202,7 @@ impl ShmBackend {
                 p[16..].copy_from_slice(&o.encode());
                 (p, HEADER + cma::DESCRIPTOR)
             }
-            None => {
-                p[8..16].copy_from_slice(&(data.len() as u64).to_le_bytes());
-                (p, HEADER)
-            }
+            None => plain_header(tag, data.len()),
         }
     }
 
@@ -166,6 +210,7 @@ impl ShmBackend {
     fn progress(
         &self,
         ops: &mut [P2p<'_>],
+        gathered: &[GatherSend<'_>],
         incoming: &mut [PeerIn],
         done: &mut [bool],
         sent: &mut [usize],
@@ -183,20 +228,23 @@ impl ShmBackend {
             // Help copy single-copy sends only with nothing left to receive:
             // while receiving, this core is busy pulling already.
             let nothing_to_receive = ops.iter().zip(done.iter()).all(|(op, d)| *d || matches!(op, P2p::Send { .. }));
-            for i in 0..ops.len() {
-                let P2p::Send { peer, tag, data } = &ops[i] else { continue };
-                if done[i] || busy[*peer] {
+            for i in 0..done.len() {
+                let Some((peer, tag, out)) = send_of(ops, gathered, i) else { continue };
+                if done[i] || busy[peer] {
                     continue;
                 }
-                busy[*peer] = true;
-                let ring = self.ring(me, *peer);
+                busy[peer] = true;
+                let ring = self.ring(me, peer);
                 // An offer made while a large receive is pending says so
                 // (all_gather, all_to_all, ring steps), and may be pushed
                 // whole by this rank (`prefix` decides).
                 let first = sent[i] == 0;
                 let receiving = first
                     && ops.iter().zip(done.iter()).any(|(op, d)| !*d && matches!(op, P2p::Recv { buf, .. } if buf.len() >= cma::MIN_BYTES));
-                let (prefix, plen) = self.prefix(*peer, *tag, data, &mut incoming[*peer], &mut offers[i], first, receiving);
+                let (prefix, plen) = match out {
+                    Out::Bytes(data) => self.prefix(peer, tag, data, &mut incoming[peer], &mut offers[i], first, receiving),
+                    Out::Gathered(g) => plain_header(tag, g.len()),
+                };
                 let before = sent[i];
                 if sent[i] < plen {
                     sent[i] += ring.write(&prefix[sent[i]..plen]);
@@ -207,36 +255,41 @@ impl ShmBackend {
                     // cannot (asked again while the inline payload streams:
                     // a payload larger than the ring's free space takes
                     // several rounds).
-                    match self.cell(me, *peer).phase(seq) {
+                    match self.cell(me, peer).phase(seq) {
                         Some(cma::DONE) => {
                             done[i] = true;
-                            busy[*peer] = false;
+                            busy[peer] = false;
                             moved = true;
                             continue;
                         }
                         Some(cma::REFUSED) => {
-                            incoming[*peer].refused = true;
+                            incoming[peer].refused = true;
                             inline = true;
                         }
                         Some(cma::READING)
-                            if (pushes || nothing_to_receive) && self.push(*peer, seq, data, pushes, &mut incoming[*peer]) =>
+                            if (pushes || nothing_to_receive)
+                                && matches!(out, Out::Bytes(data) if self.push(peer, seq, data, pushes, &mut incoming[peer])) =>
                         {
                             moved = true;
-                            self.wake(*peer);
+                            self.wake(peer);
                         }
                         _ => {}
                     }
                 }
                 if inline && sent[i] >= plen {
-                    sent[i] += ring.write(&data[sent[i] - plen..]);
+                    let from = sent[i] - plen;
+                    sent[i] += match out {
+                        Out::Bytes(data) => ring.write(&data[from..]),
+                        Out::Gathered(g) => ring.write_with(g.len() - from, |at, piece| g.fill(from + at, piece)),
+                    };
                 }
                 if sent[i] != before {
                     moved = true;
-                    self.wake(*peer);
+                    self.wake(peer);
                 }
-                if inline && sent[i] == plen + data.len() {
+                if inline && sent[i] == plen + out.len() {
                     done[i] = true;
-                    busy[*peer] = false;
+                    busy[peer] = false;
                 }
             }
             // Receives: drain every incoming ring, matching or stashing frames.
@@ -258,28 +311,26 @@ impl ShmBackend {
             self.check_failed()?;
             if now.duration_since(last_check) >= NAP || now >= deadline {
                 last_check = now;
-                for i in (0..ops.len()).filter(|i| !done[*i]) {
-                    let peer = ops[i].peer();
-                    let drained = matches!(ops[i], P2p::Send { .. }) || self.ring(peer, me).available() == 0;
+                for i in (0..done.len()).filter(|i| !done[*i]) {
+                    let (peer, send) = peer_of(ops, gathered, i);
+                    let drained = send || self.ring(peer, me).available() == 0;
                     if let (true, Some(e)) = (drained, self.peer_problem(peer)) {
                         return Err(self.fail(e));
                     }
                 }
             }
             if now >= deadline {
-                let pending: Vec<String> = (0..ops.len())
+                let pending: Vec<String> = (0..done.len())
                     .filter(|i| !done[*i])
-                    .map(|i| {
-                        format!(
-                            "{} peer rank {}",
-                            if matches!(ops[i], P2p::Send { .. }) { "send to" } else { "receive from" },
-                            ops[i].peer()
-                        )
+                    .map(|i| match peer_of(ops, gathered, i) {
+                        (peer, true) => format!("send to peer rank {peer}"),
+                        (peer, false) => format!("receive from peer rank {peer}"),
                     })
                     .collect();
                 let e = Error::timeout(format!("shm: {} not finished before the deadline", pending.join(", ")));
-                let half_sent = |i: usize| matches!(&ops[i], P2p::Send { data, .. } if sent[i] > 0 && sent[i] < HEADER + data.len());
-                if (0..ops.len()).any(|i| !done[i] && offers[i].is_none() && half_sent(i)) {
+                let half_sent =
+                    |i: usize| matches!(send_of(ops, gathered, i), Some((_, _, out)) if sent[i] > 0 && sent[i] < HEADER + out.len());
+                if (0..done.len()).any(|i| !done[i] && offers[i].is_none() && half_sent(i)) {
                     // Half a frame sits in a ring: the stream cannot be trusted again.
                     return Err(self.fail(e));
                 }
@@ -288,7 +339,7 @@ impl ShmBackend {
             // A peer copying our offered buffer finishes in about a
             // millisecond per 16 MiB: keep spinning for it rather than pay a
             // wake-up (~50 us) at the end of every large send.
-            let reading = (0..ops.len()).any(|i| !done[i] && offers[i].is_some()) || incoming.iter().any(|st| st.awaiting.is_some());
+            let reading = (0..done.len()).any(|i| !done[i] && offers[i].is_some()) || incoming.iter().any(|st| st.awaiting.is_some());
             let idle = now.duration_since(idle_since);
             if idle < PAUSE_SPIN && !self.oversubscribed {
                 // The peer is most likely running on another core and about

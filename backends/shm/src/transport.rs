@@ -16,7 +16,7 @@ use smallvec::SmallVec;
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-use weft::backend::{Backend, Deadline, Op, OpContext, P2p};
+use weft::backend::{Backend, Deadline, GatherSend, Op, OpContext, P2p};
 use weft::{Error, Result, Tensor, TensorMut};
 
 const RUNNING: u32 = 0;
@@ -242,7 +242,11 @@ impl Backend for ShmBackend {
     }
 
     fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
-        self.exchange_p2p(ops, deadline)
+        self.exchange_p2p(ops, &[], deadline)
+    }
+
+    fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
+        self.exchange_p2p(ops, gathered, deadline)
     }
 
     fn abort(&self, reason: &Error) {

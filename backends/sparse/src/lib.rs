@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 use std::time::Instant;
-use weft::backend::{Backend, BackendContext, P2p};
+use weft::backend::{Backend, BackendContext, GatherSend, P2p};
 use weft::registry::{BackendFactory, StaticBackend};
 use weft::{DeviceKind, Error, Layout, Result};
 
@@ -43,6 +43,9 @@ impl Backend for SparseBackend {
     }
     fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
         self.dense.exchange(ops, deadline)
+    }
+    fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
+        self.dense.exchange_gathered(ops, gathered, deadline)
     }
     fn abort(&self, reason: &Error) {
         self.dense.abort(reason)

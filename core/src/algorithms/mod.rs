@@ -29,7 +29,7 @@ pub use linear::exchange_all;
 pub mod sparse;
 mod tree;
 
-use crate::backend::{Backend, Op, OpContext, P2p};
+use crate::backend::{Backend, GatherSend, Op, OpContext, P2p};
 use crate::error::{Error, Result};
 use crate::tensor::{Tensor, TensorMut};
 
@@ -100,6 +100,11 @@ impl<'a> Comm<'a> {
     /// Run a batch of point-to-point ops.
     pub fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()> {
         self.backend.exchange(ops, self.ctx.deadline.get())
+    }
+    /// Run a batch of point-to-point ops plus sends of gathered bytes
+    /// ([`Backend::exchange_gathered`]).
+    pub fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>]) -> Result<()> {
+        self.backend.exchange_gathered(ops, gathered, self.ctx.deadline.get())
     }
     /// Send `data` to `to` and receive `buf` from `from` at once, as step `step`.
     pub fn send_recv(&self, step: u32, to: usize, data: &[u8], from: usize, buf: &mut [u8]) -> Result<()> {

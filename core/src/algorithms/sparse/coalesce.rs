@@ -3,6 +3,7 @@
 //! each, and the merges that combine such runs. Sorting and merging only:
 //! no per-element hashing on the hot path.
 
+use crate::backend::Gather;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kernels::reduce_into;
@@ -162,13 +163,10 @@ impl<'a> Sorted<'a> {
         RunRef { keys: &self.keys[range.clone()], values: Rows::Sorted(self, range.start) }
     }
 
-    /// The rows of entries `range` packed in key order into `out` (as
-    /// long as they are).
-    pub fn pack_into(&self, range: std::ops::Range<usize>, out: &mut [u8]) {
-        debug_assert_eq!(out.len(), range.len() * self.row);
-        for (i, dst) in range.zip(out.chunks_exact_mut(self.row.max(1))) {
-            dst.copy_from_slice(self.row(i));
-        }
+    /// The rows of entries `range` in key order, as a send gathers them
+    /// (from where they lie: no packed copy first).
+    pub fn rows(&self, range: std::ops::Range<usize>) -> SortedRows<'_> {
+        SortedRows { sorted: self, range }
     }
 
     /// The coalesced run: every row copied into key order, into `values`
@@ -180,6 +178,34 @@ impl<'a> Sorted<'a> {
             values.extend_from_slice(self.row(i));
         }
         Run { keys: self.keys, values }
+    }
+}
+
+/// Rows of a [`Sorted`] input's entries in key order ([`Sorted::rows`]).
+pub struct SortedRows<'a> {
+    sorted: &'a Sorted<'a>,
+    range: std::ops::Range<usize>,
+}
+
+impl Gather for SortedRows<'_> {
+    fn len(&self) -> usize {
+        self.range.len() * self.sorted.row
+    }
+
+    fn fill(&self, at: usize, dst: &mut [u8]) {
+        let row = self.sorted.row;
+        if dst.is_empty() {
+            return;
+        }
+        // A piece may start and end inside a row (the ring's free space is
+        // not cut at rows).
+        let (mut entry, mut skip, mut done) = (self.range.start + at / row, at % row, 0);
+        while done < dst.len() {
+            let src = &self.sorted.row(entry)[skip..];
+            let n = src.len().min(dst.len() - done);
+            dst[done..done + n].copy_from_slice(&src[..n]);
+            (entry, skip, done) = (entry + 1, 0, done + n);
+        }
     }
 }
 
@@ -550,6 +576,36 @@ mod tests {
         let want: Vec<i64> = (0..100).rev().map(|k| (big - 1 - k) * big + k * 1000).collect();
         assert_eq!(wide, want);
         assert_eq!(wide_rows, rows.iter().rev().copied().collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn gathered_rows_come_out_packed_in_any_pieces() {
+        use crate::tensor::Tensor;
+        // 40 entries of 3 i32 (12-byte rows), keys repeating every 25 (so
+        // some rows are reduced copies), in shuffled order.
+        let idx: Vec<i64> = (0..40).map(|k| (k * 7) % 25).collect();
+        let vals: Vec<i32> = (0..120).collect();
+        let t = SparseCooTensor::new(
+            Tensor::from_slice(&idx).reshape(&[1, 40]).unwrap(),
+            Tensor::from_slice(&vals).reshape(&[40, 3]).unwrap(),
+            vec![25, 3],
+        )
+        .unwrap();
+        let l = Layout::of(&t).unwrap();
+        let s = sort(&t, &l, ReduceOp::Sum).unwrap();
+        let range = 3..22;
+        let packed: Vec<u8> = range.clone().flat_map(|i| s.row(i).to_vec()).collect();
+        let rows = s.rows(range);
+        assert_eq!(rows.len(), packed.len());
+        // Pieces that start and end inside rows, and across several.
+        for piece in [1, 5, 12, 13, 40, packed.len()] {
+            let mut got = vec![0u8; packed.len()];
+            for (k, dst) in got.chunks_mut(piece).enumerate() {
+                rows.fill(k * piece, dst);
+            }
+            assert_eq!(got, packed, "pieces of {piece} bytes");
+        }
+        assert!(s.rows(5..5).is_empty());
     }
 
     #[test]

@@ -43,7 +43,8 @@ pub fn cheapest(world: usize, nnz: &[usize], union: f64, l: &Layout, step_bytes:
     let merge = |rows: f64| rows * (MERGE * b + MERGE_ROW);
     let log_w = (usize::BITS - world.saturating_sub(1).leading_zeros()) as f64;
     // Copying every row of the input into key order (all but split, which
-    // packs only the rows it sends).
+    // gathers only the rows it sends; over shared memory straight into the
+    // ring, which this still counts as a copy).
     let pack = n * l.row as f64 * COPY;
     // The baseline also copies its own run into the gathered buffers.
     let baseline = (w - 1.0) * n * b + merge(w * n) + 2.0 * (w - 1.0) * step + pack + n * b * COPY;

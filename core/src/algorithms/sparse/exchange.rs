@@ -2,10 +2,10 @@
 //! recursive doubling with a 2-way merge per step, and split (a sparse
 //! reduce-scatter over key ranges, then an all-gather of the shares).
 
-use super::coalesce::{distinct, merge_into, merge_k, recycle, reuse, Layout, Run, RunRef, Sorted};
+use super::coalesce::{distinct, merge_into, merge_k, recycle, reuse, Layout, Run, RunRef, Sorted, SortedRows};
 use crate::algorithms::recursive::Fold;
 use crate::algorithms::{linear, ring, Comm};
-use crate::backend::P2p;
+use crate::backend::{Gather, P2p};
 use crate::error::Result;
 use crate::kernels::Scratch;
 use crate::reduce_op::ReduceOp;
@@ -132,8 +132,9 @@ pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp, 
 /// [bounds[i-1], bounds[i]) (ranges holding equal shares of all ranks'
 /// entries, from the spaced keys). Each rank's sorted input splits into W
 /// slices by binary search; every rank sends each owner its slice (rows
-/// packed from where the caller left them: the only copy a sent row takes
-/// before the wire); owners merge their range, reading their own slice
+/// gathered from where the caller left them as the transport writes them
+/// out, [`SortedRows`]: shared memory's rings take them with no packed
+/// copy first; other transports pack them once); owners merge their range, reading their own slice
 /// where it lies, straight into its place in the result (`reused`, a
 /// finished result's buffer); the reduced shares, disjoint and in key
 /// order, are then all-gathered around it. Traffic follows the union when
@@ -154,29 +155,27 @@ pub fn split(c: &Comm<'_>, input: &Sorted<'_>, l: &Layout, op: ReduceOp, bounds:
     // How many rows each rank sends each owner.
     let counts: Vec<[u8; 8]> = (0..w).map(|i| (slice(i).len() as u64).to_le_bytes()).collect();
     let incoming = exchange_counts(&c.phase_step(0), &counts, l)?;
-    // Every owner's slice: keys as they lie, rows packed (this rank's own
-    // slice is not); received where the merge reads them. The row buffers
-    // come from the scratch pool: no fresh pages on every call.
+    // Every owner's slice: keys as they lie, rows gathered from where they
+    // lie as they go out (a transport that cannot packs them first);
+    // received where the merge reads them. The row buffers come from the
+    // scratch pool: no fresh pages on every call.
     let keys_out: Vec<Vec<u8>> = (0..w).map(|i| if i == r { Vec::new() } else { key_bytes(&input.keys[slice(i)]) }).collect();
-    let sent_at = offsets((0..w).map(|i| if i == r { 0 } else { slice(i).len() * l.row }));
-    let mut packed = Scratch::take(sent_at[w]);
-    let mut sent = ring::split_blocks(&mut packed, &sent_at);
-    for (i, block) in sent.iter_mut().enumerate() {
-        if i != r {
-            input.pack_into(slice(i), block);
-        }
-    }
+    let rows_out: Vec<SortedRows<'_>> = (0..w).map(|i| input.rows(if i == r { 0..0 } else { slice(i) })).collect();
     let got_at = offsets(incoming.iter().map(|n| n * l.row));
     let mut got_rows = Scratch::take(got_at[w]);
     let mut got_keys: Vec<Vec<u8>> = incoming.iter().map(|n| vec![0u8; n * 8]).collect();
     {
         let gv = ring::split_blocks(&mut got_rows, &got_at);
         let gk = got_keys.iter_mut().map(Vec::as_mut_slice).collect();
-        let sends = [keys_out.iter().map(Vec::as_slice).collect(), sent.iter().map(|b| &**b).collect()];
-        linear::exchange_all(&c.phase_step(8).combining(), &sends, &mut [gk, gv])?;
+        let gathered = [rows_out.iter().map(|g| g as &dyn Gather).collect()];
+        linear::exchange_all_gathered(
+            &c.phase_step(8).combining(),
+            &[keys_out.iter().map(Vec::as_slice).collect()],
+            &gathered,
+            &mut [gk, gv],
+        )?;
     }
-    drop(sent);
-    drop((keys_out, packed));
+    drop((keys_out, rows_out));
     let keys: Vec<Vec<i64>> = got_keys.iter().map(|k| keys_of(k)).collect();
     let parts: Vec<RunRef<'_>> = (0..w)
         .map(|src| if src == r { input.slice(slice(r)) } else { RunRef::packed(&keys[src], &got_rows[got_at[src]..got_at[src + 1]]) })

@@ -35,7 +35,7 @@ mod exchange;
 mod radix;
 mod sketch;
 
-pub use coalesce::{merge_k, Rows, Run, RunRef, Sorted};
+pub use coalesce::{merge_k, Rows, Run, RunRef, Sorted, SortedRows};
 
 use super::Comm;
 use crate::error::{Error, Result};
