@@ -208,43 +208,35 @@ impl<B: Bytes> Ring<B> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn wraps_around_and_hands_over_every_byte_in_order() {
+    /// Stream bytes 0..=255 through a 64-byte ring, each write offering at
+    /// most `piece` bytes (`write`: the offered bytes; the count written),
+    /// each read taking at most 17: what comes out.
+    fn stream(piece: usize, mut write: impl FnMut(&Ring, &[u8]) -> usize) -> Vec<u8> {
         let cap = 64;
         let mut mem = vec![0u128; footprint(cap) / 16 + 8];
         let base = mem.as_mut_ptr() as *mut u8;
+        // SAFETY: the offset is under 64, inside the 128 spare bytes.
         let base = unsafe { base.add(base.align_offset(64)) };
         // SAFETY: the buffer above is large enough and 64-byte aligned.
         let ring = unsafe { Ring::at(base, cap) };
         let data: Vec<u8> = (0..=255).collect();
         let (mut sent, mut got) = (0, Vec::new());
         while got.len() < data.len() {
-            sent += ring.write(&data[sent..(sent + 23).min(data.len())]);
+            sent += write(&ring, &data[sent..(sent + piece).min(data.len())]);
             let mut buf = [0u8; 17];
             let n = ring.read(&mut buf);
             got.extend_from_slice(&buf[..n]);
         }
-        assert_eq!(got, data);
+        got
     }
 
     #[test]
-    fn filled_writes_wrap_around_like_copies() {
-        let cap = 64;
-        let mut mem = vec![0u128; footprint(cap) / 16 + 8];
-        let base = mem.as_mut_ptr() as *mut u8;
-        let base = unsafe { base.add(base.align_offset(64)) };
-        // SAFETY: the buffer above is large enough and 64-byte aligned.
-        let ring = unsafe { Ring::at(base, cap) };
-        let data: Vec<u8> = (0..=255).collect();
-        let (mut sent, mut got) = (0, Vec::new());
-        while got.len() < data.len() {
-            let left = (data.len() - sent).min(29);
-            sent += ring.write_with(left, |at, piece| piece.copy_from_slice(&data[sent + at..][..piece.len()]));
-            let mut buf = [0u8; 19];
-            let n = ring.read(&mut buf);
-            got.extend_from_slice(&buf[..n]);
-        }
-        assert_eq!(got, data);
+    fn wraps_around_and_hands_over_every_byte_in_order() {
+        let all: Vec<u8> = (0..=255).collect();
+        assert_eq!(stream(23, |ring, src| ring.write(src)), all);
+        // Filled in place, in the pieces the free space comes in.
+        let filled = stream(29, |ring, src| ring.write_with(src.len(), |at, piece| piece.copy_from_slice(&src[at..][..piece.len()])));
+        assert_eq!(filled, all);
     }
 }
 
