@@ -134,8 +134,9 @@ pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp, 
 /// slices by binary search; every rank sends each owner its slice (rows
 /// gathered from where the caller left them as the transport writes them
 /// out, [`SortedRows`]: shared memory's rings take them with no packed
-/// copy first; other transports pack them once); owners merge their range, reading their own slice
-/// where it lies, straight into its place in the result (`reused`, a
+/// copy first; other transports pack them once); owners merge their
+/// range, reading their own slice where it lies, straight into its place
+/// in the result (`reused`, a
 /// finished result's buffer); the reduced shares, disjoint and in key
 /// order, are then all-gathered around it. Traffic follows the union when
 /// indices overlap, each rank merges only its range, and no row is copied
