@@ -74,9 +74,9 @@ fn send_of<'a>(ops: &'a [P2p<'_>], gathered: &'a [GatherSend<'_>], i: usize) -> 
 
 /// Op `i`'s peer, and whether it is a send.
 fn peer_of(ops: &[P2p<'_>], gathered: &[GatherSend<'_>], i: usize) -> (usize, bool) {
-    match ops.get(i) {
-        Some(op) => (op.peer(), matches!(op, P2p::Send { .. })),
-        None => (gathered[i - ops.len()].peer, true),
+    match send_of(ops, gathered, i) {
+        Some((peer, ..)) => (peer, true),
+        None => (ops[i].peer(), false),
     }
 }
 
@@ -168,8 +168,7 @@ impl ShmBackend {
         first: bool,
         receiving: bool,
     ) -> ([u8; HEADER + cma::DESCRIPTOR], usize) {
-        let mut p = [0u8; HEADER + cma::DESCRIPTOR];
-        p[..8].copy_from_slice(&tag.to_le_bytes());
+        let (mut p, plain) = plain_header(tag, data.len());
         // Until a byte is in the ring (a full ring takes none), the offer is
         // decided afresh.
         if first {
@@ -202,7 +201,7 @@ impl ShmBackend {
                 p[16..].copy_from_slice(&o.encode());
                 (p, HEADER + cma::DESCRIPTOR)
             }
-            None => plain_header(tag, data.len()),
+            None => (p, plain),
         }
     }
 

@@ -195,7 +195,7 @@ impl Gather for SortedRows<'_> {
     fn fill(&self, at: usize, dst: &mut [u8]) {
         let row = self.sorted.row;
         if dst.is_empty() {
-            return;
+            return; // (rows of 0 bytes: nothing to divide by)
         }
         // A piece may start and end inside a row (the ring's free space is
         // not cut at rows).
