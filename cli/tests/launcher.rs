@@ -208,3 +208,21 @@ fn bench_sparse_all_reduce_runs_every_algorithm_and_checks_them() {
     assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("recursive_doubling") && text.contains("30.00%") && text.contains("# total wrong: 0"), "{text}");
 }
+
+/// A bad flag is one clear error before any rank starts (not one per
+/// rank); a collective given to the reduce op's flag says where it goes.
+#[test]
+fn bench_rejects_bad_flags_before_starting_ranks() {
+    for (args, says) in [
+        (&["--op", "sparse_all_reduce"][..], "for the op sparse_all_reduce use --ops sparse_all_reduce"),
+        (&["--ops", "all_reduse"][..], "unknown op \"all_reduse\""),
+        (&["-o", "band", "-d", "f32"][..], "band"),
+        (&["-b", "4K", "-e", "1K"][..], "minbytes <= maxbytes"),
+    ] {
+        let out = Command::new(WEFT).args(["bench", "--world", "2"]).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert_eq!(err.matches(says).count(), 1, "{args:?}: wanted {says:?} once in:\n{err}");
+        assert!(!err.contains("rank"), "{args:?}: a rank was started:\n{err}");
+    }
+}

@@ -116,6 +116,8 @@ fn parse_size(s: &str) -> Result<usize> {
 }
 
 pub fn main(args: BenchArgs) -> Result<i32> {
+    // A bad flag fails here, once, before any rank starts.
+    plan(&args)?;
     if std::env::var("RANK").is_err() && std::env::var("SLURM_PROCID").is_err() && std::env::var("OMPI_COMM_WORLD_RANK").is_err() {
         // Stand-alone: start a local world running this same command.
         return launcher::relaunch_local(args.world, std::env::args().skip(1).collect(), None);
@@ -123,15 +125,33 @@ pub fn main(args: BenchArgs) -> Result<i32> {
     run_rank(&args)
 }
 
-fn run_rank(a: &BenchArgs) -> Result<i32> {
+/// What the flags ask for, checked.
+struct Plan {
+    dtype: DType,
+    redop: ReduceOp,
+    /// Message sizes in bytes per rank.
+    sizes: Vec<usize>,
+    /// The dense ops, in the order given.
+    ops: Vec<&'static str>,
+    /// Whether `sparse_all_reduce` was asked for (its own table).
+    sparse: bool,
+}
+
+fn plan(a: &BenchArgs) -> Result<Plan> {
     let dtype: DType = a.dtype.parse()?;
-    let redop: ReduceOp = a.redop.parse()?;
+    let redop: ReduceOp = a.redop.parse().map_err(|e: weft::Error| {
+        // nccl-tests' -o/--op is the reduce op; a collective named there
+        // belongs in --ops.
+        let collective = a.redop == "sparse_all_reduce" || ops::ALL.contains(&a.redop.as_str());
+        let hint = if collective { format!(" (-o/--op is the reduce op; for the op {0} use --ops {0})", a.redop) } else { String::new() };
+        anyhow::anyhow!("{e}{hint}")
+    })?;
     redop.check(dtype)?;
     let (min, max) = (parse_size(&a.minbytes)?, parse_size(&a.maxbytes)?);
     if a.factor < 2 || min == 0 || min > max {
         bail!("need 0 < minbytes <= maxbytes and stepfactor >= 2");
     }
-    let want_sparse = a.ops.split(',').any(|o| o.trim() == "sparse_all_reduce");
+    let sparse = a.ops.split(',').any(|o| o.trim() == "sparse_all_reduce");
     let ops: Vec<&'static str> = if a.ops == "all" {
         ops::ALL.to_vec()
     } else {
@@ -149,6 +169,11 @@ fn run_rank(a: &BenchArgs) -> Result<i32> {
             .collect::<Result<_>>()?
     };
     let sizes: Vec<usize> = std::iter::successors(Some(min), |s| s.checked_mul(a.factor)).take_while(|s| *s <= max).collect();
+    Ok(Plan { dtype, redop, sizes, ops, sparse })
+}
+
+fn run_rank(a: &BenchArgs) -> Result<i32> {
+    let Plan { dtype, redop, sizes, ops, sparse: want_sparse } = plan(a)?;
 
     let mut opts = GroupOptions::from_env()?.backend(a.backend.as_str());
     for h in &a.hints {
