@@ -26,7 +26,7 @@ pub struct Event(pub u64);
 
 /// The GPU calls weft's CUDA backends make; every call is asynchronous on a
 /// stream unless it says otherwise. Implementations: the CUDA driver and a
-/// host-memory emulation ([`crate::gpu`] picks one per process).
+/// host-memory emulation ([`crate::gpu()`] picks one per process).
 ///
 /// The copy and kernel calls are `unsafe`: the caller guarantees the
 /// addresses are valid for the given lengths until the stream reaches them.

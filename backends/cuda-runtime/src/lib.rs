@@ -2,7 +2,7 @@
 //! implemented by the CUDA driver ([`driver`]) and by a host-memory
 //! emulation ([`emulated`]) that CPU-only CI runs everything against.
 //!
-//! [`gpu`] picks one per process: the emulation when
+//! [`gpu()`] picks one per process: the emulation when
 //! `WEFT_CUDA_EMULATION=N` (N devices) is set, otherwise the CUDA driver if
 //! it is present and has a device. Nothing here panics when CUDA is missing:
 //! the probe says why it is unavailable.

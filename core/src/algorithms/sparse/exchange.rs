@@ -129,7 +129,7 @@ pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp, 
 }
 
 /// Sparse reduce-scatter + all-gather over key ranges: rank i owns keys in
-/// [bounds[i-1], bounds[i]) (ranges holding equal shares of all ranks'
+/// `[bounds[i-1], bounds[i])` (ranges holding equal shares of all ranks'
 /// entries, from the spaced keys). Each rank's sorted input splits into W
 /// slices by binary search; every rank sends each owner its slice (rows
 /// gathered from where the caller left them as the transport writes them
