@@ -86,7 +86,7 @@ pub fn all_reduce(c: &Comm<'_>, input: &SparseCooTensor<'_>, output: &mut Sparse
         "recursive_doubling" => {
             exchange::recursive_doubling(&c.phase(1).combining(), sorted.into_run(reused), &layout, op, coalesce::spare())?
         }
-        "split" => exchange::split(&c.phase(1), &sorted, &layout, op, &sketch::balanced_bounds(plan.spaced, c.size()), reused)?,
+        "split" => exchange::split(&c.phase(1), &sorted, &layout, op, &sketch::balanced_bounds(plan.spaced(), c.size()), reused)?,
         _ => dense::all_reduce(&c.phase(1), &sorted, &layout, op, reused)?,
     };
     let mut out = coalesce::to_coo(result, &layout, reused_indices);
@@ -101,9 +101,23 @@ struct Plan {
     nnz: Vec<usize>,
     /// The estimated number of distinct keys over all ranks (`auto` only).
     union: f64,
-    /// Every rank's spaced keys with their weights (`sketch::weighted`;
-    /// `auto` and `split` only).
-    spaced: Vec<(i64, u64)>,
+    /// Every rank's header words (see [`agree`]).
+    heads: Vec<Vec<i64>>,
+    /// Where the spaced keys lie in a header, and how many.
+    spaced_at: usize,
+    spaced_k: usize,
+}
+
+impl Plan {
+    /// Every rank's spaced keys with their weights (`sketch::weighted`; sent
+    /// for `auto` and `split` only), in rank order; read only where `split`
+    /// runs.
+    fn spaced(&self) -> impl Iterator<Item = (i64, u64)> + '_ {
+        self.heads
+            .iter()
+            .zip(&self.nnz)
+            .flat_map(|(h, n)| sketch::weighted(h[self.spaced_at..][..self.spaced_k].iter().copied(), *n, self.spaced_k))
+    }
 }
 
 /// All-gather every rank's header, sketch part and spaced keys (each only
@@ -116,43 +130,43 @@ fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64], op_code: usize, requested: usiz
     // Header; sketch: threshold, key count, keys; spaced keys.
     let (sketch_at, spaced_at) = (HEADER, HEADER + 2 + k);
     let words = spaced_at + spaced_k;
-    let mut mine = vec![0u64; words];
-    mine[0] = l.dtype as u64;
-    mine[1] = l.sparse_dims as u64;
-    mine[2] = l.shape.len() as u64;
-    mine[3] = keys.len() as u64;
-    mine[4] = op_code as u64;
-    mine[5] = requested as u64;
+    // Header words are i64 (keys are; the counts and codes fit).
+    let mut mine = vec![0i64; words];
+    mine[0] = l.dtype as i64;
+    mine[1] = l.sparse_dims as i64;
+    mine[2] = l.shape.len() as i64;
+    mine[3] = keys.len() as i64;
+    mine[4] = op_code as i64;
+    mine[5] = requested as i64;
     for (i, d) in l.shape.iter().enumerate() {
-        mine[DIMS + i] = *d as u64;
+        mine[DIMS + i] = *d as i64;
     }
     if auto {
         let (threshold, sample) = sketch::local(keys, k);
-        mine[sketch_at] = threshold;
-        mine[sketch_at + 1] = sample.len() as u64;
-        for (i, key) in sample.into_iter().enumerate() {
-            mine[sketch_at + 2 + i] = key as u64;
-        }
+        mine[sketch_at] = threshold as i64;
+        mine[sketch_at + 1] = sample.len() as i64;
+        mine[sketch_at + 2..][..sample.len()].copy_from_slice(&sample);
     }
     if auto || split {
-        for (i, key) in sketch::spaced(keys, spaced_k).into_iter().enumerate() {
-            mine[spaced_at + i] = key as u64;
-        }
+        sketch::spaced_into(keys, &mut mine[spaced_at..]);
     }
-    let bytes: Vec<u8> = mine.iter().flat_map(|x| x.to_le_bytes()).collect();
-    let mut all = vec![vec![0u8; words * 8]; w];
+    let mut bytes = vec![0u8; words * 8];
+    for (b, x) in bytes.chunks_exact_mut(8).zip(&mine) {
+        b.copy_from_slice(&x.to_le_bytes());
+    }
+    let mut all = vec![0u8; w * words * 8];
     {
-        let mut outs: Vec<&mut [u8]> = all.iter_mut().map(|v| &mut v[..]).collect();
+        let mut outs: Vec<&mut [u8]> = all.chunks_mut(words * 8).collect();
         super::ring::all_gather(c, &bytes, &mut outs)?;
     }
-    let heads: Vec<Vec<u64>> =
-        all.iter().map(|b| b.chunks(8).map(|x| u64::from_le_bytes(x.try_into().expect("8 bytes"))).collect()).collect();
-    let describe = |h: &[u64]| {
-        let dims: Vec<u64> = h[DIMS..DIMS + (h[2] as usize).min(MAX_DIMS)].to_vec();
+    let words_of = |b: &[u8]| b.chunks_exact(8).map(|x| i64::from_le_bytes(x.try_into().expect("8 bytes"))).collect::<Vec<i64>>();
+    let heads: Vec<Vec<i64>> = all.chunks(words * 8).map(words_of).collect();
+    let describe = |h: &[i64]| {
+        let dims = &h[DIMS..DIMS + (h[2] as usize).min(MAX_DIMS)];
         let dtype = crate::DType::from_code(h[0] as u8).map(|d| d.name()).unwrap_or("?");
         format!("shape {dims:?} with {} sparse dims, {dtype}", h[1])
     };
-    let key = |h: &[u64]| (h[0], h[1], h[2], h[DIMS..HEADER].to_vec());
+    let key = |h: &[i64]| (h[0], h[1], h[2], h[DIMS..HEADER].to_vec());
     if let Some(r) = (0..w).find(|r| key(&heads[*r]) != key(&heads[0])) {
         return Err(Error::invalid(format!(
             "sparse tensors differ between ranks: rank 0 has {}, rank {r} has {}",
@@ -162,7 +176,7 @@ fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64], op_code: usize, requested: usiz
     }
     // The same call everywhere: one op and one algorithm (an unknown one
     // on every rank fails in the caller, naming it).
-    let call = |h: &[u64]| {
+    let call = |h: &[i64]| {
         let op = OPS.get(h[4] as usize).map_or("?", |o| o.name());
         format!("op {op} and sparse_algorithm={}", ALGORITHMS.get(h[5] as usize).unwrap_or(&"(unknown)"))
     };
@@ -173,27 +187,16 @@ fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64], op_code: usize, requested: usiz
             call(&heads[r])
         )));
     }
-    let nnz: Vec<usize> = heads.iter().enumerate().map(|(r, h)| l.entries(h[3], r)).collect::<Result<_>>()?;
+    let nnz: Vec<usize> = heads.iter().enumerate().map(|(r, h)| l.entries(h[3] as u64, r)).collect::<Result<_>>()?;
     let union = if auto {
-        let samples: Vec<Vec<i64>> = heads
-            .iter()
-            .map(|h| h[sketch_at + 2..][..(h[sketch_at + 1] as usize).min(k)].iter().map(|key| *key as i64).collect())
-            .collect();
-        let parts: Vec<(u64, &[i64])> = heads.iter().zip(&samples).map(|(h, keys)| (h[sketch_at], &keys[..])).collect();
+        // Each rank's sample, where it lies in its header.
+        let parts: Vec<(u64, &[i64])> =
+            heads.iter().map(|h| (h[sketch_at] as u64, &h[sketch_at + 2..][..(h[sketch_at + 1] as usize).min(k)])).collect();
         sketch::union_size(&parts, nnz.iter().sum())
     } else {
         0.0
     };
-    let spaced = if auto || split {
-        heads
-            .iter()
-            .zip(&nnz)
-            .flat_map(|(h, n)| sketch::weighted(h[spaced_at..][..spaced_k].iter().map(|key| *key as i64), *n, spaced_k))
-            .collect()
-    } else {
-        Vec::new()
-    };
-    Ok(Plan { union, nnz, spaced })
+    Ok(Plan { nnz, union, heads, spaced_at, spaced_k })
 }
 
 #[cfg(test)]

@@ -71,12 +71,16 @@ pub fn local(keys: &[i64], k: usize) -> (u64, Vec<i64>) {
 /// the sample's size alone says (about 1/sqrt(k) off).
 pub fn union_size(parts: &[(u64, &[i64])], entries: usize) -> f64 {
     let threshold = parts.iter().map(|p| p.0).min().unwrap_or(u64::MAX);
-    // Every key lies below the highest threshold: no hashing there.
+    // A part whose own threshold is the lowest lies below it whole: no
+    // hashing there (every part, where all thresholds are alike).
     let below: Vec<Cow<'_, [i64]>> = parts
         .iter()
-        .map(|(_, keys)| match threshold {
-            u64::MAX => Cow::Borrowed(*keys),
-            _ => Cow::Owned(keys.iter().copied().filter(|key| hash(*key) <= threshold).collect()),
+        .map(|(own, keys)| {
+            if *own == threshold {
+                Cow::Borrowed(*keys)
+            } else {
+                Cow::Owned(keys.iter().copied().filter(|key| hash(*key) <= threshold).collect())
+            }
         })
         .collect();
     let runs: Vec<RunRef<'_>> = below.iter().map(|keys| RunRef::packed(keys, &[])).collect();
@@ -92,17 +96,20 @@ pub fn union_size(parts: &[(u64, &[i64])], entries: usize) -> f64 {
     }
 }
 
-/// This rank's spaced keys: `keys` (sorted, distinct) cut into up to `k`
-/// blocks of equal length, the first key of each; padded with 0. What each
-/// stands for follows from the rank's key count ([`weighted`]), which every
-/// rank knows from the header: the spaced keys travel alone.
-pub fn spaced(keys: &[i64], k: usize) -> Vec<i64> {
-    let mut out: Vec<i64> = blocks(keys.len(), k).map(|(start, _)| keys[start]).collect();
-    out.resize(k, 0);
-    out
+/// This rank's spaced keys, into `out` (its length is how many): `keys`
+/// (sorted, distinct) cut into up to that many blocks of equal length,
+/// the first key of each; the rest of `out` is 0. What each stands for
+/// follows from the rank's key count ([`weighted`]), which every rank
+/// knows from the header: the spaced keys travel alone.
+pub fn spaced_into(keys: &[i64], out: &mut [i64]) {
+    out.fill(0);
+    let k = out.len();
+    for (o, (start, _)) in out.iter_mut().zip(blocks(keys.len(), k)) {
+        *o = keys[start];
+    }
 }
 
-/// A rank's [`spaced`] keys (`k` of them, for its `n` keys), each with the
+/// A rank's [`spaced_into`] keys (`k` of them, for its `n` keys), each with the
 /// length of its block; padding left out.
 pub fn weighted(spaced: impl IntoIterator<Item = i64>, n: usize, k: usize) -> impl Iterator<Item = (i64, u64)> {
     spaced.into_iter().zip(blocks(n, k)).map(|(key, (_, len))| (key, len as u64))
@@ -130,14 +137,17 @@ fn blocks(n: usize, k: usize) -> impl Iterator<Item = (usize, usize)> {
 
 /// W-1 non-decreasing key bounds splitting all ranks' entries (every
 /// rank's [`weighted`] spaced keys together) into W ranges of about equal
-/// size: rank i owns keys k with bounds[i-1] <= k < bounds[i]. Balancing entries
+/// size: rank i owns keys k with `bounds[i-1] <= k < bounds[i]`. Balancing entries
 /// rather than distinct keys balances the owners' work: an owner merges
 /// every entry in its range and receives the rest of the union, so its
 /// share of distinct keys evens out. (Where popular keys cluster, a range
 /// with an equal share of the union would hold most of the entries.)
 pub fn balanced_bounds(parts: impl IntoIterator<Item = (i64, u64)>, world: usize) -> Vec<i64> {
     let mut samples: Vec<(i64, u64)> = parts.into_iter().filter(|(_, weight)| *weight > 0).collect();
-    samples.sort_unstable();
+    // The samples come as W sorted runs (one per rank), which the stable
+    // sort finds and merges: 128 samples at W=2 took 1.2 us against 1.9
+    // for the unstable sort.
+    samples.sort();
     let total: u128 = samples.iter().map(|(_, weight)| u128::from(*weight)).sum();
     // `before`: the entries of the samples before the j-th (about those with
     // a smaller key: samples of equal keys, from different ranks, are taken
@@ -163,6 +173,13 @@ pub fn balanced_bounds(parts: impl IntoIterator<Item = (i64, u64)>, world: usize
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `keys`' `k` spaced keys ([`spaced_into`]).
+    fn spaced(keys: &[i64], k: usize) -> Vec<i64> {
+        let mut out = vec![7; k];
+        spaced_into(keys, &mut out);
+        out
+    }
 
     /// Which rank owns `key` under `bounds`.
     fn owner(bounds: &[i64], key: i64) -> usize {
