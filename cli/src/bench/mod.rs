@@ -117,12 +117,12 @@ fn parse_size(s: &str) -> Result<usize> {
 
 pub fn main(args: BenchArgs) -> Result<i32> {
     // A bad flag fails here, once, before any rank starts.
-    plan(&args)?;
+    let checked = plan(&args)?;
     if std::env::var("RANK").is_err() && std::env::var("SLURM_PROCID").is_err() && std::env::var("OMPI_COMM_WORLD_RANK").is_err() {
         // Stand-alone: start a local world running this same command.
         return launcher::relaunch_local(args.world, std::env::args().skip(1).collect(), None);
     }
-    run_rank(&args)
+    run_rank(&args, checked)
 }
 
 /// What the flags ask for, checked.
@@ -172,8 +172,8 @@ fn plan(a: &BenchArgs) -> Result<Plan> {
     Ok(Plan { dtype, redop, sizes, ops, sparse })
 }
 
-fn run_rank(a: &BenchArgs) -> Result<i32> {
-    let Plan { dtype, redop, sizes, ops, sparse: want_sparse } = plan(a)?;
+fn run_rank(a: &BenchArgs, plan: Plan) -> Result<i32> {
+    let Plan { dtype, redop, sizes, ops, sparse: want_sparse } = plan;
 
     let mut opts = GroupOptions::from_env()?.backend(a.backend.as_str());
     for h in &a.hints {
