@@ -32,9 +32,7 @@ pub fn host_id() -> String {
 /// (each asks in its own store namespace).
 pub fn check(who: &str, store: &dyn Store, rank: usize, size: usize, timeout: Duration) -> Result<()> {
     let me = host_id();
-    store.set(&format!("host/{rank}"), me.as_bytes())?;
-    for r in 0..size {
-        let other = store.get(&format!("host/{r}"), timeout)?;
+    for (r, other) in crate::store::all_gather(store, "host", rank, size, timeout, me.as_bytes())?.into_iter().enumerate() {
         if other != me.as_bytes() {
             return Err(Error::unsupported(format!(
                 "{who} needs every rank on one host: rank {rank} is on {me}, rank {r} on {}",

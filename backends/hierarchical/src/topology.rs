@@ -15,11 +15,10 @@ pub struct Topology {
 impl Topology {
     /// Collective: every rank of the group calls it.
     pub fn discover(ctx: &BackendContext) -> Result<Topology> {
-        ctx.store.set(&format!("host/{}", ctx.rank), weft::locality::host_id().as_bytes())?;
+        let all = weft::store::all_gather(&*ctx.store, "host", ctx.rank, ctx.size, ctx.timeout, weft::locality::host_id().as_bytes())?;
         let mut ids: Vec<Vec<u8>> = Vec::new();
         let mut hosts: Vec<Vec<usize>> = Vec::new();
-        for r in 0..ctx.size {
-            let id = ctx.store.get(&format!("host/{r}"), ctx.timeout)?;
+        for (r, id) in all.into_iter().enumerate() {
             match ids.iter().position(|h| *h == id) {
                 Some(i) => hosts[i].push(r),
                 None => {

@@ -125,11 +125,10 @@ impl Policy {
 /// measured) and return the mean over the ranks that have one (the same
 /// bits on every rank: the same numbers, added in rank order).
 fn group_cost(store: &dyn Store, rank: usize, size: usize, timeout: Duration, mine: Option<f64>) -> Result<Option<f64>> {
-    store.set(&format!("cma_cost/{rank}"), mine.map_or_else(|| "-".to_string(), |r| r.to_string()).as_bytes())?;
+    let mine = mine.map_or_else(|| "-".to_string(), |r| r.to_string());
     let mut costs = Vec::with_capacity(size);
-    for r in 0..size {
-        let raw = store.get(&format!("cma_cost/{r}"), timeout)?;
-        let text = String::from_utf8_lossy(&raw);
+    for (r, raw) in weft::store::all_gather(store, "cma_cost", rank, size, timeout, mine.as_bytes())?.iter().enumerate() {
+        let text = String::from_utf8_lossy(raw);
         if text == "-" {
             continue;
         }

@@ -48,14 +48,13 @@ fn capacity(all: &[(Vec<usize>, Option<usize>)]) -> usize {
 /// Collective over the group's store: whether its `size` ranks outnumber
 /// the cores they share.
 pub fn oversubscribed(store: &dyn Store, rank: usize, size: usize, timeout: Duration) -> Result<bool> {
-    store.set(&format!("cpus/{rank}"), encode(&local()).as_bytes())?;
-    let mut all = Vec::with_capacity(size);
-    for r in 0..size {
-        let raw = store.get(&format!("cpus/{r}"), timeout)?;
-        all.push(
-            decode(&String::from_utf8_lossy(&raw)).ok_or_else(|| Error::backend(format!("shm: rank {r} published a malformed CPU set")))?,
-        );
-    }
+    let all = weft::store::all_gather(store, "cpus", rank, size, timeout, encode(&local()).as_bytes())?
+        .iter()
+        .enumerate()
+        .map(|(r, raw)| {
+            decode(&String::from_utf8_lossy(raw)).ok_or_else(|| Error::backend(format!("shm: rank {r} published a malformed CPU set")))
+        })
+        .collect::<Result<Vec<_>>>()?;
     Ok(size > capacity(&all))
 }
 

@@ -41,6 +41,13 @@ pub fn all_or_none<T>(store: &dyn Store, key: &str, rank: usize, size: usize, ti
     made
 }
 
+/// A collective over the store: publish `mine` under `key/RANK`, then read
+/// every rank's (in rank order, this rank's included), each within `timeout`.
+pub fn all_gather(store: &dyn Store, key: &str, rank: usize, size: usize, timeout: Duration, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+    store.set(&format!("{key}/{rank}"), mine)?;
+    (0..size).map(|r| store.get(&format!("{key}/{r}"), timeout)).collect()
+}
+
 /// A key-value store shared by the ranks of a job.
 ///
 /// Values are bytes; `add` keeps its counter as a decimal string, so `get`
