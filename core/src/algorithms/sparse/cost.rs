@@ -3,7 +3,7 @@
 //! sketch's estimate of the union). Cost counts the bytes each rank
 //! receives, a quarter of the bytes its merges read plus a price per
 //! merged row, half of the bytes it copies locally, and a price per
-//! message step (the transport's: a few µs through shared memory, tens
+//! message (the transport's step: a few µs through shared memory, tens
 //! over sockets); the dense path pays its ring traffic and passes over the
 //! dense table (fill, reduce, compact). The weights were fitted to
 //! `weft bench --ops sparse_all_reduce` at W = 2 and 4; another algorithm
@@ -23,7 +23,7 @@ const COPY: f64 = 0.5;
 /// How much cheaper than the baseline an estimate must be to replace it.
 const MARGIN: f64 = 1.1;
 
-/// The cheapest algorithm's name, where one message step costs as much as
+/// The cheapest algorithm's name, where one message costs as much as
 /// receiving `step_bytes` (the transport's [`Backend::step_bytes`]).
 ///
 /// [`Backend::step_bytes`]: crate::backend::Backend::step_bytes
@@ -62,8 +62,12 @@ pub fn cheapest(world: usize, nnz: &[usize], union: f64, l: &Layout, step_bytes:
                 + pack,
         ),
         // Each owner receives its range from the others and merges it; the
-        // reduced union is all-gathered. Four steps, each with every peer.
-        ("split", (w - 1.0) / w * (n + u) * b + merge(n) + 4.0 * step + (w - 1.0) / w * pack),
+        // reduced union is all-gathered. Four rounds, each with every peer:
+        // a message to each is a step's price (as the ring's and recursive
+        // doubling's one message a step are). Priced as one step a round,
+        // `auto` took split for 100-row tensors at W=4, where it measured
+        // 1.2-1.7 x recursive doubling's time (shm and sockets).
+        ("split", (w - 1.0) / w * (n + u) * b + merge(n) + 4.0 * (w - 1.0) * step + (w - 1.0) / w * pack),
         // A dense ring all-reduce (and its mask), plus passes over the table.
         ("dense", {
             let table = l.rows as f64 * (l.row + 1) as f64;
@@ -92,9 +96,19 @@ mod tests {
     #[test]
     fn choices_follow_overlap_and_density() {
         let l = table(100_000);
-        // Tiny tensors: the fewest steps (four either way at W=4), never the
-        // baseline's six.
-        assert!(matches!(cheapest(4, &[10; 4], 30.0, &l, SOCKET), "recursive_doubling" | "split"));
+        // Tiny tensors: the fewest messages (recursive doubling's four at
+        // W=4), not the baseline's six nor split's twelve; measured at 100
+        // rows, W=4: recursive doubling 120-134 us, split 148-170, the
+        // baseline 156-167 (shm); 374-387, 654-655, 431-457 (sockets).
+        for (n, union, step) in [(100, 118.0, SHM), (100, 324.0, SHM), (100, 118.0, SOCKET), (100, 324.0, SOCKET), (10, 30.0, SOCKET)] {
+            assert_eq!(cheapest(4, &[n; 4], union, &l, step), "recursive_doubling", "{n} rows, union {union}, step {step}");
+        }
+        // From 1,000 rows split's traffic wins through shm (558-795 us
+        // against 834-1063 for recursive doubling), and from 2,000 over
+        // sockets (1816-2308 against 1797-2608).
+        assert_eq!(cheapest(4, &[1000; 4], 1179.0, &l, SHM), "split");
+        assert_eq!(cheapest(4, &[1000; 4], 3029.0, &l, SHM), "split");
+        assert_eq!(cheapest(4, &[2000; 4], 5848.0, &l, SOCKET), "split");
         // Indices overlapping heavily: the union is barely larger than one rank's.
         assert_eq!(cheapest(4, &[10_000; 4], 11_000.0, &l, SOCKET), "split");
         // Nearly the whole table on every rank: with wide rows, moving keys

@@ -26,7 +26,7 @@
 //!
 //! `auto` takes the least estimated cost (`cost.rs`): bytes received and
 //! merged per rank, from every nnz and the sketch's union estimate, plus a
-//! price per message step.
+//! price per message.
 
 mod coalesce;
 mod cost;
