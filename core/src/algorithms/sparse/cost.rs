@@ -66,7 +66,7 @@ pub fn cheapest(world: usize, nnz: &[usize], union: f64, l: &Layout, step_bytes:
         // a message to each is a step's price (as the ring's and recursive
         // doubling's one message a step are). Priced as one step a round,
         // `auto` took split for 100-row tensors at W=4, where it measured
-        // 1.2-1.7 x recursive doubling's time (shm and sockets).
+        // 1.2-1.75 x recursive doubling's time (shm and sockets).
         ("split", (w - 1.0) / w * (n + u) * b + merge(n) + 4.0 * (w - 1.0) * step + (w - 1.0) / w * pack),
         // A dense ring all-reduce (and its mask), plus passes over the table.
         ("dense", {
@@ -103,9 +103,9 @@ mod tests {
         for (n, union, step) in [(100, 118.0, SHM), (100, 324.0, SHM), (100, 118.0, SOCKET), (100, 324.0, SOCKET), (10, 30.0, SOCKET)] {
             assert_eq!(cheapest(4, &[n; 4], union, &l, step), "recursive_doubling", "{n} rows, union {union}, step {step}");
         }
-        // From 1,000 rows split's traffic wins through shm (558-795 us
-        // against 834-1063 for recursive doubling), and from 2,000 over
-        // sockets (1816-2308 against 1797-2608).
+        // From 1,000 rows split's traffic wins through shm (0.61-0.75 x
+        // recursive doubling's time over five runs), and from 2,000 over
+        // sockets where the union is three ranks' worth (0.88-0.98 x).
         assert_eq!(cheapest(4, &[1000; 4], 1179.0, &l, SHM), "split");
         assert_eq!(cheapest(4, &[1000; 4], 3029.0, &l, SHM), "split");
         assert_eq!(cheapest(4, &[2000; 4], 5848.0, &l, SOCKET), "split");
