@@ -62,7 +62,7 @@ def run_copy(a, size, weft):
 
 
 def run_gloo(a, size, out, weft):
-    ops = ",".join(o for o in a.ops.split(",") if o not in ("reduce_scatter", "scatter", "gather", "all_to_all_v"))
+    ops = ",".join(o for o in a.ops.split(",") if o not in ("reduce_scatter", "scatter", "gather", "all_to_all_v", "sendrecv"))
     with tempfile.TemporaryDirectory() as store:
         env = dict(os.environ, GLOO_STORE_DIR=store)
         text = sh([weft, "run", "-n", str(a.world), "--no-prefix", "--timeout", "600", "--",
@@ -89,7 +89,7 @@ def main():
     # so 3 warm-ups measured whichever tool the machine had just warmed up.
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--backend", default="cpu-tcp")
-    p.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,p2p,barrier")
+    p.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,p2p,sendrecv,barrier")
     p.add_argument("--sizes", default="8,1048576,67108864")
     p.add_argument("--out", default=os.path.join(ROOT, "target", "compare"))
     a = p.parse_args()

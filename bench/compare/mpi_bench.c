@@ -52,6 +52,11 @@ static void p2p(size_t n, size_t p) { /* chain 0 -> 1 -> ... -> W-1 */
     if (rank > 0) MPI_Recv(A, (int)n, MPI_FLOAT, rank - 1, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
     if (rank + 1 < size) MPI_Send(A, (int)n, MPI_FLOAT, rank + 1, 0, MPI_COMM_WORLD);
 }
+static void sendrecv(size_t n, size_t p) { /* each rank to r+1, from r-1, at once */
+    (void)p;
+    MPI_Sendrecv(A, (int)n, MPI_FLOAT, (rank + 1) % size, 0, B, (int)n, MPI_FLOAT, (rank + size - 1) % size, 0, MPI_COMM_WORLD,
+                 MPI_STATUS_IGNORE);
+}
 static void barrier(size_t n, size_t p) { (void)n; (void)p; MPI_Barrier(MPI_COMM_WORLD); }
 
 int main(int argc, char **argv) {
@@ -70,6 +75,7 @@ int main(int argc, char **argv) {
     struct { const char *name; op_fn f; int full; } table[] = {
         {"all_reduce", all_reduce, 0}, {"all_gather", all_gather, 1}, {"reduce_scatter", reduce_scatter, 1},
         {"all_to_all", all_to_all, 1}, {"broadcast", broadcast, 0}, {"reduce", reduce, 0}, {"p2p", p2p, 0},
+        {"sendrecv", sendrecv, 0},
     };
     for (size_t bytes = minb; bytes <= maxb; bytes *= factor) {
         size_t n = bytes / 4 ? bytes / 4 : 1;

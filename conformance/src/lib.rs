@@ -5,7 +5,9 @@
 //! returns one [`Check`] per case, so a backend author can see exactly what
 //! fails: `weft conformance --backend NAME_OR_PATH -n 4` prints them as a
 //! table, and weft's own tests run it on every backend. [`run_on`] runs the
-//! same cases on device memory ([`cuda::placement`]).
+//! same cases on device memory ([`cuda::placement`]). [`run_p2p`] adds
+//! the point-to-point patterns that need sends and receives to progress
+//! together (long messages in a ring, batches, sendrecv).
 
 #![warn(missing_docs)]
 
@@ -17,4 +19,4 @@ mod suite;
 
 pub use buf::{assert_close, Buf};
 pub use placement::{Placement, SharedPlacement};
-pub use suite::{run, run_on, summary, Check};
+pub use suite::{run, run_on, run_p2p, summary, Check};

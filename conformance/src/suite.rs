@@ -218,6 +218,66 @@ fn cases(pg: &ProcessGroup, n: usize, placement: Option<SharedPlacement>) -> Vec
     t.checks
 }
 
+/// Message sizes of [`run_p2p`]'s ring exchange and their case names:
+/// around cpu-tcp's 1 MiB rendezvous threshold, and well past it.
+const RING: [(usize, &str); 5] = [
+    (0, "p2p ring in a scope, 0 B"),
+    (1, "p2p ring in a scope, 1 B"),
+    ((1 << 20) - 1, "p2p ring in a scope, 1 MiB - 1"),
+    ((1 << 20) + 1, "p2p ring in a scope, 1 MiB + 1"),
+    (16 << 20, "p2p ring in a scope, 16 MiB"),
+];
+
+/// Point-to-point patterns that complete only if sends and receives
+/// progress together: a ring exchange in a scope (every rank sends to its
+/// right, then receives from its left) at sizes up to `max_bytes`, the same
+/// with receives first as one batch, and `sendrecv`. Needs two ranks or more.
+pub fn run_p2p(pg: &ProcessGroup, placement: Option<SharedPlacement>, max_bytes: usize) -> Vec<Check> {
+    let (r, w) = (pg.rank(), pg.size());
+    let (right, left) = ((r + 1) % w, (r + w - 1) % w);
+    let o = OpOptions::default();
+    let d = DType::U8;
+    let mut t = Runner { pg, mk: Mk(placement), checks: Vec::new(), broken: None };
+    for (k, &(n, name)) in RING.iter().enumerate().filter(|(_, (n, _))| *n <= max_bytes) {
+        let tag = 100 + k as u32;
+        t.case(name, d, None, |pg, m| {
+            let input = m.buf(d, &make(d, r, n))?;
+            let mut out = m.zeros(d, n)?;
+            pg.scope(|s| -> weft::Result<()> {
+                let a = s.send(input.t(), right, tag, &o)?;
+                let b = s.recv(out.tm(), left, tag, &o)?;
+                a.wait()?;
+                b.wait()
+            })?;
+            Ok((out.read()?, make(d, left, n)))
+        });
+    }
+    let n = max_bytes.min((1 << 20) + 1);
+    t.case("p2p batch, receives first, both directions", d, None, |pg, m| {
+        let (to_right, to_left) = (m.buf(d, &make(d, r, n))?, m.buf(d, &make(d, 50 + r, n))?);
+        let (mut from_left, mut from_right) = (m.zeros(d, n)?, m.zeros(d, n)?);
+        let ops = vec![
+            P2pOp::recv(from_left.tm(), left, 200),
+            P2pOp::recv(from_right.tm(), right, 201),
+            P2pOp::send(to_right.t(), right, 200),
+            P2pOp::send(to_left.t(), left, 201),
+        ];
+        pg.batch_p2p(ops, &o)?.wait()?;
+        let mut got = from_left.read()?;
+        got.extend(from_right.read()?);
+        let mut want = make(d, left, n);
+        want.extend(make(d, 50 + right, n));
+        Ok((got, want))
+    });
+    t.case("sendrecv", d, None, |pg, m| {
+        let input = m.buf(d, &make(d, r, n))?;
+        let mut out = m.zeros(d, n)?;
+        pg.sendrecv(input.t(), right, out.tm(), left, 202, &o)?.wait()?;
+        Ok((out.read()?, make(d, left, n)))
+    });
+    t.checks
+}
+
 /// A table of the checks (failures first) and whether all passed.
 pub fn summary(checks: &[Check]) -> (String, bool) {
     let mut rows: Vec<&Check> = checks.iter().collect();

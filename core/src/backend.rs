@@ -170,6 +170,12 @@ pub enum Op<'a> {
     },
     /// No rank leaves before every rank has entered.
     Barrier,
+    /// Sends and receives ([`Op::Send`] and [`Op::Recv`] only) that
+    /// progress together and finish as one.
+    Batch {
+        /// The sends and receives, in issue order.
+        ops: Vec<Op<'a>>,
+    },
     /// `output` becomes the coalesced reduction of every rank's sparse
     /// `input` over the union of their indices (SUM, MIN or MAX).
     AllReduceSparse {
@@ -184,21 +190,28 @@ pub enum Op<'a> {
 }
 
 impl<'a> Op<'a> {
-    /// True for every op but send and recv.
+    /// True for every op but send, recv and their batches.
     pub fn is_collective(&self) -> bool {
-        !matches!(self, Op::Send { .. } | Op::Recv { .. })
+        !matches!(self, Op::Send { .. } | Op::Recv { .. } | Op::Batch { .. })
     }
 
     /// The outputs this op writes on this rank.
     pub fn outputs_mut(&mut self) -> impl Iterator<Item = &mut TensorMut<'a>> {
         // One arm per shape of op, without collecting (this runs on every op).
-        let (one, many): (Option<&mut TensorMut<'a>>, &mut [TensorMut<'a>]) = match self {
-            Op::Recv { buf, .. } | Op::Broadcast { buf, .. } | Op::AllReduce { buf, .. } | Op::Reduce { buf, .. } => (Some(buf), &mut []),
-            Op::AllGather { outputs, .. } | Op::AllToAll { outputs, .. } | Op::Gather { outputs, .. } => (None, outputs),
-            Op::ReduceScatter { output, .. } | Op::Scatter { output, .. } => (Some(output), &mut []),
-            Op::Send { .. } | Op::Barrier | Op::AllReduceSparse { .. } => (None, &mut []),
+        let (one, many, batch): (Option<&mut TensorMut<'a>>, &mut [TensorMut<'a>], &mut [Op<'a>]) = match self {
+            Op::Recv { buf, .. } | Op::Broadcast { buf, .. } | Op::AllReduce { buf, .. } | Op::Reduce { buf, .. } => {
+                (Some(buf), &mut [], &mut [])
+            }
+            Op::AllGather { outputs, .. } | Op::AllToAll { outputs, .. } | Op::Gather { outputs, .. } => (None, outputs, &mut []),
+            Op::ReduceScatter { output, .. } | Op::Scatter { output, .. } => (Some(output), &mut [], &mut []),
+            Op::Batch { ops } => (None, &mut [], ops),
+            Op::Send { .. } | Op::Barrier | Op::AllReduceSparse { .. } => (None, &mut [], &mut []),
         };
-        one.into_iter().chain(many.iter_mut())
+        let received = batch.iter_mut().filter_map(|op| match op {
+            Op::Recv { buf, .. } => Some(buf),
+            _ => None,
+        });
+        one.into_iter().chain(many.iter_mut()).chain(received)
     }
 }
 
@@ -347,9 +360,10 @@ impl BackendContext {
 
 /// A transport (and optionally, native collectives) for one group.
 ///
-/// Implementations must be usable from several threads: ops of one group run
-/// one at a time, in issue order, but `abort` may come from any thread
-/// while an op is in flight.
+/// Implementations must be usable from several threads: collectives of one
+/// group run one at a time, in issue order, but background point-to-point
+/// ops ([`Backend::post`]) progress alongside them, and `abort` may come
+/// from any thread while an op is in flight.
 pub trait Backend: Send + Sync {
     /// The registered name.
     fn name(&self) -> &str;
@@ -387,6 +401,34 @@ pub trait Backend: Send + Sync {
             .collect();
         all.extend(gathered.iter().zip(&packed).map(|(g, b)| P2p::Send { peer: g.peer, tag: g.tag, data: b }));
         self.exchange(&mut all, deadline)
+    }
+
+    /// Whether [`Backend::post`] progresses batches in the background,
+    /// together with each other and with [`Backend::exchange`] calls from
+    /// other threads. Without it, core runs a scope's sends and receives
+    /// one at a time in issue order, as collectives.
+    fn posts(&self) -> bool {
+        false
+    }
+
+    /// Post a batch of point-to-point ops and return at once: its ops
+    /// progress with every other posted op and every exchange, in whatever
+    /// order the peers allow, and `post.done` is called exactly once
+    /// (never from inside this call) when they have all finished or the
+    /// batch failed. Same matching rules and errors as
+    /// [`Backend::exchange`]; batches are matched in the order they are
+    /// posted. Only called where [`Backend::posts`] says so; this default
+    /// runs the batch now.
+    fn post(&self, post: crate::progress::Post) {
+        let crate::progress::Post { mut ops, gathered, deadline, done } = post;
+        done(self.exchange_gathered(&mut ops, &gathered, deadline));
+    }
+
+    /// Drive posted batches on this thread until `until()` holds (or let
+    /// the thread that drives now do it, and wait). Core calls it from a
+    /// group's progress thread while background ops are pending.
+    fn progress(&self, until: &dyn Fn() -> bool) {
+        let _ = until;
     }
 
     /// Run `op` natively, or return `None` to let core run its generic

@@ -34,6 +34,7 @@ pub mod log;
 pub mod matching;
 mod options;
 pub mod plugin;
+pub mod progress;
 mod reduce_op;
 pub mod registry;
 pub mod store;
@@ -43,7 +44,7 @@ mod tensor;
 
 pub use dtype::{DType, Element};
 pub use error::{Error, ErrorKind, Result};
-pub use group::{Collectives, Job, ProcessGroup, Scope, Work};
+pub use group::{Collectives, Job, P2pOp, ProcessGroup, Scope, Work};
 pub use options::{timeout_from_env, GroupOptions, OpOptions, DEFAULT_TIMEOUT, ENV_BACKEND, ENV_TIMEOUT};
 pub use reduce_op::ReduceOp;
 pub use stream::StreamHandle;
@@ -54,5 +55,5 @@ pub use inventory;
 
 /// The names most programs need: `use weft::prelude::*;`.
 pub mod prelude {
-    pub use crate::{Collectives, GroupOptions, OpOptions, ProcessGroup, ReduceOp, Tensor, TensorMut, Work};
+    pub use crate::{Collectives, GroupOptions, OpOptions, P2pOp, ProcessGroup, ReduceOp, Tensor, TensorMut, Work};
 }

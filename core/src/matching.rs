@@ -190,14 +190,39 @@ impl Inbound {
     /// Before a failed batch hands its buffers back: a frame arriving into
     /// one of them continues into a stashed copy instead.
     pub fn detach(&mut self, ops: &[P2p<'_>]) {
+        self.detach_where(ops, |_| true)
+    }
+
+    /// [`Inbound::detach`] for the receives `which` picks (by index): the
+    /// ops of one batch that gives up while others go on.
+    pub fn detach_where(&mut self, ops: &[P2p<'_>], which: impl Fn(usize) -> bool) {
         if let Some(f) = &mut self.frame {
             if let Dest::Recv(i) = f.dest {
+                if !which(i) {
+                    return;
+                }
                 if let P2p::Recv { buf, .. } = &ops[i] {
                     let mut copy = vec![0u8; f.len];
                     copy[..f.got].copy_from_slice(&buf[..f.got]);
                     f.dest = Dest::Stash(copy);
                 }
             }
+        }
+    }
+
+    /// The receives moved: `map[old]` is each kept receive's new index
+    /// (see [`crate::progress::Table::compact`]).
+    pub fn remap(&mut self, map: &[usize]) {
+        if let Some(Frame { dest: Dest::Recv(i), .. }) = &mut self.frame {
+            *i = map[*i];
+        }
+    }
+
+    /// The index of the receive the open frame fills, if any.
+    pub fn filling(&self) -> Option<usize> {
+        match self.frame {
+            Some(Frame { dest: Dest::Recv(i), .. }) => Some(i),
+            _ => None,
         }
     }
 }

@@ -42,6 +42,15 @@ fn hierarchical_passes_conformance() {
 }
 
 #[test]
+fn hierarchical_point_to_point_progresses_together() {
+    for hosts in [&["a", "a", "b"][..], &["a", "a", "b", "b"][..], &["a", "b", "b", "a", "b"][..]] {
+        for (r, e) in on_hosts(hosts, "p2p", Duration::from_secs(120)).iter().enumerate() {
+            assert!(e.status.success() && e.output.contains("hierarchical"), "hosts {hosts:?}, rank {r}:\n{}", e.output);
+        }
+    }
+}
+
+#[test]
 fn hierarchical_all_reduce_of_large_buffers() {
     // The worker's "ops" scenario checks all_reduce, all_gather and broadcast.
     for (r, e) in on_hosts(&["a", "a", "a", "b", "b"], "ops", Duration::from_secs(60)).iter().enumerate() {

@@ -17,6 +17,16 @@ fn conformance(spec: &str, w: usize) {
     }
 }
 
+/// The point-to-point patterns that need sends and receives to progress
+/// together, through a plugin.
+fn p2p(spec: &str, w: usize) {
+    let results = run_threads(w, options(spec), |pg| weft_conformance::run_p2p(&pg, None, 16 << 20));
+    for (r, checks) in results.iter().enumerate() {
+        let (table, ok) = weft_conformance::summary(checks);
+        assert!(ok, "{spec} p2p at W={w}, rank {r}:\n{table}");
+    }
+}
+
 #[test]
 fn c_plugin_passes_conformance_at_world_sizes_2_to_5() {
     let dir = scratch("c-uds");
@@ -28,6 +38,7 @@ fn c_plugin_passes_conformance_at_world_sizes_2_to_5() {
     assert!(weft::registry::describe().iter().any(|l| l.contains("c-uds") && l.contains("ABI v1")));
     for w in 2..=5 {
         conformance("c-uds", w);
+        p2p("c-uds", w);
     }
 }
 

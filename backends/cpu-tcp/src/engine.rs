@@ -1,19 +1,24 @@
-//! The progress engine: one thread at a time moves every byte of an
-//! exchange itself. It writes pending sends without blocking and reads
-//! whatever every peer has sent (into posted receives, or a stash for
-//! messages that come early), so two ranks sending to each other never
-//! block each other, and no helper thread hands messages over. Long
-//! messages go by rendezvous (see `wire.rs`): their data is written only
-//! into a receive the peer has posted.
+//! The progress engine: one thread at a time moves every byte of every
+//! posted op itself (see `weft::progress`: a collective's exchange and
+//! background sends and receives alike). It writes pending sends without
+//! blocking and reads whatever every peer has sent (into posted receives,
+//! or a stash for messages that come early), so two ranks sending to each
+//! other never block each other, and no helper thread hands messages over.
+//! Long messages go by rendezvous (see `wire.rs`): their data is written
+//! only into a receive the peer has posted; a send waiting for that never
+//! holds up another send to the same peer with another tag.
 
 use crate::wire::{Header, Kind, EAGER_LIMIT, HEADER, MAX_ABORT};
+use smallvec::{smallvec, SmallVec};
 use socket2::Socket;
 use std::collections::HashMap;
 use std::io::{ErrorKind as IoKind, IoSlice, Read};
 use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 use weft::backend::{OpKind, P2p};
 use weft::matching::Inbound;
+use weft::progress::{Post, Posting, Table};
 use weft::{Error, Result};
 
 /// Spin this long without progress before blocking in poll().
@@ -138,172 +143,128 @@ fn send_now(sock: &Socket, parts: &[IoSlice<'_>], peer: usize) -> Result<usize> 
 
 /// What the engine needs from its owner on each turn.
 pub trait Watch {
-    /// An error that ends the exchange now (abort, group failure).
+    /// An error that ends every posted op now (abort, group failure).
     fn stop(&self) -> Option<Error>;
+    /// What a failure of the connections becomes (the root cause, and the
+    /// transport marked failed where it cannot be used again).
+    fn failed(&self, e: Error) -> Error;
 }
 
-/// Run one exchange to completion.
-pub fn exchange(me: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>], deadline: Instant, watch: &dyn Watch) -> Result<()> {
-    let n = ops.len();
-    let mut done = vec![false; n];
-    let mut sent = vec![0usize; n];
-    let headers: Vec<[u8; HEADER]> = ops
-        .iter()
-        .map(|op| match op {
-            P2p::Send { tag, data, .. } => Header { kind: Kind::Data, tag: *tag, len: data.len() as u64 }.encode(),
-            P2p::Recv { .. } => [0; HEADER],
-        })
-        .collect();
-    // Receives served by messages that came early; conflicts fail at once.
-    // Rendezvous: a long receive tells its sender it is ready, a long send
-    // announces itself and waits for that.
-    let mut awaits_ready = vec![false; n];
-    for (i, op) in ops.iter_mut().enumerate() {
-        let p = peers[op.peer()].as_mut().expect("validated peers are connected");
-        match op {
-            P2p::Recv { peer, tag, buf } => {
-                if p.inbound.serve_early(me, *peer, *tag, buf)? {
-                    done[i] = true;
-                } else if p.left {
-                    return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
-                } else if buf.len() > EAGER_LIMIT {
-                    p.queue_control(Kind::Ready, *tag, buf.len());
-                }
-            }
-            P2p::Send { tag, data, .. } if data.len() > EAGER_LIMIT => {
-                p.queue_control(Kind::Announce, *tag, data.len());
-                awaits_ready[i] = true;
-            }
-            P2p::Send { .. } => {}
-        }
+/// The engine's state for one posted op.
+pub struct OpState {
+    /// Bytes of a send written (header included).
+    sent: usize,
+    /// A long send waits for the receiver's Ready.
+    awaits_ready: bool,
+    /// A long send has announced itself. Only once every earlier send of
+    /// its tag to its peer is out: the receiver checks an announcement
+    /// against the receive that message will fill.
+    announced: bool,
+    /// A send's frame header.
+    header: [u8; HEADER],
+}
+
+/// The connections and every posted op, driven by one thread at a time.
+pub struct Engine {
+    /// `peers[r]`: the connection to rank r.
+    pub peers: Vec<Option<Peer>>,
+    table: Table<OpState>,
+}
+
+impl Engine {
+    /// An engine over connected peers.
+    pub fn new(peers: Vec<Option<Peer>>) -> Engine {
+        Engine { peers, table: Table::default() }
     }
-    let result = run(me, peers, ops, &mut done, &mut sent, &mut awaits_ready, &headers, deadline, watch);
-    if result.is_err() {
-        // A frame arriving into a receive of this batch is kept as a stashed
-        // copy: the caller's buffer is about to be handed back.
-        for p in peers.iter_mut().flatten() {
-            p.inbound.detach(ops);
+
+    /// Take a posted batch into the table: receives served by messages
+    /// that came early, and a long receive tells its sender it is ready (a
+    /// long send announces itself when its turn comes, in `pass`). A batch
+    /// naming a peer without a connection fails alone.
+    fn absorb(&mut self, me: usize, post: Post, watch: &dyn Watch) -> Result<()> {
+        for op in &post.ops {
+            let why = match self.peers.get(op.peer()) {
+                Some(Some(p)) if p.torn => Some(watch.failed(Error::backend(format!("the stream to peer rank {} is broken", op.peer())))),
+                Some(Some(_)) => None,
+                _ => Some(Error::invalid(format!("cpu-tcp: rank {me} has no connection to peer rank {}", op.peer()))),
+            };
+            if let Some(e) = why {
+                (post.done)(Err(e));
+                return Ok(());
+            }
         }
-        // Half a frame on the wire: that stream cannot be used again.
-        // Control frames not yet written are dropped with the batch.
-        for p in peers.iter_mut().flatten() {
-            p.torn |= p.ctl_sent % HEADER != 0;
-            p.ctl.clear();
-            p.ctl_sent = 0;
+        let first = self.table.len();
+        self.table.add(post, |op, _| match op {
+            P2p::Send { tag, data, .. } => OpState {
+                sent: 0,
+                awaits_ready: data.len() > EAGER_LIMIT,
+                announced: false,
+                header: Header { kind: Kind::Data, tag: *tag, len: data.len() as u64 }.encode(),
+            },
+            P2p::Recv { .. } => OpState { sent: 0, awaits_ready: false, announced: false, header: [0; HEADER] },
+        });
+        let Table { ops, done, .. } = &mut self.table;
+        for (i, op) in ops.iter_mut().enumerate().skip(first) {
+            let p = self.peers[op.peer()].as_mut().expect("checked above");
+            match op {
+                P2p::Recv { peer, tag, buf } => {
+                    if p.inbound.serve_early(me, *peer, *tag, buf)? {
+                        done[i] = true;
+                    } else if p.left {
+                        return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
+                    } else if buf.len() > EAGER_LIMIT {
+                        p.queue_control(Kind::Ready, *tag, buf.len());
+                    }
+                }
+                P2p::Send { .. } => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Let go of the buffers of the ops `which` picks: a frame arriving
+    /// into one of their receives continues into a stashed copy, and a
+    /// stream with half a send of theirs on the wire is torn.
+    fn release(&mut self, which: impl Fn(usize) -> bool) {
+        let Table { ops, state, done, .. } = &self.table;
+        for p in self.peers.iter_mut().flatten() {
+            p.inbound.detach_where(ops, &which);
         }
         for (i, op) in ops.iter().enumerate() {
             if let P2p::Send { peer, data, .. } = op {
-                if sent[i] > 0 && sent[i] < HEADER + data.len() {
-                    if let Some(p) = peers[*peer].as_mut() {
+                if which(i) && !done[i] && state[i].sent > 0 && state[i].sent < HEADER + data.len() {
+                    if let Some(p) = self.peers[*peer].as_mut() {
                         p.torn = true;
                     }
                 }
             }
         }
     }
-    result
-}
 
-#[allow(clippy::too_many_arguments)]
-fn run(
-    me: usize,
-    peers: &mut [Option<Peer>],
-    ops: &mut [P2p<'_>],
-    done: &mut [bool],
-    sent: &mut [usize],
-    awaits_ready: &mut [bool],
-    headers: &[[u8; HEADER]],
-    deadline: Instant,
-    watch: &dyn Watch,
-) -> Result<()> {
-    let w = peers.len();
-    // Per peer: a send is under way (its first unfinished one); something
-    // waits to be written; a send waits for the peer's Ready.
-    let (mut current, mut busy, mut hear) = (vec![None; w], vec![false; w], vec![false; w]);
-    let mut idle_since = Instant::now();
-    loop {
-        if let Some(e) = watch.stop() {
-            return Err(e);
+    /// Everything fails with `e`: posted ops and those still to be taken.
+    fn fail_all(&mut self, e: &Error, posting: &Posting) {
+        self.release(|_| true);
+        // Half a control frame on the wire: that stream cannot be used
+        // again. Control frames not yet written go with the ops.
+        for p in self.peers.iter_mut().flatten() {
+            p.torn |= p.ctl_sent % HEADER != 0;
+            p.ctl.clear();
+            p.ctl_sent = 0;
         }
-        let mut moved = false;
-        // Sends: the first unfinished send to each peer goes out as far as
-        // it can; control frames go first, between data frames.
-        current.fill(None);
-        hear.fill(false);
-        for i in 0..ops.len() {
-            if let P2p::Send { peer, .. } = &ops[i] {
-                if !done[i] && current[*peer].is_none() {
-                    current[*peer] = Some(i);
-                }
-            }
-        }
-        for peer in 0..w {
-            let Some(p) = peers[peer].as_mut() else { continue };
-            let Some(mut i) = current[peer] else {
-                moved |= p.flush_control(peer)?;
-                busy[peer] = !p.ctl.is_empty();
-                continue;
-            };
-            if p.left {
-                return Err(Error::peer_lost(peer, format!("peer rank {peer} left the group (its process group was closed)")));
-            }
-            loop {
-                let P2p::Send { tag, data, .. } = &ops[i] else { unreachable!("current is a send") };
-                if awaits_ready[i] && p.take_ready(*tag) {
-                    awaits_ready[i] = false;
-                }
-                if sent[i] == 0 {
-                    moved |= p.flush_control(peer)?;
-                }
-                if awaits_ready[i] || !p.ctl.is_empty() {
-                    break;
-                }
-                let before = sent[i];
-                sent[i] = write_some(&p.sock, &headers[i], data, sent[i], peer)?;
-                moved |= sent[i] != before;
-                if sent[i] < HEADER + data.len() {
-                    break;
-                }
-                done[i] = true;
-                // The next send to this peer may start at once.
-                match (i + 1..ops.len()).find(|j| !done[*j] && matches!(&ops[*j], P2p::Send { peer: q, .. } if *q == peer)) {
-                    Some(j) => i = j,
-                    None => break,
-                }
-            }
-            hear[peer] = awaits_ready[i];
-            busy[peer] = !p.ctl.is_empty() || (!done[i] && !awaits_ready[i]);
-        }
-        // Receives: from the peers this exchange awaits, only as far as it
-        // needs, until stalled (see EAGER_AFTER).
-        let eager = Instant::now().duration_since(idle_since) >= EAGER_AFTER;
-        for peer in 0..w {
-            if peers[peer].is_some() {
-                moved |= drain(me, peer, peers, ops, done, eager || hear[peer])?;
-            }
-        }
-        if done.iter().all(|d| *d) {
-            return Ok(());
-        }
-        // Receives from a peer that has left can never complete.
-        for (i, op) in ops.iter().enumerate() {
-            if let P2p::Recv { peer, .. } = op {
-                let p = peers[*peer].as_ref().expect("connected");
-                if !done[i] && p.left && !p.inbound.in_frame() {
-                    return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
-                }
-            }
-        }
-        let now = Instant::now();
-        if moved {
-            idle_since = now;
-            continue;
-        }
-        if now >= deadline {
-            let pending: Vec<String> = (0..ops.len())
-                .filter(|i| !done[*i])
-                .map(|i| match &ops[i] {
-                    P2p::Send { peer, tag, data } if awaits_ready[i] => format!(
+        self.table.fail_all(e);
+        posting.fail_new(e);
+        posting.notify();
+    }
+
+    /// Fail batches whose deadline has passed, naming what each still waits for.
+    fn expire(&mut self, now: Instant, posting: &Posting) {
+        while let Some(id) = self.table.expired(now) {
+            let pending = self.table.pending_of(id);
+            let Table { ops, state, .. } = &self.table;
+            let what: Vec<String> = pending
+                .iter()
+                .map(|&i| match &ops[i] {
+                    P2p::Send { peer, tag, data } if state[i].awaits_ready => format!(
                         "peer rank {peer} never posted the receive for {} ({} bytes to send)",
                         OpKind::describe_tag(*tag),
                         data.len()
@@ -314,34 +275,208 @@ fn run(
                     }
                 })
                 .collect();
-            return Err(Error::timeout(format!("{} before the deadline", pending.join("; "))));
+            self.release(|i| pending.contains(&i));
+            self.table.withdraw(id, Error::timeout(format!("{} before the deadline", what.join("; "))));
+            posting.notify();
         }
-        if now.duration_since(idle_since) < SPIN {
+    }
+
+    /// Finished batches report (and threads waiting for them wake);
+    /// finished ops leave the table.
+    fn settle(&mut self, posting: &Posting) {
+        if self.table.settle() {
+            posting.notify();
+        }
+        if let Some(map) = self.table.compact() {
+            for p in self.peers.iter_mut().flatten() {
+                p.inbound.remap(&map);
+            }
+        }
+    }
+}
+
+/// Drive every posted op (taking new batches from `posting` as they come)
+/// until `until()` holds; `wake` becomes readable when a batch is posted.
+pub fn drive(me: usize, eng: &mut Engine, posting: &Posting, wake: &UnixStream, watch: &dyn Watch, until: &dyn Fn() -> bool) {
+    let w = eng.peers.len();
+    let mut idle_since = Instant::now();
+    let mut flags = Flags { busy: vec![false; w], hear: vec![false; w] };
+    loop {
+        if let Some(e) = watch.stop() {
+            eng.fail_all(&e, posting);
+            return;
+        }
+        let mut moved = false;
+        for post in posting.take() {
+            moved = true;
+            if let Err(e) = eng.absorb(me, post, watch) {
+                let e = watch.failed(e);
+                eng.fail_all(&e, posting);
+                return;
+            }
+        }
+        let eager = Instant::now().duration_since(idle_since) >= EAGER_AFTER;
+        match pass(me, eng, &mut flags, eager) {
+            Ok(m) => moved |= m,
+            Err(e) => {
+                let e = watch.failed(e);
+                eng.fail_all(&e, posting);
+                return;
+            }
+        }
+        if moved {
+            eng.settle(posting);
+        }
+        let now = Instant::now();
+        eng.expire(now, posting);
+        if until() {
+            return;
+        }
+        if moved {
+            idle_since = now;
+            continue;
+        }
+        if now.duration_since(idle_since) < SPIN && !eng.table.all_done() {
             std::thread::yield_now();
             continue;
         }
-        // Block until a socket is readable (or writable, for a pending send).
-        let mut fds: Vec<nix::poll::PollFd<'_>> = Vec::with_capacity(w);
-        for (peer, p) in peers.iter().enumerate() {
+        // Block until a socket is readable (or writable, for a pending
+        // send), a batch is posted, or a deadline comes.
+        let Table { ops, done, .. } = &eng.table;
+        let mut fds: Vec<nix::poll::PollFd<'_>> = Vec::with_capacity(w + 1);
+        fds.push(nix::poll::PollFd::new(wake.as_fd(), nix::poll::PollFlags::POLLIN));
+        for (peer, p) in eng.peers.iter().enumerate() {
             if let Some(p) = p {
                 let mut ev = nix::poll::PollFlags::empty();
                 // A peer with unread frames nobody awaits would wake poll() at
                 // once: watch it only once reading everything.
-                if eager || hear[peer] || awaited(ops, done, peer) {
+                if eager || flags.hear[peer] || awaited(ops, done, peer) {
                     ev |= nix::poll::PollFlags::POLLIN;
                 }
-                if busy[peer] {
+                if flags.busy[peer] {
                     ev |= nix::poll::PollFlags::POLLOUT;
                 }
                 fds.push(nix::poll::PollFd::new(p.sock.as_fd(), ev));
             }
         }
         // Wake by the time reading everything starts, then every NAP.
-        let nap = if eager { NAP } else { EAGER_AFTER.saturating_sub(now.duration_since(idle_since)) };
+        let nap = if eager || eng.table.all_done() { NAP } else { EAGER_AFTER.saturating_sub(now.duration_since(idle_since)) };
+        let deadline = eng.table.next_deadline().unwrap_or(now + NAP);
         let wait = nap.min(deadline.saturating_duration_since(now)).max(Duration::from_millis(1));
         let ms = nix::poll::PollTimeout::try_from(wait.as_millis() as u32).unwrap_or(nix::poll::PollTimeout::MAX);
+        if posting.has_new() {
+            continue;
+        }
         let _ = nix::poll::poll(&mut fds, ms);
+        drop(fds);
+        drain_wake(wake);
     }
+}
+
+/// Empty the wake-up socket (its bytes only say "look at the inbox").
+fn drain_wake(wake: &UnixStream) {
+    let mut sink = [0u8; 64];
+    while matches!((&*wake).read(&mut sink), Ok(n) if n > 0) {}
+}
+
+/// Per peer, from the last pass: something waits to be written (watch
+/// for POLLOUT); a send waits for the peer's Ready (read it).
+struct Flags {
+    busy: Vec<bool>,
+    hear: Vec<bool>,
+}
+
+/// One turn over every posted op: sends go out as far as the sockets take
+/// them, then receives read what has come. True if any byte moved.
+fn pass(me: usize, eng: &mut Engine, flags: &mut Flags, eager: bool) -> Result<bool> {
+    let w = eng.peers.len();
+    let mut moved = false;
+    let Engine { peers, table } = eng;
+    let Table { ops, done, state, .. } = table;
+    // Per peer: the send with half a frame on the wire (it must finish
+    // before any other frame), and whether this pass wrote all it could.
+    let mut mid: SmallVec<[Option<usize>; 8]> = smallvec![None; w];
+    for (i, op) in ops.iter().enumerate() {
+        if let P2p::Send { peer, .. } = op {
+            if !done[i] && state[i].sent > 0 {
+                mid[*peer] = Some(i);
+            }
+        }
+    }
+    flags.busy.fill(false);
+    flags.hear.fill(false);
+    let mut stopped: SmallVec<[bool; 8]> = smallvec![false; w];
+    // Tags of sends waiting for Ready, per peer: a later send of the same
+    // tag must not overtake them (the receiver matches in stream order).
+    let mut held: SmallVec<[(usize, u64); 8]> = SmallVec::new();
+    for (peer, p) in peers.iter_mut().enumerate() {
+        let Some(p) = p else { continue };
+        // Control frames go between data frames.
+        if mid[peer].is_none() {
+            moved |= p.flush_control(peer)?;
+            flags.busy[peer] = !p.ctl.is_empty();
+        }
+    }
+    for i in 0..ops.len() {
+        let P2p::Send { peer, tag, data } = &ops[i] else { continue };
+        let (peer, tag) = (*peer, *tag);
+        if done[i] || stopped[peer] || mid[peer].is_some_and(|m| m != i) || held.contains(&(peer, tag)) {
+            continue;
+        }
+        let p = peers[peer].as_mut().expect("validated peers are connected");
+        if p.left {
+            return Err(Error::peer_lost(peer, format!("peer rank {peer} left the group (its process group was closed)")));
+        }
+        let st = &mut state[i];
+        if st.awaits_ready && !st.announced {
+            // First of its tag to this peer still unfinished, at a frame
+            // boundary: announce it now.
+            p.queue_control(Kind::Announce, tag, data.len());
+            st.announced = true;
+            moved |= p.flush_control(peer)?;
+        }
+        if st.awaits_ready && p.take_ready(tag) {
+            st.awaits_ready = false;
+        }
+        if st.awaits_ready {
+            // Later sends to this peer go ahead of it (another tag's Ready
+            // may come first): only a frame begun blocks the stream.
+            held.push((peer, tag));
+            flags.hear[peer] = true;
+            continue;
+        }
+        if st.sent == 0 && !p.ctl.is_empty() {
+            stopped[peer] = true;
+            continue;
+        }
+        let before = st.sent;
+        st.sent = write_some(&p.sock, &st.header, data, st.sent, peer)?;
+        moved |= st.sent != before;
+        if st.sent < HEADER + data.len() {
+            stopped[peer] = true;
+            flags.busy[peer] = true;
+            continue;
+        }
+        done[i] = true;
+        mid[peer] = None;
+    }
+    // Receives: from the peers a receive awaits, only as far as needed,
+    // until stalled (see EAGER_AFTER).
+    for peer in 0..w {
+        if peers[peer].is_some() {
+            moved |= drain(me, peer, peers, ops, done, eager || flags.hear[peer])?;
+        }
+    }
+    // Receives from a peer that has left can never complete.
+    for (i, op) in ops.iter().enumerate() {
+        if let P2p::Recv { peer, .. } = op {
+            let p = peers[*peer].as_ref().expect("connected");
+            if !done[i] && p.left && !p.inbound.in_frame() {
+                return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
+            }
+        }
+    }
+    Ok(moved)
 }
 
 /// Whether a receive of `ops` still waits for `peer`.

@@ -2,14 +2,16 @@
 //! thread runs the op (see `engine.rs`). Bytes touch the wire only in the
 //! engine and here (goodbye, abort and shutdown).
 
-use crate::engine::{self, Peer, Watch};
+use crate::engine::{self, Engine, Peer, Watch};
 use crate::wire::{Header, Kind, MAX_ABORT};
 use socket2::Socket;
-use std::io::Read;
+use std::io::{Read, Write};
 use std::net::Shutdown;
+use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use weft::backend::{Backend, P2p};
+use weft::progress::{self, Post, Posting};
 use weft::store::Store;
 use weft::{Error, ErrorKind, Result};
 
@@ -22,7 +24,12 @@ pub struct TcpBackend {
     rank: usize,
     /// The group's store, where an aborting rank leaves whom it blames.
     store: Arc<dyn Store>,
-    peers: Mutex<Vec<Option<Peer>>>,
+    /// The connections and posted ops; whoever holds it drives them all.
+    engine: Mutex<Engine>,
+    /// Batches waiting for the driver.
+    posting: Arc<Posting>,
+    /// A byte written to `wake.0` wakes a driver sleeping in poll().
+    wake: (UnixStream, UnixStream),
     /// Duplicates of the sockets, to shut them down from any thread.
     handles: Vec<Option<Socket>>,
     failed: Mutex<Option<Error>>,
@@ -31,6 +38,33 @@ pub struct TcpBackend {
 impl Watch for TcpBackend {
     fn stop(&self) -> Option<Error> {
         self.failed.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+    fn failed(&self, e: Error) -> Error {
+        match e.kind() {
+            // A lost peer or a protocol violation ends this transport for
+            // good; a timeout is the caller's to judge (core poisons the group).
+            ErrorKind::PeerLost { .. } => {
+                let e = self.root_cause(e);
+                self.fail(e)
+            }
+            ErrorKind::Backend | ErrorKind::Aborted => self.fail(e),
+            _ => e,
+        }
+    }
+}
+
+impl progress::Engine for TcpBackend {
+    fn posting(&self) -> &Arc<Posting> {
+        &self.posting
+    }
+    fn try_drive(&self, until: &dyn Fn() -> bool) -> bool {
+        let Some(mut eng) = progress::try_lock(&self.engine) else { return false };
+        engine::drive(self.rank, &mut eng, &self.posting, &self.wake.1, self, until);
+        true
+    }
+    fn wake_driver(&self) {
+        // Non-blocking: a full socket already holds a wake-up.
+        let _ = (&self.wake.0).write(&[1]);
     }
 }
 
@@ -52,11 +86,22 @@ impl TcpBackend {
                 }
             }
         }
-        Ok(TcpBackend { rank, store, peers: Mutex::new(conns), handles, failed: Mutex::new(None) })
+        let wake = UnixStream::pair()?;
+        wake.0.set_nonblocking(true)?;
+        wake.1.set_nonblocking(true)?;
+        Ok(TcpBackend {
+            rank,
+            store,
+            engine: Mutex::new(Engine::new(conns)),
+            posting: Arc::default(),
+            wake,
+            handles,
+            failed: Mutex::new(None),
+        })
     }
 
-    fn lock(&self) -> MutexGuard<'_, Vec<Option<Peer>>> {
-        self.peers.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> MutexGuard<'_, Engine> {
+        self.engine.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn fail(&self, e: Error) -> Error {
@@ -77,6 +122,10 @@ impl TcpBackend {
             },
             Err(_) => e,
         }
+    }
+
+    fn wake_driver_now(&self) {
+        progress::Engine::wake_driver(self)
     }
 
     fn close(&self, how: Shutdown) {
@@ -113,29 +162,20 @@ impl Backend for TcpBackend {
     }
 
     fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
-        if let Some(e) = self.stop() {
-            return Err(e);
-        }
-        let mut peers = self.lock();
-        for op in ops.iter() {
-            match peers.get(op.peer()) {
-                Some(Some(p)) if p.torn => {
-                    return Err(self.fail(Error::backend(format!("the stream to peer rank {} is broken", op.peer()))))
-                }
-                Some(Some(_)) => {}
-                _ => return Err(Error::invalid(format!("cpu-tcp: rank {} has no connection to peer rank {}", self.rank, op.peer()))),
-            }
-        }
-        engine::exchange(self.rank, &mut peers, ops, deadline, self).map_err(|e| match e.kind() {
-            // A lost peer or a protocol violation ends this transport for good;
-            // a timeout is the caller's to judge (core poisons the group).
-            ErrorKind::PeerLost { .. } => {
-                let e = self.root_cause(e);
-                self.fail(e)
-            }
-            ErrorKind::Backend | ErrorKind::Aborted => self.fail(e),
-            _ => e,
-        })
+        progress::exchange(self, ops, &[], deadline)
+    }
+
+    fn posts(&self) -> bool {
+        true
+    }
+
+    fn post(&self, post: Post) {
+        self.posting.push(post);
+        self.wake_driver_now();
+    }
+
+    fn progress(&self, until: &dyn Fn() -> bool) {
+        progress::wait_until(self, until)
     }
 
     fn abort(&self, reason: &Error) {
@@ -149,18 +189,20 @@ impl Backend for TcpBackend {
         let _ = self.store.set(&format!("abort/{}", self.rank), blame.to_string().as_bytes());
         // Tell peers the root cause, unless an op holds the connections
         // (it sees the failure and returns; peers then see us close).
-        if let Ok(mut peers) = self.peers.try_lock() {
+        if let Some(mut eng) = progress::try_lock(&self.engine) {
             let mut payload = (blame as u32).to_le_bytes().to_vec();
             payload.extend_from_slice(why.as_bytes());
             payload.truncate(MAX_ABORT as usize);
-            Self::tell_all(&mut peers, Header { kind: Kind::Abort, tag: 0, len: payload.len() as u64 }, &payload);
+            Self::tell_all(&mut eng.peers, Header { kind: Kind::Abort, tag: 0, len: payload.len() as u64 }, &payload);
         }
         self.close(Shutdown::Both);
+        self.wake_driver_now();
     }
 
     fn shutdown(&self) {
-        let mut peers = self.lock();
-        Self::tell_all(&mut peers, Header { kind: Kind::Goodbye, tag: 0, len: 0 }, &[]);
+        let mut eng = self.lock();
+        let peers = &mut eng.peers;
+        Self::tell_all(peers, Header { kind: Kind::Goodbye, tag: 0, len: 0 }, &[]);
         self.close(Shutdown::Write);
         // Drain until each peer closes too (or goes quiet), so that unread
         // bytes never turn our close into a reset that loses what we sent.

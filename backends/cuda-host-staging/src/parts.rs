@@ -76,6 +76,11 @@ pub fn parts(op: &Op<'_>, rank: usize) -> Result<(Vec<Part>, usize)> {
             v.extend(outputs.iter().map(|t| part_mut(t, Role::Out)));
         }
         Op::Barrier => {}
+        Op::Batch { ops } => {
+            for op in ops {
+                v.extend(parts(op, rank)?.0);
+            }
+        }
         _ => return Err(Error::unsupported("cuda-host-staging: this op has no staged form")),
     }
     let device = devices(op)?;
@@ -106,6 +111,15 @@ fn devices(op: &Op<'_>) -> Result<usize> {
         Op::AllToAll { inputs, outputs } => {
             inputs.iter().try_for_each(|t| check(t.device()))?;
             outputs.iter().try_for_each(|t| check(t.device()))?;
+        }
+        Op::Batch { ops } => {
+            for op in ops {
+                match op {
+                    Op::Send { data, .. } => check(data.device())?,
+                    Op::Recv { buf, .. } => check(buf.device())?,
+                    _ => {}
+                }
+            }
         }
         _ => {}
     }
@@ -149,6 +163,18 @@ pub fn host_op<'a>(op: &Op<'_>, h: &HostViews) -> Result<Op<'a>> {
         Op::Scatter { inputs, root, .. } => Op::Scatter { inputs: ins(0, inputs.len())?, output: h.tensor_mut(inputs.len())?, root: *root },
         Op::AllToAll { inputs, outputs } => Op::AllToAll { inputs: ins(0, inputs.len())?, outputs: outs(inputs.len(), outputs.len())? },
         Op::Barrier => Op::Barrier,
+        // One part per send or receive, in order.
+        Op::Batch { ops } => Op::Batch {
+            ops: ops
+                .iter()
+                .enumerate()
+                .map(|(i, op)| match op {
+                    Op::Send { peer, tag, .. } => Ok(Op::Send { data: h.tensor(i)?, peer: *peer, tag: *tag }),
+                    Op::Recv { peer, tag, .. } => Ok(Op::Recv { buf: h.tensor_mut(i)?, peer: *peer, tag: *tag }),
+                    _ => Err(Error::invalid("a batch holds only sends and receives")),
+                })
+                .collect::<Result<Vec<_>>>()?,
+        },
         _ => return Err(Error::unsupported("cuda-host-staging: this op has no staged form")),
     })
 }

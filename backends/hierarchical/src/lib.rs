@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use topology::Topology;
 use weft::backend::{Backend, BackendContext, GatherSend, Op, OpContext, P2p};
+use weft::progress::Post;
 use weft::registry::{BackendFactory, StaticBackend};
 use weft::store::PrefixStore;
 use weft::{DeviceKind, Error, ErrorKind, Layout, Result};
@@ -69,7 +70,7 @@ impl BackendFactory for Hierarchical {
                 })?)
             }
         };
-        Ok(Arc::new(HierBackend { flat, local, inter, store: ctx.store.clone() }))
+        Ok(Arc::new(HierBackend { flat: Arc::new(flat), local, inter, store: ctx.store.clone() }))
     }
 }
 
@@ -171,7 +172,9 @@ pub(crate) enum Inter {
 }
 
 struct HierBackend {
-    flat: SubGroup,
+    /// Every rank: point-to-point ops and the generic algorithms run here
+    /// (shared with posted batches' completions, which translate errors).
+    flat: Arc<SubGroup>,
     local: SubGroup,
     inter: Inter,
     store: Arc<dyn weft::store::Store>,
@@ -183,7 +186,7 @@ impl HierBackend {
             Inter::Cross(g) => Some(g),
             Inter::Leaders(g) => g.as_ref(),
         };
-        [&self.flat, &self.local].into_iter().chain(inter)
+        [&*self.flat, &self.local].into_iter().chain(inter)
     }
 }
 
@@ -196,6 +199,17 @@ impl Backend for HierBackend {
     }
     fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
         self.flat.backend.exchange_gathered(ops, gathered, deadline).map_err(|e| self.flat.translate(e))
+    }
+    fn posts(&self) -> bool {
+        self.flat.backend.posts()
+    }
+    fn post(&self, mut post: Post) {
+        let (flat, done) = (self.flat.clone(), post.done);
+        post.done = Box::new(move |r| done(r.map_err(|e| flat.translate(e))));
+        self.flat.backend.post(post)
+    }
+    fn progress(&self, until: &dyn Fn() -> bool) {
+        self.flat.backend.progress(until)
     }
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
         match op {

@@ -12,8 +12,9 @@ use crate::transport::{ShmBackend, CMA_SPIN, NAP, PAUSE_SPIN, SPIN};
 use smallvec::{smallvec, SmallVec};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-use weft::backend::{Backend, Gather, GatherSend, P2p};
+use weft::backend::{Backend, Gather, P2p};
 use weft::matching::Inbound;
+use weft::progress::{Post, Posting, Table};
 use weft::{Error, Result};
 
 /// Frame header: tag and length.
@@ -62,21 +63,36 @@ impl Out<'_> {
     }
 }
 
-/// Send `i` of an exchange (sends in `ops`, then `gathered`): peer, tag
-/// and what it sends; `None` for a receive.
-fn send_of<'a>(ops: &'a [P2p<'_>], gathered: &'a [GatherSend<'_>], i: usize) -> Option<(usize, u64, Out<'a>)> {
-    match ops.get(i) {
-        Some(P2p::Send { peer, tag, data }) => Some((*peer, *tag, Out::Bytes(data))),
-        Some(P2p::Recv { .. }) => None,
-        None => gathered.get(i - ops.len()).map(|g| (g.peer, g.tag, Out::Gathered(g.src))),
+/// Send `i` of the table: peer, tag and what it sends; `None` for a
+/// receive.
+fn send_of<'a>(ops: &'a [P2p<'_>], gathered: &[Option<&'a dyn Gather>], i: usize) -> Option<(usize, u64, Out<'a>)> {
+    match (&ops[i], gathered[i]) {
+        (P2p::Send { peer, tag, .. }, Some(g)) => Some((*peer, *tag, Out::Gathered(g))),
+        (P2p::Send { peer, tag, data }, None) => Some((*peer, *tag, Out::Bytes(data))),
+        (P2p::Recv { .. }, _) => None,
     }
 }
 
-/// Op `i`'s peer, and whether it is a send.
-fn peer_of(ops: &[P2p<'_>], gathered: &[GatherSend<'_>], i: usize) -> (usize, bool) {
-    match send_of(ops, gathered, i) {
-        Some((peer, ..)) => (peer, true),
-        None => (ops[i].peer(), false),
+/// The engine's state for one posted op (sends only use it).
+#[derive(Clone, Copy, Default)]
+pub(crate) struct OpState {
+    /// Bytes of the frame written into the ring.
+    sent: usize,
+    /// The single-copy offer, if the send went that way.
+    offer: Option<cma::Offer>,
+}
+
+/// Every peer's inbound state and every posted op, driven by one thread at
+/// a time (see `weft::progress`).
+#[derive(Default)]
+pub(crate) struct Engine {
+    pub(crate) peers: Vec<PeerIn>,
+    table: Table<OpState>,
+}
+
+impl Engine {
+    pub(crate) fn new(size: usize) -> Engine {
+        Engine { peers: (0..size).map(|_| PeerIn::default()).collect(), table: Table::default() }
     }
 }
 
@@ -89,57 +105,258 @@ fn plain_header(tag: u64, len: usize) -> ([u8; HEADER + cma::DESCRIPTOR], usize)
 }
 
 impl ShmBackend {
-    /// Run `ops` and the `gathered` sends to completion, or fail by
-    /// `deadline` (`Backend::exchange_gathered`).
-    pub(crate) fn exchange_p2p(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
-        self.check_failed()?;
-        for peer in ops.iter().map(P2p::peer).chain(gathered.iter().map(|g| g.peer)) {
-            if peer >= self.size || peer == self.rank {
-                return Err(Error::invalid(format!("shm: bad peer rank {peer}")));
-            }
+    /// Take a posted batch into the table; receives are first served by
+    /// messages that arrived earlier. A batch naming a bad peer fails alone.
+    fn absorb(&self, eng: &mut Engine, post: Post) -> Result<()> {
+        let bad = post.ops.iter().map(P2p::peer).chain(post.gathered.iter().map(|g| g.peer)).find(|&p| p >= self.size || p == self.rank);
+        if let Some(peer) = bad {
+            (post.done)(Err(Error::invalid(format!("shm: bad peer rank {peer}"))));
+            return Ok(());
         }
-        let mut incoming = self.incoming.lock().unwrap_or_else(|p| p.into_inner());
-        let n = ops.len() + gathered.len();
-        // Inline for the usual few ops: no allocation per exchange.
-        let mut done: SmallVec<[bool; 8]> = smallvec![false; n];
-        let mut sent: SmallVec<[usize; 8]> = smallvec![0; n];
-        // Per send: the single-copy sequence, if it went that way.
-        let mut offers: SmallVec<[Option<cma::Offer>; 8]> = smallvec![None; n];
-        // Receives first served by messages that arrived earlier.
-        for (i, op) in ops.iter_mut().enumerate() {
+        let first = eng.table.len();
+        eng.table.add(post, |_, _| OpState::default());
+        let Table { ops, done, .. } = &mut eng.table;
+        for (i, op) in ops.iter_mut().enumerate().skip(first) {
             if let P2p::Recv { peer, tag, buf } = op {
-                done[i] = incoming[*peer].inbound.serve_early(self.rank, *peer, *tag, buf).map_err(|e| self.fail(e))?;
+                done[i] = eng.peers[*peer].inbound.serve_early(self.rank, *peer, *tag, buf).map_err(|e| self.fail(e))?;
             }
         }
-        let result = self.progress(ops, gathered, &mut incoming, &mut done, &mut sent, &mut offers, deadline);
-        if let Err(e) = &result {
-            // Before the caller gets its buffers back: a peer may be pushing
-            // into a receive buffer (stop it), or reading a send buffer
-            // (withdraw the offer). Either way the pair's stream is then
-            // out of step for good.
-            let mut cancelled = false;
-            for peer in 0..self.size {
-                cancelled |= self.cancel_awaiting(peer, &mut incoming[peer], ops);
+        Ok(())
+    }
+
+    /// Let go of every buffer before failing everything with `e`: a peer
+    /// may be pushing into a receive buffer (stop it), or reading a send
+    /// buffer (withdraw the offer); either way the pair's stream is then out
+    /// of step for good, and the transport fails.
+    fn fail_everything(&self, eng: &mut Engine, posting: &Posting, e: Error) {
+        let Engine { peers, table } = eng;
+        let mut cancelled = false;
+        for (peer, st) in peers.iter_mut().enumerate() {
+            cancelled |= self.cancel_awaiting(peer, st, &mut table.ops);
+        }
+        for p in peers.iter_mut() {
+            p.inbound.detach(&table.ops);
+        }
+        // (Gathered sends make no offers.)
+        let open: Vec<(usize, u64)> = (0..table.len())
+            .filter(|i| !table.done[*i])
+            .filter_map(|i| table.state[i].offer.map(|o| (table.ops[i].peer(), o.seq)))
+            .collect();
+        if !open.is_empty() {
+            // Abort first, so a peer that finds the offer withdrawn also
+            // finds why (and whom to blame) in our control block.
+            self.abort(&e);
+            for &(peer, seq) in &open {
+                self.revoke(peer, seq);
             }
-            for p in incoming.iter_mut() {
-                p.inbound.detach(ops);
+        }
+        let e = if cancelled || !open.is_empty() { self.fail(e) } else { e };
+        table.fail_all(&e);
+        posting.fail_new(&e);
+        posting.notify();
+    }
+
+    /// Fail batches whose deadline has passed. One with a message half in
+    /// a ring or in single-copy flight fails the transport (the stream is
+    /// out of step); others just let go of their buffers.
+    fn expire(&self, eng: &mut Engine, posting: &Posting, now: Instant) -> std::result::Result<(), Error> {
+        while let Some(id) = eng.table.expired(now) {
+            let pending = eng.table.pending_of(id);
+            let Table { ops, gathered, state, .. } = &eng.table;
+            let what: Vec<String> = pending
+                .iter()
+                .map(|&i| match (&ops[i], send_of(ops, gathered, i).is_some()) {
+                    (op, true) => format!("send to peer rank {}", op.peer()),
+                    (op, false) => format!("receive from peer rank {}", op.peer()),
+                })
+                .collect();
+            let e = Error::timeout(format!("shm: {} not finished before the deadline", what.join(", ")));
+            let half_sent = |i: usize| matches!(send_of(ops, gathered, i), Some((_, _, out)) if state[i].sent > 0 && state[i].sent < HEADER + out.len());
+            let in_flight = pending.iter().any(|&i| state[i].offer.is_some() || half_sent(i))
+                || eng.peers.iter().any(|st| st.awaiting.is_some() && st.inbound.filling().is_some_and(|r| pending.contains(&r)));
+            if in_flight {
+                return Err(self.fail(e));
             }
-            // (Gathered sends make no offers.)
-            let open: Vec<(usize, u64)> =
-                (0..ops.len()).filter(|i| !done[*i]).filter_map(|i| offers[i].map(|o| (ops[i].peer(), o.seq))).collect();
-            if !open.is_empty() {
-                // Abort first, so a peer that finds the offer withdrawn also
-                // finds why (and whom to blame) in our control block.
-                self.abort(e);
-                for &(peer, seq) in &open {
-                    self.revoke(peer, seq);
+            for p in eng.peers.iter_mut() {
+                p.inbound.detach_where(&eng.table.ops, |i| pending.contains(&i));
+            }
+            eng.table.withdraw(id, e);
+            posting.notify();
+        }
+        Ok(())
+    }
+
+    /// Finished batches report (and threads waiting for them wake);
+    /// finished ops leave the table.
+    fn settle(eng: &mut Engine, posting: &Posting) {
+        if eng.table.settle() {
+            posting.notify();
+        }
+        if let Some(map) = eng.table.compact() {
+            for p in eng.peers.iter_mut() {
+                p.inbound.remap(&map);
+            }
+        }
+    }
+
+    /// Drive every posted op (taking new batches as they are posted) until
+    /// `until()` holds.
+    pub(crate) fn drive(&self, eng: &mut Engine, posting: &Posting, until: &dyn Fn() -> bool) {
+        let (me, w) = (self.rank, self.size);
+        let mut idle_since = Instant::now();
+        let mut last_check = Instant::now();
+        let mut busy: SmallVec<[bool; 16]> = smallvec![false; w];
+        loop {
+            let mut moved = false;
+            let mut step = || -> Result<()> {
+                self.check_failed()?;
+                for post in posting.take() {
+                    moved = true;
+                    self.absorb(eng, post)?;
+                }
+                moved |= self.pass(eng, &mut busy)?;
+                if moved {
+                    Self::settle(eng, posting);
+                }
+                self.expire(eng, posting, Instant::now())?;
+                let now = Instant::now();
+                if !moved && now.duration_since(last_check) >= NAP {
+                    // Nothing moved for a while: check why.
+                    last_check = now;
+                    let Table { ops, done, .. } = &eng.table;
+                    for op in ops.iter().zip(done).filter(|(_, d)| !**d).map(|(op, _)| op) {
+                        let peer = op.peer();
+                        let drained = matches!(op, P2p::Send { .. }) || self.ring(peer, me).available() == 0;
+                        if let (true, Some(e)) = (drained, self.peer_problem(peer)) {
+                            return Err(self.fail(e));
+                        }
+                    }
+                }
+                Ok(())
+            };
+            if let Err(e) = step() {
+                self.fail_everything(eng, posting, e);
+                return;
+            }
+            if until() {
+                return;
+            }
+            let now = Instant::now();
+            if moved {
+                idle_since = now;
+                continue;
+            }
+            // A peer copying our offered buffer finishes in about a
+            // millisecond per 16 MiB: keep spinning for it rather than pay a
+            // wake-up (~50 us) at the end of every large send.
+            let Table { ops, done, state, .. } = &eng.table;
+            let reading = (0..ops.len()).any(|i| !done[i] && state[i].offer.is_some()) || eng.peers.iter().any(|st| st.awaiting.is_some());
+            let idle = now.duration_since(idle_since);
+            let work = !eng.table.all_done();
+            if work && idle < PAUSE_SPIN && !self.oversubscribed {
+                // The peer is most likely running on another core and about
+                // to answer: a system call here would only add latency.
+                std::hint::spin_loop();
+                continue;
+            }
+            if work && idle < if reading { CMA_SPIN } else { SPIN } {
+                std::thread::yield_now();
+                continue;
+            }
+            let deadline = eng.table.next_deadline().unwrap_or(now + NAP);
+            self.nap(now, deadline, &|| {
+                posting.has_new()
+                    || (0..w).any(|p| p != me && self.ring(p, me).available() > 0)
+                    || self.single_copy_moved(&eng.table, &eng.peers)
+            });
+        }
+    }
+
+    /// One turn over every posted op: the first unfinished send to each
+    /// peer streams into its ring, then every incoming ring is drained into
+    /// the matching receives. True if anything moved.
+    fn pass(&self, eng: &mut Engine, busy: &mut [bool]) -> Result<bool> {
+        let me = self.rank;
+        let mut moved = false;
+        let Engine { peers: incoming, table } = eng;
+        let Table { ops, done, gathered, state, .. } = table;
+        busy.fill(false);
+        // Help copy single-copy sends only with nothing left to receive:
+        // while receiving, this core is busy pulling already.
+        let nothing_to_receive = ops.iter().zip(done.iter()).all(|(op, d)| *d || matches!(op, P2p::Send { .. }));
+        for i in 0..ops.len() {
+            let Some((peer, tag, out)) = send_of(ops, gathered, i) else { continue };
+            if done[i] || busy[peer] {
+                continue;
+            }
+            busy[peer] = true;
+            let ring = self.ring(me, peer);
+            let st = &mut state[i];
+            // An offer made while a large receive is pending says so
+            // (all_gather, all_to_all, ring steps), and may be pushed
+            // whole by this rank (`prefix` decides).
+            let first = st.sent == 0;
+            let receiving = first
+                && ops.iter().zip(done.iter()).any(|(op, d)| !*d && matches!(op, P2p::Recv { buf, .. } if buf.len() >= cma::MIN_BYTES));
+            let (prefix, plen) = match out {
+                Out::Bytes(data) => self.prefix(peer, tag, data, &mut incoming[peer], &mut st.offer, first, receiving),
+                Out::Gathered(g) => plain_header(tag, g.len()),
+            };
+            let before = st.sent;
+            if st.sent < plen {
+                st.sent += ring.write(&prefix[st.sent..plen]);
+            }
+            let mut inline = st.offer.is_none();
+            if let (Some(cma::Offer { seq, pushes, .. }), true) = (st.offer, st.sent >= plen) {
+                // Offered: done when the peer has read it, inline if it
+                // cannot (asked again while the inline payload streams:
+                // a payload larger than the ring's free space takes
+                // several rounds).
+                match self.cell(me, peer).phase(seq) {
+                    Some(cma::DONE) => {
+                        done[i] = true;
+                        busy[peer] = false;
+                        moved = true;
+                        continue;
+                    }
+                    Some(cma::REFUSED) => {
+                        incoming[peer].refused = true;
+                        inline = true;
+                    }
+                    Some(cma::READING)
+                        if (pushes || nothing_to_receive)
+                            && matches!(out, Out::Bytes(data) if self.push(peer, seq, data, pushes, &mut incoming[peer])) =>
+                    {
+                        moved = true;
+                        self.wake(peer);
+                    }
+                    _ => {}
                 }
             }
-            if cancelled || !open.is_empty() {
-                return Err(self.fail(e.clone()));
+            if inline && st.sent >= plen {
+                let from = st.sent - plen;
+                st.sent += match out {
+                    Out::Bytes(data) => ring.write(&data[from..]),
+                    Out::Gathered(g) => ring.write_with(g.len() - from, |at, piece| g.fill(from + at, piece)),
+                };
+            }
+            if st.sent != before {
+                moved = true;
+                self.wake(peer);
+            }
+            if inline && st.sent == plen + out.len() {
+                done[i] = true;
+                busy[peer] = false;
             }
         }
-        result
+        // Receives: drain every incoming ring, matching or stashing frames.
+        for peer in (0..self.size).filter(|p| *p != me) {
+            if self.drain(peer, ops, incoming, done)? {
+                moved = true;
+                self.wake(peer);
+            }
+        }
+        Ok(moved)
     }
 
     /// Withdraw single-copy offer `seq` to `peer`; if the peer is reading
@@ -205,163 +422,13 @@ impl ShmBackend {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn progress(
-        &self,
-        ops: &mut [P2p<'_>],
-        gathered: &[GatherSend<'_>],
-        incoming: &mut [PeerIn],
-        done: &mut [bool],
-        sent: &mut [usize],
-        offers: &mut [Option<cma::Offer>],
-        deadline: Instant,
-    ) -> Result<()> {
-        let (me, w) = (self.rank, self.size);
-        let mut idle_since = Instant::now();
-        let mut last_check = Instant::now();
-        let mut busy: SmallVec<[bool; 16]> = smallvec![false; w];
-        loop {
-            let mut moved = false;
-            // Sends: the first unfinished send to each peer streams into its ring.
-            busy.fill(false);
-            // Help copy single-copy sends only with nothing left to receive:
-            // while receiving, this core is busy pulling already.
-            let nothing_to_receive = ops.iter().zip(done.iter()).all(|(op, d)| *d || matches!(op, P2p::Send { .. }));
-            for i in 0..done.len() {
-                let Some((peer, tag, out)) = send_of(ops, gathered, i) else { continue };
-                if done[i] || busy[peer] {
-                    continue;
-                }
-                busy[peer] = true;
-                let ring = self.ring(me, peer);
-                // An offer made while a large receive is pending says so
-                // (all_gather, all_to_all, ring steps), and may be pushed
-                // whole by this rank (`prefix` decides).
-                let first = sent[i] == 0;
-                let receiving = first
-                    && ops.iter().zip(done.iter()).any(|(op, d)| !*d && matches!(op, P2p::Recv { buf, .. } if buf.len() >= cma::MIN_BYTES));
-                let (prefix, plen) = match out {
-                    Out::Bytes(data) => self.prefix(peer, tag, data, &mut incoming[peer], &mut offers[i], first, receiving),
-                    Out::Gathered(g) => plain_header(tag, g.len()),
-                };
-                let before = sent[i];
-                if sent[i] < plen {
-                    sent[i] += ring.write(&prefix[sent[i]..plen]);
-                }
-                let mut inline = offers[i].is_none();
-                if let (Some(cma::Offer { seq, pushes, .. }), true) = (offers[i], sent[i] >= plen) {
-                    // Offered: done when the peer has read it, inline if it
-                    // cannot (asked again while the inline payload streams:
-                    // a payload larger than the ring's free space takes
-                    // several rounds).
-                    match self.cell(me, peer).phase(seq) {
-                        Some(cma::DONE) => {
-                            done[i] = true;
-                            busy[peer] = false;
-                            moved = true;
-                            continue;
-                        }
-                        Some(cma::REFUSED) => {
-                            incoming[peer].refused = true;
-                            inline = true;
-                        }
-                        Some(cma::READING)
-                            if (pushes || nothing_to_receive)
-                                && matches!(out, Out::Bytes(data) if self.push(peer, seq, data, pushes, &mut incoming[peer])) =>
-                        {
-                            moved = true;
-                            self.wake(peer);
-                        }
-                        _ => {}
-                    }
-                }
-                if inline && sent[i] >= plen {
-                    let from = sent[i] - plen;
-                    sent[i] += match out {
-                        Out::Bytes(data) => ring.write(&data[from..]),
-                        Out::Gathered(g) => ring.write_with(g.len() - from, |at, piece| g.fill(from + at, piece)),
-                    };
-                }
-                if sent[i] != before {
-                    moved = true;
-                    self.wake(peer);
-                }
-                if inline && sent[i] == plen + out.len() {
-                    done[i] = true;
-                    busy[peer] = false;
-                }
-            }
-            // Receives: drain every incoming ring, matching or stashing frames.
-            for peer in (0..w).filter(|p| *p != me) {
-                if self.drain(peer, ops, incoming, done)? {
-                    moved = true;
-                    self.wake(peer);
-                }
-            }
-            if done.iter().all(|d| *d) {
-                return Ok(());
-            }
-            let now = Instant::now();
-            if moved {
-                idle_since = now;
-                continue;
-            }
-            // Nothing moved: check why, then spin or sleep.
-            self.check_failed()?;
-            if now.duration_since(last_check) >= NAP || now >= deadline {
-                last_check = now;
-                for i in (0..done.len()).filter(|i| !done[*i]) {
-                    let (peer, send) = peer_of(ops, gathered, i);
-                    let drained = send || self.ring(peer, me).available() == 0;
-                    if let (true, Some(e)) = (drained, self.peer_problem(peer)) {
-                        return Err(self.fail(e));
-                    }
-                }
-            }
-            if now >= deadline {
-                let pending: Vec<String> = (0..done.len())
-                    .filter(|i| !done[*i])
-                    .map(|i| match peer_of(ops, gathered, i) {
-                        (peer, true) => format!("send to peer rank {peer}"),
-                        (peer, false) => format!("receive from peer rank {peer}"),
-                    })
-                    .collect();
-                let e = Error::timeout(format!("shm: {} not finished before the deadline", pending.join(", ")));
-                let half_sent =
-                    |i: usize| matches!(send_of(ops, gathered, i), Some((_, _, out)) if sent[i] > 0 && sent[i] < HEADER + out.len());
-                if (0..done.len()).any(|i| !done[i] && offers[i].is_none() && half_sent(i)) {
-                    // Half a frame sits in a ring: the stream cannot be trusted again.
-                    return Err(self.fail(e));
-                }
-                return Err(e);
-            }
-            // A peer copying our offered buffer finishes in about a
-            // millisecond per 16 MiB: keep spinning for it rather than pay a
-            // wake-up (~50 us) at the end of every large send.
-            let reading = (0..done.len()).any(|i| !done[i] && offers[i].is_some()) || incoming.iter().any(|st| st.awaiting.is_some());
-            let idle = now.duration_since(idle_since);
-            if idle < PAUSE_SPIN && !self.oversubscribed {
-                // The peer is most likely running on another core and about
-                // to answer: a system call here would only add latency.
-                std::hint::spin_loop();
-                continue;
-            }
-            if idle < if reading { CMA_SPIN } else { SPIN } {
-                std::thread::yield_now();
-                continue;
-            }
-            self.nap(now, deadline, &|| {
-                (0..w).any(|p| p != me && self.ring(p, me).available() > 0) || self.single_copy_moved(ops, done, offers, incoming)
-            });
-        }
-    }
-
     /// Whether a single-copy transfer of this exchange needs this rank: a
     /// peer opened an offer this rank pushes, finished reading (or
     /// refused) one, or pushed one this rank waits for.
-    fn single_copy_moved(&self, ops: &[P2p<'_>], done: &[bool], offers: &[Option<cma::Offer>], incoming: &[PeerIn]) -> bool {
+    fn single_copy_moved(&self, table: &Table<OpState>, incoming: &[PeerIn]) -> bool {
         let me = self.rank;
-        let mut open = ops.iter().zip(done).zip(offers).filter_map(|((op, d), o)| o.filter(|_| !*d).map(|o| (op.peer(), o)));
+        let Table { ops, done, state, .. } = table;
+        let mut open = (0..ops.len()).filter(|i| !done[*i]).filter_map(|i| state[i].offer.map(|o| (ops[i].peer(), o)));
         open.any(|(peer, o)| {
             let cell = self.cell(me, peer);
             match cell.phase(o.seq) {

@@ -10,13 +10,14 @@ use crate::cma::Cell;
 use crate::fastbox::{Fastbox, Waiter, FASTBOX_BYTES};
 use crate::ring::{footprint, Ring};
 use crate::segment::Segment;
-use crate::stream::PeerIn;
+use crate::stream::Engine;
 use linux_futex::{Futex, Shared};
 use smallvec::SmallVec;
 use std::sync::atomic::{fence, AtomicU32, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use weft::backend::{Backend, Deadline, GatherSend, Op, OpContext, P2p};
+use weft::progress::{self, Post, Posting};
 use weft::{Error, Result, Tensor, TensorMut};
 
 const RUNNING: u32 = 0;
@@ -79,7 +80,10 @@ pub struct ShmBackend {
     pub(crate) size: usize,
     seg: Segment,
     rings: Vec<Ring>,
-    pub(crate) incoming: Mutex<Vec<PeerIn>>,
+    /// Inbound state and posted ops; whoever holds it drives them all.
+    pub(crate) engine: Mutex<Engine>,
+    /// Batches waiting for the driver.
+    pub(crate) posting: Arc<Posting>,
     /// The first failure: the rings are out of step for good after it.
     failed: std::sync::OnceLock<Error>,
     /// Offer large sends single-copy, and read peers' offers (hint `shm_cma`).
@@ -117,7 +121,8 @@ impl ShmBackend {
             seg,
             fast,
             rings,
-            incoming: Mutex::new((0..size).map(|_| PeerIn::default()).collect()),
+            engine: Mutex::new(Engine::new(size)),
+            posting: Arc::default(),
             failed: std::sync::OnceLock::new(),
             cma: std::sync::atomic::AtomicBool::new(cma.is_some()),
             single_copy: cma.unwrap_or(crate::cma::Policy::FAST),
@@ -202,6 +207,20 @@ impl ShmBackend {
     }
 }
 
+impl progress::Engine for ShmBackend {
+    fn posting(&self) -> &Arc<Posting> {
+        &self.posting
+    }
+    fn try_drive(&self, until: &dyn Fn() -> bool) -> bool {
+        let Some(mut eng) = progress::try_lock(&self.engine) else { return false };
+        self.drive(&mut eng, &self.posting, until);
+        true
+    }
+    fn wake_driver(&self) {
+        self.wake(self.rank);
+    }
+}
+
 impl Backend for ShmBackend {
     fn name(&self) -> &str {
         "shm"
@@ -242,11 +261,24 @@ impl Backend for ShmBackend {
     }
 
     fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
-        self.exchange_p2p(ops, &[], deadline)
+        progress::exchange(self, ops, &[], deadline)
     }
 
     fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
-        self.exchange_p2p(ops, gathered, deadline)
+        progress::exchange(self, ops, gathered, deadline)
+    }
+
+    fn posts(&self) -> bool {
+        true
+    }
+
+    fn post(&self, post: Post) {
+        self.posting.push(post);
+        self.wake(self.rank);
+    }
+
+    fn progress(&self, until: &dyn Fn() -> bool) {
+        progress::wait_until(self, until)
     }
 
     fn abort(&self, reason: &Error) {

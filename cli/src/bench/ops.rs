@@ -8,7 +8,7 @@ use weft_conformance::reference::{make, reduced_tensor};
 use weft_conformance::{Buf, SharedPlacement};
 
 /// The ops `weft bench` knows.
-pub const ALL: [&str; 11] = [
+pub const ALL: [&str; 12] = [
     "all_reduce",
     "all_gather",
     "reduce_scatter",
@@ -19,6 +19,7 @@ pub const ALL: [&str; 11] = [
     "gather",
     "scatter",
     "p2p",
+    "sendrecv",
     "barrier",
 ];
 
@@ -76,7 +77,7 @@ impl Case {
             "all_gather" | "gather" => (Buf::from_bytes(dtype, &make(dtype, r, part)), Buf::zeros(dtype, count)),
             "reduce_scatter" => (Buf::from_bytes(dtype, &make(dtype, r, count)), Buf::zeros(dtype, part)),
             "scatter" => (Buf::from_bytes(dtype, &make(dtype, r, count)), Buf::zeros(dtype, part)),
-            "all_to_all" | "all_to_all_v" | "p2p" | "device_copy" => {
+            "all_to_all" | "all_to_all_v" | "p2p" | "sendrecv" | "device_copy" => {
                 (Buf::from_bytes(dtype, &make(dtype, r, count)), Buf::zeros(dtype, count))
             }
             _ => (Buf::from_bytes(dtype, &make(dtype, r, count)), Buf::zeros(dtype, 0)),
@@ -136,6 +137,10 @@ impl Case {
                 }
                 Ok(())
             }
+            // Every rank sends to r+1 and receives from r-1 at once
+            // (nccl-tests' sendrecv_perf).
+            "sendrecv" if w > 1 => pg.sendrecv(self.input.t(), (r + 1) % w, self.output.tm(), (r + w - 1) % w, 0, o)?.synchronize(),
+            "sendrecv" => Ok(()),
             // The memory-bandwidth reference: a copy on every rank, no communication.
             "device_copy" => match &self.place {
                 Some(p) => p.copy(self.output.addr(), self.input.addr(), self.count * self.dtype.size()),
@@ -176,6 +181,7 @@ impl Case {
                 cmp(&output, &shifted)
             }
             "p2p" if r > 0 => cmp(&output, &pat(0)),
+            "sendrecv" if w > 1 => cmp(&output, &pat((r + w - 1) % w)),
             "all_to_all" | "all_to_all_v" => {
                 // From each source s, its part for this rank: offset of r in s's splits.
                 let mut off = 0;

@@ -3,11 +3,12 @@
 mod debug;
 mod executor;
 mod ops;
+mod p2p;
 mod scope;
 mod setup;
 mod work;
 
-pub use ops::{Collectives, Job};
+pub use ops::{Collectives, Job, P2pOp};
 pub use scope::Scope;
 pub use work::Work;
 
@@ -49,6 +50,8 @@ pub(crate) struct GroupCore {
     /// Why each empty route has no backend.
     missing: HashMap<Route, String>,
     exec: Arc<Executor>,
+    /// Progress threads of the transports background p2p ops are posted to.
+    lanes: std::sync::Mutex<Vec<Arc<p2p::Lane>>>,
     debug_detail: bool,
     aborted: AtomicBool,
     /// The first failure after bytes may have moved (checked on every op).
@@ -151,6 +154,9 @@ impl std::fmt::Debug for ProcessGroup {
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
         self.core.exec.shutdown();
+        for lane in self.core.lanes.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            lane.stop();
+        }
         for b in self.core.backends() {
             b.shutdown();
         }
@@ -161,6 +167,14 @@ impl<'t> Collectives<'t> for ProcessGroup {
     #[inline]
     fn submit(&self, mut job: Job<'t>, opts: &OpOptions) -> Result<Work<'t>> {
         let opts = job.options(opts);
+        if let Some(backend) = self.core.posting_backend(&job) {
+            let state = executor::new_state();
+            // SAFETY: this returns only once `state` has completed, so the
+            // tensors outlive the op.
+            unsafe { self.core.post_p2p(&backend, &mut job, &opts, state.clone(), false) };
+            p2p::wait_direct(backend.as_ref(), &state);
+            return Ok(Work::new(state));
+        }
         let ticket = self.core.exec.issue();
         let (result, device) = self.core.exec.run_inline(ticket, job.is_collective(), |seq| self.core.run_job(&mut job, &opts, seq));
         Ok(Work::done(result, device))

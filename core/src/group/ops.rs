@@ -26,6 +26,40 @@ pub struct Job<'t> {
     pub(crate) op: Op<'t>,
 }
 
+/// One send or receive of a [`Collectives::batch_p2p`].
+#[derive(Debug)]
+pub enum P2pOp<'t> {
+    /// Send `tensor` to rank `peer` under `tag`.
+    Send {
+        /// The data.
+        tensor: Tensor<'t>,
+        /// Destination rank.
+        peer: usize,
+        /// Tag (at most [`MAX_USER_TAG`]).
+        tag: u32,
+    },
+    /// Receive into `tensor` from rank `peer` under `tag`.
+    Recv {
+        /// Where the message lands (its size must match).
+        tensor: TensorMut<'t>,
+        /// Source rank.
+        peer: usize,
+        /// Tag (at most [`MAX_USER_TAG`]).
+        tag: u32,
+    },
+}
+
+impl<'t> P2pOp<'t> {
+    /// A send of `tensor` to `peer` under `tag`.
+    pub fn send(tensor: impl Into<Tensor<'t>>, peer: usize, tag: u32) -> Self {
+        P2pOp::Send { tensor: tensor.into(), peer, tag }
+    }
+    /// A receive into `tensor` from `peer` under `tag`.
+    pub fn recv(tensor: impl Into<TensorMut<'t>>, peer: usize, tag: u32) -> Self {
+        P2pOp::Recv { tensor: tensor.into(), peer, tag }
+    }
+}
+
 mod sealed {
     pub trait Sealed {}
 }
@@ -133,7 +167,15 @@ pub trait Collectives<'t>: sealed::Sealed {
     fn debug_detail(&self) -> bool;
 
     /// Send `tensor` to rank `dst` under `tag` (at most [`MAX_USER_TAG`]).
-    /// Messages with different tags may be received in any order.
+    /// Messages with different tags may be received in any order; messages
+    /// with the same tag are received in the order they were sent.
+    ///
+    /// Issued directly on a [`crate::ProcessGroup`], it returns once sent:
+    /// a pattern where two ranks wait on each other (both send first, a ring
+    /// exchange of long messages) needs a [`crate::Scope`], a
+    /// [`Collectives::batch_p2p`] or [`Collectives::sendrecv`]. In a scope
+    /// it is posted at once and completes whenever the peer allows,
+    /// regardless of other ops (see [`crate::ProcessGroup::scope`]).
     fn send(&self, tensor: impl Into<Tensor<'t>>, dst: usize, tag: u32, opts: &OpOptions) -> Result<Work<'t>> {
         let data = tensor.into();
         let c = check(self, "send");
@@ -144,7 +186,8 @@ pub trait Collectives<'t>: sealed::Sealed {
     }
 
     /// Receive into `tensor` from rank `src` the oldest message sent under `tag`;
-    /// its size must equal the tensor's.
+    /// its size must equal the tensor's. Direct or in a scope, as
+    /// [`Collectives::send`].
     fn recv(&self, tensor: impl Into<TensorMut<'t>>, src: usize, tag: u32, opts: &OpOptions) -> Result<Work<'t>> {
         let buf = tensor.into();
         let c = check(self, "recv");
@@ -152,6 +195,52 @@ pub trait Collectives<'t>: sealed::Sealed {
         user_tag(&c, tag)?;
         let (route, ..) = c.tensors([meta_mut(&buf)])?;
         self.submit(job(&c, OpKind::Recv, route, None, Op::Recv { buf, peer: src, tag: crate::tag::user(tag) }), opts)
+    }
+
+    /// Post sends and receives as one unit with one [`Work`] (torch's
+    /// `batch_isend_irecv`, NCCL's grouped calls): they progress together,
+    /// in any order the peers allow, and the work completes once all have.
+    /// All tensors must be on one device; an empty batch is done at once.
+    fn batch_p2p(&self, ops: Vec<P2pOp<'t>>, opts: &OpOptions) -> Result<Work<'t>> {
+        let c = check(self, "batch_p2p");
+        let mut metas = Vec::with_capacity(ops.len());
+        let mut batch = Vec::with_capacity(ops.len());
+        for op in ops {
+            match op {
+                P2pOp::Send { tensor, peer, tag } => {
+                    c.peer(peer)?;
+                    user_tag(&c, tag)?;
+                    metas.push(meta(&tensor));
+                    batch.push(Op::Send { data: tensor, peer, tag: crate::tag::user(tag) });
+                }
+                P2pOp::Recv { tensor, peer, tag } => {
+                    c.peer(peer)?;
+                    user_tag(&c, tag)?;
+                    metas.push(meta_mut(&tensor));
+                    batch.push(Op::Recv { buf: tensor, peer, tag: crate::tag::user(tag) });
+                }
+            }
+        }
+        if batch.is_empty() {
+            return Ok(Work::done(Ok(()), None));
+        }
+        let (route, ..) = c.tensors(metas)?;
+        self.submit(job(&c, OpKind::Send, route, None, Op::Batch { ops: batch }), opts)
+    }
+
+    /// Send `send` to `dst` and receive `recv` from `src` at once, both
+    /// under `tag` (`MPI_Sendrecv`): a ring shift in one call, safe however
+    /// long the messages.
+    fn sendrecv(
+        &self,
+        send: impl Into<Tensor<'t>>,
+        dst: usize,
+        recv: impl Into<TensorMut<'t>>,
+        src: usize,
+        tag: u32,
+        opts: &OpOptions,
+    ) -> Result<Work<'t>> {
+        self.batch_p2p(vec![P2pOp::recv(recv, src, tag), P2pOp::send(send, dst, tag)], opts)
     }
 
     /// Copy `root`'s tensor into every rank's tensor.
@@ -365,8 +454,9 @@ pub trait Collectives<'t>: sealed::Sealed {
         self.submit(job(&c, OpKind::AllReduceSparse, route, fp, Op::AllReduceSparse { input: Box::new(input), output, op }), opts)
     }
 
-    /// Return once every rank has entered the barrier (and, as ops of a group
-    /// run in order, once this rank's earlier ops have finished).
+    /// Return once every rank has entered the barrier (and, as collectives
+    /// of a group run in order, once this rank's earlier collectives have
+    /// finished; point-to-point ops are not ordered with it).
     fn barrier(&self, opts: &OpOptions) -> Result<Work<'t>> {
         let c = check(self, "barrier");
         let fp = c.fingerprint(OpKind::Barrier, String::new);

@@ -59,14 +59,21 @@ impl<'scope, 'env> Collectives<'scope> for Scope<'scope, 'env> {
     fn submit(&self, job: Job<'scope>, opts: &OpOptions) -> Result<Work<'scope>> {
         let opts = job.options(opts).into_owned();
         let core = self.group.core.clone();
-        let ticket = core.exec.issue();
-        let collective = job.is_collective();
         let state = new_state();
         // SAFETY: only the lifetime changes. The job borrows tensors for
         // 'scope; `ProcessGroup::scope` waits for `state` (completed after
         // the job has run and been dropped) before 'scope can end, whatever
         // happens to the returned Work.
-        let job: Job<'static> = unsafe { std::mem::transmute::<Job<'scope>, Job<'static>>(job) };
+        let mut job: Job<'static> = unsafe { std::mem::transmute::<Job<'scope>, Job<'static>>(job) };
+        self.pending.lock().unwrap_or_else(|p| p.into_inner()).push(state.clone());
+        if let Some(backend) = core.posting_backend(&job) {
+            // SAFETY: as above: the scope waits for `state`.
+            unsafe { core.post_p2p(&backend, &mut job, &opts, state.clone(), true) };
+            return Ok(Work::new(state));
+        }
+        // Everything else takes its turn in the group's order.
+        let ticket = core.exec.issue();
+        let collective = job.is_collective();
         let st = state.clone();
         let exec = core.exec.clone();
         exec.enqueue(
@@ -81,7 +88,6 @@ impl<'scope, 'env> Collectives<'scope> for Scope<'scope, 'env> {
                 st.complete(result, device);
             }),
         );
-        self.pending.lock().unwrap_or_else(|p| p.into_inner()).push(state.clone());
         Ok(Work::new(state))
     }
     fn rank(&self) -> usize {

@@ -101,6 +101,7 @@ pub(super) fn create(store: Arc<dyn Store>, rank: usize, size: usize, options: G
         routes: routes.into_iter().collect(),
         missing,
         exec: Arc::new(Executor::default()),
+        lanes: Default::default(),
         aborted: AtomicBool::new(false),
         poisoned: OnceLock::new(),
         splits: AtomicU64::new(0),

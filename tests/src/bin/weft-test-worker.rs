@@ -194,6 +194,12 @@ fn run(scenario: &str) -> anyhow::Result<()> {
                 }
             }
         }
+        "p2p" => {
+            let checks = weft_conformance::run_p2p(&pg, None, 16 << 20);
+            let (table, ok) = weft_conformance::summary(&checks);
+            anyhow::ensure!(ok, "rank {r}:\n{table}");
+            println!("rank {r}: {} p2p checks passed on {:?}", checks.len(), pg);
+        }
         "conformance" => {
             let checks = weft_conformance::run(&pg, 5);
             let (table, ok) = weft_conformance::summary(&checks);

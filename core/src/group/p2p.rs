@@ -1,0 +1,202 @@
+//! Point-to-point ops that complete on their own.
+//!
+//! On a transport that posts ([`Backend::posts`]: cpu-tcp, shm and what
+//! wraps them), a send, a receive or a batch of them is posted to the
+//! transport when it is issued, on the issuing thread, and completes
+//! whenever its peers allow: it takes no turn in the group's order, so it
+//! never waits for an unrelated op, and no op waits for it. Direct ops
+//! then drive the transport until their own op is done; background ops
+//! (in a scope) are driven by whoever is in the transport, or else by the
+//! group's progress thread for that transport (a [`Lane`]).
+//!
+//! Elsewhere (plugins, the CUDA backends) point-to-point ops run as
+//! collectives do: one at a time, in issue order (a batch as one exchange).
+
+use super::work::WorkState;
+use super::{GroupCore, Job};
+use crate::backend::{Backend, Op, P2p};
+use crate::dtype::DType;
+use crate::error::{Error, ErrorKind, Result};
+use crate::options::OpOptions;
+use crate::progress::Post;
+use crate::tensor::DeviceKind;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+/// A group's progress thread for one posting transport: it drives the
+/// transport while background ops posted to it are unfinished.
+pub(crate) struct Lane {
+    backend: Arc<dyn Backend>,
+    /// Background ops posted and not yet finished.
+    pending: AtomicUsize,
+    shutdown: AtomicBool,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    idle: Mutex<()>,
+    wake: Condvar,
+}
+
+impl Lane {
+    fn start(backend: Arc<dyn Backend>) -> Arc<Lane> {
+        let lane = Arc::new(Lane {
+            backend,
+            pending: AtomicUsize::new(0),
+            shutdown: AtomicBool::new(false),
+            thread: Mutex::new(None),
+            idle: Mutex::new(()),
+            wake: Condvar::new(),
+        });
+        let me = lane.clone();
+        let t = std::thread::Builder::new()
+            .name("weft-p2p-progress".into())
+            .spawn(move || me.run())
+            .expect("spawn the point-to-point progress thread");
+        *lane.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+        lane
+    }
+
+    fn run(&self) {
+        loop {
+            {
+                let g = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+                let _g = self
+                    .wake
+                    .wait_while(g, |_| self.pending.load(Ordering::SeqCst) == 0 && !self.shutdown.load(Ordering::SeqCst))
+                    .unwrap_or_else(|p| p.into_inner());
+            }
+            if self.pending.load(Ordering::SeqCst) == 0 && self.shutdown.load(Ordering::SeqCst) {
+                return;
+            }
+            self.backend.progress(&|| self.pending.load(Ordering::SeqCst) == 0);
+        }
+    }
+
+    /// One more background op is posted.
+    fn begin(&self) {
+        if self.pending.fetch_add(1, Ordering::SeqCst) == 0 {
+            drop(self.idle.lock().unwrap_or_else(|p| p.into_inner()));
+            self.wake.notify_one();
+        }
+    }
+
+    /// A background op finished.
+    fn end(&self) {
+        self.pending.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Stop the thread (after every background op has finished).
+    pub(crate) fn stop(&self) {
+        self.shutdown.store(true, Ordering::SeqCst);
+        drop(self.idle.lock().unwrap_or_else(|p| p.into_inner()));
+        self.wake.notify_one();
+        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The sends and receives of a point-to-point job, over host memory.
+fn p2p_of<'a>(op: &'a mut Op<'_>) -> Result<Vec<P2p<'a>>> {
+    let one = |op: &'a mut Op<'_>| -> Result<P2p<'a>> {
+        match op {
+            Op::Send { data, peer, tag } => Ok(P2p::Send { peer: *peer, tag: *tag, data: data.host_bytes()? }),
+            Op::Recv { buf, peer, tag } => Ok(P2p::Recv { peer: *peer, tag: *tag, buf: buf.host_bytes_mut()? }),
+            _ => Err(Error::invalid("a batch holds only sends and receives")),
+        }
+    };
+    match op {
+        Op::Batch { ops } => ops.iter_mut().map(one).collect(),
+        op => Ok(vec![one(op)?]),
+    }
+}
+
+/// Received bool buffers, to clean once their bytes are in.
+fn bool_outputs(op: &mut Op<'_>) -> Vec<(usize, usize)> {
+    op.outputs_mut()
+        .filter(|o| o.dtype() == DType::Bool)
+        .filter_map(|o| o.host_bytes_mut().ok())
+        .map(|b| (b.as_mut_ptr() as usize, b.len()))
+        .collect()
+}
+
+impl GroupCore {
+    /// The transport a point-to-point job is posted to, if it posts.
+    pub(crate) fn posting_backend(&self, job: &Job<'_>) -> Option<Arc<dyn Backend>> {
+        if job.is_collective() || job.route.0 != DeviceKind::Cpu {
+            return None;
+        }
+        self.backend(job.route).filter(|b| b.posts()).cloned()
+    }
+
+    /// This group's progress thread for `backend`, started on first use.
+    fn lane(&self, backend: &Arc<dyn Backend>) -> Arc<Lane> {
+        let mut lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(l) = lanes.iter().find(|l| Arc::ptr_eq(&l.backend, backend)) {
+            return l.clone();
+        }
+        let l = Lane::start(backend.clone());
+        lanes.push(l.clone());
+        l
+    }
+
+    /// Post `job` to `backend`; `state` completes when it has finished.
+    /// `background`: the group's progress thread drives it when nobody
+    /// else is in the transport.
+    ///
+    /// # Safety
+    /// The memory `job`'s tensors view stays valid until `state` completes.
+    pub(crate) unsafe fn post_p2p(
+        self: &Arc<Self>,
+        backend: &Arc<dyn Backend>,
+        job: &mut Job<'_>,
+        opts: &OpOptions,
+        state: Arc<WorkState>,
+        background: bool,
+    ) {
+        let name = job.name;
+        let bools = bool_outputs(&mut job.op);
+        let ops = self.usable().and_then(|()| p2p_of(&mut job.op));
+        let mut ops = match ops {
+            Ok(ops) => ops,
+            Err(e) => return state.complete(Err(e.with_op(name).with_rank(self.rank)), None),
+        };
+        let deadline = Instant::now() + opts.timeout.unwrap_or(self.options.timeout);
+        let lane = background.then(|| self.lane(backend));
+        if let Some(l) = &lane {
+            l.begin();
+        }
+        let core = self.clone();
+        let done = Box::new(move |r: Result<()>| {
+            let r = r.map_err(|e| {
+                let e = e.with_op(name).with_rank(core.rank);
+                if !matches!(e.kind(), ErrorKind::Unsupported | ErrorKind::InvalidArgument) {
+                    core.poison(e.clone());
+                }
+                e
+            });
+            if r.is_ok() {
+                for &(at, len) in &bools {
+                    // SAFETY: a receive buffer of this op, valid until
+                    // `state` completes (the caller's promise); the
+                    // transport no longer touches it.
+                    crate::kernels::sanitize(unsafe { std::slice::from_raw_parts_mut(at as *mut u8, len) }, DType::Bool);
+                }
+            }
+            state.complete(r, None);
+            if let Some(l) = lane {
+                l.end();
+            }
+        });
+        // SAFETY: the buffers are valid until `state` completes (the
+        // caller's promise), which `done` does last.
+        let post = unsafe { Post::new(&mut ops, &[], deadline, done) };
+        backend.post(post);
+    }
+}
+
+/// Wait for a directly issued point-to-point op: drive its transport until
+/// `state` completes.
+pub(crate) fn wait_direct(backend: &dyn Backend, state: &WorkState) {
+    backend.progress(&|| state.is_done());
+}

@@ -1,0 +1,487 @@
+//! Posted point-to-point ops that progress together, whoever drives them.
+//!
+//! A transport with a progress loop (cpu-tcp's sockets, shm's rings) keeps
+//! every op posted to it in one [`Table`]: the steps of a collective posted
+//! by a blocking [`Backend::exchange`](crate::backend::Backend::exchange),
+//! and the background sends and receives of a scope or a batch
+//! ([`Backend::post`](crate::backend::Backend::post)). One thread at a time
+//! holds the transport's engine and drives every op in the table, its own
+//! and everyone else's; it leaves once what it waits for is done, and a
+//! waiting thread takes over ([`wait_until`]). So no op waits for an
+//! unrelated one: a long send that needs its receiver's go-ahead never
+//! stops a receive posted after it (MPI's progress rule).
+//!
+//! Ops are kept in post order (compaction keeps it), so receives of one
+//! peer and tag match messages in the order they were posted (MPI's
+//! non-overtaking rule), and a transport streams sends to a peer in that
+//! order.
+//!
+//! No I/O here: the table, the batches and their completions, and the
+//! hand-over between threads. The transports move the bytes.
+
+use crate::backend::{Gather, GatherSend, P2p};
+use crate::error::{Error, Result};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Called once when a posted batch has finished: `Ok` once every op of it
+/// is done, else why it failed (after its buffers are no longer touched).
+pub type Done = Box<dyn FnOnce(Result<()>) + Send>;
+
+/// A batch of ops handed to a transport: they progress with every other
+/// posted op, and `done` is called once all have completed or the batch
+/// failed.
+pub struct Post {
+    /// The sends and receives, in issue order. The borrows are really of
+    /// the poster's buffers: the poster keeps them valid until `done` runs.
+    pub ops: Vec<P2p<'static>>,
+    /// Sends whose bytes a [`Gather`] writes (after `ops`).
+    pub gathered: Vec<GatherSend<'static>>,
+    /// When the batch fails with `Timeout` if unfinished.
+    pub deadline: Instant,
+    /// Called once with the batch's outcome.
+    pub done: Done,
+}
+
+impl Post {
+    /// A batch of `ops` (and `gathered` sends) whose borrows end when `done`
+    /// has been called.
+    ///
+    /// # Safety
+    /// The buffers `ops` and `gathered` borrow must stay valid (and not be
+    /// used elsewhere) until `done` has been called.
+    pub unsafe fn new(ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant, done: Done) -> Post {
+        let ops = ops
+            .iter_mut()
+            .map(|op| {
+                let op = match op {
+                    P2p::Send { peer, tag, data } => P2p::Send { peer: *peer, tag: *tag, data },
+                    P2p::Recv { peer, tag, buf } => P2p::Recv { peer: *peer, tag: *tag, buf },
+                };
+                // SAFETY: only the lifetime changes; the caller keeps the
+                // buffers valid until `done` (see above).
+                unsafe { std::mem::transmute::<P2p<'_>, P2p<'static>>(op) }
+            })
+            .collect();
+        let gathered = gathered
+            .iter()
+            // SAFETY: as above.
+            .map(|g| unsafe { std::mem::transmute::<GatherSend<'_>, GatherSend<'static>>(*g) })
+            .collect();
+        Post { ops, gathered, deadline, done }
+    }
+}
+
+struct Batch {
+    id: u64,
+    deadline: Instant,
+    done: Option<Done>,
+}
+
+/// Every op posted to one transport and not yet finished, in post order,
+/// each with the transport's own state `S` for it.
+///
+/// `ops[i]`, `done[i]`, `gathered[i]` and `state[i]` describe op `i`; a
+/// transport marks an op finished by setting `done[i]`. Op indices stay
+/// valid until [`Table::compact`], which returns how they moved.
+pub struct Table<S> {
+    /// The ops (a gathered send is a `Send` with empty `data`).
+    pub ops: Vec<P2p<'static>>,
+    /// Which ops are finished.
+    pub done: Vec<bool>,
+    /// The source of a gathered send.
+    pub gathered: Vec<Option<&'static dyn Gather>>,
+    /// The transport's state for each op.
+    pub state: Vec<S>,
+    batch_of: Vec<u64>,
+    batches: VecDeque<Batch>,
+    next_batch: u64,
+}
+
+impl<S> Default for Table<S> {
+    fn default() -> Self {
+        Table {
+            ops: Vec::new(),
+            done: Vec::new(),
+            gathered: Vec::new(),
+            state: Vec::new(),
+            batch_of: Vec::new(),
+            batches: VecDeque::new(),
+            next_batch: 0,
+        }
+    }
+}
+
+impl<S> Table<S> {
+    /// Append `post`'s ops, each with the state `init` gives it; the new
+    /// batch's id. Its first op is at the table's old length.
+    pub fn add(&mut self, post: Post, mut init: impl FnMut(&P2p<'static>, Option<&'static dyn Gather>) -> S) -> u64 {
+        let id = self.next_batch;
+        self.next_batch += 1;
+        for op in post.ops {
+            self.state.push(init(&op, None));
+            self.ops.push(op);
+            self.gathered.push(None);
+        }
+        for g in post.gathered {
+            let op = P2p::Send { peer: g.peer, tag: g.tag, data: &[] };
+            self.state.push(init(&op, Some(g.src)));
+            self.ops.push(op);
+            self.gathered.push(Some(g.src));
+        }
+        self.done.resize(self.ops.len(), false);
+        self.batch_of.resize(self.ops.len(), id);
+        self.batches.push_back(Batch { id, deadline: post.deadline, done: Some(post.done) });
+        id
+    }
+
+    /// Number of ops (finished ones included, until compaction).
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// Whether the table holds no op.
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
+    /// Whether every op is finished (or there are none).
+    pub fn all_done(&self) -> bool {
+        self.done.iter().all(|d| *d)
+    }
+
+    /// Whether batch `id` still has an unfinished op.
+    fn unfinished(&self, id: u64) -> bool {
+        self.batch_of.iter().zip(&self.done).any(|(b, d)| *b == id && !*d)
+    }
+
+    /// Call `done` of every batch whose ops have all finished; true if any.
+    pub fn settle(&mut self) -> bool {
+        let mut any = false;
+        let mut i = 0;
+        while i < self.batches.len() {
+            if self.unfinished(self.batches[i].id) {
+                i += 1;
+                continue;
+            }
+            let mut b = self.batches.remove(i).expect("in range");
+            if let Some(done) = b.done.take() {
+                done(Ok(()));
+            }
+            any = true;
+        }
+        any
+    }
+
+    /// The earliest deadline of an unfinished batch.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.batches.iter().map(|b| b.deadline).min()
+    }
+
+    /// An unfinished batch whose deadline has passed at `now`.
+    pub fn expired(&self, now: Instant) -> Option<u64> {
+        self.batches.iter().find(|b| b.deadline <= now).map(|b| b.id)
+    }
+
+    /// The unfinished ops of batch `id`.
+    pub fn pending_of(&self, id: u64) -> Vec<usize> {
+        (0..self.ops.len()).filter(|&i| self.batch_of[i] == id && !self.done[i]).collect()
+    }
+
+    /// Give up batch `id`: its ops count as finished (the transport has
+    /// already let go of their buffers) and its `done` gets `e`.
+    pub fn withdraw(&mut self, id: u64, e: Error) {
+        for i in 0..self.ops.len() {
+            if self.batch_of[i] == id {
+                self.done[i] = true;
+            }
+        }
+        if let Some(at) = self.batches.iter().position(|b| b.id == id) {
+            let mut b = self.batches.remove(at).expect("found");
+            if let Some(done) = b.done.take() {
+                done(Err(e));
+            }
+        }
+    }
+
+    /// Fail every batch with `e` (the transport has let go of every
+    /// buffer) and empty the table.
+    pub fn fail_all(&mut self, e: &Error) {
+        for mut b in self.batches.drain(..) {
+            if let Some(done) = b.done.take() {
+                done(Err(e.clone()));
+            }
+        }
+        self.ops.clear();
+        self.done.clear();
+        self.gathered.clear();
+        self.state.clear();
+        self.batch_of.clear();
+    }
+
+    /// Drop finished ops if they make up much of the table; `Some(map)`
+    /// if indices moved (`map[old]` is the new index of a kept op). Ops
+    /// keep their order.
+    pub fn compact(&mut self) -> Option<Vec<usize>> {
+        let finished = self.done.iter().filter(|d| **d).count();
+        if finished == 0 || (finished * 2 < self.ops.len() && finished < 64) {
+            return None;
+        }
+        let keep: Vec<bool> = self.done.iter().map(|d| !d).collect();
+        let mut map = vec![usize::MAX; self.ops.len()];
+        let mut next = 0;
+        for (old, slot) in map.iter_mut().enumerate() {
+            if keep[old] {
+                *slot = next;
+                next += 1;
+            }
+        }
+        retain_by(&mut self.ops, &keep);
+        retain_by(&mut self.gathered, &keep);
+        retain_by(&mut self.state, &keep);
+        retain_by(&mut self.batch_of, &keep);
+        self.done.clear();
+        self.done.resize(self.ops.len(), false);
+        Some(map)
+    }
+}
+
+fn retain_by<T>(v: &mut Vec<T>, keep: &[bool]) {
+    let mut i = 0;
+    v.retain(|_| {
+        i += 1;
+        keep[i - 1]
+    });
+}
+
+/// Where posters leave batches for the thread that drives a transport, and
+/// how waiting threads learn that something finished or that nobody
+/// drives any more.
+#[derive(Default)]
+pub struct Posting {
+    inbox: Mutex<Vec<Post>>,
+    /// Batches in the inbox (read without the lock on every pass).
+    waiting: AtomicUsize,
+    /// Bumped when a batch finishes or a driver leaves.
+    changes: Mutex<u64>,
+    changed: Condvar,
+    /// Threads in `wait_change`: without any, `notify` costs one load.
+    sleepers: AtomicUsize,
+}
+
+impl Posting {
+    /// Leave `post` for the driver (in call order: the order ops match in).
+    pub fn push(&self, post: Post) {
+        let mut inbox = self.inbox.lock().unwrap_or_else(|p| p.into_inner());
+        inbox.push(post);
+        self.waiting.fetch_add(1, Ordering::Release);
+    }
+
+    /// Whether batches wait in the inbox.
+    pub fn has_new(&self) -> bool {
+        self.waiting.load(Ordering::Acquire) > 0
+    }
+
+    /// Take the batches left since the last call, in post order.
+    pub fn take(&self) -> Vec<Post> {
+        if !self.has_new() {
+            return Vec::new();
+        }
+        let mut inbox = self.inbox.lock().unwrap_or_else(|p| p.into_inner());
+        self.waiting.store(0, Ordering::Release);
+        std::mem::take(&mut *inbox)
+    }
+
+    /// Fail every batch still in the inbox with `e`.
+    pub fn fail_new(&self, e: &Error) {
+        for post in self.take() {
+            (post.done)(Err(e.clone()));
+        }
+    }
+
+    /// Tell waiting threads that a batch finished or the driver left.
+    pub fn notify(&self) {
+        // With the sleeper's SeqCst increment before it reads the count
+        // under the lock: either this sees the sleeper, or the sleeper sees
+        // what finished before it sleeps.
+        if self.sleepers.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let mut n = self.changes.lock().unwrap_or_else(|p| p.into_inner());
+        *n += 1;
+        self.changed.notify_all();
+    }
+
+    /// The current change count (pass it to [`Posting::wait_change`]).
+    pub fn changes(&self) -> u64 {
+        *self.changes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Sleep until the change count moves past `seen`, or `at_most` passes.
+    pub fn wait_change(&self, seen: u64, at_most: Duration) {
+        let n = self.changes.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = self.changed.wait_timeout_while(n, at_most, |n| *n == seen);
+    }
+
+    /// Run `f` (which checks whether to sleep, then sleeps in
+    /// [`Posting::wait_change`]) counted as a sleeper.
+    fn sleeping<T>(&self, f: impl FnOnce() -> T) -> T {
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        let r = f();
+        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+        r
+    }
+}
+
+/// A transport whose posted ops one thread at a time drives.
+pub trait Engine {
+    /// Where batches are posted.
+    fn posting(&self) -> &Arc<Posting>;
+    /// If no other thread drives, drive every posted op (taking new posts
+    /// as they come) until `until()` holds, then return true; false if
+    /// another thread drives now.
+    fn try_drive(&self, until: &dyn Fn() -> bool) -> bool;
+    /// Wake the driver if it sleeps (a new batch is in the inbox).
+    fn wake_driver(&self);
+}
+
+/// The outcome of one batch, for a thread that waits for it.
+#[derive(Default)]
+pub struct Slot {
+    set: AtomicBool,
+    result: Mutex<Option<Result<()>>>,
+}
+
+impl Slot {
+    /// Whether the outcome is in.
+    pub fn is_set(&self) -> bool {
+        self.set.load(Ordering::Acquire)
+    }
+    /// A [`Done`] that leaves the outcome here (the driver then wakes
+    /// waiting threads: see [`Posting::notify`]).
+    pub fn completer(self: &Arc<Self>) -> Done {
+        let slot = self.clone();
+        Box::new(move |r| {
+            *slot.result.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+            slot.set.store(true, Ordering::Release);
+        })
+    }
+    fn take(&self) -> Result<()> {
+        self.result.lock().unwrap_or_else(|p| p.into_inner()).take().unwrap_or(Ok(()))
+    }
+}
+
+/// Return once `until()` holds, driving the engine whenever no other
+/// thread does. Waiters wake when a batch finishes (the driver calls
+/// [`Posting::notify`] after [`Table::settle`] finished any) or the driver
+/// leaves, and at least every few milliseconds.
+pub fn wait_until(engine: &dyn Engine, until: &dyn Fn() -> bool) {
+    let posting = engine.posting();
+    loop {
+        if until() {
+            return;
+        }
+        if engine.try_drive(until) {
+            // Whoever waits now may drive.
+            posting.notify();
+            continue;
+        }
+        // Counted as a sleeper before looking again: a driver that
+        // finishes this or leaves from now on wakes this thread.
+        let drove = posting.sleeping(|| {
+            let seen = posting.changes();
+            if until() {
+                return false;
+            }
+            if engine.try_drive(until) {
+                return true;
+            }
+            posting.wait_change(seen, Duration::from_millis(5));
+            false
+        });
+        if drove {
+            posting.notify();
+        }
+    }
+}
+
+/// Post `ops` (and `gathered` sends) and return once they have finished:
+/// what a transport's blocking `exchange` is, over its [`Engine`].
+pub fn exchange(engine: &dyn Engine, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
+    let slot = Arc::new(Slot::default());
+    // SAFETY: this function returns only after `done` has been called
+    // (`wait_until` returns once the slot is set), so the borrows outlive
+    // the batch.
+    let post = unsafe { Post::new(ops, gathered, deadline, slot.completer()) };
+    engine.posting().push(post);
+    engine.wake_driver();
+    wait_until(engine, &|| slot.is_set());
+    slot.take()
+}
+
+/// The driver lock of an engine: `try_lock` that treats a poisoned lock as
+/// usable (a panic while driving failed that op; the state is consistent
+/// between passes).
+pub fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn post(ops: Vec<P2p<'static>>, log: &Arc<Mutex<Vec<(usize, bool)>>>, tag: usize) -> Post {
+        let log = log.clone();
+        Post {
+            ops,
+            gathered: Vec::new(),
+            deadline: Instant::now() + Duration::from_secs(60),
+            done: Box::new(move |r| log.lock().unwrap().push((tag, r.is_ok()))),
+        }
+    }
+
+    /// Batches finish when their own ops do, whatever the order; compaction
+    /// keeps the survivors' order and says where they went.
+    #[test]
+    fn batches_finish_independently_and_compaction_keeps_order() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let mut t: Table<u32> = Table::default();
+        let recv = |tag| P2p::Recv { peer: 1, tag, buf: Box::leak(Box::new([0u8; 1])) };
+        let a = t.add(post(vec![recv(1), recv(2)], &log, 0), |_, _| 0);
+        let _b = t.add(post(vec![recv(3)], &log, 1), |_, _| 0);
+        assert_eq!(t.pending_of(a), vec![0, 1]);
+        t.done[2] = true;
+        assert!(t.settle());
+        assert_eq!(*log.lock().unwrap(), vec![(1, true)]);
+        t.done[0] = true;
+        assert!(!t.settle());
+        let map = t.compact().expect("half the table finished");
+        assert_eq!(map[1], 0);
+        assert_eq!(t.len(), 1);
+        assert!(matches!(t.ops[0], P2p::Recv { tag: 2, .. }));
+        t.withdraw(a, Error::timeout("late"));
+        assert_eq!(*log.lock().unwrap(), vec![(1, true), (0, false)]);
+        assert!(t.all_done());
+    }
+
+    /// A deadline passes only for the batch it belongs to.
+    #[test]
+    fn expiry_names_the_late_batch() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let mut t: Table<()> = Table::default();
+        let mut p = post(vec![P2p::Send { peer: 1, tag: 1, data: &[] }], &log, 0);
+        p.deadline = Instant::now();
+        let late = t.add(p, |_, _| ());
+        t.add(post(vec![P2p::Send { peer: 1, tag: 2, data: &[] }], &log, 1), |_, _| ());
+        assert_eq!(t.expired(Instant::now()), Some(late));
+        t.fail_all(&Error::aborted("stop"));
+        assert_eq!(log.lock().unwrap().len(), 2);
+        assert!(t.is_empty());
+    }
+}
