@@ -98,9 +98,14 @@ pub fn run(pg: &ProcessGroup, n: usize) -> Vec<Check> {
 /// As [`run`], with every tensor on `placement`'s device (the host if
 /// `None`) and the ops issued on its stream.
 pub fn run_on(pg: &ProcessGroup, n: usize, placement: Option<SharedPlacement>) -> Vec<Check> {
+    on_stream_of(placement, |placement| cases(pg, n, placement))
+}
+
+/// Run `f` with the ops issued on `placement`'s stream.
+fn on_stream_of(placement: Option<SharedPlacement>, f: impl FnOnce(Option<SharedPlacement>) -> Vec<Check>) -> Vec<Check> {
     let previous = weft::stream::current_stream();
     weft::stream::set_current_stream(placement.as_ref().map(|p| p.stream()));
-    let checks = cases(pg, n, placement);
+    let checks = f(placement);
     weft::stream::set_current_stream(previous);
     checks
 }
@@ -231,8 +236,13 @@ const RING: [(usize, &str); 5] = [
 /// Point-to-point patterns that complete only if sends and receives
 /// progress together: a ring exchange in a scope (every rank sends to its
 /// right, then receives from its left) at sizes up to `max_bytes`, the same
-/// with receives first as one batch, and `sendrecv`. Needs two ranks or more.
+/// with receives first as one batch, and `sendrecv`. Needs two ranks or
+/// more. Tensors on `placement` as in [`run_on`].
 pub fn run_p2p(pg: &ProcessGroup, placement: Option<SharedPlacement>, max_bytes: usize) -> Vec<Check> {
+    on_stream_of(placement, |placement| p2p_cases(pg, placement, max_bytes))
+}
+
+fn p2p_cases(pg: &ProcessGroup, placement: Option<SharedPlacement>, max_bytes: usize) -> Vec<Check> {
     let (r, w) = (pg.rank(), pg.size());
     let (right, left) = ((r + 1) % w, (r + w - 1) % w);
     let o = OpOptions::default();

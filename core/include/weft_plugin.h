@@ -26,7 +26,13 @@
  *  - `probe` may be called at any time from any thread.
  *  - `init` and `destroy` are called once per group (per ctx).
  *  - For one ctx, `start`, `wait`, `cancel` and the collectives are called
- *    from one thread at a time (weft runs a group's ops in order).
+ *    from one thread at a time. Without WEFT_PLUGIN_CONCURRENT in `flags`,
+ *    one request is outstanding at a time (weft runs a group's ops in
+ *    order). With it, several may be (a scope's sends and receives, a
+ *    collective's step), started in the order they were issued: `start`
+ *    never waits for a peer, and `wait` on any request (with any timeout,
+ *    0 included) makes progress on every outstanding one, so requests
+ *    complete in whatever order the peers allow.
  *  - `abort` may be called from any thread, also while another call on the
  *    same ctx is running; it must make that call return promptly.
  *  - Host services may be called from any thread during `init` and during
@@ -87,6 +93,9 @@ typedef int32_t weft_status;
 #define WEFT_DEVICE_CUDA (1u << 1)
 #define WEFT_LAYOUT_DENSE (1u << 0)
 #define WEFT_LAYOUT_SPARSE_COO (1u << 1)
+
+/* Plugin flags (weft_backend_v1_t.flags). */
+#define WEFT_PLUGIN_CONCURRENT (1u << 0) /* see Threading above */
 
 /* Log levels. */
 #define WEFT_LOG_ERROR 0
@@ -176,6 +185,9 @@ typedef struct weft_backend_v1_t {
     weft_status (*all_reduce)(void *ctx, void *buf, size_t count, int32_t dtype, int32_t op, double premul_factor, int64_t timeout_ms);
     weft_status (*broadcast)(void *ctx, void *buf, size_t bytes, uint32_t root, int64_t timeout_ms);
     weft_status (*barrier)(void *ctx, int64_t timeout_ms);
+
+    /* Appended in ABI 1.1 (zero when struct_size ends before it). */
+    uint32_t flags; /* WEFT_PLUGIN_* bits */
 } weft_backend_v1_t;
 
 #ifdef __cplusplus

@@ -413,15 +413,40 @@ pub trait Backend: Send + Sync {
 
     /// Post a batch of point-to-point ops and return at once: its ops
     /// progress with every other posted op and every exchange, in whatever
-    /// order the peers allow, and `post.done` is called exactly once
-    /// (never from inside this call) when they have all finished or the
-    /// batch failed. Same matching rules and errors as
+    /// order the peers allow, and `post.done` is called exactly once when
+    /// they have all finished or the batch failed (from inside this call
+    /// only if it fails at once). Same matching rules and errors as
     /// [`Backend::exchange`]; batches are matched in the order they are
     /// posted. Only called where [`Backend::posts`] says so; this default
     /// runs the batch now.
     fn post(&self, post: crate::progress::Post) {
         let crate::progress::Post { mut ops, gathered, deadline, done } = post;
         done(self.exchange_gathered(&mut ops, &gathered, deadline));
+    }
+
+    /// Whether [`Backend::post_device`] posts point-to-point ops on this
+    /// backend's device memory (as [`Backend::posts`] does for host bytes).
+    fn posts_device(&self) -> bool {
+        false
+    }
+
+    /// Post a send, a receive or a batch ([`Op::Send`], [`Op::Recv`],
+    /// [`Op::Batch`]) whose tensors are on this backend's device, ordered
+    /// after `stream`'s work; `done` is called exactly once, when the
+    /// received bytes are in place (or the op failed). Only called where
+    /// [`Backend::posts_device`] says so.
+    ///
+    /// # Safety
+    /// The memory of `op`'s tensors stays valid until `done` has run.
+    unsafe fn post_device(
+        &self,
+        op: &mut Op<'_>,
+        stream: Option<crate::stream::StreamHandle>,
+        deadline: Instant,
+        done: crate::progress::Done,
+    ) {
+        let _ = (op, stream, deadline);
+        done(Err(Error::unsupported(format!("backend {} cannot post point-to-point ops", self.name()))))
     }
 
     /// Drive posted batches on this thread until `until()` holds (or let

@@ -53,31 +53,56 @@ impl Post {
     /// The buffers `ops` and `gathered` borrow must stay valid (and not be
     /// used elsewhere) until `done` has been called.
     pub unsafe fn new(ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant, done: Done) -> Post {
-        let ops = ops
-            .iter_mut()
-            .map(|op| {
-                let op = match op {
-                    P2p::Send { peer, tag, data } => P2p::Send { peer: *peer, tag: *tag, data },
-                    P2p::Recv { peer, tag, buf } => P2p::Recv { peer: *peer, tag: *tag, buf },
-                };
-                // SAFETY: only the lifetime changes; the caller keeps the
-                // buffers valid until `done` (see above).
-                unsafe { std::mem::transmute::<P2p<'_>, P2p<'static>>(op) }
-            })
-            .collect();
-        let gathered = gathered
-            .iter()
-            // SAFETY: as above.
-            .map(|g| unsafe { std::mem::transmute::<GatherSend<'_>, GatherSend<'static>>(*g) })
-            .collect();
+        // SAFETY: the caller's promise.
+        let (ops, gathered) = unsafe { extend(ops, gathered) };
         Post { ops, gathered, deadline, done }
     }
+}
+
+/// `ops` and `gathered` re-borrowed for as long as the caller promises.
+///
+/// # Safety
+/// The buffers they borrow stay valid (and unused elsewhere) for as long as
+/// the results are used.
+unsafe fn extend(ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>]) -> (Vec<P2p<'static>>, Vec<GatherSend<'static>>) {
+    // SAFETY: the caller's promise.
+    unsafe { (extend_ops(ops).collect(), extend_gathered(gathered).collect()) }
+}
+
+/// See [`extend`].
+unsafe fn extend_ops<'s, 'a: 's>(ops: &'s mut [P2p<'a>]) -> impl Iterator<Item = P2p<'static>> + use<'s, 'a> {
+    ops.iter_mut().map(|op| {
+        let op = match op {
+            P2p::Send { peer, tag, data } => P2p::Send { peer: *peer, tag: *tag, data },
+            P2p::Recv { peer, tag, buf } => P2p::Recv { peer: *peer, tag: *tag, buf },
+        };
+        // SAFETY: only the lifetime changes; the caller of `extend_ops`
+        // keeps the buffers valid.
+        unsafe { std::mem::transmute::<P2p<'_>, P2p<'static>>(op) }
+    })
+}
+
+/// See [`extend`].
+unsafe fn extend_gathered<'s, 'a: 's>(gathered: &'s [GatherSend<'a>]) -> impl Iterator<Item = GatherSend<'static>> + use<'s, 'a> {
+    // SAFETY: as in `extend_ops`.
+    gathered.iter().map(|g| unsafe { std::mem::transmute::<GatherSend<'_>, GatherSend<'static>>(*g) })
 }
 
 struct Batch {
     id: u64,
     deadline: Instant,
+    /// `None`: the driving thread's own batch (see [`Table::add_local`]).
     done: Option<Done>,
+}
+
+impl Batch {
+    /// Report the outcome: call `done`, or leave it for the driving thread.
+    fn finish(self, local: &mut Option<Result<()>>, r: Result<()>) {
+        match self.done {
+            Some(done) => done(r),
+            None => *local = Some(r),
+        }
+    }
 }
 
 /// Every op posted to one transport and not yet finished, in post order,
@@ -98,6 +123,8 @@ pub struct Table<S> {
     batch_of: Vec<u64>,
     batches: VecDeque<Batch>,
     next_batch: u64,
+    /// The outcome of the driving thread's own batch, once finished.
+    local: Option<Result<()>>,
 }
 
 impl<S> Default for Table<S> {
@@ -110,6 +137,7 @@ impl<S> Default for Table<S> {
             batch_of: Vec::new(),
             batches: VecDeque::new(),
             next_batch: 0,
+            local: None,
         }
     }
 }
@@ -117,15 +145,56 @@ impl<S> Default for Table<S> {
 impl<S> Table<S> {
     /// Append `post`'s ops, each with the state `init` gives it; the new
     /// batch's id. Its first op is at the table's old length.
-    pub fn add(&mut self, post: Post, mut init: impl FnMut(&P2p<'static>, Option<&'static dyn Gather>) -> S) -> u64 {
+    pub fn add(&mut self, post: Post, init: impl FnMut(&P2p<'static>, Option<&'static dyn Gather>) -> S) -> u64 {
+        self.append(post.ops, post.gathered, post.deadline, Some(post.done), init)
+    }
+
+    /// Append the driving thread's own batch (it drives until
+    /// [`Table::local_done`], then takes the outcome with
+    /// [`Table::take_local`]): no completion to allocate and call.
+    ///
+    /// # Safety
+    /// The buffers `ops` and `gathered` borrow stay valid until the
+    /// outcome is in (the ops have then left the table).
+    pub unsafe fn add_local(
+        &mut self,
+        ops: &mut [P2p<'_>],
+        gathered: &[GatherSend<'_>],
+        deadline: Instant,
+        init: impl FnMut(&P2p<'static>, Option<&'static dyn Gather>) -> S,
+    ) -> u64 {
+        self.local = None;
+        // SAFETY: the caller's promise.
+        let (ops, gathered) = unsafe { (extend_ops(ops), extend_gathered(gathered)) };
+        self.append(ops, gathered, deadline, None, init)
+    }
+
+    /// Whether the driving thread's own batch has finished.
+    pub fn local_done(&self) -> bool {
+        self.local.is_some()
+    }
+
+    /// The outcome of the driving thread's own batch, if finished.
+    pub fn take_local(&mut self) -> Option<Result<()>> {
+        self.local.take()
+    }
+
+    fn append(
+        &mut self,
+        ops: impl IntoIterator<Item = P2p<'static>>,
+        gathered: impl IntoIterator<Item = GatherSend<'static>>,
+        deadline: Instant,
+        done: Option<Done>,
+        mut init: impl FnMut(&P2p<'static>, Option<&'static dyn Gather>) -> S,
+    ) -> u64 {
         let id = self.next_batch;
         self.next_batch += 1;
-        for op in post.ops {
+        for op in ops {
             self.state.push(init(&op, None));
             self.ops.push(op);
             self.gathered.push(None);
         }
-        for g in post.gathered {
+        for g in gathered {
             let op = P2p::Send { peer: g.peer, tag: g.tag, data: &[] };
             self.state.push(init(&op, Some(g.src)));
             self.ops.push(op);
@@ -133,7 +202,7 @@ impl<S> Table<S> {
         }
         self.done.resize(self.ops.len(), false);
         self.batch_of.resize(self.ops.len(), id);
-        self.batches.push_back(Batch { id, deadline: post.deadline, done: Some(post.done) });
+        self.batches.push_back(Batch { id, deadline, done });
         id
     }
 
@@ -145,6 +214,12 @@ impl<S> Table<S> {
     /// Whether the table holds no op.
     pub fn is_empty(&self) -> bool {
         self.ops.is_empty()
+    }
+
+    /// Whether nothing is posted: no op and no batch (a batch of no ops
+    /// is still to be reported).
+    pub fn is_idle(&self) -> bool {
+        self.ops.is_empty() && self.batches.is_empty()
     }
 
     /// Whether every op is finished (or there are none).
@@ -166,10 +241,7 @@ impl<S> Table<S> {
                 i += 1;
                 continue;
             }
-            let mut b = self.batches.remove(i).expect("in range");
-            if let Some(done) = b.done.take() {
-                done(Ok(()));
-            }
+            self.batches.remove(i).expect("in range").finish(&mut self.local, Ok(()));
             any = true;
         }
         any
@@ -199,20 +271,15 @@ impl<S> Table<S> {
             }
         }
         if let Some(at) = self.batches.iter().position(|b| b.id == id) {
-            let mut b = self.batches.remove(at).expect("found");
-            if let Some(done) = b.done.take() {
-                done(Err(e));
-            }
+            self.batches.remove(at).expect("found").finish(&mut self.local, Err(e));
         }
     }
 
     /// Fail every batch with `e` (the transport has let go of every
     /// buffer) and empty the table.
     pub fn fail_all(&mut self, e: &Error) {
-        for mut b in self.batches.drain(..) {
-            if let Some(done) = b.done.take() {
-                done(Err(e.clone()));
-            }
+        for b in std::mem::take(&mut self.batches) {
+            b.finish(&mut self.local, Err(e.clone()));
         }
         self.ops.clear();
         self.done.clear();
@@ -221,12 +288,20 @@ impl<S> Table<S> {
         self.batch_of.clear();
     }
 
-    /// Drop finished ops if they make up much of the table; `Some(map)`
-    /// if indices moved (`map[old]` is the new index of a kept op). Ops
-    /// keep their order.
+    /// Drop finished ops (nothing refers to them any more: their buffers
+    /// may be gone); `Some(map)` if unfinished ops moved (`map[old]` is the
+    /// new index of a kept op). Ops keep their order.
     pub fn compact(&mut self) -> Option<Vec<usize>> {
-        let finished = self.done.iter().filter(|d| **d).count();
-        if finished == 0 || (finished * 2 < self.ops.len() && finished < 64) {
+        if self.all_done() {
+            // Nothing refers to a finished op: no map to hand out.
+            self.ops.clear();
+            self.done.clear();
+            self.gathered.clear();
+            self.state.clear();
+            self.batch_of.clear();
+            return None;
+        }
+        if !self.done.iter().any(|d| *d) {
             return None;
         }
         let keep: Vec<bool> = self.done.iter().map(|d| !d).collect();
@@ -284,21 +359,35 @@ impl Posting {
         self.waiting.load(Ordering::Acquire) > 0
     }
 
-    /// Take the batches left since the last call, in post order.
-    pub fn take(&self) -> Vec<Post> {
+    /// Hand `f` the batches left since the last call, in post order (the
+    /// inbox keeps its memory for the next ones); stops at `f`'s first
+    /// error, leaving the rest for [`Posting::fail_new`].
+    pub fn take(&self, mut f: impl FnMut(Post) -> Result<()>) -> Result<bool> {
         if !self.has_new() {
-            return Vec::new();
+            return Ok(false);
         }
         let mut inbox = self.inbox.lock().unwrap_or_else(|p| p.into_inner());
         self.waiting.store(0, Ordering::Release);
-        std::mem::take(&mut *inbox)
+        let mut posts = inbox.drain(..);
+        for post in posts.by_ref() {
+            if let Err(e) = f(post) {
+                let rest: Vec<Post> = posts.collect();
+                drop(inbox);
+                for post in rest {
+                    (post.done)(Err(e.clone()));
+                }
+                return Err(e);
+            }
+        }
+        Ok(true)
     }
 
     /// Fail every batch still in the inbox with `e`.
     pub fn fail_new(&self, e: &Error) {
-        for post in self.take() {
+        let _ = self.take(|post| {
             (post.done)(Err(e.clone()));
-        }
+            Ok(())
+        });
     }
 
     /// Tell waiting threads that a batch finished or the driver left.
@@ -345,6 +434,11 @@ pub trait Engine {
     fn try_drive(&self, until: &dyn Fn() -> bool) -> bool;
     /// Wake the driver if it sleeps (a new batch is in the inbox).
     fn wake_driver(&self);
+    /// If no other thread drives now: take the inbox, then run `ops` (and
+    /// `gathered` sends) as this thread's own batch, driving everything
+    /// until it has finished ([`Table::add_local`]); `None` if another
+    /// thread drives.
+    fn try_exchange(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Option<Result<()>>;
 }
 
 /// The outcome of one batch, for a thread that waits for it.
@@ -368,7 +462,8 @@ impl Slot {
             slot.set.store(true, Ordering::Release);
         })
     }
-    fn take(&self) -> Result<()> {
+    /// The outcome (`Ok` if none was left).
+    pub fn take(&self) -> Result<()> {
         self.result.lock().unwrap_or_else(|p| p.into_inner()).take().unwrap_or(Ok(()))
     }
 }
@@ -410,6 +505,12 @@ pub fn wait_until(engine: &dyn Engine, until: &dyn Fn() -> bool) {
 /// Post `ops` (and `gathered` sends) and return once they have finished:
 /// what a transport's blocking `exchange` is, over its [`Engine`].
 pub fn exchange(engine: &dyn Engine, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
+    // Usually nobody else drives: no posting, no completion to allocate.
+    if let Some(r) = engine.try_exchange(ops, gathered, deadline) {
+        // Whoever waits now may drive.
+        engine.posting().notify();
+        return r;
+    }
     let slot = Arc::new(Slot::default());
     // SAFETY: this function returns only after `done` has been called
     // (`wait_until` returns once the slot is set), so the borrows outlive
@@ -468,6 +569,28 @@ mod tests {
         t.withdraw(a, Error::timeout("late"));
         assert_eq!(*log.lock().unwrap(), vec![(1, true), (0, false)]);
         assert!(t.all_done());
+    }
+
+    /// A batch of no ops finishes at the first settle; the driving
+    /// thread's own batch reports into the table, not through a callback.
+    #[test]
+    fn empty_and_local_batches_finish() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let mut t: Table<()> = Table::default();
+        t.add(post(vec![], &log, 7), |_, _| ());
+        assert!(!t.is_idle());
+        assert!(t.settle());
+        assert_eq!(*log.lock().unwrap(), vec![(7, true)]);
+        let mut buf = [0u8; 2];
+        let mut ops = [P2p::Recv { peer: 1, tag: 1, buf: &mut buf }];
+        // SAFETY: `buf` outlives the batch (it leaves the table below).
+        unsafe { t.add_local(&mut ops, &[], Instant::now() + Duration::from_secs(60), |_, _| ()) };
+        assert!(!t.local_done());
+        t.done[0] = true;
+        t.settle();
+        assert!(t.compact().is_none());
+        assert!(t.is_idle());
+        assert!(t.take_local().unwrap().is_ok());
     }
 
     /// A deadline passes only for the batch it belongs to.

@@ -77,6 +77,9 @@ pub const fn table<P: Provider>(name: *const c_char, devices: u32, layouts: u32,
         all_reduce: None,
         broadcast: None,
         barrier: None,
+        // Requests are posted to the backend, which progresses them
+        // together (where it posts; otherwise each finishes inside start).
+        flags: abi::PLUGIN_CONCURRENT,
     }
 }
 
@@ -87,7 +90,9 @@ struct Ctx {
 }
 
 /// A finished batch (the SDK completes batches inside `start`).
-struct Done;
+/// A started request is an `Arc<Slot>` behind the raw pointer: its outcome
+/// once the backend has finished it (set at once where it does not post).
+type Request = weft::progress::Slot;
 
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
     p.downcast_ref::<String>()
@@ -202,7 +207,7 @@ unsafe extern "C" fn destroy(ctx: *mut c_void) {
 
 unsafe extern "C" fn start(ctx: *mut c_void, ops: *const P2pV1, n: usize, timeout_ms: i64, req: *mut *mut c_void) -> Status {
     // SAFETY: see on_ctx; `ops` holds n entries whose buffers stay valid
-    // until the request completes, which happens before this returns.
+    // until the request completes or is cancelled (the header's contract).
     unsafe {
         on_ctx(ctx, |c| {
             let raw = if n == 0 { &[][..] } else { std::slice::from_raw_parts(ops, n) };
@@ -220,27 +225,53 @@ unsafe extern "C" fn start(ctx: *mut c_void, ops: *const P2pV1, n: usize, timeou
                 })
                 .collect();
             let deadline = Instant::now() + Duration::from_millis(timeout_ms.max(0) as u64);
-            c.backend.exchange(&mut batch, deadline)?;
-            *req = Box::into_raw(Box::new(Done)) as *mut c_void;
+            let request = Arc::new(Request::default());
+            if c.backend.posts() {
+                // The host keeps the buffers until the request finishes.
+                c.backend.post(weft::progress::Post::new(&mut batch, &[], deadline, request.completer()));
+            } else {
+                let done = request.completer();
+                done(c.backend.exchange(&mut batch, deadline));
+            }
+            *req = Arc::into_raw(request) as *mut c_void;
             Ok(abi::OK)
         })
     }
 }
 
-unsafe extern "C" fn wait(ctx: *mut c_void, req: *mut c_void, _timeout_ms: i64) -> Status {
-    // SAFETY: req came from start and is released here, once.
+unsafe extern "C" fn wait(ctx: *mut c_void, req: *mut c_void, timeout_ms: i64) -> Status {
+    // SAFETY: req came from start; it is released here, once, when finished.
     unsafe {
-        on_ctx(ctx, |_| {
-            drop(Box::from_raw(req as *mut Done));
-            Ok(abi::OK)
+        on_ctx(ctx, |c| {
+            let request = &*(req as *const Request);
+            let until = Instant::now() + Duration::from_millis(timeout_ms.max(0) as u64);
+            // At least one turn of progress, even with a zero timeout.
+            let turned = std::cell::Cell::new(false);
+            c.backend.progress(&|| request.is_set() || (turned.replace(true) && Instant::now() >= until));
+            if !request.is_set() {
+                return Ok(abi::PENDING);
+            }
+            let request = Arc::from_raw(req as *const Request);
+            request.take().map(|()| abi::OK)
         })
     }
 }
 
-unsafe extern "C" fn cancel(_ctx: *mut c_void, req: *mut c_void) {
-    if !req.is_null() {
-        // SAFETY: as in wait.
-        drop(unsafe { Box::from_raw(req as *mut Done) });
+unsafe extern "C" fn cancel(ctx: *mut c_void, req: *mut c_void) {
+    if req.is_null() || ctx.is_null() {
+        return;
+    }
+    // SAFETY: as in wait. Cancelling a posted request fails the backend
+    // (nothing lets one batch go alone), which lets go of its buffers.
+    unsafe {
+        on_ctx(ctx, |c| {
+            let request = Arc::from_raw(req as *const Request);
+            if !request.is_set() {
+                c.backend.abort(&Error::aborted("a request was cancelled"));
+                c.backend.progress(&|| request.is_set());
+            }
+            Ok(abi::OK)
+        });
     }
 }
 

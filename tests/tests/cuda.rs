@@ -36,6 +36,32 @@ fn conformance(w: usize, spec: &str, hints: &[(&str, &str)]) {
     }
 }
 
+/// The ring exchange and batches on the emulated GPU through a CUDA backend.
+fn p2p(w: usize, spec: &str, hints: &[(&str, &str)]) {
+    let _ = gpu();
+    let mut opts = options(spec);
+    for (k, v) in hints {
+        opts = opts.hint(*k, *v);
+    }
+    let label = format!("{spec} {hints:?} W={w}");
+    let results = run_threads(w, opts, move |pg| {
+        let placement = weft_conformance::cuda::placement(0).unwrap();
+        weft_conformance::run_p2p(&pg, Some(placement), 16 << 20)
+    });
+    for (r, checks) in results.iter().enumerate() {
+        let (table, ok) = weft_conformance::summary(checks);
+        assert!(ok, "{label} p2p, rank {r}:\n{table}");
+    }
+}
+
+#[test]
+fn cuda_point_to_point_progresses_together_through_both_backends() {
+    for w in 2..=5 {
+        p2p(w, "cpu:cpu-tcp,cuda:cuda-host-staging", &[]);
+        p2p(w, "cpu:shm,cuda:cuda-device", &[]);
+    }
+}
+
 #[test]
 fn host_staging_passes_conformance_pipelined_over_cpu_tcp() {
     for w in 1..=4 {

@@ -124,6 +124,9 @@ fn rust_sdk_builds_cpu_tcp_as_a_plugin_that_passes_conformance() {
     let lib = example_lib("cpu_tcp_plugin");
     assert_eq!(weft::plugin::load(&lib).unwrap(), "cpu-tcp-plugin");
     conformance("cpu-tcp-plugin", 3);
+    for w in 2..=5 {
+        p2p("cpu-tcp-plugin", w);
+    }
     // Across processes, found through WEFT_PLUGIN_PATH (a file entry).
     let path = lib.to_str().unwrap();
     let ends = run_world(

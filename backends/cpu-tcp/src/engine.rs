@@ -12,9 +12,10 @@ use crate::wire::{Header, Kind, EAGER_LIMIT, HEADER, MAX_ABORT};
 use smallvec::{smallvec, SmallVec};
 use socket2::Socket;
 use std::collections::HashMap;
-use std::io::{ErrorKind as IoKind, IoSlice, Read};
+use std::io::{ErrorKind as IoKind, IoSlice, Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use weft::backend::{OpKind, P2p};
 use weft::matching::Inbound;
@@ -177,24 +178,19 @@ impl Engine {
         Engine { peers, table: Table::default() }
     }
 
-    /// Take a posted batch into the table: receives served by messages
-    /// that came early, and a long receive tells its sender it is ready (a
-    /// long send announces itself when its turn comes, in `pass`). A batch
-    /// naming a peer without a connection fails alone.
-    fn absorb(&mut self, me: usize, post: Post, watch: &dyn Watch) -> Result<()> {
-        for op in &post.ops {
-            let why = match self.peers.get(op.peer()) {
-                Some(Some(p)) if p.torn => Some(watch.failed(Error::backend(format!("the stream to peer rank {} is broken", op.peer())))),
-                Some(Some(_)) => None,
-                _ => Some(Error::invalid(format!("cpu-tcp: rank {me} has no connection to peer rank {}", op.peer()))),
-            };
-            if let Some(e) = why {
-                (post.done)(Err(e));
-                return Ok(());
-            }
-        }
-        let first = self.table.len();
-        self.table.add(post, |op, _| match op {
+    /// Why a batch over `peers` cannot run: a peer without a connection
+    /// (the batch alone fails), or a broken stream (the transport has).
+    fn refuse<'o>(&self, me: usize, mut peers: impl Iterator<Item = &'o P2p<'o>>, watch: &dyn Watch) -> Option<Error> {
+        peers.find_map(|op| match self.peers.get(op.peer()) {
+            Some(Some(p)) if p.torn => Some(watch.failed(Error::backend(format!("the stream to peer rank {} is broken", op.peer())))),
+            Some(Some(_)) => None,
+            _ => Some(Error::invalid(format!("cpu-tcp: rank {me} has no connection to peer rank {}", op.peer()))),
+        })
+    }
+
+    /// The state of a new op.
+    fn state_of(op: &P2p<'_>) -> OpState {
+        match op {
             P2p::Send { tag, data, .. } => OpState {
                 sent: 0,
                 awaits_ready: data.len() > EAGER_LIMIT,
@@ -202,21 +198,36 @@ impl Engine {
                 header: Header { kind: Kind::Data, tag: *tag, len: data.len() as u64 }.encode(),
             },
             P2p::Recv { .. } => OpState { sent: 0, awaits_ready: false, announced: false, header: [0; HEADER] },
-        });
+        }
+    }
+
+    /// Take a posted batch into the table (see `start`). A batch naming a
+    /// peer without a connection fails alone.
+    fn absorb(&mut self, me: usize, post: Post, watch: &dyn Watch) -> Result<()> {
+        if let Some(e) = self.refuse(me, post.ops.iter(), watch) {
+            (post.done)(Err(e));
+            return Ok(());
+        }
+        let first = self.table.len();
+        self.table.add(post, |op, _| Self::state_of(op));
+        self.start(me, first)
+    }
+
+    /// The ops from `first` on are new: receives are served by messages
+    /// that came early, and a long receive tells its sender it is ready (a
+    /// long send announces itself when its turn comes, in `pass`).
+    fn start(&mut self, me: usize, first: usize) -> Result<()> {
         let Table { ops, done, .. } = &mut self.table;
         for (i, op) in ops.iter_mut().enumerate().skip(first) {
-            let p = self.peers[op.peer()].as_mut().expect("checked above");
-            match op {
-                P2p::Recv { peer, tag, buf } => {
-                    if p.inbound.serve_early(me, *peer, *tag, buf)? {
-                        done[i] = true;
-                    } else if p.left {
-                        return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
-                    } else if buf.len() > EAGER_LIMIT {
-                        p.queue_control(Kind::Ready, *tag, buf.len());
-                    }
+            let p = self.peers[op.peer()].as_mut().expect("checked by refuse");
+            if let P2p::Recv { peer, tag, buf } = op {
+                if p.inbound.serve_early(me, *peer, *tag, buf)? {
+                    done[i] = true;
+                } else if p.left {
+                    return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
+                } else if buf.len() > EAGER_LIMIT {
+                    p.queue_control(Kind::Ready, *tag, buf.len());
                 }
-                P2p::Send { .. } => {}
             }
         }
         Ok(())
@@ -256,8 +267,12 @@ impl Engine {
         posting.notify();
     }
 
-    /// Fail batches whose deadline has passed, naming what each still waits for.
+    /// Fail batches whose deadline has passed, naming what each still waits
+    /// for; their ops leave the table.
     fn expire(&mut self, now: Instant, posting: &Posting) {
+        if self.table.expired(now).is_none() {
+            return;
+        }
         while let Some(id) = self.table.expired(now) {
             let pending = self.table.pending_of(id);
             let Table { ops, state, .. } = &self.table;
@@ -279,11 +294,15 @@ impl Engine {
             self.table.withdraw(id, Error::timeout(format!("{} before the deadline", what.join("; "))));
             posting.notify();
         }
+        self.settle(posting);
     }
 
     /// Finished batches report (and threads waiting for them wake);
     /// finished ops leave the table.
     fn settle(&mut self, posting: &Posting) {
+        if self.table.is_idle() {
+            return;
+        }
         if self.table.settle() {
             posting.notify();
         }
@@ -295,27 +314,103 @@ impl Engine {
     }
 }
 
+/// How a poster wakes a driver that sleeps in poll(): a byte on a socket
+/// pair, written only while the driver naps (a system call per post
+/// otherwise).
+pub struct Wake {
+    tx: UnixStream,
+    rx: UnixStream,
+    napping: AtomicBool,
+}
+
+impl Wake {
+    /// A socket pair, both ends non-blocking.
+    pub fn new() -> std::io::Result<Wake> {
+        let (tx, rx) = UnixStream::pair()?;
+        tx.set_nonblocking(true)?;
+        rx.set_nonblocking(true)?;
+        Ok(Wake { tx, rx, napping: AtomicBool::new(false) })
+    }
+
+    /// Wake the driver if it naps (call after posting).
+    pub fn wake(&self) {
+        // With the driver's SeqCst store of `napping` before it looks at the
+        // inbox: either it sees the new batch, or this sees it napping.
+        if self.napping.load(Ordering::SeqCst) {
+            // A full socket already holds a wake-up.
+            let _ = (&self.tx).write(&[1]);
+        }
+    }
+
+    /// Wake the driver whatever it does (an abort).
+    pub fn wake_now(&self) {
+        let _ = (&self.tx).write(&[1]);
+    }
+
+    /// Empty the socket (its bytes only say "look at the inbox").
+    fn drain(&self) {
+        let mut sink = [0u8; 64];
+        while matches!((&self.rx).read(&mut sink), Ok(n) if n > 0) {}
+    }
+}
+
+/// Run `ops` as the driving thread's own batch, after the batches posted
+/// before it, driving everything until it has finished.
+pub fn exchange(
+    me: usize,
+    eng: &mut Engine,
+    posting: &Posting,
+    wake: &Wake,
+    watch: &dyn Watch,
+    ops: &mut [P2p<'_>],
+    deadline: Instant,
+) -> Result<()> {
+    if let Err(e) = posting.take(|post| eng.absorb(me, post, watch)) {
+        let e = watch.failed(e);
+        eng.fail_all(&e, posting);
+        return Err(e);
+    }
+    if let Some(e) = eng.refuse(me, ops.iter(), watch) {
+        return Err(e);
+    }
+    let first = eng.table.len();
+    // SAFETY: this returns only once the batch's outcome is in, and its ops
+    // have then left the table (`settle`, `expire` and `fail_all` remove
+    // finished ops).
+    unsafe { eng.table.add_local(ops, &[], deadline, |op, _| Engine::state_of(op)) };
+    if let Err(e) = eng.start(me, first) {
+        let e = watch.failed(e);
+        eng.fail_all(&e, posting);
+    } else {
+        drive(me, eng, posting, wake, watch, true, &|| false);
+    }
+    eng.table.take_local().unwrap_or_else(|| Err(Error::backend("cpu-tcp: an exchange ended without an outcome")))
+}
+
 /// Drive every posted op (taking new batches from `posting` as they come)
-/// until `until()` holds; `wake` becomes readable when a batch is posted.
-pub fn drive(me: usize, eng: &mut Engine, posting: &Posting, wake: &UnixStream, watch: &dyn Watch, until: &dyn Fn() -> bool) {
+/// until `until()` holds, or with `local`, until the driving thread's own
+/// batch has finished; `wake` rouses it from poll() when a batch is posted.
+pub fn drive(me: usize, eng: &mut Engine, posting: &Posting, wake: &Wake, watch: &dyn Watch, local: bool, until: &dyn Fn() -> bool) {
     let w = eng.peers.len();
     let mut idle_since = Instant::now();
-    let mut flags = Flags { busy: vec![false; w], hear: vec![false; w] };
+    // The clock once per turn: the last turn's reading decides eagerness.
+    let mut now = idle_since;
+    let mut flags = Flags { busy: smallvec![false; w], hear: smallvec![false; w] };
     loop {
         if let Some(e) = watch.stop() {
             eng.fail_all(&e, posting);
             return;
         }
         let mut moved = false;
-        for post in posting.take() {
-            moved = true;
-            if let Err(e) = eng.absorb(me, post, watch) {
+        match posting.take(|post| eng.absorb(me, post, watch)) {
+            Ok(took) => moved |= took,
+            Err(e) => {
                 let e = watch.failed(e);
                 eng.fail_all(&e, posting);
                 return;
             }
         }
-        let eager = Instant::now().duration_since(idle_since) >= EAGER_AFTER;
+        let eager = now.duration_since(idle_since) >= EAGER_AFTER;
         match pass(me, eng, &mut flags, eager) {
             Ok(m) => moved |= m,
             Err(e) => {
@@ -324,12 +419,12 @@ pub fn drive(me: usize, eng: &mut Engine, posting: &Posting, wake: &UnixStream, 
                 return;
             }
         }
-        if moved {
-            eng.settle(posting);
-        }
-        let now = Instant::now();
+        // (Also after no byte moved: a receive served early finishes its
+        // batch at once.)
+        eng.settle(posting);
+        now = Instant::now();
         eng.expire(now, posting);
-        if until() {
+        if (local && eng.table.local_done()) || until() {
             return;
         }
         if moved {
@@ -344,7 +439,7 @@ pub fn drive(me: usize, eng: &mut Engine, posting: &Posting, wake: &UnixStream, 
         // send), a batch is posted, or a deadline comes.
         let Table { ops, done, .. } = &eng.table;
         let mut fds: Vec<nix::poll::PollFd<'_>> = Vec::with_capacity(w + 1);
-        fds.push(nix::poll::PollFd::new(wake.as_fd(), nix::poll::PollFlags::POLLIN));
+        fds.push(nix::poll::PollFd::new(wake.rx.as_fd(), nix::poll::PollFlags::POLLIN));
         for (peer, p) in eng.peers.iter().enumerate() {
             if let Some(p) = p {
                 let mut ev = nix::poll::PollFlags::empty();
@@ -364,26 +459,24 @@ pub fn drive(me: usize, eng: &mut Engine, posting: &Posting, wake: &UnixStream, 
         let deadline = eng.table.next_deadline().unwrap_or(now + NAP);
         let wait = nap.min(deadline.saturating_duration_since(now)).max(Duration::from_millis(1));
         let ms = nix::poll::PollTimeout::try_from(wait.as_millis() as u32).unwrap_or(nix::poll::PollTimeout::MAX);
-        if posting.has_new() {
-            continue;
+        wake.napping.store(true, Ordering::SeqCst);
+        if !posting.has_new() {
+            let _ = nix::poll::poll(&mut fds, ms);
         }
-        let _ = nix::poll::poll(&mut fds, ms);
+        wake.napping.store(false, Ordering::SeqCst);
+        let woken = fds[0].revents().is_some_and(|r| r.contains(nix::poll::PollFlags::POLLIN));
         drop(fds);
-        drain_wake(wake);
+        if woken {
+            wake.drain();
+        }
     }
-}
-
-/// Empty the wake-up socket (its bytes only say "look at the inbox").
-fn drain_wake(wake: &UnixStream) {
-    let mut sink = [0u8; 64];
-    while matches!((&*wake).read(&mut sink), Ok(n) if n > 0) {}
 }
 
 /// Per peer, from the last pass: something waits to be written (watch
 /// for POLLOUT); a send waits for the peer's Ready (read it).
 struct Flags {
-    busy: Vec<bool>,
-    hear: Vec<bool>,
+    busy: SmallVec<[bool; 8]>,
+    hear: SmallVec<[bool; 8]>,
 }
 
 /// One turn over every posted op: sends go out as far as the sockets take

@@ -2,15 +2,14 @@
 //! thread runs the op (see `engine.rs`). Bytes touch the wire only in the
 //! engine and here (goodbye, abort and shutdown).
 
-use crate::engine::{self, Engine, Peer, Watch};
+use crate::engine::{self, Engine, Peer, Wake, Watch};
 use crate::wire::{Header, Kind, MAX_ABORT};
 use socket2::Socket;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::Shutdown;
-use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-use weft::backend::{Backend, P2p};
+use weft::backend::{Backend, GatherSend, P2p};
 use weft::progress::{self, Post, Posting};
 use weft::store::Store;
 use weft::{Error, ErrorKind, Result};
@@ -28,8 +27,8 @@ pub struct TcpBackend {
     engine: Mutex<Engine>,
     /// Batches waiting for the driver.
     posting: Arc<Posting>,
-    /// A byte written to `wake.0` wakes a driver sleeping in poll().
-    wake: (UnixStream, UnixStream),
+    /// Wakes a driver sleeping in poll().
+    wake: Wake,
     /// Duplicates of the sockets, to shut them down from any thread.
     handles: Vec<Option<Socket>>,
     failed: Mutex<Option<Error>>,
@@ -59,12 +58,20 @@ impl progress::Engine for TcpBackend {
     }
     fn try_drive(&self, until: &dyn Fn() -> bool) -> bool {
         let Some(mut eng) = progress::try_lock(&self.engine) else { return false };
-        engine::drive(self.rank, &mut eng, &self.posting, &self.wake.1, self, until);
+        engine::drive(self.rank, &mut eng, &self.posting, &self.wake, self, false, until);
         true
     }
+    fn try_exchange(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Option<Result<()>> {
+        if !gathered.is_empty() {
+            // Not a transport that writes gathered bytes in place (see
+            // `Backend::exchange_gathered`): they come packed as sends.
+            return Some(Err(Error::backend("cpu-tcp: gathered sends reach the transport packed")));
+        }
+        let mut eng = progress::try_lock(&self.engine)?;
+        Some(engine::exchange(self.rank, &mut eng, &self.posting, &self.wake, self, ops, deadline))
+    }
     fn wake_driver(&self) {
-        // Non-blocking: a full socket already holds a wake-up.
-        let _ = (&self.wake.0).write(&[1]);
+        self.wake.wake();
     }
 }
 
@@ -86,9 +93,7 @@ impl TcpBackend {
                 }
             }
         }
-        let wake = UnixStream::pair()?;
-        wake.0.set_nonblocking(true)?;
-        wake.1.set_nonblocking(true)?;
+        let wake = Wake::new()?;
         Ok(TcpBackend {
             rank,
             store,
@@ -122,10 +127,6 @@ impl TcpBackend {
             },
             Err(_) => e,
         }
-    }
-
-    fn wake_driver_now(&self) {
-        progress::Engine::wake_driver(self)
     }
 
     fn close(&self, how: Shutdown) {
@@ -171,7 +172,7 @@ impl Backend for TcpBackend {
 
     fn post(&self, post: Post) {
         self.posting.push(post);
-        self.wake_driver_now();
+        self.wake.wake();
     }
 
     fn progress(&self, until: &dyn Fn() -> bool) {
@@ -196,7 +197,7 @@ impl Backend for TcpBackend {
             Self::tell_all(&mut eng.peers, Header { kind: Kind::Abort, tag: 0, len: payload.len() as u64 }, &payload);
         }
         self.close(Shutdown::Both);
-        self.wake_driver_now();
+        self.wake.wake_now();
     }
 
     fn shutdown(&self) {

@@ -188,6 +188,20 @@ impl Backend for DeviceBackend {
     fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
         self.staging.cpu().exchange(ops, deadline)
     }
+    fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[weft::backend::GatherSend<'_>], deadline: Instant) -> Result<()> {
+        self.staging.cpu().exchange_gathered(ops, gathered, deadline)
+    }
+    // Point-to-point ops go through the host, as in cuda-host-staging.
+    fn posts_device(&self) -> bool {
+        self.staging.cpu().posts()
+    }
+    unsafe fn post_device(&self, op: &mut Op<'_>, stream: Option<weft::StreamHandle>, deadline: Instant, done: weft::progress::Done) {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.staging.post_p2p(op, stream, deadline, done) }
+    }
+    fn progress(&self, until: &dyn Fn() -> bool) {
+        self.staging.cpu().progress(until)
+    }
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
         Some(match op {
             Op::AllReduce { buf, op } => match Algorithm::from_hints(ctx) {

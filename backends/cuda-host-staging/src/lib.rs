@@ -6,6 +6,7 @@
 
 #![warn(missing_docs)]
 
+mod p2p;
 mod parts;
 mod pipeline;
 mod sparse;
@@ -55,6 +56,16 @@ impl Backend for HostStagingBackend {
     }
     fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
         self.staging.cpu().exchange_gathered(ops, gathered, deadline)
+    }
+    fn posts_device(&self) -> bool {
+        self.staging.cpu().posts()
+    }
+    unsafe fn post_device(&self, op: &mut Op<'_>, stream: Option<weft::StreamHandle>, deadline: Instant, done: weft::progress::Done) {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.staging.post_p2p(op, stream, deadline, done) }
+    }
+    fn progress(&self, until: &dyn Fn() -> bool) {
+        self.staging.cpu().progress(until)
     }
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
         Some(self.staging.run(op, ctx))

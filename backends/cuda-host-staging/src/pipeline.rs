@@ -49,12 +49,14 @@ pub struct Staging {
     gpu: Arc<dyn Gpu>,
     cpu: Arc<dyn Backend>,
     devices: Mutex<HashMap<usize, DeviceState>>,
+    /// Copy streams of posted point-to-point ops (`p2p.rs`).
+    pub(crate) p2p: crate::p2p::P2pStreams,
 }
 
 impl Staging {
     /// Staging over `cpu`.
     pub fn new(gpu: Arc<dyn Gpu>, cpu: Arc<dyn Backend>) -> Staging {
-        Staging { gpu, cpu, devices: Mutex::default() }
+        Staging { gpu, cpu, devices: Mutex::default(), p2p: Default::default() }
     }
 
     /// Staging for a group being created by backend `who`: this process's
@@ -258,6 +260,7 @@ const MAX_CHUNKS: usize = 4096;
 
 impl Drop for Staging {
     fn drop(&mut self) {
+        self.close_p2p();
         let devices = std::mem::take(&mut *self.devices.lock().unwrap_or_else(|p| p.into_inner()));
         for (_, st) in devices {
             // Let queued copies finish before their pinned memory goes.

@@ -12,7 +12,7 @@ use crate::transport::{ShmBackend, CMA_SPIN, NAP, PAUSE_SPIN, SPIN};
 use smallvec::{smallvec, SmallVec};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-use weft::backend::{Backend, Gather, P2p};
+use weft::backend::{Backend, Gather, GatherSend, P2p};
 use weft::matching::Inbound;
 use weft::progress::{Post, Posting, Table};
 use weft::{Error, Result};
@@ -105,16 +105,26 @@ fn plain_header(tag: u64, len: usize) -> ([u8; HEADER + cma::DESCRIPTOR], usize)
 }
 
 impl ShmBackend {
-    /// Take a posted batch into the table; receives are first served by
-    /// messages that arrived earlier. A batch naming a bad peer fails alone.
+    /// Why a batch over these peers cannot run: a bad peer rank.
+    fn refuse(&self, mut peers: impl Iterator<Item = usize>) -> Option<Error> {
+        peers.find(|&p| p >= self.size || p == self.rank).map(|p| Error::invalid(format!("shm: bad peer rank {p}")))
+    }
+
+    /// Take a posted batch into the table; a batch naming a bad peer fails
+    /// alone.
     fn absorb(&self, eng: &mut Engine, post: Post) -> Result<()> {
-        let bad = post.ops.iter().map(P2p::peer).chain(post.gathered.iter().map(|g| g.peer)).find(|&p| p >= self.size || p == self.rank);
-        if let Some(peer) = bad {
-            (post.done)(Err(Error::invalid(format!("shm: bad peer rank {peer}"))));
+        if let Some(e) = self.refuse(post.ops.iter().map(P2p::peer).chain(post.gathered.iter().map(|g| g.peer))) {
+            (post.done)(Err(e));
             return Ok(());
         }
         let first = eng.table.len();
         eng.table.add(post, |_, _| OpState::default());
+        self.start(eng, first)
+    }
+
+    /// The ops from `first` on are new: receives are first served by
+    /// messages that arrived earlier.
+    fn start(&self, eng: &mut Engine, first: usize) -> Result<()> {
         let Table { ops, done, .. } = &mut eng.table;
         for (i, op) in ops.iter_mut().enumerate().skip(first) {
             if let P2p::Recv { peer, tag, buf } = op {
@@ -122,6 +132,36 @@ impl ShmBackend {
             }
         }
         Ok(())
+    }
+
+    /// Run `ops` and the `gathered` sends as the driving thread's own
+    /// batch, after the batches posted before it, driving everything until
+    /// it has finished.
+    pub(crate) fn exchange_now(
+        &self,
+        eng: &mut Engine,
+        posting: &Posting,
+        ops: &mut [P2p<'_>],
+        gathered: &[GatherSend<'_>],
+        deadline: Instant,
+    ) -> Result<()> {
+        if let Err(e) = self.check_failed().and_then(|()| posting.take(|post| self.absorb(eng, post)).map(|_| ())) {
+            self.fail_everything(eng, posting, e.clone());
+            return Err(e);
+        }
+        if let Some(e) = self.refuse(ops.iter().map(P2p::peer).chain(gathered.iter().map(|g| g.peer))) {
+            return Err(e);
+        }
+        let first = eng.table.len();
+        // SAFETY: this returns only once the batch's outcome is in, and its
+        // ops have then left the table (`settle`, `expire` and
+        // `fail_everything` remove finished ops).
+        unsafe { eng.table.add_local(ops, gathered, deadline, |_, _| OpState::default()) };
+        match self.start(eng, first) {
+            Err(e) => self.fail_everything(eng, posting, e),
+            Ok(()) => self.drive(eng, posting, true, &|| false),
+        }
+        eng.table.take_local().unwrap_or_else(|| Err(Error::backend("shm: an exchange ended without an outcome")))
     }
 
     /// Let go of every buffer before failing everything with `e`: a peer
@@ -182,6 +222,7 @@ impl ShmBackend {
             }
             eng.table.withdraw(id, e);
             posting.notify();
+            Self::settle(eng, posting);
         }
         Ok(())
     }
@@ -189,6 +230,9 @@ impl ShmBackend {
     /// Finished batches report (and threads waiting for them wake);
     /// finished ops leave the table.
     fn settle(eng: &mut Engine, posting: &Posting) {
+        if eng.table.is_idle() {
+            return;
+        }
         if eng.table.settle() {
             posting.notify();
         }
@@ -200,28 +244,31 @@ impl ShmBackend {
     }
 
     /// Drive every posted op (taking new batches as they are posted) until
-    /// `until()` holds.
-    pub(crate) fn drive(&self, eng: &mut Engine, posting: &Posting, until: &dyn Fn() -> bool) {
+    /// `until()` holds, or with `local`, until the driving thread's own
+    /// batch has finished.
+    pub(crate) fn drive(&self, eng: &mut Engine, posting: &Posting, local: bool, until: &dyn Fn() -> bool) {
         let (me, w) = (self.rank, self.size);
         let mut idle_since = Instant::now();
-        let mut last_check = Instant::now();
+        let mut last_check = idle_since;
         let mut busy: SmallVec<[bool; 16]> = smallvec![false; w];
         loop {
             let mut moved = false;
+            let mut now = idle_since;
             let mut step = || -> Result<()> {
                 self.check_failed()?;
-                for post in posting.take() {
-                    moved = true;
-                    self.absorb(eng, post)?;
-                }
+                moved |= posting.take(|post| self.absorb(eng, post))?;
                 moved |= self.pass(eng, &mut busy)?;
+                // (Also after nothing moved: a receive served early
+                // finishes its batch at once.)
+                Self::settle(eng, posting);
                 if moved {
-                    Self::settle(eng, posting);
+                    return Ok(());
                 }
-                self.expire(eng, posting, Instant::now())?;
-                let now = Instant::now();
-                if !moved && now.duration_since(last_check) >= NAP {
-                    // Nothing moved for a while: check why.
+                // Nothing moved: the clock (once per turn), deadlines, and
+                // now and then why.
+                now = Instant::now();
+                self.expire(eng, posting, now)?;
+                if now.duration_since(last_check) >= NAP {
                     last_check = now;
                     let Table { ops, done, .. } = &eng.table;
                     for op in ops.iter().zip(done).filter(|(_, d)| !**d).map(|(op, _)| op) {
@@ -238,12 +285,14 @@ impl ShmBackend {
                 self.fail_everything(eng, posting, e);
                 return;
             }
-            if until() {
+            if (local && eng.table.local_done()) || until() {
                 return;
             }
-            let now = Instant::now();
             if moved {
-                idle_since = now;
+                // Idle from the next turn that moves nothing (its clock
+                // reading stands for this one: a turn takes well under
+                // PAUSE_SPIN).
+                idle_since = Instant::now();
                 continue;
             }
             // A peer copying our offered buffer finishes in about a

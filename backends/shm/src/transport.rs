@@ -213,8 +213,12 @@ impl progress::Engine for ShmBackend {
     }
     fn try_drive(&self, until: &dyn Fn() -> bool) -> bool {
         let Some(mut eng) = progress::try_lock(&self.engine) else { return false };
-        self.drive(&mut eng, &self.posting, until);
+        self.drive(&mut eng, &self.posting, false, until);
         true
+    }
+    fn try_exchange(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Option<Result<()>> {
+        let mut eng = progress::try_lock(&self.engine)?;
+        Some(self.exchange_now(&mut eng, &self.posting, ops, gathered, deadline))
     }
     fn wake_driver(&self) {
         self.wake(self.rank);

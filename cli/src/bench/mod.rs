@@ -28,7 +28,7 @@ use weft_cli::launcher;
 #[derive(Args, Clone, Debug)]
 pub struct BenchArgs {
     /// Ops, comma-separated, or "all": all_reduce, all_gather, reduce_scatter,
-    /// all_to_all, all_to_all_v, broadcast, reduce, gather, scatter, p2p,
+    /// all_to_all, all_to_all_v, broadcast, reduce, gather, scatter, p2p, sendrecv,
     /// barrier; and sparse_all_reduce (its own table; not part of "all").
     #[arg(long = "ops", default_value = "all")]
     ops: String,

@@ -167,13 +167,12 @@ impl<'t> Collectives<'t> for ProcessGroup {
     #[inline]
     fn submit(&self, mut job: Job<'t>, opts: &OpOptions) -> Result<Work<'t>> {
         let opts = job.options(opts);
-        if let Some(backend) = self.core.posting_backend(&job) {
-            let state = executor::new_state();
-            // SAFETY: this returns only once `state` has completed, so the
-            // tensors outlive the op.
-            unsafe { self.core.post_p2p(&backend, &mut job, &opts, state.clone(), false) };
-            p2p::wait_direct(backend.as_ref(), &state);
-            return Ok(Work::new(state));
+        if self.core.posting_backend(&job).is_some() {
+            // A point-to-point op on a transport that progresses everything
+            // together takes no turn: it runs now, driving the transport (and
+            // whatever else is posted there) until it is done.
+            let (result, device) = self.core.run_job(&mut job, &opts, 0);
+            return Ok(Work::done(result, device));
         }
         let ticket = self.core.exec.issue();
         let (result, device) = self.core.exec.run_inline(ticket, job.is_collective(), |seq| self.core.run_job(&mut job, &opts, seq));

@@ -1,13 +1,14 @@
 //! Point-to-point ops that complete on their own.
 //!
 //! On a transport that posts ([`Backend::posts`]: cpu-tcp, shm and what
-//! wraps them), a send, a receive or a batch of them is posted to the
-//! transport when it is issued, on the issuing thread, and completes
-//! whenever its peers allow: it takes no turn in the group's order, so it
-//! never waits for an unrelated op, and no op waits for it. Direct ops
-//! then drive the transport until their own op is done; background ops
-//! (in a scope) are driven by whoever is in the transport, or else by the
-//! group's progress thread for that transport (a [`Lane`]).
+//! wraps them), a send, a receive or a batch of them takes no turn in the
+//! group's order, so it never waits for an unrelated op, and no op waits
+//! for it. A direct op runs at once as an exchange, which drives the
+//! transport (everything posted there too) until the op is done. A
+//! background op (in a scope) is posted to the transport when it is
+//! issued, on the issuing thread, and completes whenever its peers allow,
+//! driven by whoever is in the transport, or else by the group's progress
+//! thread for that transport (a [`Lane`]).
 //!
 //! Elsewhere (plugins, the CUDA backends) point-to-point ops run as
 //! collectives do: one at a time, in issue order (a batch as one exchange).
@@ -123,10 +124,11 @@ fn bool_outputs(op: &mut Op<'_>) -> Vec<(usize, usize)> {
 impl GroupCore {
     /// The transport a point-to-point job is posted to, if it posts.
     pub(crate) fn posting_backend(&self, job: &Job<'_>) -> Option<Arc<dyn Backend>> {
-        if job.is_collective() || job.route.0 != DeviceKind::Cpu {
+        if job.is_collective() {
             return None;
         }
-        self.backend(job.route).filter(|b| b.posts()).cloned()
+        let host = job.route.0 == DeviceKind::Cpu;
+        self.backend(job.route).filter(|b| if host { b.posts() } else { b.posts_device() }).cloned()
     }
 
     /// This group's progress thread for `backend`, started on first use.
@@ -155,19 +157,18 @@ impl GroupCore {
         background: bool,
     ) {
         let name = job.name;
-        let bools = bool_outputs(&mut job.op);
-        let ops = self.usable().and_then(|()| p2p_of(&mut job.op));
-        let mut ops = match ops {
-            Ok(ops) => ops,
-            Err(e) => return state.complete(Err(e.with_op(name).with_rank(self.rank)), None),
-        };
+        if let Err(e) = self.usable() {
+            return state.complete(Err(e.with_op(name).with_rank(self.rank)), None);
+        }
+        let host = job.route.0 == DeviceKind::Cpu;
+        let bools = if host { bool_outputs(&mut job.op) } else { Vec::new() };
         let deadline = Instant::now() + opts.timeout.unwrap_or(self.options.timeout);
         let lane = background.then(|| self.lane(backend));
         if let Some(l) = &lane {
             l.begin();
         }
         let core = self.clone();
-        let done = Box::new(move |r: Result<()>| {
+        let done: crate::progress::Done = Box::new(move |r: Result<()>| {
             let r = r.map_err(|e| {
                 let e = e.with_op(name).with_rank(core.rank);
                 if !matches!(e.kind(), ErrorKind::Unsupported | ErrorKind::InvalidArgument) {
@@ -188,15 +189,17 @@ impl GroupCore {
                 l.end();
             }
         });
-        // SAFETY: the buffers are valid until `state` completes (the
-        // caller's promise), which `done` does last.
+        if !host {
+            // SAFETY: the tensors are valid until `state` completes (the
+            // caller's promise), which `done` does last.
+            return unsafe { backend.post_device(&mut job.op, opts.stream, deadline, done) };
+        }
+        let mut ops = match p2p_of(&mut job.op) {
+            Ok(ops) => ops,
+            Err(e) => return done(Err(e)),
+        };
+        // SAFETY: as above.
         let post = unsafe { Post::new(&mut ops, &[], deadline, done) };
         backend.post(post);
     }
-}
-
-/// Wait for a directly issued point-to-point op: drive its transport until
-/// `state` completes.
-pub(crate) fn wait_direct(backend: &dyn Backend, state: &WorkState) {
-    backend.progress(&|| state.is_done());
 }

@@ -66,11 +66,6 @@ impl WorkState {
         }
     }
 
-    /// Whether the host side has finished.
-    pub(crate) fn is_done(&self) -> bool {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner()).result.is_some()
-    }
-
     fn device(&self) -> Option<Arc<dyn DeviceCompletion>> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner()).device.clone()
     }

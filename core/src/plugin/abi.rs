@@ -22,6 +22,9 @@ pub const LAYOUT_DENSE: u32 = 1 << 0;
 pub const LAYOUT_SPARSE_COO: u32 = 1 << 1;
 pub const P2P_SEND: u32 = 0;
 pub const P2P_RECV: u32 = 1;
+/// `BackendV1::flags`: several requests may be outstanding and progress
+/// together (see the header's Threading notes).
+pub const PLUGIN_CONCURRENT: u32 = 1 << 0;
 
 #[repr(C)]
 pub struct HostV1 {
@@ -76,6 +79,8 @@ pub struct BackendV1 {
     pub all_reduce: Option<unsafe extern "C" fn(*mut c_void, *mut c_void, usize, i32, i32, f64, i64) -> Status>,
     pub broadcast: Option<unsafe extern "C" fn(*mut c_void, *mut c_void, usize, u32, i64) -> Status>,
     pub barrier: Option<unsafe extern "C" fn(*mut c_void, i64) -> Status>,
+    /// ABI 1.1: `PLUGIN_*` bits (zero for older plugins).
+    pub flags: u32,
 }
 
 // SAFETY: a BackendV1 is an immutable table of a name and function

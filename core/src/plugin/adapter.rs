@@ -5,6 +5,7 @@ use super::abi::{self, BackendV1, InitV1, P2pV1};
 use super::host::{self, HostState};
 use crate::backend::{Backend, BackendContext, Op, OpContext, P2p};
 use crate::error::{Error, Result};
+use crate::progress::{Done, Post, Slot};
 use crate::registry::BackendFactory;
 use crate::tensor::{Device, DeviceKind, Layout};
 use std::ffi::{c_char, c_void, CStr, CString};
@@ -122,6 +123,7 @@ impl BackendFactory for PluginFactory {
             path: self.path.clone(),
             _host: host,
             _host_table: table,
+            requests: std::sync::Mutex::new(Vec::new()),
         }))
     }
 }
@@ -141,10 +143,21 @@ pub struct PluginBackend {
     path: String,
     _host: Box<HostState>,
     _host_table: Box<abi::HostV1>,
+    /// A concurrent plugin's outstanding requests (see `posts`); its lock
+    /// also keeps calls on ctx one at a time.
+    requests: std::sync::Mutex<Vec<Request>>,
+}
+
+/// A request started for a posted batch.
+struct Request {
+    req: *mut c_void,
+    deadline: Instant,
+    done: Done,
 }
 
 // SAFETY: the header's threading rules hold: weft calls one op at a time per
-// ctx (the group's executor) and `abort` may come from any thread.
+// ctx (the group's executor; for a concurrent plugin, under `requests`'
+// lock) and `abort` may come from any thread.
 unsafe impl Send for PluginBackend {}
 // SAFETY: as above.
 unsafe impl Sync for PluginBackend {}
@@ -182,17 +195,16 @@ impl Backend for PluginBackend {
     }
 
     fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
-        let batch: Vec<P2pV1> = ops
-            .iter_mut()
-            .map(|op| match op {
-                P2p::Send { peer, tag, data } => {
-                    P2pV1 { kind: abi::P2P_SEND, peer: *peer as u32, tag: *tag, buf: data.as_ptr() as *mut c_void, len: data.len() }
-                }
-                P2p::Recv { peer, tag, buf } => {
-                    P2pV1 { kind: abi::P2P_RECV, peer: *peer as u32, tag: *tag, buf: buf.as_mut_ptr() as *mut c_void, len: buf.len() }
-                }
-            })
-            .collect();
+        if self.posts() {
+            // Progress on this request moves the others too.
+            let slot = Arc::new(Slot::default());
+            // SAFETY: this returns only once the slot is set (the request
+            // has finished or been cancelled).
+            self.post(unsafe { Post::new(ops, &[], deadline, slot.completer()) });
+            self.progress(&|| slot.is_set());
+            return slot.take();
+        }
+        let batch = to_abi(ops);
         let (start, wait, cancel) =
             (self.table.start.expect("validated"), self.table.wait.expect("validated"), self.table.cancel.expect("validated"));
         let mut req: *mut c_void = std::ptr::null_mut();
@@ -252,12 +264,89 @@ impl Backend for PluginBackend {
         }
     }
 
+    fn posts(&self) -> bool {
+        self.table.flags & abi::PLUGIN_CONCURRENT != 0
+    }
+
+    fn post(&self, post: Post) {
+        let Post { mut ops, deadline, done, .. } = post;
+        let batch = to_abi(&mut ops);
+        let start = self.table.start.expect("validated");
+        let mut req: *mut c_void = std::ptr::null_mut();
+        let mut requests = self.requests.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the buffers behind `batch` stay valid until `done` runs
+        // (`Post`'s contract), which is after the request has finished or
+        // been cancelled.
+        let status =
+            unsafe { start(self.ctx, batch.as_ptr(), batch.len(), ms(deadline.saturating_duration_since(Instant::now())), &mut req) };
+        if status != abi::OK {
+            let e = self.fail(status, "start");
+            drop(requests);
+            return done(Err(e));
+        }
+        requests.push(Request { req, deadline, done });
+    }
+
+    fn progress(&self, until: &dyn Fn() -> bool) {
+        let (wait, cancel) = (self.table.wait.expect("validated"), self.table.cancel.expect("validated"));
+        while !until() {
+            let mut finished: Vec<(Done, Result<()>)> = Vec::new();
+            {
+                let mut requests = self.requests.lock().unwrap_or_else(|p| p.into_inner());
+                let now = Instant::now();
+                let mut i = 0;
+                while i < requests.len() {
+                    // The first request may block a little (the plugin makes
+                    // progress on all of them meanwhile); the rest are polled.
+                    let timeout = if i == 0 && finished.is_empty() { 1 } else { 0 };
+                    let r = &requests[i];
+                    // SAFETY: a live request of ctx, under the calls lock.
+                    let status = unsafe { wait(self.ctx, r.req, timeout) };
+                    if status != abi::PENDING {
+                        let r = requests.remove(i);
+                        finished.push((r.done, self.check(status, "wait")));
+                    } else if now >= r.deadline {
+                        let r = requests.remove(i);
+                        // SAFETY: as above; afterwards its buffers are not touched.
+                        unsafe { cancel(self.ctx, r.req) };
+                        let e = Error::timeout(format!("plugin {}: transfers did not finish before the deadline", self.name));
+                        finished.push((r.done, Err(e)));
+                    } else {
+                        i += 1;
+                    }
+                }
+                if requests.is_empty() && finished.is_empty() {
+                    // Nothing to make progress on (yet): let posters in.
+                    drop(requests);
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+            }
+            for (done, r) in finished {
+                done(r);
+            }
+        }
+    }
+
     fn abort(&self, _reason: &Error) {
         if let Some(f) = self.table.abort {
             // SAFETY: abort may be called from any thread (header contract).
             unsafe { f(self.ctx) };
         }
     }
+}
+
+/// The batch as the ABI passes it (pointers into the ops' buffers).
+fn to_abi(ops: &mut [P2p<'_>]) -> Vec<P2pV1> {
+    ops.iter_mut()
+        .map(|op| match op {
+            P2p::Send { peer, tag, data } => {
+                P2pV1 { kind: abi::P2P_SEND, peer: *peer as u32, tag: *tag, buf: data.as_ptr() as *mut c_void, len: data.len() }
+            }
+            P2p::Recv { peer, tag, buf } => {
+                P2pV1 { kind: abi::P2P_RECV, peer: *peer as u32, tag: *tag, buf: buf.as_mut_ptr() as *mut c_void, len: buf.len() }
+            }
+        })
+        .collect()
 }
 
 impl Drop for PluginBackend {
