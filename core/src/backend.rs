@@ -16,6 +16,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// The `peer` of a receive that takes a message from any rank
+/// (`MPI_ANY_SOURCE`), where the transport can ([`Backend::receives_from_any`]);
+/// the receive is bound to the sender of the message it takes.
+pub const ANY_SOURCE: usize = usize::MAX;
+
 /// One point-to-point operation of an [`Backend::exchange`] batch.
 #[derive(Debug)]
 pub enum P2p<'a> {
@@ -420,8 +425,14 @@ pub trait Backend: Send + Sync {
     /// posted. Only called where [`Backend::posts`] says so; this default
     /// runs the batch now.
     fn post(&self, post: crate::progress::Post) {
-        let crate::progress::Post { mut ops, gathered, deadline, done } = post;
+        let crate::progress::Post { mut ops, gathered, deadline, done, .. } = post;
         done(self.exchange_gathered(&mut ops, &gathered, deadline));
+    }
+
+    /// Whether a posted receive may name [`ANY_SOURCE`] as its peer (the
+    /// batch's [`crate::progress::Post::source`] then learns the sender).
+    fn receives_from_any(&self) -> bool {
+        false
     }
 
     /// Whether [`Backend::post_device`] posts point-to-point ops on this

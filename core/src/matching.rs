@@ -4,7 +4,7 @@
 //! mismatches are caught. Transports only read bytes into the slice this
 //! hands them; the rules live here once.
 
-use crate::backend::{OpKind, P2p};
+use crate::backend::{OpKind, P2p, ANY_SOURCE};
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
 
@@ -23,7 +23,7 @@ struct Frame {
 }
 
 /// What came before its receive was posted.
-enum Early {
+enum Stashed {
     /// A whole message, copied aside.
     Message(Vec<u8>),
     /// Only the announcement of a message of this many bytes (a transport's
@@ -35,7 +35,7 @@ enum Early {
 #[derive(Default)]
 pub struct Inbound {
     frame: Option<Frame>,
-    stash: HashMap<u64, VecDeque<Early>>,
+    stash: HashMap<u64, VecDeque<Stashed>>,
 }
 
 fn size_mismatch(peer: usize, me: usize, got: usize, want: usize, tag: u64) -> Error {
@@ -53,9 +53,35 @@ fn collective_mismatch(peer: usize, theirs: u64, mine: u64) -> Error {
     ))
 }
 
-/// The first unfinished receive of the batch waiting for (`peer`, `tag`).
+/// The first unfinished receive of the batch waiting for (`peer`, `tag`):
+/// from that peer or from any.
 fn waiting(ops: &[P2p<'_>], done: &[bool], peer: usize, tag: u64) -> Option<usize> {
-    (0..ops.len()).find(|i| !done[*i] && matches!(&ops[*i], P2p::Recv { peer: p, tag: t, .. } if *p == peer && *t == tag))
+    (0..ops.len())
+        .find(|i| !done[*i] && matches!(&ops[*i], P2p::Recv { peer: p, tag: t, .. } if (*p == peer || *p == ANY_SOURCE) && *t == tag))
+}
+
+/// Receive `i`, if it waits for any rank, now waits for `peer` (the rank
+/// whose message it takes); true if it was an any-source receive.
+pub fn bind(ops: &mut [P2p<'_>], i: usize, peer: usize) -> bool {
+    match &mut ops[i] {
+        P2p::Recv { peer: p, .. } if *p == ANY_SOURCE => {
+            *p = peer;
+            true
+        }
+        _ => false,
+    }
+}
+
+/// How [`Inbound::serve_early`] served a receive.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Early {
+    /// The message had come: the receive is done.
+    Served,
+    /// Only its announcement had (a rendezvous): the receive takes that
+    /// message, which follows once the sender is told to go.
+    Announced,
+    /// Nothing had come.
+    Nothing,
 }
 
 impl Inbound {
@@ -64,10 +90,10 @@ impl Inbound {
         self.frame.is_some()
     }
 
-    /// Serve receive `i` of a new batch (from `peer` under `tag`) from a
-    /// message that came early; true if served. A stashed message of
-    /// another collective at the same sequence number is a mismatch.
-    pub fn serve_early(&mut self, me: usize, peer: usize, tag: u64, buf: &mut [u8]) -> Result<bool> {
+    /// Serve a new receive (from `peer` under `tag`) from a message that
+    /// came early. A stashed message of another collective at the same
+    /// sequence number is a mismatch.
+    pub fn serve_early(&mut self, me: usize, peer: usize, tag: u64, buf: &mut [u8]) -> Result<Early> {
         if let Some(other) = self.stash.keys().find(|t| crate::tag::conflicts(**t, tag)).copied() {
             return Err(collective_mismatch(peer, other, tag));
         }
@@ -77,25 +103,29 @@ impl Inbound {
             self.stash.remove(&tag);
         }
         match msg {
-            Some(Early::Message(msg)) if msg.len() != buf.len() => Err(size_mismatch(peer, me, msg.len(), buf.len(), tag)),
-            Some(Early::Message(msg)) => {
+            Some(Stashed::Message(msg)) if msg.len() != buf.len() => Err(size_mismatch(peer, me, msg.len(), buf.len(), tag)),
+            Some(Stashed::Message(msg)) => {
                 buf.copy_from_slice(&msg);
-                Ok(true)
+                Ok(Early::Served)
             }
-            Some(Early::Announced(len)) if len != buf.len() => Err(size_mismatch(peer, me, len, buf.len(), tag)),
-            Some(Early::Announced(_)) | None => Ok(false),
+            Some(Stashed::Announced(len)) if len != buf.len() => Err(size_mismatch(peer, me, len, buf.len(), tag)),
+            Some(Stashed::Announced(_)) => Ok(Early::Announced),
+            None => Ok(Early::Nothing),
         }
     }
 
     /// A message of `len` bytes under `tag` is announced, its payload to
     /// follow once the receive is posted (a transport's rendezvous): check
-    /// it against the batch's matching receive now, or against the receive
-    /// posted later. Sizes and collectives are checked as for a data frame.
-    pub fn announce(&mut self, me: usize, peer: usize, tag: u64, len: usize, ops: &[P2p<'_>], done: &[bool]) -> Result<()> {
-        if self.matching_receive(me, peer, tag, len, ops, done)?.is_none() {
-            self.stash.entry(tag).or_default().push_back(Early::Announced(len));
+    /// it against the batch's matching receive now (returned: an
+    /// any-source one is the transport's to bind and tell the sender), or
+    /// against the receive posted later. Sizes and collectives are checked
+    /// as for a data frame.
+    pub fn announce(&mut self, me: usize, peer: usize, tag: u64, len: usize, ops: &[P2p<'_>], done: &[bool]) -> Result<Option<usize>> {
+        let matched = self.matching_receive(me, peer, tag, len, ops, done)?;
+        if matched.is_none() {
+            self.stash.entry(tag).or_default().push_back(Stashed::Announced(len));
         }
-        Ok(())
+        Ok(matched)
     }
 
     /// The batch's receive a frame of `len` bytes under `tag` fills (None:
@@ -119,14 +149,16 @@ impl Inbound {
     }
 
     /// A data frame of `len` bytes under `tag` starts: it fills the
-    /// matching receive of the batch, or is stashed for a later one.
-    pub fn begin(&mut self, me: usize, peer: usize, tag: u64, len: usize, ops: &[P2p<'_>], done: &[bool]) -> Result<()> {
-        let dest = match self.matching_receive(me, peer, tag, len, ops, done)? {
+    /// matching receive of the batch (returned, to [`bind`] if it waits for
+    /// any rank), or is stashed for a later one.
+    pub fn begin(&mut self, me: usize, peer: usize, tag: u64, len: usize, ops: &[P2p<'_>], done: &[bool]) -> Result<Option<usize>> {
+        let matched = self.matching_receive(me, peer, tag, len, ops, done)?;
+        let dest = match matched {
             Some(i) => Dest::Recv(i),
             None => Dest::Stash(vec![0u8; len]),
         };
         self.frame = Some(Frame { tag, len, got: 0, dest });
-        Ok(())
+        Ok(matched)
     }
 
     /// A transport control frame of `len` bytes starts (returned by `finish`).
@@ -161,8 +193,9 @@ impl Inbound {
     }
 
     /// If the open frame is complete, deliver it: mark its receive done, or
-    /// hand it to a receive posted while it arrived, or stash it. Returns a
-    /// completed control frame's payload.
+    /// hand it to a receive posted while it arrived (bound to `peer` if it
+    /// waited for any rank), or stash it. Returns a completed control
+    /// frame's payload.
     pub fn finish(&mut self, me: usize, peer: usize, ops: &mut [P2p<'_>], done: &mut [bool]) -> Result<Option<Vec<u8>>> {
         match &self.frame {
             Some(f) if f.got == f.len => {}
@@ -180,8 +213,9 @@ impl Inbound {
                     }
                     buf.copy_from_slice(&msg);
                     done[i] = true;
+                    bind(ops, i, peer);
                 }
-                None => self.stash.entry(f.tag).or_default().push_back(Early::Message(msg)),
+                None => self.stash.entry(f.tag).or_default().push_back(Stashed::Message(msg)),
             },
         }
         Ok(None)
@@ -241,7 +275,7 @@ mod tests {
         inb.advance(2);
         assert_eq!(inb.finish(0, 1, &mut none, &mut []).unwrap(), None);
         let mut b = [0u8; 2];
-        assert!(inb.serve_early(0, 1, 5, &mut b).unwrap());
+        assert_eq!(inb.serve_early(0, 1, 5, &mut b).unwrap(), Early::Served);
         assert_eq!(&b, b"hi");
         // Nothing is kept for a served tag (tags are per collective: a map
         // of empty queues would grow with every op).
@@ -267,12 +301,38 @@ mod tests {
     }
 
     #[test]
+    fn a_receive_from_any_rank_takes_the_first_message_and_is_bound_to_its_sender() {
+        let mut inb = Inbound::default();
+        let mut buf = [0u8; 2];
+        let mut ops = vec![P2p::Recv { peer: ANY_SOURCE, tag: 5, buf: &mut buf }];
+        let mut done = vec![false];
+        assert_eq!(inb.begin(0, 3, 5, 2, &ops, &done).unwrap(), Some(0));
+        assert!(bind(&mut ops, 0, 3));
+        assert_eq!(ops[0].peer(), 3);
+        inb.payload(&mut ops).copy_from_slice(b"ok");
+        inb.advance(2);
+        inb.finish(0, 3, &mut ops, &mut done).unwrap();
+        assert!(done[0]);
+        // Bound once: a later sender does not rebind it.
+        assert!(!bind(&mut ops, 0, 4));
+        // A stashed message binds the receive it is handed to.
+        let mut other = [0u8; 1];
+        let mut ops = vec![P2p::Recv { peer: ANY_SOURCE, tag: 6, buf: &mut other }];
+        let mut done = vec![false];
+        inb.begin(0, 2, 6, 1, &[], &[]).unwrap();
+        inb.payload(&mut []).copy_from_slice(b"x");
+        inb.advance(1);
+        inb.finish(0, 2, &mut ops, &mut done).unwrap();
+        assert!(done[0] && ops[0].peer() == 2);
+    }
+
+    #[test]
     fn announcements_are_checked_now_or_when_the_receive_is_posted() {
         let mut inb = Inbound::default();
         let mut b4 = [0u8; 4];
         // Announced before the receive: kept, checked at posting, not served.
         inb.announce(0, 1, 5, 4, &[], &[]).unwrap();
-        assert!(!inb.serve_early(0, 1, 5, &mut b4).unwrap());
+        assert_eq!(inb.serve_early(0, 1, 5, &mut b4).unwrap(), Early::Announced);
         assert!(inb.stash.is_empty());
         inb.announce(0, 1, 6, 8, &[], &[]).unwrap();
         assert!(inb.serve_early(0, 1, 6, &mut b4).unwrap_err().to_string().contains("sent 8 bytes, rank 0 expected 4"));

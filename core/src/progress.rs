@@ -43,6 +43,9 @@ pub struct Post {
     pub deadline: Instant,
     /// Called once with the batch's outcome.
     pub done: Done,
+    /// Where the sender of the batch's any-source receive is left (see
+    /// [`crate::backend::ANY_SOURCE`]), before `done` is called.
+    pub source: Option<Arc<AtomicUsize>>,
 }
 
 impl Post {
@@ -55,7 +58,12 @@ impl Post {
     pub unsafe fn new(ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant, done: Done) -> Post {
         // SAFETY: the caller's promise.
         let (ops, gathered) = unsafe { extend(ops, gathered) };
-        Post { ops, gathered, deadline, done }
+        Post { ops, gathered, deadline, done, source: None }
+    }
+
+    /// The same batch, leaving the sender of its any-source receive in `cell`.
+    pub fn with_source(self, cell: Arc<AtomicUsize>) -> Post {
+        Post { source: Some(cell), ..self }
     }
 }
 
@@ -93,6 +101,8 @@ struct Batch {
     deadline: Instant,
     /// `None`: the driving thread's own batch (see [`Table::add_local`]).
     done: Option<Done>,
+    /// See [`Post::source`].
+    source: Option<Arc<AtomicUsize>>,
 }
 
 impl Batch {
@@ -146,7 +156,11 @@ impl<S> Table<S> {
     /// Append `post`'s ops, each with the state `init` gives it; the new
     /// batch's id. Its first op is at the table's old length.
     pub fn add(&mut self, post: Post, init: impl FnMut(&P2p<'static>, Option<&'static dyn Gather>) -> S) -> u64 {
-        self.append(post.ops, post.gathered, post.deadline, Some(post.done), init)
+        let id = self.append(post.ops, post.gathered, post.deadline, Some(post.done), init);
+        if let Some(b) = self.batches.back_mut() {
+            b.source = post.source;
+        }
+        id
     }
 
     /// Append the driving thread's own batch (it drives until
@@ -202,7 +216,7 @@ impl<S> Table<S> {
         }
         self.done.resize(self.ops.len(), false);
         self.batch_of.resize(self.ops.len(), id);
-        self.batches.push_back(Batch { id, deadline, done });
+        self.batches.push_back(Batch { id, deadline, done, source: None });
         id
     }
 
@@ -237,9 +251,18 @@ impl<S> Table<S> {
         let mut any = false;
         let mut i = 0;
         while i < self.batches.len() {
-            if self.unfinished(self.batches[i].id) {
+            let id = self.batches[i].id;
+            if self.unfinished(id) {
                 i += 1;
                 continue;
+            }
+            if let Some(cell) = &self.batches[i].source {
+                // Its receives are bound to their senders by now.
+                let from = self.ops.iter().zip(&self.batch_of).find_map(|(op, b)| match op {
+                    P2p::Recv { peer, .. } if *b == id => Some(*peer),
+                    _ => None,
+                });
+                cell.store(from.unwrap_or(crate::backend::ANY_SOURCE), Ordering::Release);
             }
             self.batches.remove(i).expect("in range").finish(&mut self.local, Ok(()));
             any = true;
@@ -544,6 +567,7 @@ mod tests {
             gathered: Vec::new(),
             deadline: Instant::now() + Duration::from_secs(60),
             done: Box::new(move |r| log.lock().unwrap().push((tag, r.is_ok()))),
+            source: None,
         }
     }
 

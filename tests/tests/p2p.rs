@@ -348,3 +348,68 @@ fn a_batch_whose_peer_dies_fails_naming_it() {
         assert!(*took < Duration::from_secs(10), "{spec}: took {took:?}");
     }
 }
+
+/// Receives from any rank: three senders at different times, long and
+/// short messages, direct and in a scope; each Work names its sender.
+#[test]
+fn receive_from_any_rank_names_the_sender() {
+    for spec in ["cpu-tcp", "shm"] {
+        run_threads(4, options(spec), move |pg| {
+            let r = pg.rank();
+            // Long enough for cpu-tcp's rendezvous on the second round.
+            for (round, n) in [(0u32, 100usize), (1, (1 << 20) + 7)] {
+                if r == 0 {
+                    let mut got = Vec::new();
+                    // The first two direct, the last in a scope.
+                    for _ in 0..2 {
+                        let mut buf = vec![0u8; n];
+                        let from = {
+                            let w = pg.recv_any(&mut buf[..], 40 + round, &o()).unwrap();
+                            w.wait().unwrap();
+                            w.source().expect("a finished recv_any names its sender")
+                        };
+                        assert!(buf == pattern(from, 0, 40 + round, n), "{spec}: data of rank {from}");
+                        got.push(from);
+                    }
+                    let mut buf = vec![0u8; n];
+                    let from = pg
+                        .scope(|s| {
+                            let w = s.recv_any(&mut buf[..], 40 + round, &o())?;
+                            w.wait()?;
+                            Ok::<_, weft::Error>(w.source())
+                        })
+                        .unwrap()
+                        .expect("sender");
+                    assert!(buf == pattern(from, 0, 40 + round, n), "{spec}: data of rank {from}");
+                    got.push(from);
+                    got.sort();
+                    assert_eq!(got, vec![1, 2, 3], "{spec}: every sender once");
+                } else {
+                    // Senders at different times, the last first.
+                    std::thread::sleep(Duration::from_millis(30 * (4 - r as u64)));
+                    pg.send(&pattern(r, 0, 40 + round, n)[..], 0, 40 + round, &o()).unwrap().wait().unwrap();
+                }
+            }
+            // A receive from a specific rank posted first keeps that
+            // rank's message; the any-source one takes the other's.
+            if r < 3 {
+                let tag = 50;
+                if r == 0 {
+                    let (mut a, mut b) = (vec![0u8; 8], vec![0u8; 8]);
+                    pg.scope(|s| {
+                        let wa = s.recv(&mut a[..], 2, tag, &o())?;
+                        let wb = s.recv_any(&mut b[..], tag, &o())?;
+                        wa.wait()?;
+                        wb.wait()?;
+                        assert_eq!(wb.source(), Some(1), "{spec}");
+                        Ok::<_, weft::Error>(())
+                    })
+                    .unwrap();
+                    assert_eq!((a[0], b[0]), (2, 1), "{spec}");
+                } else {
+                    pg.send(&[r as u8; 8][..], 0, tag, &o()).unwrap().wait().unwrap();
+                }
+            }
+        });
+    }
+}

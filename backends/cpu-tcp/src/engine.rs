@@ -17,8 +17,8 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-use weft::backend::{OpKind, P2p};
-use weft::matching::Inbound;
+use weft::backend::{OpKind, P2p, ANY_SOURCE};
+use weft::matching::{self, Early, Inbound};
 use weft::progress::{Post, Posting, Table};
 use weft::{Error, Result};
 
@@ -182,6 +182,7 @@ impl Engine {
     /// (the batch alone fails), or a broken stream (the transport has).
     fn refuse<'o>(&self, me: usize, mut peers: impl Iterator<Item = &'o P2p<'o>>, watch: &dyn Watch) -> Option<Error> {
         peers.find_map(|op| match self.peers.get(op.peer()) {
+            None if matches!(op, P2p::Recv { peer: ANY_SOURCE, .. }) => None,
             Some(Some(p)) if p.torn => Some(watch.failed(Error::backend(format!("the stream to peer rank {} is broken", op.peer())))),
             Some(Some(_)) => None,
             _ => Some(Error::invalid(format!("cpu-tcp: rank {me} has no connection to peer rank {}", op.peer()))),
@@ -219,15 +220,30 @@ impl Engine {
     fn start(&mut self, me: usize, first: usize) -> Result<()> {
         let Table { ops, done, .. } = &mut self.table;
         for (i, op) in ops.iter_mut().enumerate().skip(first) {
-            let p = self.peers[op.peer()].as_mut().expect("checked by refuse");
-            if let P2p::Recv { peer, tag, buf } = op {
-                if p.inbound.serve_early(me, *peer, *tag, buf)? {
-                    done[i] = true;
-                } else if p.left {
-                    return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
-                } else if buf.len() > EAGER_LIMIT {
-                    p.queue_control(Kind::Ready, *tag, buf.len());
+            let P2p::Recv { peer, tag, buf } = op else { continue };
+            if *peer == ANY_SOURCE {
+                // The first peer with something for this tag; else the
+                // first message or announcement that comes (`drain`).
+                for (q, p) in self.peers.iter_mut().enumerate() {
+                    let Some(p) = p else { continue };
+                    match p.inbound.serve_early(me, q, *tag, buf)? {
+                        Early::Served => done[i] = true,
+                        Early::Announced => p.queue_control(Kind::Ready, *tag, buf.len()),
+                        Early::Nothing => continue,
+                    }
+                    *peer = q;
+                    break;
                 }
+                continue;
+            }
+            let p = self.peers[*peer].as_mut().expect("checked by refuse");
+            match p.inbound.serve_early(me, *peer, *tag, buf)? {
+                Early::Served => done[i] = true,
+                _ if p.left => {
+                    return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
+                }
+                _ if buf.len() > EAGER_LIMIT => p.queue_control(Kind::Ready, *tag, buf.len()),
+                _ => {}
             }
         }
         Ok(())
@@ -285,6 +301,9 @@ impl Engine {
                         data.len()
                     ),
                     P2p::Send { peer, tag, .. } => format!("sending to peer rank {peer} ({})", OpKind::describe_tag(*tag)),
+                    P2p::Recv { peer: ANY_SOURCE, tag, buf } => {
+                        format!("no message from any rank for {} ({} bytes expected)", OpKind::describe_tag(*tag), buf.len())
+                    }
                     P2p::Recv { peer, tag, buf } => {
                         format!("no message from peer rank {peer} for {} ({} bytes expected)", OpKind::describe_tag(*tag), buf.len())
                     }
@@ -563,6 +582,9 @@ fn pass(me: usize, eng: &mut Engine, flags: &mut Flags, eager: bool) -> Result<b
     // Receives from a peer that has left can never complete.
     for (i, op) in ops.iter().enumerate() {
         if let P2p::Recv { peer, .. } = op {
+            if *peer == ANY_SOURCE {
+                continue;
+            }
             let p = peers[*peer].as_ref().expect("connected");
             if !done[i] && p.left && !p.inbound.in_frame() {
                 return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
@@ -574,7 +596,7 @@ fn pass(me: usize, eng: &mut Engine, flags: &mut Flags, eager: bool) -> Result<b
 
 /// Whether a receive of `ops` still waits for `peer`.
 fn awaited(ops: &[P2p<'_>], done: &[bool], peer: usize) -> bool {
-    ops.iter().zip(done).any(|(op, d)| !d && matches!(op, P2p::Recv { peer: q, .. } if *q == peer))
+    ops.iter().zip(done).any(|(op, d)| !d && matches!(op, P2p::Recv { peer: q, .. } if *q == peer || *q == ANY_SOURCE))
 }
 
 /// Read what `peer` has sent; true if any byte moved. Unless `eager`, stop
@@ -616,9 +638,19 @@ fn drain(me: usize, peer: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>]
                     return Ok(true);
                 }
                 Kind::Abort => p.inbound.begin_control((h.len as usize).min(MAX_ABORT as usize)),
-                Kind::Data => p.inbound.begin(me, peer, h.tag, h.len as usize, ops, done)?,
+                Kind::Data => {
+                    if let Some(i) = p.inbound.begin(me, peer, h.tag, h.len as usize, ops, done)? {
+                        matching::bind(ops, i, peer);
+                    }
+                }
                 Kind::Announce => {
-                    p.inbound.announce(me, peer, h.tag, h.len as usize, ops, done)?;
+                    // A receive from any rank takes this message: tell
+                    // this sender to go.
+                    if let Some(i) = p.inbound.announce(me, peer, h.tag, h.len as usize, ops, done)? {
+                        if matching::bind(ops, i, peer) {
+                            p.queue_control(Kind::Ready, h.tag, h.len as usize);
+                        }
+                    }
                     continue;
                 }
                 Kind::Ready => {

@@ -170,6 +170,10 @@ impl Backend for TcpBackend {
         true
     }
 
+    fn receives_from_any(&self) -> bool {
+        true
+    }
+
     fn post(&self, post: Post) {
         self.posting.push(post);
         self.wake.wake();

@@ -203,6 +203,9 @@ impl Backend for HierBackend {
     fn posts(&self) -> bool {
         self.flat.backend.posts()
     }
+    fn receives_from_any(&self) -> bool {
+        self.flat.backend.receives_from_any()
+    }
     fn post(&self, mut post: Post) {
         let (flat, done) = (self.flat.clone(), post.done);
         post.done = Box::new(move |r| done(r.map_err(|e| flat.translate(e))));

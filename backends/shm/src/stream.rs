@@ -12,8 +12,8 @@ use crate::transport::{ShmBackend, CMA_SPIN, NAP, PAUSE_SPIN, SPIN};
 use smallvec::{smallvec, SmallVec};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-use weft::backend::{Backend, Gather, GatherSend, P2p};
-use weft::matching::Inbound;
+use weft::backend::{Backend, Gather, GatherSend, P2p, ANY_SOURCE};
+use weft::matching::{self, Early, Inbound};
 use weft::progress::{Post, Posting, Table};
 use weft::{Error, Result};
 
@@ -105,15 +105,18 @@ fn plain_header(tag: u64, len: usize) -> ([u8; HEADER + cma::DESCRIPTOR], usize)
 }
 
 impl ShmBackend {
-    /// Why a batch over these peers cannot run: a bad peer rank.
-    fn refuse(&self, mut peers: impl Iterator<Item = usize>) -> Option<Error> {
-        peers.find(|&p| p >= self.size || p == self.rank).map(|p| Error::invalid(format!("shm: bad peer rank {p}")))
+    /// Why a batch cannot run: a bad peer rank (a receive may name any).
+    fn refuse<'o>(&self, ops: impl Iterator<Item = &'o P2p<'o>>, gathered: &[GatherSend<'_>]) -> Option<Error> {
+        let bad = |p: usize| p >= self.size || p == self.rank;
+        let mut peers =
+            ops.filter(|op| !matches!(op, P2p::Recv { peer: ANY_SOURCE, .. })).map(P2p::peer).chain(gathered.iter().map(|g| g.peer));
+        peers.find(|&p| bad(p)).map(|p| Error::invalid(format!("shm: bad peer rank {p}")))
     }
 
     /// Take a posted batch into the table; a batch naming a bad peer fails
     /// alone.
     fn absorb(&self, eng: &mut Engine, post: Post) -> Result<()> {
-        if let Some(e) = self.refuse(post.ops.iter().map(P2p::peer).chain(post.gathered.iter().map(|g| g.peer))) {
+        if let Some(e) = self.refuse(post.ops.iter(), &post.gathered) {
             (post.done)(Err(e));
             return Ok(());
         }
@@ -127,8 +130,19 @@ impl ShmBackend {
     fn start(&self, eng: &mut Engine, first: usize) -> Result<()> {
         let Table { ops, done, .. } = &mut eng.table;
         for (i, op) in ops.iter_mut().enumerate().skip(first) {
-            if let P2p::Recv { peer, tag, buf } = op {
-                done[i] = eng.peers[*peer].inbound.serve_early(self.rank, *peer, *tag, buf).map_err(|e| self.fail(e))?;
+            let P2p::Recv { peer, tag, buf } = op else { continue };
+            if *peer != ANY_SOURCE {
+                done[i] = eng.peers[*peer].inbound.serve_early(self.rank, *peer, *tag, buf).map_err(|e| self.fail(e))? == Early::Served;
+                continue;
+            }
+            // From any rank: the first peer with a message of this tag;
+            // else the first that comes (`drain`).
+            for q in (0..self.size).filter(|&q| q != self.rank) {
+                if eng.peers[q].inbound.serve_early(self.rank, q, *tag, buf).map_err(|e| self.fail(e))? == Early::Served {
+                    done[i] = true;
+                    *peer = q;
+                    break;
+                }
             }
         }
         Ok(())
@@ -149,7 +163,7 @@ impl ShmBackend {
             self.fail_everything(eng, posting, e.clone());
             return Err(e);
         }
-        if let Some(e) = self.refuse(ops.iter().map(P2p::peer).chain(gathered.iter().map(|g| g.peer))) {
+        if let Some(e) = self.refuse(ops.iter(), gathered) {
             return Err(e);
         }
         let first = eng.table.len();
@@ -207,6 +221,7 @@ impl ShmBackend {
                 .iter()
                 .map(|&i| match (&ops[i], send_of(ops, gathered, i).is_some()) {
                     (op, true) => format!("send to peer rank {}", op.peer()),
+                    (P2p::Recv { peer: ANY_SOURCE, .. }, false) => "receive from any rank".to_string(),
                     (op, false) => format!("receive from peer rank {}", op.peer()),
                 })
                 .collect();
@@ -273,6 +288,9 @@ impl ShmBackend {
                     let Table { ops, done, .. } = &eng.table;
                     for op in ops.iter().zip(done).filter(|(_, d)| !**d).map(|(op, _)| op) {
                         let peer = op.peer();
+                        if peer == ANY_SOURCE {
+                            continue;
+                        }
                         let drained = matches!(op, P2p::Send { .. }) || self.ring(peer, me).available() == 0;
                         if let (true, Some(e)) = (drained, self.peer_problem(peer)) {
                             return Err(self.fail(e));
@@ -689,7 +707,9 @@ impl ShmBackend {
                 if len & CMA_FLAG != 0 {
                     st.cma_in = Some(cma::Offer::decode(&st.hdr[HEADER..]));
                 }
-                st.inbound.begin(self.rank, peer, tag, (len & !CMA_FLAG) as usize, ops, done).map_err(|e| self.fail(e))?;
+                if let Some(i) = st.inbound.begin(self.rank, peer, tag, (len & !CMA_FLAG) as usize, ops, done).map_err(|e| self.fail(e))? {
+                    matching::bind(ops, i, peer);
+                }
             }
             if let Some(offer) = st.cma_in.take() {
                 self.read_offer(peer, offer, st, ops)?;

@@ -276,6 +276,10 @@ impl Backend for ShmBackend {
         true
     }
 
+    fn receives_from_any(&self) -> bool {
+        true
+    }
+
     fn post(&self, post: Post) {
         self.posting.push(post);
         self.wake(self.rank);

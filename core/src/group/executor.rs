@@ -1,4 +1,14 @@
-//! Runs a group's ops one at a time, in issue order.
+//! Runs a group's ops one at a time, in issue order: every collective, and
+//! point-to-point ops on transports that cannot post them (plugins without
+//! `WEFT_PLUGIN_CONCURRENT`; see `p2p.rs` for the others, which take no
+//! ticket).
+//!
+//! What may overlap: collectives never overlap each other on one rank, and
+//! every rank runs them in the same order (their sequence numbers must
+//! agree). A posted send or receive overlaps everything: it may finish
+//! before, during or after any collective issued before or after it, and a
+//! collective never waits for it (both make progress in the same transport
+//! loop, whichever thread drives it).
 //!
 //! Every op takes a ticket when issued. Direct ops run on the caller's
 //! thread once their ticket comes up (no thread hop: lowest latency); ops

@@ -167,7 +167,10 @@ impl<'t> Collectives<'t> for ProcessGroup {
     #[inline]
     fn submit(&self, mut job: Job<'t>, opts: &OpOptions) -> Result<Work<'t>> {
         let opts = job.options(opts);
-        if self.core.posting_backend(&job).is_some() {
+        if let Some(backend) = self.core.posting_backend(&job) {
+            if GroupCore::receives_from_any(&job) {
+                return Ok(Work::new(self.core.post_and_wait(&backend, &mut job, &opts)));
+            }
             // A point-to-point op on a transport that progresses everything
             // together takes no turn: it runs now, driving the transport (and
             // whatever else is posted there) until it is done.
@@ -262,6 +265,10 @@ impl GroupCore {
         let result = (|| {
             self.usable()?;
             let backend = self.route(route)?;
+            if matches!(op, Op::Recv { peer: crate::backend::ANY_SOURCE, .. }) {
+                // Posted where the transport can (`p2p.rs`); not here.
+                return Err(crate::Error::unsupported(format!("backend {} cannot receive from any rank", backend.name())));
+            }
             // The op's hints over the group's. Usually both are empty: then
             // the map is made from the group's hasher, without reading the
             // per-thread seed a fresh one takes.

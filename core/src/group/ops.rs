@@ -197,6 +197,26 @@ pub trait Collectives<'t>: sealed::Sealed {
         self.submit(job(&c, OpKind::Recv, route, None, Op::Recv { buf, peer: src, tag: crate::tag::user(tag) }), opts)
     }
 
+    /// Receive into `tensor` the oldest message sent to this rank under
+    /// `tag` by any rank (`MPI_ANY_SOURCE`, torch's `recv(src=None)`); its
+    /// size must equal the tensor's. Once finished, [`Work::source`] says
+    /// which rank sent it. Direct or in a scope, as [`Collectives::recv`];
+    /// on transports that can (cpu-tcp, shm, hierarchical), else
+    /// `Unsupported`.
+    fn recv_any(&self, tensor: impl Into<TensorMut<'t>>, tag: u32, opts: &OpOptions) -> Result<Work<'t>> {
+        let buf = tensor.into();
+        let c = check(self, "recv_any");
+        if c.size < 2 {
+            return Err(c.fail("a group of one rank has no other rank to receive from".into()));
+        }
+        user_tag(&c, tag)?;
+        let (route, ..) = c.tensors([meta_mut(&buf)])?;
+        self.submit(
+            job(&c, OpKind::Recv, route, None, Op::Recv { buf, peer: crate::backend::ANY_SOURCE, tag: crate::tag::user(tag) }),
+            opts,
+        )
+    }
+
     /// Post sends and receives as one unit with one [`Work`] (torch's
     /// `batch_isend_irecv`, NCCL's grouped calls): they progress together,
     /// in any order the peers allow, and the work completes once all have.

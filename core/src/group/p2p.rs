@@ -15,7 +15,7 @@
 
 use super::work::WorkState;
 use super::{GroupCore, Job};
-use crate::backend::{Backend, Op, P2p};
+use crate::backend::{Backend, Op, P2p, ANY_SOURCE};
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::OpOptions;
@@ -122,6 +122,23 @@ fn bool_outputs(op: &mut Op<'_>) -> Vec<(usize, usize)> {
 }
 
 impl GroupCore {
+    /// Whether `job` receives from any rank (it must be posted: only a
+    /// posted batch learns its sender).
+    pub(crate) fn receives_from_any(job: &Job<'_>) -> bool {
+        matches!(job.op, Op::Recv { peer: ANY_SOURCE, .. })
+    }
+
+    /// Post a directly issued `job` and drive its transport until it has
+    /// finished (what a receive from any rank takes, to learn its sender).
+    pub(crate) fn post_and_wait(self: &Arc<Self>, backend: &Arc<dyn Backend>, job: &mut Job<'_>, opts: &OpOptions) -> Arc<WorkState> {
+        let state = super::executor::new_state();
+        // SAFETY: this returns once `state` has completed, so the tensors
+        // outlive the op.
+        unsafe { self.post_p2p(backend, job, opts, state.clone(), false) };
+        backend.progress(&|| state.is_done());
+        state
+    }
+
     /// The transport a point-to-point job is posted to, if it posts.
     pub(crate) fn posting_backend(&self, job: &Job<'_>) -> Option<Arc<dyn Backend>> {
         if job.is_collective() {
@@ -163,11 +180,18 @@ impl GroupCore {
         let host = job.route.0 == DeviceKind::Cpu;
         let bools = if host { bool_outputs(&mut job.op) } else { Vec::new() };
         let deadline = Instant::now() + opts.timeout.unwrap_or(self.options.timeout);
+        let any = matches!(job.op, Op::Recv { peer: ANY_SOURCE, .. });
+        if any && !backend.receives_from_any() {
+            let e = Error::unsupported(format!("backend {} cannot receive from any rank", backend.name()));
+            return state.complete(Err(e.with_op(name).with_rank(self.rank)), None);
+        }
+        let source = any.then(|| Arc::new(AtomicUsize::new(ANY_SOURCE)));
         let lane = background.then(|| self.lane(backend));
         if let Some(l) = &lane {
             l.begin();
         }
         let core = self.clone();
+        let from = source.clone();
         let done: crate::progress::Done = Box::new(move |r: Result<()>| {
             let r = r.map_err(|e| {
                 let e = e.with_op(name).with_rank(core.rank);
@@ -183,6 +207,9 @@ impl GroupCore {
                     // transport no longer touches it.
                     crate::kernels::sanitize(unsafe { std::slice::from_raw_parts_mut(at as *mut u8, len) }, DType::Bool);
                 }
+            }
+            if let (Ok(()), Some(from)) = (&r, &from) {
+                state.set_source(from.load(Ordering::Acquire));
             }
             state.complete(r, None);
             if let Some(l) = lane {
@@ -200,6 +227,9 @@ impl GroupCore {
         };
         // SAFETY: as above.
         let post = unsafe { Post::new(&mut ops, &[], deadline, done) };
-        backend.post(post);
+        backend.post(match source {
+            Some(cell) => post.with_source(cell),
+            None => post,
+        });
     }
 }

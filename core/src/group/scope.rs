@@ -25,9 +25,19 @@ pub struct Scope<'scope, 'env: 'scope> {
 }
 
 impl ProcessGroup {
-    /// Run `f` with a scope in which ops run in the background, in issue
-    /// order, on the group's worker thread; return once `f` has returned and
-    /// every op issued in the scope has finished.
+    /// Run `f` with a scope in which ops run in the background; return once
+    /// `f` has returned and every op issued in the scope has finished.
+    ///
+    /// Collectives run on the group's worker thread one at a time, in issue
+    /// order (the same order on every rank). Sends and receives are posted
+    /// to the transport when issued and complete in whatever order the
+    /// peers allow: any set that MPI's nonblocking `Isend`/`Irecv` would
+    /// complete does (a ring exchange of long messages, both ranks sending
+    /// first, receives posted in any order). They never wait for an
+    /// unrelated op, collective or not, nor does a collective wait for them;
+    /// messages of one tag between two ranks match in issue order. (On a
+    /// plugin that cannot post, they run in issue order with the
+    /// collectives; use [`Collectives::batch_p2p`] there.)
     ///
     /// ```no_run
     /// # use weft::{ProcessGroup, ReduceOp, OpOptions, Collectives};

@@ -19,6 +19,8 @@ struct Inner {
     /// Threads blocked on `done`: without any, completing skips the
     /// wake-up (a system call on every op otherwise).
     waiters: usize,
+    /// The rank an any-source receive took its message from.
+    source: Option<usize>,
 }
 
 /// Completion state shared by a [`Work`] and the thread that runs its op
@@ -32,6 +34,16 @@ pub(crate) struct WorkState {
 }
 
 impl WorkState {
+    /// Whether the host side has finished.
+    pub(crate) fn is_done(&self) -> bool {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).result.is_some()
+    }
+
+    /// The sender of an any-source receive (before `complete`).
+    pub(crate) fn set_source(&self, rank: usize) {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).source = Some(rank);
+    }
+
     pub(crate) fn complete(&self, result: Result<()>, device: Option<Arc<dyn DeviceCompletion>>) {
         let (wakers, blocked) = {
             let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
@@ -195,6 +207,15 @@ impl<'t> Work<'t> {
             }
         }
         self.device().is_none_or(|d| d.is_complete().unwrap_or(true))
+    }
+
+    /// For a receive from any rank ([`crate::Collectives::recv_any`]): the
+    /// rank its message came from, once it has finished successfully.
+    pub fn source(&self) -> Option<usize> {
+        match &self.handle {
+            Handle::Done { .. } => None,
+            Handle::Pending(s) => s.inner.lock().unwrap_or_else(|p| p.into_inner()).source,
+        }
     }
 
     /// The error, if the op finished with one.
