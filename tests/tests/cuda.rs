@@ -19,39 +19,34 @@ fn gpu() -> Arc<dyn Gpu> {
     weft_cuda_runtime::gpu().unwrap()
 }
 
-fn conformance(w: usize, spec: &str, hints: &[(&str, &str)]) {
+/// Run `suite` on `w` ranks of `spec` (with group `hints`) on the emulated
+/// GPU; every check must pass on every rank.
+fn checked(
+    w: usize,
+    spec: &str,
+    hints: &[(&str, &str)],
+    suite: fn(&ProcessGroup, weft_conformance::SharedPlacement) -> Vec<weft_conformance::Check>,
+) {
     let _ = gpu();
     let mut opts = options(spec);
     for (k, v) in hints {
         opts = opts.hint(*k, *v);
     }
     let label = format!("{spec} {hints:?} W={w}");
-    let results = run_threads(w, opts, move |pg| {
-        let placement = weft_conformance::cuda::placement(0).unwrap();
-        weft_conformance::run_on(&pg, 37, Some(placement))
-    });
+    let results = run_threads(w, opts, move |pg| suite(&pg, weft_conformance::cuda::placement(0).unwrap()));
     for (r, checks) in results.iter().enumerate() {
         let (table, ok) = weft_conformance::summary(checks);
         assert!(ok, "{label}, rank {r}:\n{table}");
     }
 }
 
+fn conformance(w: usize, spec: &str, hints: &[(&str, &str)]) {
+    checked(w, spec, hints, |pg, place| weft_conformance::run_on(pg, 37, Some(place)));
+}
+
 /// The ring exchange and batches on the emulated GPU through a CUDA backend.
 fn p2p(w: usize, spec: &str, hints: &[(&str, &str)]) {
-    let _ = gpu();
-    let mut opts = options(spec);
-    for (k, v) in hints {
-        opts = opts.hint(*k, *v);
-    }
-    let label = format!("{spec} {hints:?} W={w}");
-    let results = run_threads(w, opts, move |pg| {
-        let placement = weft_conformance::cuda::placement(0).unwrap();
-        weft_conformance::run_p2p(&pg, Some(placement), 16 << 20)
-    });
-    for (r, checks) in results.iter().enumerate() {
-        let (table, ok) = weft_conformance::summary(checks);
-        assert!(ok, "{label} p2p, rank {r}:\n{table}");
-    }
+    checked(w, spec, hints, |pg, place| weft_conformance::run_p2p(pg, Some(place), 16 << 20));
 }
 
 #[test]
