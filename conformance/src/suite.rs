@@ -285,6 +285,14 @@ fn p2p_cases(pg: &ProcessGroup, placement: Option<SharedPlacement>, max_bytes: u
         pg.sendrecv(input.t(), right, out.tm(), left, 202, &o)?.wait()?;
         Ok((out.read()?, make(d, left, n)))
     });
+    // Every rank sends a size of its own: what a rank sends and receives differ.
+    let size_of = |rank: usize| n / (1 + rank) + rank;
+    t.case("sendrecv, another size each way", d, None, |pg, m| {
+        let input = m.buf(d, &make(d, r, size_of(r)))?;
+        let mut out = m.zeros(d, size_of(left))?;
+        pg.sendrecv(input.t(), right, out.tm(), left, 203, &o)?.wait()?;
+        Ok((out.read()?, make(d, left, size_of(left))))
+    });
     t.checks
 }
 

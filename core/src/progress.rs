@@ -462,6 +462,10 @@ pub trait Engine {
     /// until it has finished ([`Table::add_local`]); `None` if another
     /// thread drives.
     fn try_exchange(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Option<Result<()>>;
+    /// Fail every posted op with `e` and let go of every buffer (a panic
+    /// unwound through the driver: the table must not keep ops whose
+    /// buffers the unwinding frees).
+    fn abandon(&self, e: &Error);
 }
 
 /// The outcome of one batch, for a thread that waits for it.
@@ -474,7 +478,7 @@ pub struct Slot {
 impl Slot {
     /// Whether the outcome is in.
     pub fn is_set(&self) -> bool {
-        self.set.load(Ordering::Acquire)
+        self.set.load(Ordering::SeqCst)
     }
     /// A [`Done`] that leaves the outcome here (the driver then wakes
     /// waiting threads: see [`Posting::notify`]).
@@ -482,7 +486,10 @@ impl Slot {
         let slot = self.clone();
         Box::new(move |r| {
             *slot.result.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
-            slot.set.store(true, Ordering::Release);
+            // SeqCst: with the driver's SeqCst read of the sleepers after
+            // it (`Posting::notify`) and the sleeper's SeqCst count before it
+            // reads this, one of them sees the other.
+            slot.set.store(true, Ordering::SeqCst);
         })
     }
     /// The outcome (`Ok` if none was left).
@@ -529,10 +536,18 @@ pub fn wait_until(engine: &dyn Engine, until: &dyn Fn() -> bool) {
 /// what a transport's blocking `exchange` is, over its [`Engine`].
 pub fn exchange(engine: &dyn Engine, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
     // Usually nobody else drives: no posting, no completion to allocate.
-    if let Some(r) = engine.try_exchange(ops, gathered, deadline) {
-        // Whoever waits now may drive.
-        engine.posting().notify();
-        return r;
+    let tried = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.try_exchange(ops, gathered, deadline)));
+    match tried {
+        Ok(Some(r)) => {
+            // Whoever waits now may drive.
+            engine.posting().notify();
+            return r;
+        }
+        Ok(None) => {}
+        Err(panic) => {
+            engine.abandon(&Error::backend("internal error: a panic while driving the transport"));
+            std::panic::resume_unwind(panic);
+        }
     }
     let slot = Arc::new(Slot::default());
     // SAFETY: this function returns only after `done` has been called

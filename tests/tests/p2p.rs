@@ -144,6 +144,44 @@ fn many_outstanding_in_shuffled_orders_and_same_tag_in_order() {
     }
 }
 
+/// Long sends of one tag with a longer send of another tag between them
+/// (which may be on the wire while the first waits for its go-ahead): the
+/// receives of that tag still get them in issue order.
+#[test]
+fn a_long_send_is_not_overtaken_by_a_later_one_of_its_tag() {
+    run_threads(2, options("cpu-tcp"), |pg| {
+        let sizes: [(u32, usize); 4] = [(1, 2 << 20), (2, 8 << 20), (1, 2 << 20), (1, 10)];
+        for round in 0..12u8 {
+            if pg.rank() == 0 {
+                let outs: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(i, &(_, n))| vec![round * 10 + i as u8; n]).collect();
+                pg.scope(|s| {
+                    let ws: Vec<_> =
+                        sizes.iter().zip(&outs).map(|(&(tag, _), out)| s.send(&out[..], 1, tag, &o())).collect::<weft::Result<_>>()?;
+                    ws.iter().try_for_each(|w| w.wait())
+                })
+                .unwrap();
+            } else {
+                let mut ins: Vec<Vec<u8>> = sizes.iter().map(|&(_, n)| vec![0u8; n]).collect();
+                // The receives go in late, the other tag's first.
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                pg.scope(|s| {
+                    let mut order: Vec<usize> = vec![1, 0, 2, 3];
+                    let mut slots: Vec<Option<&mut Vec<u8>>> = ins.iter_mut().map(Some).collect();
+                    let ws: Vec<_> = order
+                        .drain(..)
+                        .map(|i| s.recv(&mut slots[i].take().unwrap()[..], 0, sizes[i].0, &o()))
+                        .collect::<weft::Result<_>>()?;
+                    ws.iter().try_for_each(|w| w.wait())
+                })
+                .unwrap();
+                for (i, v) in ins.iter().enumerate() {
+                    assert!(v.iter().all(|x| *x == round * 10 + i as u8), "round {round}: message {i} out of order");
+                }
+            }
+        }
+    });
+}
+
 /// A receive posted and waited for before this rank's own earlier long
 /// send can finish: the receive must not wait for the send.
 #[test]

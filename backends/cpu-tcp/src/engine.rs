@@ -204,9 +204,10 @@ impl Engine {
 
     /// Take a posted batch into the table (see `start`). A batch naming a
     /// peer without a connection fails alone.
-    fn absorb(&mut self, me: usize, post: Post, watch: &dyn Watch) -> Result<()> {
+    fn absorb(&mut self, me: usize, post: Post, watch: &dyn Watch, posting: &Posting) -> Result<()> {
         if let Some(e) = self.refuse(me, post.ops.iter(), watch) {
             (post.done)(Err(e));
+            posting.notify();
             return Ok(());
         }
         let first = self.table.len();
@@ -269,7 +270,7 @@ impl Engine {
     }
 
     /// Everything fails with `e`: posted ops and those still to be taken.
-    fn fail_all(&mut self, e: &Error, posting: &Posting) {
+    pub fn fail_all(&mut self, e: &Error, posting: &Posting) {
         self.release(|_| true);
         // Half a control frame on the wire: that stream cannot be used
         // again. Control frames not yet written go with the ops.
@@ -285,13 +286,22 @@ impl Engine {
 
     /// Fail batches whose deadline has passed, naming what each still waits
     /// for; their ops leave the table.
-    fn expire(&mut self, now: Instant, posting: &Posting) {
-        if self.table.expired(now).is_none() {
-            return;
-        }
+    ///
+    /// A batch that gives up with half a frame on the wire leaves that
+    /// stream unusable: then the error that fails every other op.
+    fn expire(&mut self, now: Instant, posting: &Posting) -> Option<Error> {
+        // (Usually none has expired: nothing to do.)
+        self.table.expired(now)?;
+        let mut torn = None;
         while let Some(id) = self.table.expired(now) {
             let pending = self.table.pending_of(id);
             let Table { ops, state, .. } = &self.table;
+            torn = torn.or_else(|| {
+                pending.iter().find_map(|&i| match &ops[i] {
+                    P2p::Send { peer, data, .. } if state[i].sent > 0 && state[i].sent < HEADER + data.len() => Some(*peer),
+                    _ => None,
+                })
+            });
             let what: Vec<String> = pending
                 .iter()
                 .map(|&i| match &ops[i] {
@@ -314,6 +324,7 @@ impl Engine {
             posting.notify();
         }
         self.settle(posting);
+        torn.map(|peer| Error::backend(format!("the stream to peer rank {peer} is broken: a send timed out half written")))
     }
 
     /// Finished batches report (and threads waiting for them wake);
@@ -384,7 +395,7 @@ pub fn exchange(
     ops: &mut [P2p<'_>],
     deadline: Instant,
 ) -> Result<()> {
-    if let Err(e) = posting.take(|post| eng.absorb(me, post, watch)) {
+    if let Err(e) = posting.take(|post| eng.absorb(me, post, watch, posting)) {
         let e = watch.failed(e);
         eng.fail_all(&e, posting);
         return Err(e);
@@ -421,7 +432,7 @@ pub fn drive(me: usize, eng: &mut Engine, posting: &Posting, wake: &Wake, watch:
             return;
         }
         let mut moved = false;
-        match posting.take(|post| eng.absorb(me, post, watch)) {
+        match posting.take(|post| eng.absorb(me, post, watch, posting)) {
             Ok(took) => moved |= took,
             Err(e) => {
                 let e = watch.failed(e);
@@ -442,7 +453,11 @@ pub fn drive(me: usize, eng: &mut Engine, posting: &Posting, wake: &Wake, watch:
         // batch at once.)
         eng.settle(posting);
         now = Instant::now();
-        eng.expire(now, posting);
+        if let Some(e) = eng.expire(now, posting) {
+            let e = watch.failed(e);
+            eng.fail_all(&e, posting);
+            return;
+        }
         if (local && eng.table.local_done()) || until() {
             return;
         }
@@ -518,8 +533,9 @@ fn pass(me: usize, eng: &mut Engine, flags: &mut Flags, eager: bool) -> Result<b
     flags.busy.fill(false);
     flags.hear.fill(false);
     let mut stopped: SmallVec<[bool; 8]> = smallvec![false; w];
-    // Tags of sends waiting for Ready, per peer: a later send of the same
-    // tag must not overtake them (the receiver matches in stream order).
+    // Tags of unfinished sends this pass passes over (waiting for Ready, or
+    // behind another frame), per peer: a later send of the same tag must
+    // not overtake them (the receiver matches in stream order).
     let mut held: SmallVec<[(usize, u64); 8]> = SmallVec::new();
     for (peer, p) in peers.iter_mut().enumerate() {
         let Some(p) = p else { continue };
@@ -532,7 +548,11 @@ fn pass(me: usize, eng: &mut Engine, flags: &mut Flags, eager: bool) -> Result<b
     for i in 0..ops.len() {
         let P2p::Send { peer, tag, data } = &ops[i] else { continue };
         let (peer, tag) = (*peer, *tag);
-        if done[i] || stopped[peer] || mid[peer].is_some_and(|m| m != i) || held.contains(&(peer, tag)) {
+        if done[i] {
+            continue;
+        }
+        if stopped[peer] || mid[peer].is_some_and(|m| m != i) || held.contains(&(peer, tag)) {
+            held.push((peer, tag));
             continue;
         }
         let p = peers[peer].as_mut().expect("validated peers are connected");
@@ -559,6 +579,7 @@ fn pass(me: usize, eng: &mut Engine, flags: &mut Flags, eager: bool) -> Result<b
         }
         if st.sent == 0 && !p.ctl.is_empty() {
             stopped[peer] = true;
+            held.push((peer, tag));
             continue;
         }
         let before = st.sent;
@@ -567,6 +588,7 @@ fn pass(me: usize, eng: &mut Engine, flags: &mut Flags, eager: bool) -> Result<b
         if st.sent < HEADER + data.len() {
             stopped[peer] = true;
             flags.busy[peer] = true;
+            held.push((peer, tag));
             continue;
         }
         done[i] = true;

@@ -70,6 +70,10 @@ impl progress::Engine for TcpBackend {
         let mut eng = progress::try_lock(&self.engine)?;
         Some(engine::exchange(self.rank, &mut eng, &self.posting, &self.wake, self, ops, deadline))
     }
+    fn abandon(&self, e: &Error) {
+        let e = self.fail(e.clone());
+        self.lock().fail_all(&e, &self.posting);
+    }
     fn wake_driver(&self) {
         self.wake.wake();
     }

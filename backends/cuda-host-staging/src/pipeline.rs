@@ -121,6 +121,11 @@ impl Staging {
     /// its tensors must form one op).
     fn chunk_count(&self, op: &Op<'_>, parts: &[Part], ctx: &OpContext) -> Result<usize> {
         let Some(per) = chunk_bytes(ctx)? else { return Ok(1) };
+        if let Op::Batch { .. } = op {
+            // Each message must be cut alike on both of its ranks, but a
+            // batch's sizes differ from rank to rank: staged whole.
+            return Ok(1);
+        }
         let count = |bytes: usize| bytes.div_ceil(per).clamp(1, MAX_CHUNKS);
         if let Some(bytes) = agreed_bytes(op, parts, ctx.size) {
             return Ok(count(bytes));

@@ -115,9 +115,10 @@ impl ShmBackend {
 
     /// Take a posted batch into the table; a batch naming a bad peer fails
     /// alone.
-    fn absorb(&self, eng: &mut Engine, post: Post) -> Result<()> {
+    fn absorb(&self, eng: &mut Engine, post: Post, posting: &Posting) -> Result<()> {
         if let Some(e) = self.refuse(post.ops.iter(), &post.gathered) {
             (post.done)(Err(e));
+            posting.notify();
             return Ok(());
         }
         let first = eng.table.len();
@@ -159,7 +160,7 @@ impl ShmBackend {
         gathered: &[GatherSend<'_>],
         deadline: Instant,
     ) -> Result<()> {
-        if let Err(e) = self.check_failed().and_then(|()| posting.take(|post| self.absorb(eng, post)).map(|_| ())) {
+        if let Err(e) = self.check_failed().and_then(|()| posting.take(|post| self.absorb(eng, post, posting)).map(|_| ())) {
             self.fail_everything(eng, posting, e.clone());
             return Err(e);
         }
@@ -182,7 +183,7 @@ impl ShmBackend {
     /// may be pushing into a receive buffer (stop it), or reading a send
     /// buffer (withdraw the offer); either way the pair's stream is then out
     /// of step for good, and the transport fails.
-    fn fail_everything(&self, eng: &mut Engine, posting: &Posting, e: Error) {
+    pub(crate) fn fail_everything(&self, eng: &mut Engine, posting: &Posting, e: Error) {
         let Engine { peers, table } = eng;
         let mut cancelled = false;
         for (peer, st) in peers.iter_mut().enumerate() {
@@ -265,22 +266,25 @@ impl ShmBackend {
         let (me, w) = (self.rank, self.size);
         let mut idle_since = Instant::now();
         let mut last_check = idle_since;
+        let mut turns: u32 = 0;
         let mut busy: SmallVec<[bool; 16]> = smallvec![false; w];
         loop {
             let mut moved = false;
             let mut now = idle_since;
             let mut step = || -> Result<()> {
                 self.check_failed()?;
-                moved |= posting.take(|post| self.absorb(eng, post))?;
+                moved |= posting.take(|post| self.absorb(eng, post, posting))?;
                 moved |= self.pass(eng, &mut busy)?;
                 // (Also after nothing moved: a receive served early
                 // finishes its batch at once.)
                 Self::settle(eng, posting);
-                if moved {
+                turns = turns.wrapping_add(1);
+                if moved && !turns.is_multiple_of(256) {
                     return Ok(());
                 }
-                // Nothing moved: the clock (once per turn), deadlines, and
-                // now and then why.
+                // Nothing moved (or, while other ops keep moving, every 256
+                // turns): the clock, deadlines, and now and then whether a
+                // peer whose op waits has died.
                 now = Instant::now();
                 self.expire(eng, posting, now)?;
                 if now.duration_since(last_check) >= NAP {

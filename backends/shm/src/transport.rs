@@ -220,6 +220,11 @@ impl progress::Engine for ShmBackend {
         let mut eng = progress::try_lock(&self.engine)?;
         Some(self.exchange_now(&mut eng, &self.posting, ops, gathered, deadline))
     }
+    fn abandon(&self, e: &Error) {
+        let e = self.fail(e.clone());
+        let mut eng = self.engine.lock().unwrap_or_else(|p| p.into_inner());
+        self.fail_everything(&mut eng, &self.posting, e);
+    }
     fn wake_driver(&self) {
         self.wake(self.rank);
     }

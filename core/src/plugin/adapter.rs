@@ -230,6 +230,10 @@ impl Backend for PluginBackend {
     }
 
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
+        // One call on ctx at a time (requests may be in flight): a native
+        // collective of a concurrent plugin holds the calls lock while it
+        // runs, so posting waits for it.
+        let _calls = self.requests.lock().unwrap_or_else(|p| p.into_inner());
         let timeout = ms(ctx.remaining());
         match op {
             Op::AllReduce { buf, op } if buf.device() == Device::Cpu => {
@@ -289,6 +293,7 @@ impl Backend for PluginBackend {
 
     fn progress(&self, until: &dyn Fn() -> bool) {
         let (wait, cancel) = (self.table.wait.expect("validated"), self.table.cancel.expect("validated"));
+        let mut idle_since = Instant::now();
         while !until() {
             let mut finished: Vec<(Done, Result<()>)> = Vec::new();
             {
@@ -296,12 +301,11 @@ impl Backend for PluginBackend {
                 let now = Instant::now();
                 let mut i = 0;
                 while i < requests.len() {
-                    // The first request may block a little (the plugin makes
-                    // progress on all of them meanwhile); the rest are polled.
-                    let timeout = if i == 0 && finished.is_empty() { 1 } else { 0 };
+                    // Polled (timeout 0): the calls lock is never held while
+                    // the plugin waits, so posters get in at once.
                     let r = &requests[i];
                     // SAFETY: a live request of ctx, under the calls lock.
-                    let status = unsafe { wait(self.ctx, r.req, timeout) };
+                    let status = unsafe { wait(self.ctx, r.req, 0) };
                     if status != abi::PENDING {
                         let r = requests.remove(i);
                         finished.push((r.done, self.check(status, "wait")));
@@ -315,12 +319,18 @@ impl Backend for PluginBackend {
                         i += 1;
                     }
                 }
-                if requests.is_empty() && finished.is_empty() {
-                    // Nothing to make progress on (yet): let posters in.
-                    drop(requests);
-                    std::thread::sleep(Duration::from_micros(100));
-                }
             }
+            if finished.is_empty() {
+                // Yield for a while (the peer is likely about to answer),
+                // then sleep briefly between polls.
+                if idle_since.elapsed() < Duration::from_micros(200) {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+                continue;
+            }
+            idle_since = Instant::now();
             for (done, r) in finished {
                 done(r);
             }
