@@ -85,6 +85,29 @@ fn run(scenario: &str) -> anyhow::Result<()> {
                 }
             }
         }
+        "sigkill_p2p_batch" => {
+            // The last rank kills itself while every other rank waits in a
+            // scope on a batch of receives from it (one long, one short)
+            // and a send to it: each must get PeerLost naming it.
+            let victim = w - 1;
+            if r == victim {
+                sigkill_self_after(Duration::from_millis(400));
+                std::thread::sleep(Duration::from_secs(60));
+                anyhow::bail!("still alive");
+            }
+            let (mut long, mut short) = (vec![0u8; 4 << 20], [0u8; 8]);
+            let out = vec![1u8; 4 << 20];
+            let e = pg
+                .scope(|s| {
+                    let batch = s.batch_p2p(vec![P2pOp::recv(&mut long[..], victim, 1), P2pOp::recv(&mut short[..], victim, 2)], &o)?;
+                    let send = s.send(&out[..], victim, 3, &o)?;
+                    send.wait().and(batch.wait())
+                })
+                .err()
+                .ok_or_else(|| anyhow::anyhow!("the batch finished without its peer"))?;
+            println!("rank {r}: {e}");
+            anyhow::ensure!(e.kind() == &ErrorKind::PeerLost { rank: victim }, "expected PeerLost {{ rank: {victim} }}, got {e}");
+        }
         "default_timeout" => {
             // No per-op timeout: WEFT_TIMEOUT_SECONDS applies.
             if r == 1 {
