@@ -195,6 +195,27 @@ pub enum Op<'a> {
 }
 
 impl<'a> Op<'a> {
+    /// A receive from any rank ([`ANY_SOURCE`]).
+    pub fn receives_from_any(&self) -> bool {
+        matches!(self, Op::Recv { peer: ANY_SOURCE, .. })
+    }
+
+    /// The sends and receives of a send, a receive or a batch, over host
+    /// memory, in issue order; `InvalidArgument` for any other op.
+    pub fn host_p2p(&mut self) -> Result<smallvec::SmallVec<[P2p<'_>; 2]>> {
+        fn one<'b>(op: &'b mut Op<'_>) -> Result<P2p<'b>> {
+            match op {
+                Op::Send { data, peer, tag } => Ok(P2p::Send { peer: *peer, tag: *tag, data: data.host_bytes()? }),
+                Op::Recv { buf, peer, tag } => Ok(P2p::Recv { peer: *peer, tag: *tag, buf: buf.host_bytes_mut()? }),
+                _ => Err(Error::invalid("only sends and receives are point-to-point")),
+            }
+        }
+        match self {
+            Op::Batch { ops } => ops.iter_mut().map(one).collect(),
+            op => Ok(smallvec::smallvec![one(op)?]),
+        }
+    }
+
     /// True for every op but send, recv and their batches.
     pub fn is_collective(&self) -> bool {
         !matches!(self, Op::Send { .. } | Op::Recv { .. } | Op::Batch { .. })

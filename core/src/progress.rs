@@ -549,14 +549,33 @@ pub fn exchange(engine: &dyn Engine, ops: &mut [P2p<'_>], gathered: &[GatherSend
             std::panic::resume_unwind(panic);
         }
     }
+    post_and_wait(
+        ops,
+        gathered,
+        deadline,
+        |post| {
+            engine.posting().push(post);
+            engine.wake_driver();
+        },
+        |until| wait_until(engine, until),
+    )
+}
+
+/// Hand `ops` (and `gathered` sends) to `post` as one batch, then run
+/// `progress` until it has finished; its outcome. The blocking form of any
+/// transport that posts.
+pub fn post_and_wait(
+    ops: &mut [P2p<'_>],
+    gathered: &[GatherSend<'_>],
+    deadline: Instant,
+    post: impl FnOnce(Post),
+    progress: impl FnOnce(&dyn Fn() -> bool),
+) -> Result<()> {
     let slot = Arc::new(Slot::default());
-    // SAFETY: this function returns only after `done` has been called
-    // (`wait_until` returns once the slot is set), so the borrows outlive
-    // the batch.
-    let post = unsafe { Post::new(ops, gathered, deadline, slot.completer()) };
-    engine.posting().push(post);
-    engine.wake_driver();
-    wait_until(engine, &|| slot.is_set());
+    // SAFETY: this returns only after `done` has been called (`progress`
+    // returns once the slot is set), so the borrows outlive the batch.
+    post(unsafe { Post::new(ops, gathered, deadline, slot.completer()) });
+    progress(&|| slot.is_set());
     slot.take()
 }
 

@@ -133,12 +133,7 @@ fn bytes_of_mut<'t>(ts: &'t mut [TensorMut<'_>]) -> Result<Vec<&'t mut [u8]>> {
 pub fn run(backend: &dyn Backend, op: &mut Op<'_>, ctx: &OpContext) -> Result<()> {
     let c = Comm::new(backend, ctx);
     match op {
-        Op::Send { data, peer, tag } => {
-            backend.exchange(&mut [P2p::Send { peer: *peer, tag: *tag, data: data.host_bytes()? }], ctx.deadline.get())
-        }
-        Op::Recv { buf, peer, tag } => {
-            backend.exchange(&mut [P2p::Recv { peer: *peer, tag: *tag, buf: buf.host_bytes_mut()? }], ctx.deadline.get())
-        }
+        Op::Send { .. } | Op::Recv { .. } | Op::Batch { .. } => backend.exchange(&mut op.host_p2p()?, ctx.deadline.get()),
         Op::Broadcast { buf, root } => match select::pick(ctx, "broadcast", buf.nbytes(), c.step_bytes())? {
             "scatter_allgather" => ring::broadcast_scatter_allgather(&c, buf.host_bytes_mut()?, *root),
             "chain" => chain::broadcast(&c, buf.host_bytes_mut()?, *root),
@@ -168,17 +163,6 @@ pub fn run(backend: &dyn Backend, op: &mut Op<'_>, ctx: &OpContext) -> Result<()
         Op::Gather { input, outputs, root } => linear::gather(&c, input.host_bytes()?, &mut bytes_of_mut(outputs)?, *root),
         Op::Scatter { inputs, output, root } => linear::scatter(&c, &bytes_of(inputs)?, output.host_bytes_mut()?, *root),
         Op::Barrier => barrier::dissemination(&c),
-        Op::Batch { ops } => {
-            let mut p2p = ops
-                .iter_mut()
-                .map(|op| match op {
-                    Op::Send { data, peer, tag } => Ok(P2p::Send { peer: *peer, tag: *tag, data: data.host_bytes()? }),
-                    Op::Recv { buf, peer, tag } => Ok(P2p::Recv { peer: *peer, tag: *tag, buf: buf.host_bytes_mut()? }),
-                    _ => Err(Error::invalid("a batch holds only sends and receives")),
-                })
-                .collect::<Result<Vec<_>>>()?;
-            backend.exchange(&mut p2p, ctx.deadline.get())
-        }
         Op::AllReduceSparse { input, output, op } => sparse::all_reduce(&c, input, output, *op),
         #[allow(unreachable_patterns)]
         _ => Err(Error::unsupported(format!("{}: no generic algorithm", ctx.name))),

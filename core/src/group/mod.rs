@@ -168,7 +168,7 @@ impl<'t> Collectives<'t> for ProcessGroup {
     fn submit(&self, mut job: Job<'t>, opts: &OpOptions) -> Result<Work<'t>> {
         let opts = job.options(opts);
         if let Some(backend) = self.core.posting_backend(&job) {
-            if GroupCore::receives_from_any(&job) {
+            if job.op.receives_from_any() {
                 return Ok(Work::new(self.core.post_and_wait(&backend, &mut job, &opts)));
             }
             // A point-to-point op on a transport that progresses everything
@@ -265,7 +265,7 @@ impl GroupCore {
         let result = (|| {
             self.usable()?;
             let backend = self.route(route)?;
-            if matches!(op, Op::Recv { peer: crate::backend::ANY_SOURCE, .. }) {
+            if op.receives_from_any() {
                 // Posted where the transport can (`p2p.rs`); not here.
                 return Err(crate::Error::unsupported(format!("backend {} cannot receive from any rank", backend.name())));
             }

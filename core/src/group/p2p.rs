@@ -15,7 +15,7 @@
 
 use super::work::WorkState;
 use super::{GroupCore, Job};
-use crate::backend::{Backend, Op, P2p, ANY_SOURCE};
+use crate::backend::{Backend, Op, ANY_SOURCE};
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::OpOptions;
@@ -97,21 +97,6 @@ impl Lane {
     }
 }
 
-/// The sends and receives of a point-to-point job, over host memory.
-fn p2p_of<'a>(op: &'a mut Op<'_>) -> Result<Vec<P2p<'a>>> {
-    let one = |op: &'a mut Op<'_>| -> Result<P2p<'a>> {
-        match op {
-            Op::Send { data, peer, tag } => Ok(P2p::Send { peer: *peer, tag: *tag, data: data.host_bytes()? }),
-            Op::Recv { buf, peer, tag } => Ok(P2p::Recv { peer: *peer, tag: *tag, buf: buf.host_bytes_mut()? }),
-            _ => Err(Error::invalid("a batch holds only sends and receives")),
-        }
-    };
-    match op {
-        Op::Batch { ops } => ops.iter_mut().map(one).collect(),
-        op => Ok(vec![one(op)?]),
-    }
-}
-
 /// Received bool buffers, to clean once their bytes are in.
 fn bool_outputs(op: &mut Op<'_>) -> Vec<(usize, usize)> {
     op.outputs_mut()
@@ -122,12 +107,6 @@ fn bool_outputs(op: &mut Op<'_>) -> Vec<(usize, usize)> {
 }
 
 impl GroupCore {
-    /// Whether `job` receives from any rank (it must be posted: only a
-    /// posted batch learns its sender).
-    pub(crate) fn receives_from_any(job: &Job<'_>) -> bool {
-        matches!(job.op, Op::Recv { peer: ANY_SOURCE, .. })
-    }
-
     /// Post a directly issued `job` and drive its transport until it has
     /// finished (what a receive from any rank takes, to learn its sender).
     pub(crate) fn post_and_wait(self: &Arc<Self>, backend: &Arc<dyn Backend>, job: &mut Job<'_>, opts: &OpOptions) -> Arc<WorkState> {
@@ -180,7 +159,7 @@ impl GroupCore {
         let host = job.route.0 == DeviceKind::Cpu;
         let bools = if host { bool_outputs(&mut job.op) } else { Vec::new() };
         let deadline = Instant::now() + opts.timeout.unwrap_or(self.options.timeout);
-        let any = matches!(job.op, Op::Recv { peer: ANY_SOURCE, .. });
+        let any = job.op.receives_from_any();
         if any && !backend.receives_from_any() {
             let e = Error::unsupported(format!("backend {} cannot receive from any rank", backend.name()));
             return state.complete(Err(e.with_op(name).with_rank(self.rank)), None);
@@ -221,7 +200,7 @@ impl GroupCore {
             // caller's promise), which `done` does last.
             return unsafe { backend.post_device(&mut job.op, opts.stream, deadline, done) };
         }
-        let mut ops = match p2p_of(&mut job.op) {
+        let mut ops = match job.op.host_p2p() {
             Ok(ops) => ops,
             Err(e) => return done(Err(e)),
         };

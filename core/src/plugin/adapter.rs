@@ -5,7 +5,7 @@ use super::abi::{self, BackendV1, InitV1, P2pV1};
 use super::host::{self, HostState};
 use crate::backend::{Backend, BackendContext, Op, OpContext, P2p};
 use crate::error::{Error, Result};
-use crate::progress::{Done, Post, Slot};
+use crate::progress::{Done, Post};
 use crate::registry::BackendFactory;
 use crate::tensor::{Device, DeviceKind, Layout};
 use std::ffi::{c_char, c_void, CStr, CString};
@@ -197,12 +197,7 @@ impl Backend for PluginBackend {
     fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
         if self.posts() {
             // Progress on this request moves the others too.
-            let slot = Arc::new(Slot::default());
-            // SAFETY: this returns only once the slot is set (the request
-            // has finished or been cancelled).
-            self.post(unsafe { Post::new(ops, &[], deadline, slot.completer()) });
-            self.progress(&|| slot.is_set());
-            return slot.take();
+            return crate::progress::post_and_wait(ops, &[], deadline, |p| self.post(p), |until| self.progress(until));
         }
         let batch = to_abi(ops);
         let (start, wait, cancel) =
