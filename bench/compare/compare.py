@@ -7,7 +7,9 @@ times, at each size, with the same timing method (barrier before each
 iteration, slowest rank per iteration, median, after the same number of
 untimed warm-up iterations). Prints one table: the
 median over rounds of each tool's time, the spread (min-max over rounds),
-and weft's speed relative to each anchor (>1 means weft is faster).
+and weft's speed relative to each anchor (>1 means weft is faster), with
+the worst round's ratio ("min x", from the same round's runs) and weft's
+worst p99 over median. Pass --iters 200 or more where the tail matters.
 
 The last column is the ceiling: every rank copying N bytes at once (the
 host copy weft uses for outputs, `weft bench --ops device_copy`), in the
@@ -52,6 +54,8 @@ def run_weft(a, size, weft):
     for line in csv.splitlines()[1:]:
         f = line.split(",")
         res[(f[2], int(f[3]))] = float(f[9])
+        # The tail within the run: p99 over the median.
+        res[(f[2] + "/p99", int(f[3]))] = float(f[12]) / float(f[9])
     return res
 
 
@@ -109,10 +113,13 @@ def main():
                 for key, us in run(size).items():
                     samples.setdefault((tool,) + key, []).append(us)
         print(f"round {rnd + 1}/{a.rounds} done", file=sys.stderr)
-    keys = sorted({k[1:] for k in samples if k[0] == "weft"}, key=lambda k: (k[0], k[1]))
+    keys = sorted({k[1:] for k in samples if k[0] == "weft" and not k[1].endswith("/p99")}, key=lambda k: (k[0], k[1]))
     print(f"# W={a.world}, backend {a.backend}, {a.rounds} alternating rounds, {a.iters} iterations each after {a.warmup} warm-ups; "
-          f"time = median over rounds of each run's median (us), [min-max over rounds]; x = anchor time / weft time (>1: weft faster)")
-    hdr = f"{'op':<15} {'bytes':>10} " + " ".join(f"{t:>24}" for t in tools) + "  " + " ".join(f"{'x ' + t:>10}" for t in tools if t != "weft")
+          f"time = median over rounds of each run's median (us), [min-max over rounds]; x = anchor time / weft time (>1: weft faster); "
+          f"min x = the worst round's ratio; p99/med = weft's worst round")
+    anchors = [t for t in tools if t not in ("weft", "copy")]
+    hdr = (f"{'op':<15} {'bytes':>10} " + " ".join(f"{t:>24}" for t in tools) + "  " + " ".join(f"{'x ' + t:>10}" for t in tools if t != "weft")
+           + "  " + " ".join(f"{'min x ' + t:>14}" for t in anchors) + f"  {'p99/med':>8}")
     print(hdr)
     for op, b in keys:
         cells, med = [], {}
@@ -126,7 +133,14 @@ def main():
             else:
                 cells.append(f"{'-':>24}")
         ratios = [f"{med[t] / med['weft']:>10.2f}" if t in med and "weft" in med else f"{'-':>10}" for t in tools if t != "weft"]
-        print(f"{op:<15} {b:>10} " + " ".join(cells) + "  " + " ".join(ratios))
+        worst = []
+        for t in anchors:
+            v, w = samples.get((t, op, b)), samples.get(("weft", op, b))
+            # Rounds ran each tool once, in the same order: pair them up.
+            worst.append(f"{min(x / y for x, y in zip(v, w)):>14.2f}" if v and w and len(v) == len(w) else f"{'-':>14}")
+        tail = samples.get(("weft", op + "/p99", b))
+        print(f"{op:<15} {b:>10} " + " ".join(cells) + "  " + " ".join(ratios) + "  " + " ".join(worst)
+              + (f"  {max(tail):>8.2f}" if tail else f"  {'-':>8}"))
 
 
 if __name__ == "__main__":

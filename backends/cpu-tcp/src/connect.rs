@@ -14,17 +14,6 @@ use std::time::{Duration, Instant};
 use weft::store::Store;
 use weft::{Error, Result};
 
-/// Environment variable setting the socket buffer size (bytes; 0 leaves
-/// them to the kernel's autotuning).
-pub const ENV_BUFFER: &str = "WEFT_SOCKET_BUFFER";
-/// Default send and receive buffer request (the kernel doubles it). Fixed
-/// buffers holding several pipeline segments keep a segment's send from
-/// stalling on a window that autotuning has not grown yet: at 1 MiB over
-/// loopback, W=2, all_reduce took 205-213 us in 8 runs this way against
-/// 205-385 us (median 370) autotuned, all_gather 109-126 against 111-205;
-/// 64 MiB and W=4 were unchanged.
-const DEFAULT_BUFFER: usize = 1 << 20;
-
 const MAGIC: u32 = 0x5746_4853; // "WFHS"
 const VERSION: u16 = 1;
 const HELLO: usize = 22;
@@ -61,6 +50,9 @@ pub fn mesh(store: &dyn Store, rank: usize, size: usize, ip: IpAddr, deadline: I
     let timeout = deadline.saturating_duration_since(Instant::now());
     let listener = Socket::new(Domain::for_address(SocketAddr::new(ip, 0)), Type::STREAM, Some(Protocol::TCP))?;
     listener.set_reuse_address(true)?;
+    // Accepted connections inherit this; one from another host is set
+    // back in `tune::connections`.
+    crate::tune::before_connecting(&listener, true)?;
     listener.bind(&SocketAddr::new(ip, 0).into()).map_err(|e| Error::backend(format!("cpu-tcp: cannot bind {ip}: {e}")))?;
     listener.listen(size as i32 + 16)?;
     let addr = listener.local_addr()?.as_socket().expect("an IP listener");
@@ -80,7 +72,7 @@ pub fn mesh(store: &dyn Store, rank: usize, size: usize, ip: IpAddr, deadline: I
         let acceptor = s.spawn(|| accept_all(&listener, rank, size, nonce, deadline));
         let mut lower = Vec::new();
         for peer in 0..rank {
-            lower.push(connect_one(store, rank, peer, nonce, deadline)?);
+            lower.push(connect_one(store, rank, peer, ip, nonce, deadline)?);
         }
         let higher = acceptor.join().expect("acceptor thread does not panic")?;
         for (p, sock) in lower.into_iter().enumerate() {
@@ -91,31 +83,15 @@ pub fn mesh(store: &dyn Store, rank: usize, size: usize, ip: IpAddr, deadline: I
         }
         Ok(())
     })?;
-    let buffer = buffer_size()?;
+    crate::tune::connections(&peers)?;
     for sock in peers.iter().flatten() {
-        sock.set_tcp_nodelay(true)?;
-        if buffer > 0 {
-            sock.set_send_buffer_size(buffer)?;
-            sock.set_recv_buffer_size(buffer)?;
-        }
         sock.set_nonblocking(false)?;
     }
     Ok(peers)
 }
 
-/// The socket buffer size to request: `WEFT_SOCKET_BUFFER` or the default.
-fn buffer_size() -> Result<usize> {
-    parse_buffer(std::env::var(ENV_BUFFER).ok())
-}
-
-fn parse_buffer(v: Option<String>) -> Result<usize> {
-    match v {
-        None => Ok(DEFAULT_BUFFER),
-        Some(v) => v.trim().parse().map_err(|_| Error::invalid(format!("{ENV_BUFFER}={v:?} is not a size in bytes"))),
-    }
-}
-
-fn connect_one(store: &dyn Store, rank: usize, peer: usize, nonce: u64, deadline: Instant) -> Result<Socket> {
+/// `local`: this rank's address (a peer there is on this host).
+fn connect_one(store: &dyn Store, rank: usize, peer: usize, local: IpAddr, nonce: u64, deadline: Instant) -> Result<Socket> {
     let raw = store.get(&format!("addr/{peer}"), deadline.saturating_duration_since(Instant::now()))?;
     let addr: SocketAddr = String::from_utf8_lossy(&raw)
         .parse()
@@ -127,6 +103,7 @@ fn connect_one(store: &dyn Store, rank: usize, peer: usize, nonce: u64, deadline
             return Err(Error::timeout(format!("cpu-tcp: rank {rank} could not connect to peer rank {peer} at {addr}")));
         }
         let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+        crate::tune::before_connecting(&sock, addr.ip().is_loopback() || addr.ip() == local)?;
         match sock.connect_timeout(&SockAddr::from(addr), left.min(Duration::from_secs(5))) {
             Ok(()) => {}
             Err(_) => {
@@ -230,16 +207,8 @@ mod tests {
             // The buffers asked for (the kernel doubles them, up to rmem_max).
             let cap = std::fs::read_to_string("/proc/sys/net/core/rmem_max").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0);
             let got = r1[0].as_ref().unwrap().recv_buffer_size().unwrap();
-            assert!(got >= DEFAULT_BUFFER.min(cap), "receive buffer {got} bytes");
+            assert!(got >= crate::tune::DEFAULT_BUFFER.min(cap), "receive buffer {got} bytes");
         });
-    }
-
-    #[test]
-    fn the_socket_buffer_size_is_bytes_or_a_clear_error() {
-        assert_eq!(parse_buffer(None).unwrap(), DEFAULT_BUFFER);
-        assert_eq!(parse_buffer(Some(" 0".into())).unwrap(), 0);
-        let e = parse_buffer(Some("1M".into())).unwrap_err();
-        assert!(matches!(e.kind(), weft::ErrorKind::InvalidArgument) && e.to_string().contains("WEFT_SOCKET_BUFFER"), "{e}");
     }
 
     #[test]

@@ -10,6 +10,7 @@ mod addr;
 mod connect;
 mod engine;
 mod transport;
+mod tune;
 mod wire;
 
 pub use addr::{local_addr, ENV_IFNAME};
