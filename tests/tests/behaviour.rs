@@ -59,6 +59,41 @@ fn scoped_ops_run_in_background_and_in_order() {
     assert!(out.iter().all(|x| *x == (3.0, 2, 0)), "{out:?}");
 }
 
+/// A view of `v` not tied to its borrow, for unscoped ops.
+///
+/// # Safety
+/// `v` must outlive every op given the view, with no other access meanwhile.
+unsafe fn unbound<T: weft::Element>(v: &mut [T]) -> weft::TensorMut<'static> {
+    // SAFETY: the caller's promise.
+    unsafe { weft::TensorMut::from_raw_parts(v.as_mut_ptr() as *mut u8, T::DTYPE, weft::Device::Cpu, &[v.len()], None) }.unwrap()
+}
+
+/// Unscoped background ops (what the Python binding issues) run like a
+/// scope's: a long ring exchange whose receive is issued after its send,
+/// and a collective in issue order with them.
+#[test]
+fn unscoped_ops_run_in_the_background() {
+    for spec in ["cpu-tcp", "shm"] {
+        let out = run_threads(2, options(spec), |pg| {
+            let (r, peer) = (pg.rank(), 1 - pg.rank());
+            let mut data = vec![r as u8 + 1; 3 << 20];
+            let mut got = vec![0u8; 3 << 20];
+            let mut sum = vec![r as f32 + 1.0; 1000];
+            // SAFETY: every buffer outlives its Work, each waited for below.
+            let (u, send, recv, red) = unsafe { (pg.unscoped(), unbound(&mut data), unbound(&mut got), unbound(&mut sum)) };
+            let send = u.send(send, peer, 5, &o()).unwrap();
+            let recv = u.recv(recv, peer, 5, &o()).unwrap();
+            let red = u.all_reduce(red, ReduceOp::Sum, &o()).unwrap();
+            red.wait().unwrap();
+            recv.wait().unwrap();
+            send.wait().unwrap();
+            assert!(send.is_completed() && recv.is_completed());
+            (got.iter().all(|&x| x == peer as u8 + 1), sum[999])
+        });
+        assert!(out.iter().all(|x| *x == (true, 3.0)), "{spec}: {out:?}");
+    }
+}
+
 #[test]
 fn work_is_a_future() {
     run_threads(2, options("cpu-tcp"), |pg| {

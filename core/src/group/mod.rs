@@ -9,7 +9,7 @@ mod setup;
 mod work;
 
 pub use ops::{Collectives, Job, P2pOp};
-pub use scope::Scope;
+pub use scope::{Scope, Unscoped};
 pub use work::Work;
 
 use crate::algorithms;

@@ -65,6 +65,7 @@ mod sealed {
 }
 impl sealed::Sealed for super::ProcessGroup {}
 impl sealed::Sealed for super::scope::Scope<'_, '_> {}
+impl sealed::Sealed for super::scope::Unscoped<'_> {}
 
 /// Checks shared by the ops; each error names the op and this rank.
 struct Check {

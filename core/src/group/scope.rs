@@ -4,11 +4,13 @@
 //! (`mem::forget`), which would end the borrow while the op still writes.
 //! So, as `std::thread::scope` does for threads, background ops live in a
 //! scope that waits for all of them before it returns: leaking a handle
-//! cannot let the op outlive the buffers.
+//! cannot let the op outlive the buffers. Bindings whose runtime keeps the
+//! tensors alive issue the same background ops without a scope
+//! ([`Unscoped`], an unsafe promise).
 
-use super::executor::new_state;
 use super::ops::{Collectives, Job};
 use super::work::{Work, WorkState};
+use super::GroupCore;
 use super::ProcessGroup;
 use crate::error::Result;
 use crate::options::OpOptions;
@@ -67,37 +69,15 @@ impl ProcessGroup {
 
 impl<'scope, 'env> Collectives<'scope> for Scope<'scope, 'env> {
     fn submit(&self, job: Job<'scope>, opts: &OpOptions) -> Result<Work<'scope>> {
-        let opts = job.options(opts).into_owned();
-        let core = self.group.core.clone();
-        let state = new_state();
         // SAFETY: only the lifetime changes. The job borrows tensors for
-        // 'scope; `ProcessGroup::scope` waits for `state` (completed after
+        // 'scope; `ProcessGroup::scope` waits for the state (completed after
         // the job has run and been dropped) before 'scope can end, whatever
         // happens to the returned Work.
-        let mut job: Job<'static> = unsafe { std::mem::transmute::<Job<'scope>, Job<'static>>(job) };
-        self.pending.lock().unwrap_or_else(|p| p.into_inner()).push(state.clone());
-        if let Some(backend) = core.posting_backend(&job) {
-            // SAFETY: as above: the scope waits for `state`.
-            unsafe { core.post_p2p(&backend, &mut job, &opts, state.clone(), true) };
-            return Ok(Work::new(state));
-        }
-        // Everything else takes its turn in the group's order.
-        let ticket = core.exec.issue();
-        let collective = job.is_collective();
-        let st = state.clone();
-        let exec = core.exec.clone();
-        exec.enqueue(
-            ticket,
-            collective,
-            Box::new(move |seq| {
-                let mut job = job;
-                let (result, device) = core.run_job(&mut job, &opts, seq);
-                // The job (and its borrow of the tensors) ends before the
-                // Work completes.
-                drop(job);
-                st.complete(result, device);
-            }),
-        );
+        let job: Job<'static> = unsafe { std::mem::transmute::<Job<'scope>, Job<'static>>(job) };
+        // SAFETY: as above: the scope waits for the state.
+        let state = unsafe {
+            self.group.core.submit_background(job, opts, |st| self.pending.lock().unwrap_or_else(|p| p.into_inner()).push(st.clone()))
+        };
         Ok(Work::new(state))
     }
     fn rank(&self) -> usize {
@@ -108,5 +88,90 @@ impl<'scope, 'env> Collectives<'scope> for Scope<'scope, 'env> {
     }
     fn debug_detail(&self) -> bool {
         self.group.core.debug_detail
+    }
+}
+
+/// Background ops without a scope, for callers whose tensors are kept
+/// alive by other means; see [`ProcessGroup::unscoped`].
+pub struct Unscoped<'g> {
+    group: &'g ProcessGroup,
+}
+
+impl ProcessGroup {
+    /// Issue ops in the background without a scope: each returns at once
+    /// with a [`Work`] not tied to any borrow. What language bindings need,
+    /// where the caller's runtime keeps the tensors alive (Python holds them
+    /// until the op has finished) and a scope cannot span the program.
+    ///
+    /// Ops run as in a [`ProcessGroup::scope`]: collectives in issue order
+    /// on the group's worker thread, sends and receives posted to the
+    /// transport at once.
+    ///
+    /// # Safety
+    /// Every tensor an op issued through the handle views must stay valid,
+    /// and untouched except by the op, until that op has finished
+    /// ([`Work::is_completed`], or `wait` returned); dropping the `Work`
+    /// waits for it, but leaking it does not end the obligation.
+    pub unsafe fn unscoped(&self) -> Unscoped<'_> {
+        Unscoped { group: self }
+    }
+}
+
+impl Collectives<'static> for Unscoped<'_> {
+    fn submit(&self, job: Job<'static>, opts: &OpOptions) -> Result<Work<'static>> {
+        // SAFETY: the promise made to `ProcessGroup::unscoped`.
+        Ok(Work::new(unsafe { self.group.core.submit_background(job, opts, |_| ()) }))
+    }
+    fn rank(&self) -> usize {
+        self.group.rank()
+    }
+    fn size(&self) -> usize {
+        self.group.size()
+    }
+    fn debug_detail(&self) -> bool {
+        self.group.core.debug_detail
+    }
+}
+
+impl GroupCore {
+    /// Run `job` in the background: posted to its transport if it is a
+    /// send or receive there, else queued for the group's worker in issue
+    /// order. `track` sees the op's state before the op can start.
+    ///
+    /// # Safety
+    /// The memory `job`'s tensors view stays valid until the returned state
+    /// has completed.
+    pub(crate) unsafe fn submit_background(
+        self: &Arc<Self>,
+        mut job: Job<'static>,
+        opts: &OpOptions,
+        track: impl FnOnce(&Arc<WorkState>),
+    ) -> Arc<WorkState> {
+        let opts = job.options(opts).into_owned();
+        let state = super::executor::new_state();
+        track(&state);
+        if let Some(backend) = self.posting_backend(&job) {
+            // SAFETY: the caller's promise.
+            unsafe { self.post_p2p(&backend, &mut job, &opts, state.clone(), true) };
+            return state;
+        }
+        // Everything else takes its turn in the group's order.
+        let ticket = self.exec.issue();
+        let collective = job.is_collective();
+        let st = state.clone();
+        let core = self.clone();
+        self.exec.enqueue(
+            ticket,
+            collective,
+            Box::new(move |seq| {
+                let mut job = job;
+                let (result, device) = core.run_job(&mut job, &opts, seq);
+                // The job (and its view of the tensors) ends before the
+                // Work completes.
+                drop(job);
+                st.complete(result, device);
+            }),
+        );
+        state
     }
 }
