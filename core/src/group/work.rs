@@ -218,6 +218,24 @@ impl<'t> Work<'t> {
         }
     }
 
+    /// Have `waker` woken, on the thread that finishes the op, once its
+    /// host side has finished: for bindings that learn of completion
+    /// without blocking a thread. `false` if it already has (then nothing
+    /// is registered and the waker is not woken).
+    pub fn wake_when_done(&self, waker: &Waker) -> bool {
+        match &self.handle {
+            Handle::Done { .. } => false,
+            Handle::Pending(s) => {
+                let mut g = s.inner.lock().unwrap_or_else(|p| p.into_inner());
+                if g.result.is_some() {
+                    return false;
+                }
+                g.wakers.push(waker.clone());
+                true
+            }
+        }
+    }
+
     /// The error, if the op finished with one.
     pub fn error(&self) -> Option<Error> {
         match &self.handle {

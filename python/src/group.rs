@@ -1,0 +1,343 @@
+//! A weft process group for Python: every op issued in the background on
+//! tensors the Python side keeps alive, each returning a [`PyWork`].
+//!
+//! The Python side (`weft/_ops.py`) checks torch's arguments, makes
+//! tensors contiguous and describes them ([`Desc`]); weft validates the
+//! rest, as for Rust callers.
+
+use crate::errors::to_py;
+use crate::store::PyStore;
+use crate::tensor::{views, views_mut, Desc};
+use crate::work::PyWork;
+use pyo3::prelude::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+use weft::{Collectives, GroupOptions, OpOptions, P2pOp, ProcessGroup, ReduceOp, SparseCoo, SparseCooTensor, Unscoped};
+
+/// One process group.
+#[pyclass(frozen, module = "weft._weft", name = "Group")]
+pub struct PyGroup {
+    pg: ProcessGroup,
+}
+
+/// The options of one op: a timeout in seconds and hints.
+fn op_options(timeout: Option<f64>, hints: Option<HashMap<String, String>>) -> OpOptions {
+    OpOptions { timeout: timeout.filter(|t| *t > 0.0).map(Duration::from_secs_f64), hints: hints.unwrap_or_default(), stream: None }
+}
+
+fn reduce_op(op: &str) -> PyResult<ReduceOp> {
+    op.parse().map_err(to_py)
+}
+
+impl PyGroup {
+    /// Issue an op in the background; `keep` holds its tensors until it
+    /// has finished.
+    fn issue(
+        &self,
+        keep: Py<PyAny>,
+        timeout: Option<f64>,
+        hints: Option<HashMap<String, String>>,
+        op: impl FnOnce(&Unscoped<'_>, &OpOptions) -> PyResult<weft::Work<'static>>,
+    ) -> PyResult<PyWork> {
+        // SAFETY: every tensor the op views is held by `keep`, which the
+        // PyWork keeps (and parks when dropped early) until the op has
+        // finished; the Python side does not touch them meanwhile.
+        let u = unsafe { self.pg.unscoped() };
+        Ok(PyWork::new(op(&u, &op_options(timeout, hints))?, keep, None))
+    }
+}
+
+#[pymethods]
+impl PyGroup {
+    /// Join a group of `size` ranks as `rank`, meeting through `store` (a
+    /// torch.distributed Store). `backend` is weft's spec (`auto`, `shm`,
+    /// `cpu-tcp`, `cpu:NAME,cuda:NAME`, a plugin); `timeout` (seconds) is
+    /// every op's default and setup's limit.
+    #[new]
+    #[pyo3(signature = (store, rank, size, backend, timeout, hints = None))]
+    fn new(
+        py: Python<'_>,
+        store: Py<PyAny>,
+        rank: usize,
+        size: usize,
+        backend: String,
+        timeout: f64,
+        hints: Option<HashMap<String, String>>,
+    ) -> PyResult<Self> {
+        weft_builtin::link();
+        let timeout = Duration::from_secs_f64(timeout.max(0.001));
+        let mut options = GroupOptions::default().backend(backend).timeout(timeout);
+        options.hints = hints.unwrap_or_default();
+        let store: Arc<dyn weft::store::Store> = Arc::new(PyStore::new(store, timeout));
+        let pg = py.detach(|| ProcessGroup::new(store, rank, size, options)).map_err(to_py)?;
+        Ok(PyGroup { pg })
+    }
+
+    /// This rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.pg.rank()
+    }
+
+    /// Number of ranks.
+    #[getter]
+    fn size(&self) -> usize {
+        self.pg.size()
+    }
+
+    /// The weft backend serving `device` (`"cpu"` or `"cuda"`) tensors of
+    /// `layout` (`"dense"` or `"sparse"`), if any.
+    #[pyo3(signature = (device = "cpu", layout = "dense"))]
+    fn backend_name(&self, device: &str, layout: &str) -> Option<String> {
+        let kind = if device == "cuda" { weft::DeviceKind::Cuda } else { weft::DeviceKind::Cpu };
+        let layout = if layout == "sparse" { weft::Layout::SparseCoo } else { weft::Layout::Dense };
+        self.pg.backend_name((kind, layout))
+    }
+
+    /// End every in-flight op with an error and fail later ones.
+    fn abort(&self) {
+        self.pg.abort();
+    }
+
+    /// Send `t` to `dst` under `tag`.
+    #[pyo3(signature = (t, dst, tag, keep, timeout = None, hints = None))]
+    fn send(&self, t: Desc, dst: usize, tag: u32, keep: Py<PyAny>, timeout: Option<f64>, hints: Option<HashMap<String, String>>) -> PyResult<PyWork> {
+        // SAFETY (every op below): `issue` keeps the tensors alive.
+        self.issue(keep, timeout, hints, |u, o| u.send(unsafe { t.view() }?, dst, tag, o).map_err(to_py))
+    }
+
+    /// Receive into `t` from `src` under `tag`.
+    #[pyo3(signature = (t, src, tag, keep, timeout = None, hints = None))]
+    fn recv(&self, t: Desc, src: usize, tag: u32, keep: Py<PyAny>, timeout: Option<f64>, hints: Option<HashMap<String, String>>) -> PyResult<PyWork> {
+        self.issue(keep, timeout, hints, |u, o| u.recv(unsafe { t.view_mut() }?, src, tag, o).map_err(to_py))
+    }
+
+    /// Receive into `t` from any rank under `tag` (`Work.source()` names it).
+    #[pyo3(signature = (t, tag, keep, timeout = None, hints = None))]
+    fn recv_any(&self, t: Desc, tag: u32, keep: Py<PyAny>, timeout: Option<f64>, hints: Option<HashMap<String, String>>) -> PyResult<PyWork> {
+        self.issue(keep, timeout, hints, |u, o| u.recv_any(unsafe { t.view_mut() }?, tag, o).map_err(to_py))
+    }
+
+    /// Sends and receives as one unit: `(is_send, t, peer, tag)` each.
+    #[pyo3(signature = (ops, keep, timeout = None, hints = None))]
+    fn batch_p2p(
+        &self,
+        ops: Vec<(bool, Desc, usize, u32)>,
+        keep: Py<PyAny>,
+        timeout: Option<f64>,
+        hints: Option<HashMap<String, String>>,
+    ) -> PyResult<PyWork> {
+        self.issue(keep, timeout, hints, |u, o| {
+            let ops = ops
+                .iter()
+                .map(|&(send, t, peer, tag)| {
+                    Ok(if send { P2pOp::send(unsafe { t.view() }?, peer, tag) } else { P2pOp::recv(unsafe { t.view_mut() }?, peer, tag) })
+                })
+                .collect::<PyResult<Vec<_>>>()?;
+            u.batch_p2p(ops, o).map_err(to_py)
+        })
+    }
+
+    /// Copy `root`'s `t` into every rank's.
+    #[pyo3(signature = (t, root, keep, timeout = None, hints = None))]
+    fn broadcast(&self, t: Desc, root: usize, keep: Py<PyAny>, timeout: Option<f64>, hints: Option<HashMap<String, String>>) -> PyResult<PyWork> {
+        self.issue(keep, timeout, hints, |u, o| u.broadcast(unsafe { t.view_mut() }?, root, o).map_err(to_py))
+    }
+
+    /// Reduce every rank's `t` with `op` (weft's name, e.g. `sum`,
+    /// `premul_sum(0.5)`) into every rank's.
+    #[pyo3(signature = (t, op, keep, timeout = None, hints = None))]
+    fn all_reduce(&self, t: Desc, op: &str, keep: Py<PyAny>, timeout: Option<f64>, hints: Option<HashMap<String, String>>) -> PyResult<PyWork> {
+        let op = reduce_op(op)?;
+        self.issue(keep, timeout, hints, |u, o| u.all_reduce(unsafe { t.view_mut() }?, op, o).map_err(to_py))
+    }
+
+    /// Reduce every rank's `t` into `root`'s.
+    #[pyo3(signature = (t, root, op, keep, timeout = None, hints = None))]
+    fn reduce(
+        &self,
+        t: Desc,
+        root: usize,
+        op: &str,
+        keep: Py<PyAny>,
+        timeout: Option<f64>,
+        hints: Option<HashMap<String, String>>,
+    ) -> PyResult<PyWork> {
+        let op = reduce_op(op)?;
+        self.issue(keep, timeout, hints, |u, o| u.reduce(unsafe { t.view_mut() }?, root, op, o).map_err(to_py))
+    }
+
+    /// `outs[i]` receives rank i's `input`; with `uneven`, sizes may differ
+    /// per rank.
+    #[pyo3(signature = (outs, input, uneven, keep, timeout = None, hints = None))]
+    fn all_gather(
+        &self,
+        outs: Vec<Desc>,
+        input: Desc,
+        uneven: bool,
+        keep: Py<PyAny>,
+        timeout: Option<f64>,
+        hints: Option<HashMap<String, String>>,
+    ) -> PyResult<PyWork> {
+        self.issue(keep, timeout, hints, |u, o| {
+            let (outs, input) = unsafe { (views_mut(&outs)?, input.view()?) };
+            if uneven { u.all_gather_v(outs, input, o) } else { u.all_gather(outs, input, o) }.map_err(to_py)
+        })
+    }
+
+    /// Rank i's `input` lands in the i-th of W equal parts of `out`.
+    #[pyo3(signature = (out, input, keep, timeout = None, hints = None))]
+    fn all_gather_single(
+        &self,
+        out: Desc,
+        input: Desc,
+        keep: Py<PyAny>,
+        timeout: Option<f64>,
+        hints: Option<HashMap<String, String>>,
+    ) -> PyResult<PyWork> {
+        self.issue(keep, timeout, hints, |u, o| u.all_gather_single(unsafe { out.view_mut() }?, unsafe { input.view() }?, o).map_err(to_py))
+    }
+
+    /// `out` becomes the reduction over ranks of their `inputs[rank]`; with
+    /// `uneven`, sizes may differ per destination.
+    #[pyo3(signature = (out, inputs, op, uneven, keep, timeout = None, hints = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter(
+        &self,
+        out: Desc,
+        inputs: Vec<Desc>,
+        op: &str,
+        uneven: bool,
+        keep: Py<PyAny>,
+        timeout: Option<f64>,
+        hints: Option<HashMap<String, String>>,
+    ) -> PyResult<PyWork> {
+        let op = reduce_op(op)?;
+        self.issue(keep, timeout, hints, |u, o| {
+            let (out, inputs) = unsafe { (out.view_mut()?, views(&inputs)?) };
+            if uneven { u.reduce_scatter_v(out, inputs, op, o) } else { u.reduce_scatter(out, inputs, op, o) }.map_err(to_py)
+        })
+    }
+
+    /// The i-th of W equal parts of every rank's `input`, reduced into rank
+    /// i's `out`.
+    #[pyo3(signature = (out, input, op, keep, timeout = None, hints = None))]
+    fn reduce_scatter_single(
+        &self,
+        out: Desc,
+        input: Desc,
+        op: &str,
+        keep: Py<PyAny>,
+        timeout: Option<f64>,
+        hints: Option<HashMap<String, String>>,
+    ) -> PyResult<PyWork> {
+        let op = reduce_op(op)?;
+        self.issue(keep, timeout, hints, |u, o| {
+            u.reduce_scatter_single(unsafe { out.view_mut() }?, unsafe { input.view() }?, op, o).map_err(to_py)
+        })
+    }
+
+    /// `outs[i]` receives rank i's `inputs[rank]`.
+    #[pyo3(signature = (outs, inputs, keep, timeout = None, hints = None))]
+    fn all_to_all(
+        &self,
+        outs: Vec<Desc>,
+        inputs: Vec<Desc>,
+        keep: Py<PyAny>,
+        timeout: Option<f64>,
+        hints: Option<HashMap<String, String>>,
+    ) -> PyResult<PyWork> {
+        self.issue(keep, timeout, hints, |u, o| u.all_to_all(unsafe { views_mut(&outs) }?, unsafe { views(&inputs) }?, o).map_err(to_py))
+    }
+
+    /// Part i of `input` goes to rank i, part i of `out` comes from rank i:
+    /// W equal parts, or the given split sizes (in elements).
+    #[pyo3(signature = (out, input, out_splits, in_splits, keep, timeout = None, hints = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_to_all_single(
+        &self,
+        out: Desc,
+        input: Desc,
+        out_splits: Option<Vec<usize>>,
+        in_splits: Option<Vec<usize>>,
+        keep: Py<PyAny>,
+        timeout: Option<f64>,
+        hints: Option<HashMap<String, String>>,
+    ) -> PyResult<PyWork> {
+        self.issue(keep, timeout, hints, |u, o| {
+            let (out, input) = unsafe { (out.view_mut()?, input.view()?) };
+            match (out_splits, in_splits) {
+                (Some(os), Some(is)) => u.all_to_all_v_single(out, input, &os, &is, o),
+                _ => u.all_to_all_single(out, input, o),
+            }
+            .map_err(to_py)
+        })
+    }
+
+    /// At `root`, `outs[i]` receives rank i's `input` (`outs` empty elsewhere).
+    #[pyo3(signature = (outs, input, root, keep, timeout = None, hints = None))]
+    fn gather(
+        &self,
+        outs: Vec<Desc>,
+        input: Desc,
+        root: usize,
+        keep: Py<PyAny>,
+        timeout: Option<f64>,
+        hints: Option<HashMap<String, String>>,
+    ) -> PyResult<PyWork> {
+        self.issue(keep, timeout, hints, |u, o| u.gather(unsafe { views_mut(&outs) }?, unsafe { input.view() }?, root, o).map_err(to_py))
+    }
+
+    /// Every rank's `out` receives `root`'s `inputs[rank]` (`inputs` empty elsewhere).
+    #[pyo3(signature = (out, inputs, root, keep, timeout = None, hints = None))]
+    fn scatter(
+        &self,
+        out: Desc,
+        inputs: Vec<Desc>,
+        root: usize,
+        keep: Py<PyAny>,
+        timeout: Option<f64>,
+        hints: Option<HashMap<String, String>>,
+    ) -> PyResult<PyWork> {
+        self.issue(keep, timeout, hints, |u, o| u.scatter(unsafe { out.view_mut() }?, unsafe { views(&inputs) }?, root, o).map_err(to_py))
+    }
+
+    /// Every rank has entered it (after this rank's earlier collectives).
+    #[pyo3(signature = (keep, timeout = None, hints = None))]
+    fn barrier(&self, keep: Py<PyAny>, timeout: Option<f64>, hints: Option<HashMap<String, String>>) -> PyResult<PyWork> {
+        self.issue(keep, timeout, hints, |u, o| u.barrier(o).map_err(to_py))
+    }
+
+    /// Reduce every rank's sparse COO tensor (`indices` i64 `[sparse_dims,
+    /// nnz]`, `values` `[nnz, dense...]`, full `shape`) with `op` (sum, min,
+    /// max); `Work.sparse_result()` gives the coalesced result.
+    #[pyo3(signature = (indices, sparse_dims, values, shape, op, keep, timeout = None, hints = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce_sparse(
+        &self,
+        indices: Desc,
+        sparse_dims: usize,
+        values: Desc,
+        shape: Vec<usize>,
+        op: &str,
+        keep: Py<PyAny>,
+        timeout: Option<f64>,
+        hints: Option<HashMap<String, String>>,
+    ) -> PyResult<PyWork> {
+        let op = reduce_op(op)?;
+        // SAFETY: as `issue`: `keep` holds both tensors.
+        let (i, v) = unsafe { (indices.view()?, values.view()?) };
+        let nnz = i.numel() / sparse_dims.max(1);
+        let input = SparseCooTensor::new(i.reshape(&[sparse_dims, nnz]).map_err(to_py)?, v, shape).map_err(to_py)?;
+        let mut out = Box::new(SparseCoo::default());
+        // SAFETY: the box goes into the PyWork with the op's handle and is
+        // dropped after it, so it outlives every write of the op; nothing
+        // reads it before the op has finished (`sparse_result` checks).
+        let slot: &'static mut SparseCoo = unsafe { &mut *(out.as_mut() as *mut SparseCoo) };
+        // SAFETY: as `issue`.
+        let u = unsafe { self.pg.unscoped() };
+        let work = u.all_reduce_sparse(input, slot, op, &op_options(timeout, hints)).map_err(to_py)?;
+        Ok(PyWork::new(work, keep, Some(out)))
+    }
+}

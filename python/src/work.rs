@@ -1,0 +1,170 @@
+//! Work handles for Python: an op running in weft's threads, the Python
+//! objects that keep its tensors alive, and completion notices.
+//!
+//! Nothing here needs the GIL for an op to progress or finish. Python
+//! learns of a finished op by waiting (the GIL released), by asking, or
+//! through [`next_completed`], which a Python thread blocks in to complete
+//! torch futures.
+
+use crate::errors::to_py;
+use pyo3::prelude::*;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::task::{Wake, Waker};
+use std::time::Duration;
+use weft::SparseCoo;
+
+/// What an op holds while it runs: its handle, the Python objects keeping
+/// its tensors alive, and an output weft allocates (a sparse result).
+struct Flight {
+    work: weft::Work<'static>,
+    /// Dropped after `work` (field order), once the op cannot touch it.
+    sparse: Option<Box<SparseCoo>>,
+    _keep: Py<PyAny>,
+}
+
+/// A background op; see `weft/_work.py` for the torch-facing object.
+#[pyclass(frozen, module = "weft._weft", name = "Work")]
+pub struct PyWork {
+    flight: Option<Flight>,
+}
+
+impl PyWork {
+    /// The handle of `work`, which uses the tensors `keep` holds (and
+    /// writes `sparse`, if any) until it has finished.
+    pub fn new(work: weft::Work<'static>, keep: Py<PyAny>, sparse: Option<Box<SparseCoo>>) -> PyWork {
+        PyWork { flight: Some(Flight { work, sparse, _keep: keep }) }
+    }
+
+    fn work(&self) -> &weft::Work<'static> {
+        &self.flight.as_ref().expect("set until dropped").work
+    }
+}
+
+#[pymethods]
+impl PyWork {
+    /// Block until the op finishes (the GIL released): True; with a
+    /// `timeout` in seconds, False if it is still running then. Raises the
+    /// op's error.
+    #[pyo3(signature = (timeout = None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let w = self.work();
+        py.detach(|| match timeout {
+            None => w.wait().map(|()| true),
+            Some(t) => w.wait_timeout(Duration::from_secs_f64(t.max(0.0))),
+        })
+        .map_err(to_py)
+    }
+
+    /// Whether the op has finished, successfully or not.
+    fn is_completed(&self) -> bool {
+        self.work().is_completed()
+    }
+
+    /// The op's error once it has failed, else None.
+    fn exception(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.work().error().map(|e| to_py(e).into_value(py).into_any())
+    }
+
+    /// For a receive from any rank: the sender, once it has finished.
+    fn source(&self) -> Option<usize> {
+        self.work().source()
+    }
+
+    /// Once finished: `id` comes out of [`next_completed`] (at once if the
+    /// op has already finished).
+    fn notify(&self, id: u64) {
+        let notice = Arc::new(Notice { id, tx: Mutex::new(Some(completions().0.clone())) });
+        if !self.work().wake_when_done(&Waker::from(notice.clone())) {
+            notice.wake_by_ref();
+        }
+    }
+
+    /// A sparse all-reduce's result, once finished successfully: the
+    /// indices (i64, `[sparse_dims, nnz]`, as bytes), the values (bytes)
+    /// and nnz.
+    fn sparse_result<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, pyo3::types::PyBytes>, Bound<'py, pyo3::types::PyBytes>, usize)> {
+        let f = self.flight.as_ref().expect("set until dropped");
+        f.work.error().map_or(Ok(()), |e| Err(to_py(e)))?;
+        if !f.work.is_completed() {
+            return Err(pyo3::exceptions::PyRuntimeError::new_err("the sparse all-reduce has not finished"));
+        }
+        let out = f.sparse.as_ref().ok_or_else(|| pyo3::exceptions::PyRuntimeError::new_err("not a sparse all-reduce"))?;
+        let indices: Vec<u8> = out.indices.iter().flat_map(|i| i.to_le_bytes()).collect();
+        Ok((pyo3::types::PyBytes::new(py, &indices), pyo3::types::PyBytes::new(py, &out.values), out.nnz()))
+    }
+}
+
+impl Drop for PyWork {
+    fn drop(&mut self) {
+        let Some(flight) = self.flight.take() else { return };
+        if flight.work.is_completed() {
+            return;
+        }
+        // Still running: the tensors must outlive the op, but Python must
+        // not wait for it (an isend whose handle was dropped). Park the
+        // flight until the op finishes; the Python references go then
+        // (PyO3 releases them the next time a thread holds the GIL).
+        let parked = Arc::new(Parked(Mutex::new(None)));
+        let waker = Waker::from(parked.clone());
+        // Parked before the waker is registered, so a wake finds it.
+        let mut slot = parked.0.lock().unwrap_or_else(|p| p.into_inner());
+        let registered = flight.work.wake_when_done(&waker);
+        *slot = Some(flight);
+        drop(slot);
+        if !registered {
+            parked.wake_by_ref();
+        }
+    }
+}
+
+/// An unfinished op whose handle Python dropped.
+struct Parked(Mutex<Option<Flight>>);
+
+impl Wake for Parked {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        let flight = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop(flight);
+    }
+}
+
+/// Sends an op's id to [`next_completed`] once.
+struct Notice {
+    id: u64,
+    tx: Mutex<Option<Sender<u64>>>,
+}
+
+impl Wake for Notice {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        if let Some(tx) = self.tx.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = tx.send(self.id);
+        }
+    }
+}
+
+type Channel = (Sender<u64>, Mutex<Receiver<u64>>);
+
+fn completions() -> &'static Channel {
+    static C: OnceLock<Channel> = OnceLock::new();
+    C.get_or_init(|| {
+        let (tx, rx) = channel();
+        (tx, Mutex::new(rx))
+    })
+}
+
+/// The id of the next op that finished among those asked about with
+/// `Work.notify`, waiting at most `timeout` seconds (the GIL released);
+/// None if none finished meanwhile.
+#[pyfunction]
+pub fn next_completed(py: Python<'_>, timeout: f64) -> Option<u64> {
+    py.detach(|| {
+        let rx = completions().1.lock().unwrap_or_else(|p| p.into_inner());
+        rx.recv_timeout(Duration::from_secs_f64(timeout.max(0.0))).ok()
+    })
+}

@@ -1,0 +1,25 @@
+"""weft for PyTorch: weft's collectives as a torch.distributed backend.
+
+Under torchrun, ``dist.init_process_group("weft")`` is all a program needs
+(the package registers the name through an entry point; ``import weft``
+does too). Which weft backend runs inside comes from ``WEFT_BACKEND``
+(``auto``: shared memory on one host, TCP across hosts), or the backend
+options' ``weft_backend``.
+"""
+
+from __future__ import annotations
+
+from . import _weft
+from ._errors import WeftError, WeftPeerLostError, WeftStoreError, WeftTimeoutError, WeftValueError
+from ._register import register
+
+register()
+
+__all__ = [
+    "register",
+    "WeftError",
+    "WeftPeerLostError",
+    "WeftStoreError",
+    "WeftTimeoutError",
+    "WeftValueError",
+]

@@ -1,0 +1,74 @@
+"""weft's errors as torch.distributed's exception types.
+
+Every error carries weft's message, which names the op, this rank and,
+where one is to blame, the peer.
+
+- a lost peer: :class:`WeftPeerLostError`, a ``DistNetworkError``
+  (``.peer`` is the rank);
+- a timeout: :class:`WeftTimeoutError`, a ``DistBackendError`` and a
+  ``TimeoutError``;
+- a store failure while setting up: :class:`WeftStoreError`, a
+  ``DistStoreError``;
+- a wrong argument: :class:`WeftValueError`, a ``ValueError``;
+- anything else (unsupported, aborted, a transport failure):
+  :class:`WeftError`, a ``DistBackendError``.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from . import _weft
+
+
+class WeftError(dist.DistBackendError):
+    """A weft error; `kind`, `peer`, `op` and `rank` say what it was."""
+
+    def __init__(self, message, kind="backend", peer=None, op=None, rank=None):
+        super().__init__(message)
+        self.kind, self.peer, self.op, self.rank = kind, peer, op, rank
+
+
+class WeftTimeoutError(WeftError, TimeoutError):
+    """An op or setup did not finish before its deadline."""
+
+
+class WeftPeerLostError(dist.DistNetworkError):
+    """A peer rank died, closed its connection or left the group."""
+
+    def __init__(self, message, kind="peer_lost", peer=None, op=None, rank=None):
+        super().__init__(message)
+        self.kind, self.peer, self.op, self.rank = kind, peer, op, rank
+
+
+class WeftStoreError(dist.DistStoreError):
+    """The rendezvous store failed while the group was set up."""
+
+    def __init__(self, message, kind="backend", peer=None, op=None, rank=None):
+        super().__init__(message)
+        self.kind, self.peer, self.op, self.rank = kind, peer, op, rank
+
+
+class WeftValueError(ValueError):
+    """An argument weft cannot accept (size, dtype, root, split, tag...)."""
+
+    def __init__(self, message, kind="invalid_argument", peer=None, op=None, rank=None):
+        super().__init__(message)
+        self.kind, self.peer, self.op, self.rank = kind, peer, op, rank
+
+
+_BY_KIND = {
+    "timeout": WeftTimeoutError,
+    "peer_lost": WeftPeerLostError,
+    "invalid_argument": WeftValueError,
+}
+
+
+def convert(e: _weft.WeftError, setup: bool = False) -> Exception:
+    """The torch exception for a native weft error."""
+    message, kind, peer, op, rank = e.args
+    if setup and kind != "timeout" and "torch store" in message:
+        cls = WeftStoreError
+    else:
+        cls = _BY_KIND.get(kind, WeftError)
+    return cls(message, kind, peer, op, rank)

@@ -1,0 +1,274 @@
+"""Every c10d op, by the names and arguments c10d calls a backend with,
+turned into weft ops on the native group.
+
+Here torch's conventions become weft's: option objects, reduce ops, split
+sizes in rows of dim 0, nested output lists, sparse tensors. Tensors are
+checked and staged in `_tensors.py`; weft itself validates sizes, roots,
+peers and tags.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from . import _errors, _weft
+from ._tensors import Staged
+from ._work import Work, _seconds, done
+
+_RED = dist.ReduceOp.RedOpType
+_REDUCE_NAMES = {
+    _RED.SUM: "sum",
+    _RED.PRODUCT: "product",
+    _RED.MIN: "min",
+    _RED.MAX: "max",
+    _RED.BAND: "band",
+    _RED.BOR: "bor",
+    _RED.BXOR: "bxor",
+    _RED.AVG: "avg",
+}
+
+
+def reduce_name(op) -> str:
+    """weft's name of a c10d reduce op (`ReduceOp`, `RedOpType`, or one
+    made by `_make_nccl_premul_sum`)."""
+    kind = getattr(op, "op", op)
+    if kind == _RED.PREMUL_SUM:
+        factor = getattr(op, "factor", None)
+        if isinstance(factor, torch.Tensor):
+            factor = factor.item()
+        if factor is None:
+            raise ValueError("weft: PREMUL_SUM needs a factor (torch.distributed._make_nccl_premul_sum)")
+        return f"premul_sum({float(factor)!r})"
+    try:
+        return _REDUCE_NAMES[kind]
+    except KeyError:
+        raise ValueError(f"weft: unsupported reduce op {op}") from None
+
+
+def _call(fn, *args, **kw):
+    """Call the native group, raising torch's exception types."""
+    try:
+        return fn(*args, **kw)
+    except _weft.WeftError as e:
+        raise _errors.convert(e) from None
+
+
+def _rows_to_elements(t: torch.Tensor, splits):
+    """Split sizes in rows of dim 0 (torch's) as element counts (weft's)."""
+    if not splits:
+        return None
+    row = math.prod(t.shape[1:])  # 1 for a 1-D tensor
+    return [int(s) * row for s in splits]
+
+
+class Ops:
+    """The op methods c10d calls; a class using it sets `self._native` (the
+    native group) and `self._timeout` (seconds) before any op runs."""
+
+    _native: _weft.Group
+    _timeout: float | None = None
+
+    # -- helpers -----------------------------------------------------------
+
+    def _t(self, opts) -> float | None:
+        return _seconds(getattr(opts, "timeout", None)) or self._timeout
+
+    def _work(self, staged: Staged, natives, outputs, result=None) -> Work:
+        return Work(natives, outputs, staged.finish if staged.needs_finish else None, result)
+
+    # -- collectives -------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        opts = opts or dist.AllreduceOptions()
+        name, t = reduce_name(opts.reduceOp), self._t(opts)
+        if any(x.layout == torch.sparse_coo for x in tensors):
+            return self._allreduce_sparse(tensors, name, t)
+        s = Staged()
+        natives = [_call(self._native.all_reduce, s.output(x), name, s.keep, t) for x in tensors]
+        return self._work(s, natives, list(tensors))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self.allreduce(tensors, opts or dist.AllreduceCoalescedOptions())
+
+    def _allreduce_sparse(self, tensors, name, timeout):
+        if len(tensors) != 1:
+            raise ValueError("weft: a sparse all_reduce takes one tensor")
+        (x,) = tensors
+        if name not in ("sum", "min", "max"):
+            raise ValueError(f"weft: a sparse all_reduce supports SUM, MIN and MAX, not {name}")
+        s = Staged()
+        indices = x._indices().to(torch.int64)
+        values = x._values()
+        native = _call(
+            self._native.all_reduce_sparse,
+            s.input(indices),
+            x.sparse_dim(),
+            s.input(values),
+            list(x.shape),
+            name,
+            s.keep,
+            timeout,
+        )
+
+        def result():
+            raw_i, raw_v, nnz = _call(native.sparse_result)
+            i = torch.frombuffer(bytearray(raw_i), dtype=torch.int64) if nnz else torch.empty(0, dtype=torch.int64)
+            v = torch.frombuffer(bytearray(raw_v), dtype=values.dtype) if nnz else torch.empty(0, dtype=values.dtype)
+            i = i.reshape(x.sparse_dim(), nnz)
+            v = v.reshape((nnz,) + tuple(values.shape[1:]))
+            return [torch.sparse_coo_tensor(i, v, x.shape, is_coalesced=True)]
+
+        # torch's backends leave a sparse all_reduce's result in its input.
+        return Work([native], [x], lambda: _replace_sparse(x, result()[0]), result)
+
+    def broadcast(self, tensors, opts=None):
+        opts = opts or dist.BroadcastOptions()
+        s = Staged()
+        natives = [_call(self._native.broadcast, s.output(x), opts.rootRank, s.keep, self._t(opts)) for x in tensors]
+        return self._work(s, natives, list(tensors))
+
+    def reduce(self, tensors, opts=None):
+        opts = opts or dist.ReduceOptions()
+        name = reduce_name(opts.reduceOp)
+        s = Staged()
+        natives = [_call(self._native.reduce, s.output(x), opts.rootRank, name, s.keep, self._t(opts)) for x in tensors]
+        return self._work(s, natives, list(tensors))
+
+    def allgather(self, output_lists, inputs, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        s = Staged()
+        natives = []
+        for outs, x in zip(output_lists, inputs, strict=True):
+            uneven = any(o.numel() != x.numel() for o in outs)
+            natives.append(_call(self._native.all_gather, s.outputs(outs), s.input(x), uneven, s.keep, self._t(opts)))
+        return self._work(s, natives, list(output_lists))
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        # Here out[r][j] is input j of rank r (the other nesting of allgather).
+        per_input = [list(col) for col in zip(*output_lists, strict=True)] if output_lists else []
+        w = self.allgather(per_input, inputs, opts)
+        w._outputs = list(output_lists)
+        return w
+
+    def all_gather_single(self, output, input, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        s = Staged()
+        native = _call(self._native.all_gather_single, s.output(output), s.input(input), s.keep, self._t(opts))
+        return self._work(s, [native], [output])
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        s = Staged()
+        natives = [
+            _call(self._native.all_gather_single, s.output(o), s.input(i), s.keep, self._t(opts))
+            for o, i in zip(outputs, inputs, strict=True)
+        ]
+        return self._work(s, natives, list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        name = reduce_name(opts.reduceOp)
+        s = Staged()
+        natives = []
+        for o, ins in zip(outputs, input_lists, strict=True):
+            uneven = any(i.numel() != o.numel() for i in ins)
+            natives.append(_call(self._native.reduce_scatter, s.output(o), s.inputs(ins), name, uneven, s.keep, self._t(opts)))
+        return self._work(s, natives, list(outputs))
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        s = Staged()
+        native = _call(
+            self._native.reduce_scatter_single, s.output(output), s.input(input), reduce_name(opts.reduceOp), s.keep, self._t(opts)
+        )
+        return self._work(s, [native], [output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        name = reduce_name(opts.reduceOp)
+        s = Staged()
+        natives = [
+            _call(self._native.reduce_scatter_single, s.output(o), s.input(i), name, s.keep, self._t(opts))
+            for o, i in zip(outputs, inputs, strict=True)
+        ]
+        return self._work(s, natives, list(outputs))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def alltoall(self, outputs, inputs, opts=None):
+        opts = opts or dist.AllToAllOptions()
+        s = Staged()
+        native = _call(self._native.all_to_all, s.outputs(outputs), s.inputs(inputs), s.keep, self._t(opts))
+        return self._work(s, [native], list(outputs))
+
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, opts=None):
+        opts = opts or dist.AllToAllOptions()
+        s = Staged()
+        outs = _rows_to_elements(output, output_split_sizes)
+        ins = _rows_to_elements(input, input_split_sizes)
+        if (outs is None) != (ins is None):
+            # One side given: the other is equal parts of its tensor.
+            w = self.size()
+            if outs is None:
+                outs = [output.numel() // w] * w
+            else:
+                ins = [input.numel() // w] * w
+        native = _call(self._native.all_to_all_single, s.output(output), s.input(input), outs, ins, s.keep, self._t(opts))
+        return self._work(s, [native], [output])
+
+    alltoall_base = all_to_all_single
+
+    def gather(self, output_lists, inputs, opts=None):
+        opts = opts or dist.GatherOptions()
+        s = Staged()
+        outs = s.outputs(output_lists[0]) if output_lists else []
+        (x,) = inputs
+        native = _call(self._native.gather, outs, s.input(x), opts.rootRank, s.keep, self._t(opts))
+        return self._work(s, [native], list(output_lists))
+
+    def scatter(self, outputs, input_lists, opts=None):
+        opts = opts or dist.ScatterOptions()
+        s = Staged()
+        ins = s.inputs(input_lists[0]) if input_lists else []
+        (o,) = outputs
+        native = _call(self._native.scatter, s.output(o), ins, opts.rootRank, s.keep, self._t(opts))
+        return self._work(s, [native], list(outputs))
+
+    def barrier(self, opts=None):
+        opts = opts or dist.BarrierOptions()
+        return self._work(Staged(), [_call(self._native.barrier, None, self._t(opts))], [])
+
+    # -- point to point ----------------------------------------------------
+
+    def send(self, tensors, dst, tag=0):
+        s = Staged()
+        natives = [_call(self._native.send, s.input(x), dst, tag, s.keep, self._timeout) for x in tensors]
+        return self._work(s, natives, list(tensors))
+
+    def recv(self, tensors, src, tag=0):
+        s = Staged()
+        natives = [_call(self._native.recv, s.output(x), src, tag, s.keep, self._timeout) for x in tensors]
+        return self._work(s, natives, list(tensors))
+
+    def recv_anysource(self, tensors, tag=0):
+        s = Staged()
+        natives = [_call(self._native.recv_any, s.output(x), tag, s.keep, self._timeout) for x in tensors]
+        return self._work(s, natives, list(tensors))
+
+
+def _replace_sparse(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Leave `out` in the sparse tensor `x`, as torch's backends do."""
+    x.resize_as_(out)
+    x.copy_(out)
+
+
+__all__ = ["Ops", "reduce_name", "done"]

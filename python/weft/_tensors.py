@@ -1,0 +1,90 @@
+"""Torch tensors as weft sees them: pointer, element count, dtype, device.
+
+Contiguous tensors cross without a copy. A non-contiguous one (or one of
+several views of the same memory) goes through a contiguous copy, and an
+output is copied back once the op has finished, as torch's gloo backend
+does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# weft's dtype codes (core/src/dtype.rs).
+_CODES = {
+    torch.float32: 0,
+    torch.float64: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.int8: 4,
+    torch.uint8: 5,
+    torch.int32: 6,
+    torch.int64: 7,
+    torch.uint32: 8,
+    torch.uint64: 9,
+    torch.bool: 10,
+}
+
+
+def _code(t: torch.Tensor) -> int:
+    try:
+        return _CODES[t.dtype]
+    except KeyError:
+        raise TypeError(f"weft: tensors of dtype {t.dtype} are not supported") from None
+
+
+def desc(t: torch.Tensor) -> tuple:
+    """`(data_ptr, numel, dtype code, device)` of a contiguous dense tensor."""
+    dev = t.device
+    return (t.data_ptr(), t.numel(), _code(t), -1 if dev.type == "cpu" else (dev.index or 0))
+
+
+class Staged:
+    """The tensors of one op, made contiguous where they were not.
+
+    `inputs(ts)` and `outputs(ts)` return what weft should read and write;
+    `finish()` copies staged outputs back into the caller's tensors (call it
+    once the op has succeeded). `keep` holds every tensor weft sees.
+    """
+
+    __slots__ = ("keep", "_back")
+
+    def __init__(self):
+        self.keep = []
+        self._back = None
+
+    def input(self, t: torch.Tensor) -> tuple:
+        if t.layout != torch.strided:
+            raise ValueError(f"weft: expected a dense tensor, got layout {t.layout}")
+        if not t.is_contiguous():
+            t = t.contiguous()
+        self.keep.append(t)
+        return desc(t)
+
+    def output(self, t: torch.Tensor) -> tuple:
+        if t.layout != torch.strided:
+            raise ValueError(f"weft: expected a dense tensor, got layout {t.layout}")
+        if not t.is_contiguous():
+            c = t.contiguous()
+            if self._back is None:
+                self._back = []
+            self._back.append((t, c))
+            t = c
+        self.keep.append(t)
+        return desc(t)
+
+    def inputs(self, ts) -> list:
+        return [self.input(t) for t in ts]
+
+    def outputs(self, ts) -> list:
+        return [self.output(t) for t in ts]
+
+    @property
+    def needs_finish(self) -> bool:
+        return self._back is not None
+
+    def finish(self) -> None:
+        if self._back is not None:
+            for orig, staged in self._back:
+                orig.copy_(staged)
+            self._back = None

@@ -1,0 +1,196 @@
+"""The Work torch sees for a weft op.
+
+An op runs in weft's threads and never needs the GIL to progress. Python
+learns that it finished by waiting (the GIL released), by asking
+(`is_completed`), or, for futures and outputs that must be copied back,
+through one daemon thread per process that blocks in weft until any
+watched op finishes and then completes it on the Python side.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import _errors, _weft
+
+
+class _Completer:
+    """Finishes watched works on the Python side as their ops finish."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._works: dict[int, Work] = {}
+        self._next = 0
+        self._thread: threading.Thread | None = None
+
+    def watch(self, work: Work) -> None:
+        with self._lock:
+            wid = self._next
+            self._next += 1
+            self._works[wid] = work
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="weft-completer", daemon=True)
+                self._thread.start()
+        for native in work._natives:
+            native.notify(wid)
+
+    def _run(self) -> None:
+        while True:
+            wid = _weft.next_completed(1.0)
+            if wid is None:
+                continue
+            with self._lock:
+                work = self._works.get(wid)
+            if work is not None and work._all_done():
+                with self._lock:
+                    self._works.pop(wid, None)
+                work._settle()
+
+
+_completer = _Completer()
+
+
+def _seconds(timeout) -> float | None:
+    """A c10d timeout (timedelta, seconds, or negative/None for unset)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    return timeout if timeout > 0 else None
+
+
+class Work(dist._Work):
+    """One weft op (or several issued as one), as a torch.distributed Work.
+
+    `wait(timeout)` blocks without the GIL and raises weft's error as a
+    torch exception; `is_completed`, `exception`, `get_future` (whose value
+    is the op's output tensors), `source_rank` (a receive from any rank)
+    behave as on torch's own backends.
+    """
+
+    def __init__(self, natives, outputs, finish: Callable[[], None] | None = None, result=None):
+        super().__init__()
+        self._natives = natives
+        self._outputs = outputs
+        self._finish_fn = finish
+        self._result_fn = result
+        self._settled = False
+        self._error: Exception | None = None
+        self._future: torch.futures.Future | None = None
+        self._lock = threading.Lock()
+        if finish is not None:
+            # Outputs staged through copies are copied back even if nobody
+            # waits, as torch's gloo backend does.
+            _completer.watch(self)
+
+    def _all_done(self) -> bool:
+        return all(n.is_completed() for n in self._natives)
+
+    def _settle(self) -> None:
+        """Once every op has finished: copy outputs back (on success), then
+        complete the future. Runs once, on whichever thread gets here first."""
+        with self._lock:
+            if self._settled:
+                return
+            self._settled = True
+            for n in self._natives:
+                e = n.exception()
+                if e is not None:
+                    self._error = _errors.convert(e)
+                    break
+            if self._error is None and self._finish_fn is not None:
+                try:
+                    self._finish_fn()
+                except Exception as e:  # noqa: BLE001 - reported through the work
+                    self._error = e
+            fut = self._future
+        if fut is not None:
+            self._complete_future(fut)
+
+    def _complete_future(self, fut) -> None:
+        if fut.done():
+            return
+        if self._error is not None:
+            fut.set_exception(self._error)
+        else:
+            fut.set_result(self.result())
+
+    def wait(self, timeout=None) -> bool:
+        """Block until the op has finished; raise its error. With a timeout
+        (timedelta or seconds) that passes first, raise a timeout error (the
+        op keeps running)."""
+        secs = _seconds(timeout)
+        for n in self._natives:
+            try:
+                done = n.wait(secs)
+            except _weft.WeftError:
+                done = True
+            if not done:
+                raise _errors.WeftTimeoutError(f"weft: the op did not finish within {secs} s (it keeps running)", "timeout")
+        self._settle()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the op has finished (successfully or not)."""
+        if not self._settled and self._all_done():
+            self._settle()
+        return self._settled
+
+    def is_success(self) -> bool:
+        """Whether the op has finished without an error."""
+        return self.is_completed() and self._error is None
+
+    def exception(self):
+        """The op's error, once it has failed; else None."""
+        self.is_completed()
+        return self._error
+
+    def result(self):
+        """The op's output tensors."""
+        return self._result_fn() if self._result_fn is not None else self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed with the op's output tensors (or its error)."""
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                settled = self._settled
+                watch = not settled and self._finish_fn is None
+            else:
+                return self._future
+        if settled:
+            self._complete_future(self._future)
+        elif self._all_done():
+            self._settle()
+        elif watch:
+            _completer.watch(self)
+        return self._future
+
+    def synchronize(self) -> None:
+        """Block until the op has finished (host tensors have no stream)."""
+        self.wait()
+
+    def source_rank(self) -> int:
+        """For a receive from any rank: the rank the message came from."""
+        self.wait()
+        src = self._natives[0].source()
+        if src is None:
+            raise RuntimeError("weft: source_rank is only known for a receive from any rank")
+        return src
+
+    _source_rank = source_rank
+
+    def __repr__(self) -> str:
+        return f"weft.Work(completed={self.is_completed()})"
+
+
+def done(outputs) -> Work:
+    """A Work that has already finished (an op with nothing to do)."""
+    return Work([], outputs)
