@@ -1,6 +1,7 @@
 """Run a function on W ranks, each a real process, under an outer time limit.
 
-Ranks are forked from the test process (torch is imported once), meet
+Ranks are forked from the test process (torch is imported once; it keeps
+one intra-op thread, see below), meet
 through `env://` on a free port unless told otherwise, and report their
 function's return value or traceback through a pipe. A rank that neither
 reports nor exits within the limit fails the test, and every rank still
@@ -11,14 +12,21 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import socket
 import time
 import traceback
 
+import torch
 import torch.distributed as dist
 
 OUTER_LIMIT = 120.0
+
+# Forked ranks inherit the test process's OpenMP pool, which does not
+# survive a fork (a child's first parallel op hangs). One intra-op thread
+# has no pool to inherit; the tests are about communication.
+torch.set_num_threads(1)
 
 
 def free_port() -> int:
@@ -44,10 +52,12 @@ def _child(fn, rank, world, args, env, backend, init, conn):
         out = fn(rank, world, *args)
         if init and dist.is_initialized():
             dist.destroy_process_group()
-        conn.send(("ok", out))
+        # Plain pickle: torch's multiprocessing pickler would share tensor
+        # storage by descriptor, which dies with this process.
+        conn.send_bytes(pickle.dumps(("ok", out)))
         code = 0
     except BaseException as e:  # noqa: BLE001 - reported to the parent
-        conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        conn.send_bytes(pickle.dumps(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
         code = 1
     conn.close()
     # Skip interpreter teardown: the parent's atexit hooks are not ours.
@@ -76,7 +86,7 @@ def run(fn, world=2, *args, env=None, backend="weft", init=True, timeout=OUTER_L
         for r in list(pending):
             if pipes[r].poll(0.05):
                 try:
-                    results[r] = pipes[r].recv()
+                    results[r] = pickle.loads(pipes[r].recv_bytes())
                 except EOFError:
                     procs[r].join(1)
                     results[r] = ("died", procs[r].exitcode)

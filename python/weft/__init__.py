@@ -4,18 +4,20 @@ Under torchrun, ``dist.init_process_group("weft")`` is all a program needs
 (the package registers the name through an entry point; ``import weft``
 does too). Which weft backend runs inside comes from ``WEFT_BACKEND``
 (``auto``: shared memory on one host, TCP across hosts), or the backend
-options' ``weft_backend``.
+options (``pg_options=weft.Options(backend="cpu-tcp")``).
 """
 
 from __future__ import annotations
 
 from . import _weft
+from ._backend import Options
 from ._errors import WeftError, WeftPeerLostError, WeftStoreError, WeftTimeoutError, WeftValueError
 from ._register import register
 
 register()
 
 __all__ = [
+    "Options",
     "register",
     "WeftError",
     "WeftPeerLostError",

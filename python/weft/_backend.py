@@ -34,6 +34,18 @@ ENV_TIMEOUT = "WEFT_TIMEOUT_SECONDS"
 _alive: list = []
 
 
+class Options:
+    """Backend options for ``init_process_group("weft", pg_options=...)``
+    and ``new_group``: which weft backend runs inside (``auto``, ``shm``,
+    ``cpu-tcp``, ``hierarchical``, ``cpu:NAME,cuda:NAME``, a plugin's name;
+    default ``WEFT_BACKEND``, else ``auto``) and group hints
+    (``{"algorithm": "all_reduce=ring"}``)."""
+
+    def __init__(self, backend: str | None = None, hints: dict[str, str] | None = None):
+        self.weft_backend = backend
+        self.hints = dict(hints or {})
+
+
 def _weft_spec(backend_options) -> str:
     """Which weft backend runs inside: the backend options' `weft_backend`,
     else WEFT_BACKEND, else auto."""
@@ -68,7 +80,8 @@ def _serves_every_device() -> bool:
 
 def _native_group(store, rank, size, backend_options, timeout) -> _weft.Group:
     try:
-        return _weft.Group(store, rank, size, _weft_spec(backend_options), timeout)
+        hints = getattr(backend_options, "hints", None) or None
+        return _weft.Group(store, rank, size, _weft_spec(backend_options), timeout, hints)
     except _weft.WeftError as e:
         raise _errors.convert(e, setup=True) from None
 

@@ -1,0 +1,99 @@
+"""How a program gets a weft group: torchrun with no import (the entry
+point), init methods, explicit stores, device specs, backend options."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import free_port, run
+
+import weft
+
+# A program that never imports weft: the entry point registers it.
+PROGRAM = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist
+    assert "weft" not in sys.modules
+    dist.init_process_group("weft")
+    t = torch.full((3,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    assert t.tolist() == [3.0, 3.0, 3.0], t
+    assert type(dist.group.WORLD).__module__ == "weft._backend"
+    dist.destroy_process_group()
+    print("rank", dist.get_rank() if dist.is_initialized() else "ok", "done")
+    """
+)
+
+
+def test_torchrun_without_importing_weft(tmp_path):
+    script = tmp_path / "prog.py"
+    script.write_text(PROGRAM)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), str(script)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("done") == 2, out.stdout
+
+
+def init_method(rank, world, how, where):
+    if how == "tcp":
+        dist.init_process_group("weft", init_method=f"tcp://127.0.0.1:{where}", rank=rank, world_size=world)
+    elif how == "file":
+        dist.init_process_group("weft", init_method=f"file://{where}", rank=rank, world_size=world)
+    elif how == "store":
+        store = dist.FileStore(where, world)
+        dist.init_process_group("weft", store=store, rank=rank, world_size=world)
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.tolist()
+
+
+@pytest.mark.parametrize("how", ["tcp", "file", "store"])
+def test_init_methods(how, tmp_path):
+    where = free_port() if how == "tcp" else str(tmp_path / "rendezvous")
+    assert run(init_method, 2, how, where, init=False) == [[2.0] * 4] * 2
+
+
+def device_spec(rank, world, spec):
+    dist.init_process_group(spec)
+    t = torch.ones(5)
+    w = dist.all_reduce(t, async_op=True)
+    w.wait()
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    shape = type(backend).__module__ + "." + type(backend).__name__
+    dist.destroy_process_group()
+    return t[0].item(), shape
+
+
+def test_device_specs():
+    """Where weft serves every device it is the whole group; in a mixed spec
+    it is the CPU backend inside c10d's group."""
+    assert run(device_spec, 2, "cpu:weft", init=False)[0] == (2.0, "weft._backend.ProcessGroup")
+    assert run(device_spec, 2, "cuda:weft", init=False)[0] == (2.0, "weft._backend.ProcessGroup")
+    assert run(device_spec, 2, "cpu:weft,cuda:gloo", init=False)[0] == (2.0, "weft._backend.Backend")
+
+
+def options(rank, world):
+    dist.init_process_group("weft", pg_options=weft.Options(backend="cpu-tcp", hints={"algorithm": "all_reduce=ring"}))
+    name = dist.group.WORLD.weft_backend_name()
+    sub = dist.new_group([0, 1], backend="weft", pg_options=weft.Options(backend="shm"))
+    t = torch.ones(2)
+    dist.all_reduce(t, group=sub)
+    sub_name = sub.weft_backend_name()
+    dist.destroy_process_group()
+    return name, sub_name, t.tolist()
+
+
+def test_backend_options_pick_the_inner_backend_per_group():
+    assert run(options, 2, init=False) == [("cpu-tcp", "shm", [2.0, 2.0])] * 2
+
+
+def test_an_unknown_inner_backend_fails_setup_clearly():
+    out = run(lambda r, w: dist.init_process_group("weft"), 2, init=False, env={"WEFT_BACKEND": "no-such-backend"}, allow_fail=True)
+    for kind, text in out:
+        assert kind == "err" and "no-such-backend" in text, text
