@@ -1,0 +1,314 @@
+"""The seed benchmark through torch.distributed: ``python -m weft.bench``.
+
+Seed 000's op set, as torch programs call it, on a local world of W
+processes per backend: ``all_gather_into_tensor`` (input ``[N // W]``,
+output ``[N]``), ``all_reduce``, ``all_to_all_single``, ``broadcast``
+(``[N]``), the ``isend``/``irecv`` chain 0 -> 1 -> ... -> W-1 (``p2p``),
+and ``reduce_scatter_tensor`` (input ``[N]``, output ``[N // W]``); N is
+``batch_size * dim_size`` float32 elements, given as bytes (``--sizes``).
+
+Backends alternate within each round (``--backends gloo,weft``; weft's
+inner backend from ``WEFT_BACKEND``), every run in fresh processes. Each
+iteration starts after a barrier and takes the slowest rank's time; a run
+reports the median, and the table the median over rounds with its spread
+(min-max), nccl-tests' algbw/busbw, the count of wrong elements in a
+checked run, and each backend's speed against the first (``x first``: the
+first's time over this one's). ``--csv``, ``--json`` and ``--plot`` (needs
+matplotlib) save the rows.
+
+    python -m weft.bench --world 2 --backends gloo,weft --sizes 8,1M,64M --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+OPS = ["all_gather_into_tensor", "all_reduce", "all_to_all_single", "broadcast", "p2p", "reduce_scatter_tensor"]
+
+
+def parse_size(s: str) -> int:
+    """Bytes, with an optional K, M or G suffix (powers of 1024)."""
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    return int(float(s[:-1] if mult > 1 else s) * mult)
+
+
+def bus_factor(op: str, w: int) -> float:
+    """nccl-tests' busbw over algbw."""
+    if op == "all_reduce":
+        return 2 * (w - 1) / w
+    if op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+        return (w - 1) / w
+    return 1.0
+
+
+# -- one rank ------------------------------------------------------------------
+
+
+def _buffers(op, n, rank, world):
+    import torch
+
+    part = n // world
+    if op == "all_gather_into_tensor":
+        return torch.full((part,), float(rank + 1)), torch.empty(part * world)
+    if op == "reduce_scatter_tensor":
+        return torch.arange(part * world, dtype=torch.float32) % 7 + rank, torch.empty(part)
+    if op == "all_to_all_single":
+        return torch.arange(part * world, dtype=torch.float32) % 5 + 10 * rank, torch.empty(part * world)
+    return torch.arange(n, dtype=torch.float32) % 3 + rank, None
+
+
+def _run(op, inp, out, rank, world):
+    import torch.distributed as dist
+
+    if op == "all_gather_into_tensor":
+        dist.all_gather_into_tensor(out, inp)
+    elif op == "reduce_scatter_tensor":
+        dist.reduce_scatter_tensor(out, inp)
+    elif op == "all_to_all_single":
+        dist.all_to_all_single(out, inp)
+    elif op == "all_reduce":
+        dist.all_reduce(inp)
+    elif op == "broadcast":
+        dist.broadcast(inp, src=0)
+    elif op == "p2p":
+        if rank > 0:
+            dist.irecv(inp, rank - 1).wait()
+        if rank + 1 < world:
+            dist.isend(inp, rank + 1).wait()
+
+
+def _wrong(op, inp, out, n, rank, world) -> int:
+    """Wrong elements after one run on fresh buffers."""
+    import torch
+
+    part = n // world
+    if op == "all_gather_into_tensor":
+        want = torch.cat([torch.full((part,), float(r + 1)) for r in range(world)])
+        got = out
+    elif op == "reduce_scatter_tensor":
+        full = sum(torch.arange(part * world, dtype=torch.float32) % 7 + r for r in range(world))
+        want, got = full[rank * part : (rank + 1) * part], out
+    elif op == "all_to_all_single":
+        want = torch.cat([(torch.arange(part * world, dtype=torch.float32) % 5 + 10 * r)[rank * part : (rank + 1) * part] for r in range(world)])
+        got = out
+    elif op == "all_reduce":
+        want, got = sum(torch.arange(n, dtype=torch.float32) % 3 + r for r in range(world)), inp
+    elif op == "broadcast":
+        want, got = torch.arange(n, dtype=torch.float32) % 3, inp
+    else:
+        want, got = torch.arange(n, dtype=torch.float32) % 3, inp
+    return int((got != want).sum())
+
+
+def worker(backend: str, sizes: list[int], ops: list[str], iters: int, warmup: int, out_path: str) -> None:
+    """One rank: every op at every size; rank 0 writes the rows."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for nbytes in sizes:
+        n = max(world, nbytes // 4 // world * world)
+        for op in ops:
+            inp, out = _buffers(op, n, rank, world)
+            for _ in range(warmup):
+                _run(op, inp, out, rank, world)
+            times = torch.zeros(iters, dtype=torch.float64)
+            for i in range(iters):
+                dist.barrier()
+                t0 = time.perf_counter()
+                _run(op, inp, out, rank, world)
+                times[i] = time.perf_counter() - t0
+            # The slowest rank's time per iteration.
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            inp, out = _buffers(op, n, rank, world)
+            _run(op, inp, out, rank, world)
+            wrong = torch.tensor([_wrong(op, inp, out, n, rank, world)], dtype=torch.int64)
+            dist.all_reduce(wrong)
+            us = sorted(t * 1e6 for t in times.tolist())
+            med = statistics.median(us)
+            rows.append(
+                {
+                    "op": op,
+                    "bytes": n * 4,
+                    "count": n,
+                    "iters": iters,
+                    "median_us": med,
+                    "min_us": us[0],
+                    "max_us": us[-1],
+                    "p99_us": us[min(len(us) - 1, int(0.99 * len(us)))],
+                    "wrong": int(wrong.item()),
+                }
+            )
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+
+
+# -- the launcher --------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(backend: str, world: int, args, timeout: float) -> list[dict]:
+    """One run: `world` fresh processes; rank 0's rows."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+        cmd = [sys.executable, "-m", "weft.bench", "--worker", backend, "--sizes", ",".join(map(str, args.sizes)), "--ops", ",".join(args.ops)]
+        cmd += ["--iters", str(args.iters), "--warmup", str(args.warmup), "--out", out]
+        procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"weft.bench: {backend} at W={world} ran past {timeout:.0f} s") from None
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if any(p.returncode for p in procs):
+            raise SystemExit(f"weft.bench: a rank of {backend} at W={world} failed (exit codes {[p.returncode for p in procs]})")
+        with open(out) as f:
+            return json.load(f)
+
+
+def summarize(samples: dict, backends: list[str]) -> list[dict]:
+    """Rows over rounds: median of the runs' medians, spread, bandwidths,
+    and speed against the first backend."""
+    rows = []
+    for (backend, world, op, nbytes), runs in sorted(samples.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][3], backends.index(kv[0][0]))):
+        med = statistics.median(r["median_us"] for r in runs)
+        algbw = nbytes / med / 1e3 if med > 0 else 0.0
+        first = samples.get((backends[0], world, op, nbytes))
+        ratio = statistics.median(r["median_us"] for r in first) / med if first else float("nan")
+        rows.append(
+            {
+                "backend": backend,
+                "weft_backend": os.environ.get("WEFT_BACKEND", "auto") if backend == "weft" else "",
+                "world": world,
+                "op": op,
+                "bytes": nbytes,
+                "count": runs[0]["count"],
+                "dtype": "f32",
+                "rounds": len(runs),
+                "iters": runs[0]["iters"],
+                "median_us": med,
+                "min_us": min(r["median_us"] for r in runs),
+                "max_us": max(r["median_us"] for r in runs),
+                "p99_us": max(r["p99_us"] for r in runs),
+                "algbw_gbps": algbw,
+                "busbw_gbps": algbw * bus_factor(op, world),
+                "wrong": sum(r["wrong"] for r in runs),
+                "x_first": ratio,
+            }
+        )
+    return rows
+
+
+def print_table(rows: list[dict], backends: list[str]) -> None:
+    print(f"# times: median over rounds of each run's median (us), [min-max over rounds]; x first = {backends[0]}'s time over this backend's")
+    hdr = f"{'W':>2} {'op':<23} {'size(B)':>10} {'count':>9} {'backend':>8} {'time(us)':>10} {'[min-max]':>21} {'p99(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} {'x first':>7}"
+    print(hdr)
+    for r in rows:
+        spread = f"[{r['min_us']:.1f}-{r['max_us']:.1f}]"
+        print(
+            f"{r['world']:>2} {r['op']:<23} {r['bytes']:>10} {r['count']:>9} {r['backend']:>8} {r['median_us']:>10.1f} {spread:>21} "
+            f"{r['p99_us']:>10.1f} {r['algbw_gbps']:>7.3f} {r['busbw_gbps']:>7.3f} {r['wrong']:>6} {r['x_first']:>7.2f}"
+        )
+
+
+def plot(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("weft.bench: --plot needs matplotlib (pip install matplotlib)") from None
+    worlds = sorted({r["world"] for r in rows})
+    ops = sorted({r["op"] for r in rows})
+    fig, axes = plt.subplots(len(worlds), len(ops), figsize=(4 * len(ops), 3.2 * len(worlds)), squeeze=False)
+    for i, w in enumerate(worlds):
+        for j, op in enumerate(ops):
+            ax = axes[i][j]
+            for backend in dict.fromkeys(r["backend"] for r in rows):
+                pts = [(r["bytes"], r["busbw_gbps"]) for r in rows if r["world"] == w and r["op"] == op and r["backend"] == backend]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=backend)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{op}, W={w}", fontsize=9)
+            ax.set_xlabel("bytes")
+            ax.set_ylabel("busbw (GB/s)")
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m weft.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", default="2", help="world sizes, comma-separated (e.g. 2,4,8)")
+    p.add_argument("--backends", default="gloo,weft", help="torch backend names, alternated within each round; the first is the reference")
+    p.add_argument("--sizes", default="8,1K,64K,1M,16M,64M", help="N in bytes of float32, comma-separated (K, M, G suffixes)")
+    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=1800, help="seconds a run may take")
+    p.add_argument("--csv")
+    p.add_argument("--json")
+    p.add_argument("--plot")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.sizes = [parse_size(s) for s in a.sizes.split(",")]
+    a.ops = [o for o in a.ops.split(",") if o]
+    unknown = [o for o in a.ops if o not in OPS]
+    if unknown:
+        p.error(f"unknown ops {unknown}; choose from {OPS}")
+    if a.worker:
+        worker(a.worker, a.sizes, a.ops, a.iters, a.warmup, a.out)
+        return
+    backends = [b for b in a.backends.split(",") if b]
+    worlds = [int(w) for w in a.world.split(",")]
+    samples: dict = {}
+    for rnd in range(a.rounds):
+        for w in worlds:
+            for b in backends:
+                for row in launch(b, w, a, a.timeout):
+                    samples.setdefault((b, w, row["op"], row["bytes"]), []).append(row)
+        print(f"round {rnd + 1}/{a.rounds} done", file=sys.stderr)
+    rows = summarize(samples, backends)
+    print_table(rows, backends)
+    if a.csv:
+        with open(a.csv, "w") as f:
+            f.write(",".join(rows[0].keys()) + "\n")
+            for r in rows:
+                f.write(",".join(str(v) for v in r.values()) + "\n")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if a.plot:
+        plot(rows, a.plot)
+    if sum(r["wrong"] for r in rows):
+        raise SystemExit("weft.bench: some results were wrong (#wrong)")
+
+
+if __name__ == "__main__":
+    main()
