@@ -102,20 +102,43 @@ impl PyGroup {
 
     /// Send `t` to `dst` under `tag`.
     #[pyo3(signature = (t, dst, tag, keep, timeout = None, hints = None))]
-    fn send(&self, t: Desc, dst: usize, tag: u32, keep: Py<PyAny>, timeout: Option<f64>, hints: Option<HashMap<String, String>>) -> PyResult<PyWork> {
+    fn send(
+        &self,
+        t: Desc,
+        dst: usize,
+        tag: u32,
+        keep: Py<PyAny>,
+        timeout: Option<f64>,
+        hints: Option<HashMap<String, String>>,
+    ) -> PyResult<PyWork> {
         // SAFETY (every op below): `issue` keeps the tensors alive.
         self.issue(keep, timeout, hints, |u, o| u.send(unsafe { t.view() }?, dst, tag, o).map_err(to_py))
     }
 
     /// Receive into `t` from `src` under `tag`.
     #[pyo3(signature = (t, src, tag, keep, timeout = None, hints = None))]
-    fn recv(&self, t: Desc, src: usize, tag: u32, keep: Py<PyAny>, timeout: Option<f64>, hints: Option<HashMap<String, String>>) -> PyResult<PyWork> {
+    fn recv(
+        &self,
+        t: Desc,
+        src: usize,
+        tag: u32,
+        keep: Py<PyAny>,
+        timeout: Option<f64>,
+        hints: Option<HashMap<String, String>>,
+    ) -> PyResult<PyWork> {
         self.issue(keep, timeout, hints, |u, o| u.recv(unsafe { t.view_mut() }?, src, tag, o).map_err(to_py))
     }
 
     /// Receive into `t` from any rank under `tag` (`Work.source()` names it).
     #[pyo3(signature = (t, tag, keep, timeout = None, hints = None))]
-    fn recv_any(&self, t: Desc, tag: u32, keep: Py<PyAny>, timeout: Option<f64>, hints: Option<HashMap<String, String>>) -> PyResult<PyWork> {
+    fn recv_any(
+        &self,
+        t: Desc,
+        tag: u32,
+        keep: Py<PyAny>,
+        timeout: Option<f64>,
+        hints: Option<HashMap<String, String>>,
+    ) -> PyResult<PyWork> {
         self.issue(keep, timeout, hints, |u, o| u.recv_any(unsafe { t.view_mut() }?, tag, o).map_err(to_py))
     }
 
@@ -141,14 +164,28 @@ impl PyGroup {
 
     /// Copy `root`'s `t` into every rank's.
     #[pyo3(signature = (t, root, keep, timeout = None, hints = None))]
-    fn broadcast(&self, t: Desc, root: usize, keep: Py<PyAny>, timeout: Option<f64>, hints: Option<HashMap<String, String>>) -> PyResult<PyWork> {
+    fn broadcast(
+        &self,
+        t: Desc,
+        root: usize,
+        keep: Py<PyAny>,
+        timeout: Option<f64>,
+        hints: Option<HashMap<String, String>>,
+    ) -> PyResult<PyWork> {
         self.issue(keep, timeout, hints, |u, o| u.broadcast(unsafe { t.view_mut() }?, root, o).map_err(to_py))
     }
 
     /// Reduce every rank's `t` with `op` (weft's name, e.g. `sum`,
     /// `premul_sum(0.5)`) into every rank's.
     #[pyo3(signature = (t, op, keep, timeout = None, hints = None))]
-    fn all_reduce(&self, t: Desc, op: &str, keep: Py<PyAny>, timeout: Option<f64>, hints: Option<HashMap<String, String>>) -> PyResult<PyWork> {
+    fn all_reduce(
+        &self,
+        t: Desc,
+        op: &str,
+        keep: Py<PyAny>,
+        timeout: Option<f64>,
+        hints: Option<HashMap<String, String>>,
+    ) -> PyResult<PyWork> {
         let op = reduce_op(op)?;
         self.issue(keep, timeout, hints, |u, o| u.all_reduce(unsafe { t.view_mut() }?, op, o).map_err(to_py))
     }

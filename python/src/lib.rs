@@ -11,12 +11,22 @@ mod work;
 
 use pyo3::prelude::*;
 
+/// Order CUDA ops issued from this thread after `stream` (torch's
+/// `torch.cuda.current_stream().cuda_stream`), or the device's default
+/// stream with None.
+#[pyfunction]
+#[pyo3(signature = (stream = None))]
+fn set_current_stream(stream: Option<u64>) {
+    weft::stream::set_current_stream(stream.map(weft::StreamHandle));
+}
+
 /// The extension module.
 #[pymodule]
 fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<group::PyGroup>()?;
     m.add_class::<work::PyWork>()?;
     m.add_function(wrap_pyfunction!(work::next_completed, m)?)?;
+    m.add_function(wrap_pyfunction!(set_current_stream, m)?)?;
     m.add("WeftError", m.py().get_type::<errors::WeftError>())?;
     m.add("TIMEOUT_DEFAULT", weft::DEFAULT_TIMEOUT.as_secs_f64())?;
     Ok(())

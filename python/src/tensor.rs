@@ -16,7 +16,8 @@ const EMPTY: usize = 64;
 
 impl Desc {
     fn parts(&self) -> PyResult<(usize, DType, Device)> {
-        let dtype = DType::from_code(self.2).ok_or_else(|| pyo3::exceptions::PyValueError::new_err(format!("unknown dtype code {}", self.2)))?;
+        let dtype =
+            DType::from_code(self.2).ok_or_else(|| pyo3::exceptions::PyValueError::new_err(format!("unknown dtype code {}", self.2)))?;
         let device = match self.3 {
             -1 => Device::Cpu,
             i if i >= 0 => Device::Cuda(i as u32),

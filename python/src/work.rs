@@ -56,6 +56,13 @@ impl PyWork {
         .map_err(to_py)
     }
 
+    /// As `wait`, then block the host until the device side of a CUDA op
+    /// has finished too (the same as `wait` for CPU tensors).
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let w = self.work();
+        py.detach(|| w.synchronize()).map_err(to_py)
+    }
+
     /// Whether the op has finished, successfully or not.
     fn is_completed(&self) -> bool {
         self.work().is_completed()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from . import _weft
+
 # weft's dtype codes (core/src/dtype.rs).
 _CODES = {
     torch.float32: 0,
@@ -34,9 +36,17 @@ def _code(t: torch.Tensor) -> int:
 
 
 def desc(t: torch.Tensor) -> tuple:
-    """`(data_ptr, numel, dtype code, device)` of a contiguous dense tensor."""
+    """`(data_ptr, numel, dtype code, device)` of a contiguous dense tensor.
+
+    A CUDA tensor also makes torch's current stream on its device the one
+    weft orders the op after (and makes wait for it in `Work.wait()`)."""
     dev = t.device
-    return (t.data_ptr(), t.numel(), _code(t), -1 if dev.type == "cpu" else (dev.index or 0))
+    if dev.type == "cpu":
+        return (t.data_ptr(), t.numel(), _code(t), -1)
+    if dev.type != "cuda":
+        raise TypeError(f"weft: tensors on {dev.type} are not supported (cpu and cuda are)")
+    _weft.set_current_stream(torch.cuda.current_stream(dev).cuda_stream)
+    return (t.data_ptr(), t.numel(), _code(t), dev.index or 0)
 
 
 class Staged:

@@ -174,7 +174,13 @@ class Work(dist._Work):
         return self._future
 
     def synchronize(self) -> None:
-        """Block until the op has finished (host tensors have no stream)."""
+        """Block the host until the op has finished, the device side of a
+        CUDA op included (``wait()`` only makes torch's current stream wait)."""
+        for n in self._natives:
+            try:
+                n.synchronize()
+            except _weft.WeftError:
+                pass
         self.wait()
 
     def source_rank(self) -> int:
