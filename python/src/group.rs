@@ -21,8 +21,11 @@ pub struct PyGroup {
     pg: ProcessGroup,
 }
 
+/// An op's hints.
+type Hints = HashMap<String, String>;
+
 /// The options of one op: a timeout in seconds and hints.
-fn op_options(timeout: Option<f64>, hints: Option<HashMap<String, String>>) -> OpOptions {
+fn op_options(timeout: Option<f64>, hints: Option<Hints>) -> OpOptions {
     OpOptions { timeout: timeout.filter(|t| *t > 0.0).map(Duration::from_secs_f64), hints: hints.unwrap_or_default(), stream: None }
 }
 
@@ -30,21 +33,62 @@ fn reduce_op(op: &str) -> PyResult<ReduceOp> {
     op.parse().map_err(to_py)
 }
 
+/// Who runs an op: the calling thread, now (`Direct`: what a synchronous
+/// torch call needs, with no hand-over to another thread), or the group's
+/// threads in the background.
+enum Issuer<'g> {
+    Direct(&'g ProcessGroup),
+    Background(Unscoped<'g>),
+}
+
+/// Run `$call` (an op method call on `$c`) with whichever issuer `$i` is.
+macro_rules! via {
+    ($i:expr, |$c:ident| $call:expr) => {
+        match $i {
+            Issuer::Direct($c) => $call,
+            Issuer::Background($c) => $call,
+        }
+    };
+}
+
+/// What every op takes besides its tensors, as one Python tuple
+/// `(keep, timeout, hints, direct)`: the objects keeping the tensors alive,
+/// the timeout in seconds (None: the group's), hints (or None), and whether
+/// the op runs directly (a synchronous torch call) or in the background.
+struct Call {
+    keep: Py<PyAny>,
+    options: OpOptions,
+    direct: bool,
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Call {
+    type Error = PyErr;
+    fn extract(ob: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let (keep, timeout, hints, direct): (Py<PyAny>, Option<f64>, Option<Hints>, bool) = ob.extract()?;
+        Ok(Call { keep, options: op_options(timeout, hints), direct })
+    }
+}
+
 impl PyGroup {
-    /// Issue an op in the background; `keep` holds its tensors until it
-    /// has finished.
+    /// Issue an op; `keep` holds its tensors until it has finished. A
+    /// direct op runs on this thread with the GIL released and has
+    /// finished when this returns; else it runs in the background.
     fn issue(
         &self,
-        keep: Py<PyAny>,
-        timeout: Option<f64>,
-        hints: Option<HashMap<String, String>>,
-        op: impl FnOnce(&Unscoped<'_>, &OpOptions) -> PyResult<weft::Work<'static>>,
+        py: Python<'_>,
+        call: Call,
+        op: impl FnOnce(&Issuer<'_>, &OpOptions) -> PyResult<weft::Work<'static>> + Send,
     ) -> PyResult<PyWork> {
-        // SAFETY: every tensor the op views is held by `keep`, which the
-        // PyWork keeps (and parks when dropped early) until the op has
-        // finished; the Python side does not touch them meanwhile.
-        let u = unsafe { self.pg.unscoped() };
-        Ok(PyWork::new(op(&u, &op_options(timeout, hints))?, keep, None))
+        let Call { keep, options, direct } = call;
+        let work = if direct {
+            py.detach(|| op(&Issuer::Direct(&self.pg), &options))?
+        } else {
+            // SAFETY: every tensor the op views is held by `keep`, which
+            // the PyWork keeps (and parks when dropped early) until the op
+            // has finished; the Python side does not touch them meanwhile.
+            op(&Issuer::Background(unsafe { self.pg.unscoped() }), &options)?
+        };
+        Ok(PyWork::new(work, keep, None))
     }
 }
 
@@ -101,256 +145,131 @@ impl PyGroup {
     }
 
     /// Send `t` to `dst` under `tag`.
-    #[pyo3(signature = (t, dst, tag, keep, timeout = None, hints = None))]
-    fn send(
-        &self,
-        t: Desc,
-        dst: usize,
-        tag: u32,
-        keep: Py<PyAny>,
-        timeout: Option<f64>,
-        hints: Option<HashMap<String, String>>,
-    ) -> PyResult<PyWork> {
+    fn send(&self, py: Python<'_>, t: Desc, dst: usize, tag: u32, call: Call) -> PyResult<PyWork> {
         // SAFETY (every op below): `issue` keeps the tensors alive.
-        self.issue(keep, timeout, hints, |u, o| u.send(unsafe { t.view() }?, dst, tag, o).map_err(to_py))
+        self.issue(py, call, |u, o| via!(u, |c| c.send(unsafe { t.view() }?, dst, tag, o)).map_err(to_py))
     }
 
     /// Receive into `t` from `src` under `tag`.
-    #[pyo3(signature = (t, src, tag, keep, timeout = None, hints = None))]
-    fn recv(
-        &self,
-        t: Desc,
-        src: usize,
-        tag: u32,
-        keep: Py<PyAny>,
-        timeout: Option<f64>,
-        hints: Option<HashMap<String, String>>,
-    ) -> PyResult<PyWork> {
-        self.issue(keep, timeout, hints, |u, o| u.recv(unsafe { t.view_mut() }?, src, tag, o).map_err(to_py))
+    fn recv(&self, py: Python<'_>, t: Desc, src: usize, tag: u32, call: Call) -> PyResult<PyWork> {
+        self.issue(py, call, |u, o| via!(u, |c| c.recv(unsafe { t.view_mut() }?, src, tag, o)).map_err(to_py))
     }
 
     /// Receive into `t` from any rank under `tag` (`Work.source()` names it).
-    #[pyo3(signature = (t, tag, keep, timeout = None, hints = None))]
-    fn recv_any(
-        &self,
-        t: Desc,
-        tag: u32,
-        keep: Py<PyAny>,
-        timeout: Option<f64>,
-        hints: Option<HashMap<String, String>>,
-    ) -> PyResult<PyWork> {
-        self.issue(keep, timeout, hints, |u, o| u.recv_any(unsafe { t.view_mut() }?, tag, o).map_err(to_py))
+    fn recv_any(&self, py: Python<'_>, t: Desc, tag: u32, call: Call) -> PyResult<PyWork> {
+        self.issue(py, call, |u, o| via!(u, |c| c.recv_any(unsafe { t.view_mut() }?, tag, o)).map_err(to_py))
     }
 
     /// Sends and receives as one unit: `(is_send, t, peer, tag)` each.
-    #[pyo3(signature = (ops, keep, timeout = None, hints = None))]
-    fn batch_p2p(
-        &self,
-        ops: Vec<(bool, Desc, usize, u32)>,
-        keep: Py<PyAny>,
-        timeout: Option<f64>,
-        hints: Option<HashMap<String, String>>,
-    ) -> PyResult<PyWork> {
-        self.issue(keep, timeout, hints, |u, o| {
+    fn batch_p2p(&self, py: Python<'_>, ops: Vec<(bool, Desc, usize, u32)>, call: Call) -> PyResult<PyWork> {
+        self.issue(py, call, |u, o| {
             let ops = ops
                 .iter()
                 .map(|&(send, t, peer, tag)| {
                     Ok(if send { P2pOp::send(unsafe { t.view() }?, peer, tag) } else { P2pOp::recv(unsafe { t.view_mut() }?, peer, tag) })
                 })
                 .collect::<PyResult<Vec<_>>>()?;
-            u.batch_p2p(ops, o).map_err(to_py)
+            via!(u, |c| c.batch_p2p(ops, o)).map_err(to_py)
         })
     }
 
     /// Copy `root`'s `t` into every rank's.
-    #[pyo3(signature = (t, root, keep, timeout = None, hints = None))]
-    fn broadcast(
-        &self,
-        t: Desc,
-        root: usize,
-        keep: Py<PyAny>,
-        timeout: Option<f64>,
-        hints: Option<HashMap<String, String>>,
-    ) -> PyResult<PyWork> {
-        self.issue(keep, timeout, hints, |u, o| u.broadcast(unsafe { t.view_mut() }?, root, o).map_err(to_py))
+    fn broadcast(&self, py: Python<'_>, t: Desc, root: usize, call: Call) -> PyResult<PyWork> {
+        self.issue(py, call, |u, o| via!(u, |c| c.broadcast(unsafe { t.view_mut() }?, root, o)).map_err(to_py))
     }
 
     /// Reduce every rank's `t` with `op` (weft's name, e.g. `sum`,
     /// `premul_sum(0.5)`) into every rank's.
-    #[pyo3(signature = (t, op, keep, timeout = None, hints = None))]
-    fn all_reduce(
-        &self,
-        t: Desc,
-        op: &str,
-        keep: Py<PyAny>,
-        timeout: Option<f64>,
-        hints: Option<HashMap<String, String>>,
-    ) -> PyResult<PyWork> {
+    fn all_reduce(&self, py: Python<'_>, t: Desc, op: &str, call: Call) -> PyResult<PyWork> {
         let op = reduce_op(op)?;
-        self.issue(keep, timeout, hints, |u, o| u.all_reduce(unsafe { t.view_mut() }?, op, o).map_err(to_py))
+        self.issue(py, call, |u, o| via!(u, |c| c.all_reduce(unsafe { t.view_mut() }?, op, o)).map_err(to_py))
     }
 
     /// Reduce every rank's `t` into `root`'s.
-    #[pyo3(signature = (t, root, op, keep, timeout = None, hints = None))]
-    fn reduce(
-        &self,
-        t: Desc,
-        root: usize,
-        op: &str,
-        keep: Py<PyAny>,
-        timeout: Option<f64>,
-        hints: Option<HashMap<String, String>>,
-    ) -> PyResult<PyWork> {
+    fn reduce(&self, py: Python<'_>, t: Desc, root: usize, op: &str, call: Call) -> PyResult<PyWork> {
         let op = reduce_op(op)?;
-        self.issue(keep, timeout, hints, |u, o| u.reduce(unsafe { t.view_mut() }?, root, op, o).map_err(to_py))
+        self.issue(py, call, |u, o| via!(u, |c| c.reduce(unsafe { t.view_mut() }?, root, op, o)).map_err(to_py))
     }
 
     /// `outs[i]` receives rank i's `input`; with `uneven`, sizes may differ
     /// per rank.
-    #[pyo3(signature = (outs, input, uneven, keep, timeout = None, hints = None))]
-    fn all_gather(
-        &self,
-        outs: Vec<Desc>,
-        input: Desc,
-        uneven: bool,
-        keep: Py<PyAny>,
-        timeout: Option<f64>,
-        hints: Option<HashMap<String, String>>,
-    ) -> PyResult<PyWork> {
-        self.issue(keep, timeout, hints, |u, o| {
+    fn all_gather(&self, py: Python<'_>, outs: Vec<Desc>, input: Desc, uneven: bool, call: Call) -> PyResult<PyWork> {
+        self.issue(py, call, |u, o| {
             let (outs, input) = unsafe { (views_mut(&outs)?, input.view()?) };
-            if uneven { u.all_gather_v(outs, input, o) } else { u.all_gather(outs, input, o) }.map_err(to_py)
+            via!(u, |c| if uneven { c.all_gather_v(outs, input, o) } else { c.all_gather(outs, input, o) }).map_err(to_py)
         })
     }
 
     /// Rank i's `input` lands in the i-th of W equal parts of `out`.
-    #[pyo3(signature = (out, input, keep, timeout = None, hints = None))]
-    fn all_gather_single(
-        &self,
-        out: Desc,
-        input: Desc,
-        keep: Py<PyAny>,
-        timeout: Option<f64>,
-        hints: Option<HashMap<String, String>>,
-    ) -> PyResult<PyWork> {
-        self.issue(keep, timeout, hints, |u, o| u.all_gather_single(unsafe { out.view_mut() }?, unsafe { input.view() }?, o).map_err(to_py))
+    fn all_gather_single(&self, py: Python<'_>, out: Desc, input: Desc, call: Call) -> PyResult<PyWork> {
+        self.issue(py, call, |u, o| {
+            via!(u, |c| c.all_gather_single(unsafe { out.view_mut() }?, unsafe { input.view() }?, o)).map_err(to_py)
+        })
     }
 
     /// `out` becomes the reduction over ranks of their `inputs[rank]`; with
     /// `uneven`, sizes may differ per destination.
-    #[pyo3(signature = (out, inputs, op, uneven, keep, timeout = None, hints = None))]
-    #[allow(clippy::too_many_arguments)]
-    fn reduce_scatter(
-        &self,
-        out: Desc,
-        inputs: Vec<Desc>,
-        op: &str,
-        uneven: bool,
-        keep: Py<PyAny>,
-        timeout: Option<f64>,
-        hints: Option<HashMap<String, String>>,
-    ) -> PyResult<PyWork> {
+    fn reduce_scatter(&self, py: Python<'_>, out: Desc, inputs: Vec<Desc>, op: &str, uneven: bool, call: Call) -> PyResult<PyWork> {
         let op = reduce_op(op)?;
-        self.issue(keep, timeout, hints, |u, o| {
+        self.issue(py, call, |u, o| {
             let (out, inputs) = unsafe { (out.view_mut()?, views(&inputs)?) };
-            if uneven { u.reduce_scatter_v(out, inputs, op, o) } else { u.reduce_scatter(out, inputs, op, o) }.map_err(to_py)
+            via!(u, |c| if uneven { c.reduce_scatter_v(out, inputs, op, o) } else { c.reduce_scatter(out, inputs, op, o) }).map_err(to_py)
         })
     }
 
     /// The i-th of W equal parts of every rank's `input`, reduced into rank
     /// i's `out`.
-    #[pyo3(signature = (out, input, op, keep, timeout = None, hints = None))]
-    fn reduce_scatter_single(
-        &self,
-        out: Desc,
-        input: Desc,
-        op: &str,
-        keep: Py<PyAny>,
-        timeout: Option<f64>,
-        hints: Option<HashMap<String, String>>,
-    ) -> PyResult<PyWork> {
+    fn reduce_scatter_single(&self, py: Python<'_>, out: Desc, input: Desc, op: &str, call: Call) -> PyResult<PyWork> {
         let op = reduce_op(op)?;
-        self.issue(keep, timeout, hints, |u, o| {
-            u.reduce_scatter_single(unsafe { out.view_mut() }?, unsafe { input.view() }?, op, o).map_err(to_py)
+        self.issue(py, call, |u, o| {
+            via!(u, |c| c.reduce_scatter_single(unsafe { out.view_mut() }?, unsafe { input.view() }?, op, o)).map_err(to_py)
         })
     }
 
     /// `outs[i]` receives rank i's `inputs[rank]`.
-    #[pyo3(signature = (outs, inputs, keep, timeout = None, hints = None))]
-    fn all_to_all(
-        &self,
-        outs: Vec<Desc>,
-        inputs: Vec<Desc>,
-        keep: Py<PyAny>,
-        timeout: Option<f64>,
-        hints: Option<HashMap<String, String>>,
-    ) -> PyResult<PyWork> {
-        self.issue(keep, timeout, hints, |u, o| u.all_to_all(unsafe { views_mut(&outs) }?, unsafe { views(&inputs) }?, o).map_err(to_py))
+    fn all_to_all(&self, py: Python<'_>, outs: Vec<Desc>, inputs: Vec<Desc>, call: Call) -> PyResult<PyWork> {
+        self.issue(py, call, |u, o| via!(u, |c| c.all_to_all(unsafe { views_mut(&outs) }?, unsafe { views(&inputs) }?, o)).map_err(to_py))
     }
 
     /// Part i of `input` goes to rank i, part i of `out` comes from rank i:
     /// W equal parts, or the given split sizes (in elements).
-    #[pyo3(signature = (out, input, out_splits, in_splits, keep, timeout = None, hints = None))]
-    #[allow(clippy::too_many_arguments)]
     fn all_to_all_single(
         &self,
+        py: Python<'_>,
         out: Desc,
         input: Desc,
         out_splits: Option<Vec<usize>>,
         in_splits: Option<Vec<usize>>,
-        keep: Py<PyAny>,
-        timeout: Option<f64>,
-        hints: Option<HashMap<String, String>>,
+        call: Call,
     ) -> PyResult<PyWork> {
-        self.issue(keep, timeout, hints, |u, o| {
+        self.issue(py, call, |u, o| {
             let (out, input) = unsafe { (out.view_mut()?, input.view()?) };
-            match (out_splits, in_splits) {
-                (Some(os), Some(is)) => u.all_to_all_v_single(out, input, &os, &is, o),
-                _ => u.all_to_all_single(out, input, o),
-            }
+            via!(u, |c| match (&out_splits, &in_splits) {
+                (Some(os), Some(is)) => c.all_to_all_v_single(out, input, os, is, o),
+                _ => c.all_to_all_single(out, input, o),
+            })
             .map_err(to_py)
         })
     }
 
     /// At `root`, `outs[i]` receives rank i's `input` (`outs` empty elsewhere).
-    #[pyo3(signature = (outs, input, root, keep, timeout = None, hints = None))]
-    fn gather(
-        &self,
-        outs: Vec<Desc>,
-        input: Desc,
-        root: usize,
-        keep: Py<PyAny>,
-        timeout: Option<f64>,
-        hints: Option<HashMap<String, String>>,
-    ) -> PyResult<PyWork> {
-        self.issue(keep, timeout, hints, |u, o| u.gather(unsafe { views_mut(&outs) }?, unsafe { input.view() }?, root, o).map_err(to_py))
+    fn gather(&self, py: Python<'_>, outs: Vec<Desc>, input: Desc, root: usize, call: Call) -> PyResult<PyWork> {
+        self.issue(py, call, |u, o| via!(u, |c| c.gather(unsafe { views_mut(&outs) }?, unsafe { input.view() }?, root, o)).map_err(to_py))
     }
 
     /// Every rank's `out` receives `root`'s `inputs[rank]` (`inputs` empty elsewhere).
-    #[pyo3(signature = (out, inputs, root, keep, timeout = None, hints = None))]
-    fn scatter(
-        &self,
-        out: Desc,
-        inputs: Vec<Desc>,
-        root: usize,
-        keep: Py<PyAny>,
-        timeout: Option<f64>,
-        hints: Option<HashMap<String, String>>,
-    ) -> PyResult<PyWork> {
-        self.issue(keep, timeout, hints, |u, o| u.scatter(unsafe { out.view_mut() }?, unsafe { views(&inputs) }?, root, o).map_err(to_py))
+    fn scatter(&self, py: Python<'_>, out: Desc, inputs: Vec<Desc>, root: usize, call: Call) -> PyResult<PyWork> {
+        self.issue(py, call, |u, o| via!(u, |c| c.scatter(unsafe { out.view_mut() }?, unsafe { views(&inputs) }?, root, o)).map_err(to_py))
     }
 
     /// Every rank has entered it (after this rank's earlier collectives).
-    #[pyo3(signature = (keep, timeout = None, hints = None))]
-    fn barrier(&self, keep: Py<PyAny>, timeout: Option<f64>, hints: Option<HashMap<String, String>>) -> PyResult<PyWork> {
-        self.issue(keep, timeout, hints, |u, o| u.barrier(o).map_err(to_py))
+    fn barrier(&self, py: Python<'_>, call: Call) -> PyResult<PyWork> {
+        self.issue(py, call, |u, o| via!(u, |c| c.barrier(o)).map_err(to_py))
     }
 
     /// Reduce every rank's sparse COO tensor (`indices` i64 `[sparse_dims,
     /// nnz]`, `values` `[nnz, dense...]`, full `shape`) with `op` (sum, min,
     /// max); `Work.sparse_result()` gives the coalesced result.
-    #[pyo3(signature = (indices, sparse_dims, values, shape, op, keep, timeout = None, hints = None))]
-    #[allow(clippy::too_many_arguments)]
     fn all_reduce_sparse(
         &self,
         indices: Desc,
@@ -358,9 +277,7 @@ impl PyGroup {
         values: Desc,
         shape: Vec<usize>,
         op: &str,
-        keep: Py<PyAny>,
-        timeout: Option<f64>,
-        hints: Option<HashMap<String, String>>,
+        call: Call,
     ) -> PyResult<PyWork> {
         let op = reduce_op(op)?;
         // SAFETY: as `issue`: `keep` holds both tensors.
@@ -374,7 +291,7 @@ impl PyGroup {
         let slot: &'static mut SparseCoo = unsafe { &mut *(out.as_mut() as *mut SparseCoo) };
         // SAFETY: as `issue`.
         let u = unsafe { self.pg.unscoped() };
-        let work = u.all_reduce_sparse(input, slot, op, &op_options(timeout, hints)).map_err(to_py)?;
-        Ok(PyWork::new(work, keep, Some(out)))
+        let work = u.all_reduce_sparse(input, slot, op, &call.options).map_err(to_py)?;
+        Ok(PyWork::new(work, call.keep, Some(out)))
     }
 }

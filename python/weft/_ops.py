@@ -13,10 +13,11 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
 
 from . import _errors, _weft
 from ._tensors import Staged
-from ._work import Work, _seconds, done
+from ._work import Work, _seconds
 
 _RED = dist.ReduceOp.RedOpType
 _REDUCE_NAMES = {
@@ -73,8 +74,18 @@ class Ops:
 
     # -- helpers -----------------------------------------------------------
 
-    def _t(self, opts) -> float | None:
-        return _seconds(getattr(opts, "timeout", None)) or self._timeout
+    def _call(self, s: Staged, opts) -> tuple:
+        """The native ops' last argument: `(keep, timeout, hints, direct)`.
+        A synchronous torch call (`opts.asyncOp` False) runs directly on
+        this thread, with no hand-over to weft's threads."""
+        timeout = _seconds(getattr(opts, "timeout", None)) or self._timeout
+        return (s.keep, timeout, None, not getattr(opts, "asyncOp", True))
+
+    def _p2p_call(self, s: Staged) -> tuple:
+        """Sends and receives always run in the background: torch's
+        `isend` and `irecv` must not block, and its blocking `send` and
+        `recv` wait on the work."""
+        return (s.keep, self._timeout, None, False)
 
     def _work(self, staged: Staged, natives, outputs, result=None) -> Work:
         return Work(natives, outputs, staged.finish if staged.needs_finish else None, result)
@@ -82,18 +93,18 @@ class Ops:
     # -- collectives -------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
-        opts = opts or dist.AllreduceOptions()
-        name, t = reduce_name(opts.reduceOp), self._t(opts)
+        opts = opts or c10d.AllreduceOptions()
+        name = reduce_name(opts.reduceOp)
         if any(x.layout == torch.sparse_coo for x in tensors):
-            return self._allreduce_sparse(tensors, name, t)
+            return self._allreduce_sparse(tensors, name, opts)
         s = Staged()
-        natives = [_call(self._native.all_reduce, s.output(x), name, s.keep, t) for x in tensors]
+        natives = [_call(self._native.all_reduce, s.output(x), name, self._call(s, opts)) for x in tensors]
         return self._work(s, natives, list(tensors))
 
     def allreduce_coalesced(self, tensors, opts=None):
-        return self.allreduce(tensors, opts or dist.AllreduceCoalescedOptions())
+        return self.allreduce(tensors, opts or c10d.AllreduceCoalescedOptions())
 
-    def _allreduce_sparse(self, tensors, name, timeout):
+    def _allreduce_sparse(self, tensors, name, opts):
         if len(tensors) != 1:
             raise ValueError("weft: a sparse all_reduce takes one tensor")
         (x,) = tensors
@@ -109,8 +120,8 @@ class Ops:
             s.input(values),
             list(x.shape),
             name,
-            s.keep,
-            timeout,
+            # Always in the background: its result is built on completion.
+            self._call(s, opts)[:3] + (False,),
         )
 
         def result():
@@ -125,25 +136,25 @@ class Ops:
         return Work([native], [x], lambda: _replace_sparse(x, result()[0]), result)
 
     def broadcast(self, tensors, opts=None):
-        opts = opts or dist.BroadcastOptions()
+        opts = opts or c10d.BroadcastOptions()
         s = Staged()
-        natives = [_call(self._native.broadcast, s.output(x), opts.rootRank, s.keep, self._t(opts)) for x in tensors]
+        natives = [_call(self._native.broadcast, s.output(x), opts.rootRank, self._call(s, opts)) for x in tensors]
         return self._work(s, natives, list(tensors))
 
     def reduce(self, tensors, opts=None):
-        opts = opts or dist.ReduceOptions()
+        opts = opts or c10d.ReduceOptions()
         name = reduce_name(opts.reduceOp)
         s = Staged()
-        natives = [_call(self._native.reduce, s.output(x), opts.rootRank, name, s.keep, self._t(opts)) for x in tensors]
+        natives = [_call(self._native.reduce, s.output(x), opts.rootRank, name, self._call(s, opts)) for x in tensors]
         return self._work(s, natives, list(tensors))
 
     def allgather(self, output_lists, inputs, opts=None):
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or c10d.AllgatherOptions()
         s = Staged()
         natives = []
         for outs, x in zip(output_lists, inputs, strict=True):
             uneven = any(o.numel() != x.numel() for o in outs)
-            natives.append(_call(self._native.all_gather, s.outputs(outs), s.input(x), uneven, s.keep, self._t(opts)))
+            natives.append(_call(self._native.all_gather, s.outputs(outs), s.input(x), uneven, self._call(s, opts)))
         return self._work(s, natives, list(output_lists))
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
@@ -154,18 +165,18 @@ class Ops:
         return w
 
     def all_gather_single(self, output, input, opts=None):
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or c10d.AllgatherOptions()
         s = Staged()
-        native = _call(self._native.all_gather_single, s.output(output), s.input(input), s.keep, self._t(opts))
+        native = _call(self._native.all_gather_single, s.output(output), s.input(input), self._call(s, opts))
         return self._work(s, [native], [output])
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or c10d.AllgatherOptions()
         s = Staged()
         natives = [
-            _call(self._native.all_gather_single, s.output(o), s.input(i), s.keep, self._t(opts))
+            _call(self._native.all_gather_single, s.output(o), s.input(i), self._call(s, opts))
             for o, i in zip(outputs, inputs, strict=True)
         ]
         return self._work(s, natives, list(outputs))
@@ -173,31 +184,29 @@ class Ops:
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        opts = opts or dist.ReduceScatterOptions()
+        opts = opts or c10d.ReduceScatterOptions()
         name = reduce_name(opts.reduceOp)
         s = Staged()
         natives = []
         for o, ins in zip(outputs, input_lists, strict=True):
             uneven = any(i.numel() != o.numel() for i in ins)
-            natives.append(_call(self._native.reduce_scatter, s.output(o), s.inputs(ins), name, uneven, s.keep, self._t(opts)))
+            natives.append(_call(self._native.reduce_scatter, s.output(o), s.inputs(ins), name, uneven, self._call(s, opts)))
         return self._work(s, natives, list(outputs))
 
     def reduce_scatter_single(self, output, input, opts=None):
-        opts = opts or dist.ReduceScatterOptions()
+        opts = opts or c10d.ReduceScatterOptions()
         s = Staged()
-        native = _call(
-            self._native.reduce_scatter_single, s.output(output), s.input(input), reduce_name(opts.reduceOp), s.keep, self._t(opts)
-        )
+        native = _call(self._native.reduce_scatter_single, s.output(output), s.input(input), reduce_name(opts.reduceOp), self._call(s, opts))
         return self._work(s, [native], [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        opts = opts or dist.ReduceScatterOptions()
+        opts = opts or c10d.ReduceScatterOptions()
         name = reduce_name(opts.reduceOp)
         s = Staged()
         natives = [
-            _call(self._native.reduce_scatter_single, s.output(o), s.input(i), name, s.keep, self._t(opts))
+            _call(self._native.reduce_scatter_single, s.output(o), s.input(i), name, self._call(s, opts))
             for o, i in zip(outputs, inputs, strict=True)
         ]
         return self._work(s, natives, list(outputs))
@@ -205,13 +214,13 @@ class Ops:
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def alltoall(self, outputs, inputs, opts=None):
-        opts = opts or dist.AllToAllOptions()
+        opts = opts or c10d.AllToAllOptions()
         s = Staged()
-        native = _call(self._native.all_to_all, s.outputs(outputs), s.inputs(inputs), s.keep, self._t(opts))
+        native = _call(self._native.all_to_all, s.outputs(outputs), s.inputs(inputs), self._call(s, opts))
         return self._work(s, [native], list(outputs))
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, opts=None):
-        opts = opts or dist.AllToAllOptions()
+        opts = opts or c10d.AllToAllOptions()
         s = Staged()
         outs = _rows_to_elements(output, output_split_sizes)
         ins = _rows_to_elements(input, input_split_sizes)
@@ -222,46 +231,46 @@ class Ops:
                 outs = [output.numel() // w] * w
             else:
                 ins = [input.numel() // w] * w
-        native = _call(self._native.all_to_all_single, s.output(output), s.input(input), outs, ins, s.keep, self._t(opts))
+        native = _call(self._native.all_to_all_single, s.output(output), s.input(input), outs, ins, self._call(s, opts))
         return self._work(s, [native], [output])
 
     alltoall_base = all_to_all_single
 
     def gather(self, output_lists, inputs, opts=None):
-        opts = opts or dist.GatherOptions()
+        opts = opts or c10d.GatherOptions()
         s = Staged()
         outs = s.outputs(output_lists[0]) if output_lists else []
         (x,) = inputs
-        native = _call(self._native.gather, outs, s.input(x), opts.rootRank, s.keep, self._t(opts))
+        native = _call(self._native.gather, outs, s.input(x), opts.rootRank, self._call(s, opts))
         return self._work(s, [native], list(output_lists))
 
     def scatter(self, outputs, input_lists, opts=None):
-        opts = opts or dist.ScatterOptions()
+        opts = opts or c10d.ScatterOptions()
         s = Staged()
         ins = s.inputs(input_lists[0]) if input_lists else []
         (o,) = outputs
-        native = _call(self._native.scatter, s.output(o), ins, opts.rootRank, s.keep, self._t(opts))
+        native = _call(self._native.scatter, s.output(o), ins, opts.rootRank, self._call(s, opts))
         return self._work(s, [native], list(outputs))
 
     def barrier(self, opts=None):
-        opts = opts or dist.BarrierOptions()
-        return self._work(Staged(), [_call(self._native.barrier, None, self._t(opts))], [])
+        opts = opts or c10d.BarrierOptions()
+        return self._work(Staged(), [_call(self._native.barrier, self._call(Staged(), opts))], [])
 
     # -- point to point ----------------------------------------------------
 
     def send(self, tensors, dst, tag=0):
         s = Staged()
-        natives = [_call(self._native.send, s.input(x), dst, tag, s.keep, self._timeout) for x in tensors]
+        natives = [_call(self._native.send, s.input(x), dst, tag, self._p2p_call(s)) for x in tensors]
         return self._work(s, natives, list(tensors))
 
     def recv(self, tensors, src, tag=0):
         s = Staged()
-        natives = [_call(self._native.recv, s.output(x), src, tag, s.keep, self._timeout) for x in tensors]
+        natives = [_call(self._native.recv, s.output(x), src, tag, self._p2p_call(s)) for x in tensors]
         return self._work(s, natives, list(tensors))
 
     def recv_anysource(self, tensors, tag=0):
         s = Staged()
-        natives = [_call(self._native.recv_any, s.output(x), tag, s.keep, self._timeout) for x in tensors]
+        natives = [_call(self._native.recv_any, s.output(x), tag, self._p2p_call(s)) for x in tensors]
         return self._work(s, natives, list(tensors))
 
 
@@ -271,4 +280,4 @@ def _replace_sparse(x: torch.Tensor, out: torch.Tensor) -> None:
     x.copy_(out)
 
 
-__all__ = ["Ops", "reduce_name", "done"]
+__all__ = ["Ops", "reduce_name"]

@@ -85,8 +85,12 @@ class Work(dist._Work):
         self._lock = threading.Lock()
         if finish is not None:
             # Outputs staged through copies are copied back even if nobody
-            # waits, as torch's gloo backend does.
-            _completer.watch(self)
+            # waits, as torch's gloo backend does: now if the op has
+            # finished (it ran directly), else once it does.
+            if self._all_done():
+                self._settle()
+            else:
+                _completer.watch(self)
 
     def _all_done(self) -> bool:
         return all(n.is_completed() for n in self._natives)
@@ -196,7 +200,3 @@ class Work(dist._Work):
     def __repr__(self) -> str:
         return f"weft.Work(completed={self.is_completed()})"
 
-
-def done(outputs) -> Work:
-    """A Work that has already finished (an op with nothing to do)."""
-    return Work([], outputs)
