@@ -14,7 +14,9 @@ reports the median, and the table the median over rounds with its spread
 (min-max), nccl-tests' algbw/busbw, the count of wrong elements in a
 checked run, and each backend's speed against the first (``x first``: the
 first's time over this one's). ``--csv``, ``--json`` and ``--plot`` (needs
-matplotlib) save the rows.
+matplotlib) save the rows. The backend name ``rust`` runs ``weft bench``
+(the Rust API, same ops, sizes and timing) instead: ``--backends rust,weft``
+shows what the Python layer adds.
 
     python -m weft.bench --world 2 --backends gloo,weft --sizes 8,1M,64M --rounds 3
 """
@@ -109,11 +111,14 @@ def _wrong(op, inp, out, n, rank, world) -> int:
     return int((got != want).sum())
 
 
-def worker(backend: str, sizes: list[int], ops: list[str], iters: int, warmup: int, out_path: str) -> None:
+def worker(backend: str, sizes: list[int], ops: list[str], iters: int, warmup: int, out_path: str, bind: bool) -> None:
     """One rank: every op at every size; rank 0 writes the rows."""
     import torch
     import torch.distributed as dist
 
+    if bind:
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[int(os.environ["LOCAL_RANK"]) % len(cpus)]})
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
@@ -172,6 +177,8 @@ def launch(backend: str, world: int, args, timeout: float) -> list[dict]:
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
         cmd = [sys.executable, "-m", "weft.bench", "--worker", backend, "--sizes", ",".join(map(str, args.sizes)), "--ops", ",".join(args.ops)]
         cmd += ["--iters", str(args.iters), "--warmup", str(args.warmup), "--out", out]
+        if args.bind_cores if args.bind_cores is not None else world <= len(os.sched_getaffinity(0)):
+            cmd.append("--bind-cores")
         procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
         deadline = time.monotonic() + timeout
         try:
@@ -187,6 +194,46 @@ def launch(backend: str, world: int, args, timeout: float) -> list[dict]:
             raise SystemExit(f"weft.bench: a rank of {backend} at W={world} failed (exit codes {[p.returncode for p in procs]})")
         with open(out) as f:
             return json.load(f)
+
+
+# The same ops in `weft bench` (Rust), for `--backends rust,...`.
+_RUST_OPS = {
+    "all_gather_into_tensor": "all_gather",
+    "all_reduce": "all_reduce",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "p2p": "p2p",
+    "reduce_scatter_tensor": "reduce_scatter",
+}
+
+
+def launch_rust(world: int, args, timeout: float) -> list[dict]:
+    """One run of `weft bench` (the Rust API, same timing) on the same ops
+    and sizes, with weft's backend from WEFT_BACKEND: what the Python layer
+    adds shows against it."""
+    back = {v: k for k, v in _RUST_OPS.items()}
+    rows = []
+    for nbytes in args.sizes:
+        cmd = [args.weft_cli, "bench", "--world", str(world), "--backend", os.environ.get("WEFT_BACKEND", "auto")]
+        cmd += ["--ops", ",".join(_RUST_OPS[o] for o in args.ops), "-b", str(nbytes), "-e", str(nbytes)]
+        cmd += ["-n", str(args.iters), "-w", str(args.warmup), "--time-per-size", "1000", "--csv", "-"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True).stdout
+        for line in out.splitlines()[1:]:
+            f = line.split(",")
+            rows.append(
+                {
+                    "op": back[f[2]],
+                    "bytes": int(f[4]) * 4,
+                    "count": int(f[4]),
+                    "iters": int(f[8]),
+                    "median_us": float(f[9]),
+                    "min_us": float(f[10]),
+                    "max_us": float(f[11]),
+                    "p99_us": float(f[12]),
+                    "wrong": int(f[15]),
+                }
+            )
+    return rows
 
 
 def summarize(samples: dict, backends: list[str]) -> list[dict]:
@@ -271,6 +318,13 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--timeout", type=float, default=1800, help="seconds a run may take")
+    p.add_argument(
+        "--bind-cores",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pin rank r to the r-th usable CPU, every backend alike (default: when the ranks fit the CPUs, as `weft bench`)",
+    )
+    p.add_argument("--weft-cli", default="weft", help="the `weft` command, for the backend name `rust` (weft bench itself)")
     p.add_argument("--csv")
     p.add_argument("--json")
     p.add_argument("--plot")
@@ -283,7 +337,7 @@ def main(argv=None) -> None:
     if unknown:
         p.error(f"unknown ops {unknown}; choose from {OPS}")
     if a.worker:
-        worker(a.worker, a.sizes, a.ops, a.iters, a.warmup, a.out)
+        worker(a.worker, a.sizes, a.ops, a.iters, a.warmup, a.out, bool(a.bind_cores))
         return
     backends = [b for b in a.backends.split(",") if b]
     worlds = [int(w) for w in a.world.split(",")]
@@ -291,7 +345,7 @@ def main(argv=None) -> None:
     for rnd in range(a.rounds):
         for w in worlds:
             for b in backends:
-                for row in launch(b, w, a, a.timeout):
+                for row in launch_rust(w, a, a.timeout) if b == "rust" else launch(b, w, a, a.timeout):
                     samples.setdefault((b, w, row["op"], row["bytes"]), []).append(row)
         print(f"round {rnd + 1}/{a.rounds} done", file=sys.stderr)
     rows = summarize(samples, backends)

@@ -31,6 +31,11 @@ pub(crate) struct WorkState {
     done: Condvar,
     /// The caller's stream was made to wait for the device side.
     ordered: AtomicBool,
+    /// For an op posted to a transport that progresses its ops together:
+    /// how a thread waiting for it drives that transport itself (as
+    /// `MPI_Wait` makes progress) instead of sleeping until the group's
+    /// progress thread has finished it and woken the waiter.
+    driver: std::sync::OnceLock<Arc<super::p2p::Lane>>,
 }
 
 impl WorkState {
@@ -57,9 +62,19 @@ impl WorkState {
         wakers.into_iter().for_each(Waker::wake);
     }
 
+    /// Have waiters drive `lane`'s transport (see `driver`).
+    pub(crate) fn set_driver(&self, lane: Arc<super::p2p::Lane>) {
+        let _ = self.driver.set(lane);
+    }
+
     /// The result, waiting for it until `deadline` (`None`: for ever);
     /// `None` if the op is still running then.
     fn wait_until(&self, deadline: Option<Instant>) -> Option<Result<()>> {
+        if let Some(lane) = self.driver.get() {
+            if !self.is_done() {
+                lane.drive_for(&|| self.is_done() || deadline.is_some_and(|d| Instant::now() >= d));
+            }
+        }
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             if let Some(r) = &g.result {
