@@ -97,3 +97,24 @@ def test_an_unknown_inner_backend_fails_setup_clearly():
     out = run(lambda r, w: dist.init_process_group("weft"), 2, init=False, env={"WEFT_BACKEND": "no-such-backend"}, allow_fail=True)
     for kind, text in out:
         assert kind == "err" and "no-such-backend" in text, text
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def plugin_all_reduce(rank, world):
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t)
+    outs = [torch.zeros(3) for _ in range(world)]
+    dist.all_gather(outs, torch.full((3,), float(rank)))
+    return dist.group.WORLD.weft_backend_name(), t[0].item(), [o[0].item() for o in outs]
+
+
+def test_a_plugin_from_weft_plugin_path(tmp_path):
+    """The C example plugin, loaded through WEFT_PLUGIN_PATH as in Rust."""
+    lib = tmp_path / "libweft-backend-c-uds.so"
+    src = os.path.join(REPO, "examples", "plugins", "c-uds", "weft_uds.c")
+    cc = os.environ.get("CC", "cc")
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-I", os.path.join(REPO, "core", "include"), "-o", str(lib), src], check=True)
+    out = run(plugin_all_reduce, 2, env={"WEFT_PLUGIN_PATH": str(lib), "WEFT_BACKEND": "c-uds"})
+    assert out == [("c-uds", 3.0, [0.0, 1.0])] * 2

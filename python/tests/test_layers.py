@@ -22,14 +22,21 @@ def batches(world):
     return [(torch.randn(4 * world, 8, generator=g, dtype=torch.float64), torch.randn(4 * world, 4, generator=g, dtype=torch.float64)) for _ in range(STEPS)]
 
 
-def reference(world):
-    """One process trained on the whole batch."""
-    model = make_model()
+def train(model, world, rank=None):
+    """SGD steps on `batches`: this rank's share of each, or all of it."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for x, y in batches(world):
+        if rank is not None:
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+
+
+def reference(world):
+    """One process trained on the whole batch."""
+    model = make_model()
+    train(model, world)
     return [p.detach() for p in model.parameters()]
 
 
@@ -41,12 +48,7 @@ def ddp(rank, world, hook):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         model.register_comm_hook(state=None, hook=default_hooks.allreduce_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x, y in batches(world):
-        xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
-        opt.zero_grad()
-        nn.functional.mse_loss(model(xs), ys).backward()
-        opt.step()
+    train(model, world, rank)
     return [p.detach() for p in model.module.parameters()]
 
 
@@ -69,12 +71,7 @@ def fsdp2(rank, world):
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x, y in batches(world):
-        xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
-        opt.zero_grad()
-        nn.functional.mse_loss(model(xs), ys).backward()
-        opt.step()
+    train(model, world, rank)
     return [p.full_tensor().detach() for p in model.parameters()]
 
 

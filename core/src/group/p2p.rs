@@ -5,10 +5,13 @@
 //! group's order, so it never waits for an unrelated op, and no op waits
 //! for it. A direct op runs at once as an exchange, which drives the
 //! transport (everything posted there too) until the op is done. A
-//! background op (in a scope) is posted to the transport when it is
-//! issued, on the issuing thread, and completes whenever its peers allow,
-//! driven by whoever is in the transport, or else by the group's progress
-//! thread for that transport (a [`Lane`]).
+//! background op (in a scope, or unscoped) is posted to the transport when
+//! it is issued, on the issuing thread, which then takes one non-blocking
+//! turn of the transport (what fits its buffers goes at once). It completes
+//! whenever its peers allow, driven by whoever is in the transport: a
+//! thread waiting for it (as `MPI_Wait` makes progress), or else the
+//! group's progress thread for that transport (a [`Lane`]), which steps
+//! aside while a thread waits.
 //!
 //! Elsewhere (plugins, the CUDA backends) point-to-point ops run as
 //! collectives do: one at a time, in issue order (a batch as one exchange).
