@@ -101,6 +101,12 @@ unsafe impl<B: Bytes> Send for Ring<B> {}
 // SAFETY: as above.
 unsafe impl<B: Bytes> Sync for Ring<B> {}
 
+/// The producer publishes what it wrote every this many bytes: a 1 MiB
+/// message published only once copied kept a receiver that had caught up
+/// with nothing to read for longer than it spins, so it slept and paid a
+/// wake-up (W=2 sendrecv 1 MiB: median 180 us against a best of 55).
+pub const PUBLISH: usize = 64 << 10;
+
 /// Bytes a ring of `cap` data bytes takes in the segment.
 pub const fn footprint(cap: usize) -> usize {
     2 * std::mem::size_of::<Counter>() + cap
@@ -133,42 +139,35 @@ impl<B: Bytes> Ring<B> {
         (self.tail().load(Ordering::Acquire) - self.head().load(Ordering::Relaxed)) as usize
     }
 
-    /// Producer: copy as much of `src` as fits; bytes written.
+    /// Producer: copy as much of `src` as fits; bytes written. The bytes
+    /// are published every [`PUBLISH`] bytes, so the consumer copies out
+    /// while the rest is copied in.
     pub fn write(&self, src: &[u8]) -> usize {
-        let tail = self.tail().load(Ordering::Relaxed);
-        let n = src.len().min(self.free(tail));
-        if n == 0 {
-            return 0;
-        }
-        let (at, first) = self.place(tail, n);
-        // SAFETY: [at, at+first) and [0, n-first) are free space owned by the
-        // producer until `tail` is published below.
-        unsafe {
-            self.data.put(at, &src[..first]);
-            self.data.put(0, &src[first..n]);
-        }
-        self.tail().store(tail + n as u64, Ordering::Release);
-        n
+        self.write_with(src.len(), |at, piece| piece.copy_from_slice(&src[at..at + piece.len()]))
     }
 
     /// Producer: write as much of `len` bytes as fits, each piece of free
     /// space filled by `fill(offset, piece)` (offset from the first of the
-    /// `len` bytes); bytes written.
+    /// `len` bytes), publishing every [`PUBLISH`] bytes; bytes written.
     pub fn write_with(&self, len: usize, mut fill: impl FnMut(usize, &mut [u8])) -> usize {
-        let tail = self.tail().load(Ordering::Relaxed);
+        let mut tail = self.tail().load(Ordering::Relaxed);
         let n = len.min(self.free(tail));
-        if n == 0 {
-            return 0;
-        }
-        let (at, first) = self.place(tail, n);
-        // SAFETY: as in `write`.
-        unsafe {
-            self.data.write_with(at, first, |piece| fill(0, piece));
-            if n > first {
-                self.data.write_with(0, n - first, |piece| fill(first, piece));
+        let mut done = 0;
+        while done < n {
+            let k = (n - done).min(PUBLISH);
+            let (at, first) = self.place(tail, k);
+            // SAFETY: [at, at+first) and [0, k-first) are free space owned
+            // by the producer until `tail` is published below.
+            unsafe {
+                self.data.write_with(at, first, |piece| fill(done, piece));
+                if k > first {
+                    self.data.write_with(0, k - first, |piece| fill(done + first, piece));
+                }
             }
+            tail += k as u64;
+            self.tail().store(tail, Ordering::Release);
+            done += k;
         }
-        self.tail().store(tail + n as u64, Ordering::Release);
         n
     }
 
