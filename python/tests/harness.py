@@ -51,6 +51,14 @@ def _child(fn, rank, world, args, env, backend, init, conn):
             dist.init_process_group(backend)
         out = fn(rank, world, *args)
         if init and dist.is_initialized():
+            # Nobody leaves before everyone is done: rank 0 hosts the store,
+            # and a rank still setting up (a peer that only sent may finish
+            # first) would lose it. A test that broke its group on purpose
+            # has its answer already.
+            try:
+                dist.barrier()
+            except Exception:  # noqa: BLE001
+                pass
             dist.destroy_process_group()
         # Plain pickle: torch's multiprocessing pickler would share tensor
         # storage by descriptor, which dies with this process.
