@@ -181,14 +181,8 @@ impl<'t> Collectives<'t> for ProcessGroup {
         let (result, device) = self.core.exec.run_inline(ticket, job.is_collective(), |seq| self.core.run_job(&mut job, &opts, seq));
         Ok(Work::done(result, device))
     }
-    fn rank(&self) -> usize {
-        self.core.rank
-    }
-    fn size(&self) -> usize {
-        self.core.size
-    }
-    fn debug_detail(&self) -> bool {
-        self.core.debug_detail
+    fn group(&self) -> &ProcessGroup {
+        self
     }
 }
 

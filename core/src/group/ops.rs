@@ -159,13 +159,22 @@ fn meta_mut(t: &TensorMut<'_>) -> (DType, Device, bool) {
 pub trait Collectives<'t>: sealed::Sealed {
     #[doc(hidden)]
     fn submit(&self, job: Job<'t>, opts: &OpOptions) -> Result<Work<'t>>;
+    #[doc(hidden)]
+    /// The group the ops run on.
+    fn group(&self) -> &super::ProcessGroup;
     /// This rank in the group.
-    fn rank(&self) -> usize;
+    fn rank(&self) -> usize {
+        self.group().core.rank
+    }
     /// Number of ranks in the group.
-    fn size(&self) -> usize;
+    fn size(&self) -> usize {
+        self.group().core.size
+    }
     #[doc(hidden)]
     /// Whether ops are fingerprinted for `WEFT_DEBUG=detail`.
-    fn debug_detail(&self) -> bool;
+    fn debug_detail(&self) -> bool {
+        self.group().core.debug_detail
+    }
 
     /// Send `tensor` to rank `dst` under `tag` (at most [`MAX_USER_TAG`]).
     /// Messages with different tags may be received in any order; messages

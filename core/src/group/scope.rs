@@ -80,14 +80,8 @@ impl<'scope, 'env> Collectives<'scope> for Scope<'scope, 'env> {
         };
         Ok(Work::new(state))
     }
-    fn rank(&self) -> usize {
-        self.group.rank()
-    }
-    fn size(&self) -> usize {
-        self.group.size()
-    }
-    fn debug_detail(&self) -> bool {
-        self.group.core.debug_detail
+    fn group(&self) -> &ProcessGroup {
+        self.group
     }
 }
 
@@ -122,14 +116,8 @@ impl Collectives<'static> for Unscoped<'_> {
         // SAFETY: the promise made to `ProcessGroup::unscoped`.
         Ok(Work::new(unsafe { self.group.core.submit_background(job, opts, |_| ()) }))
     }
-    fn rank(&self) -> usize {
-        self.group.rank()
-    }
-    fn size(&self) -> usize {
-        self.group.size()
-    }
-    fn debug_detail(&self) -> bool {
-        self.group.core.debug_detail
+    fn group(&self) -> &ProcessGroup {
+        self.group
     }
 }
 
