@@ -269,7 +269,9 @@ impl PyGroup {
 
     /// Reduce every rank's sparse COO tensor (`indices` i64 `[sparse_dims,
     /// nnz]`, `values` `[nnz, dense...]`, full `shape`) with `op` (sum, min,
-    /// max); `Work.sparse_result()` gives the coalesced result.
+    /// max); `Work.sparse_result()` gives the coalesced result. Always in
+    /// the background (`call`'s `direct` does not apply): weft allocates the
+    /// result, which the work holds.
     fn all_reduce_sparse(
         &self,
         indices: Desc,

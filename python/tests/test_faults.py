@@ -43,5 +43,7 @@ def test_a_rank_killed_mid_all_reduce_makes_every_other_rank_raise_naming_it(inn
         assert when - killed < 10, f"rank {r} raised {when - killed:.1f} s after the kill"
 
 
-def test_the_error_classes_are_exported():
-    assert weft.WeftPeerLostError.__mro__[1] is dist.DistNetworkError
+def test_the_lost_peer_error_is_a_network_error_naming_the_peer():
+    e = weft.WeftPeerLostError("peer rank 3 left", "peer_lost", 3, "all_reduce", 0)
+    assert isinstance(e, dist.DistNetworkError) and str(e) == "peer rank 3 left"
+    assert (e.kind, e.peer, e.op, e.rank) == ("peer_lost", 3, "all_reduce", 0)

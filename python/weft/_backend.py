@@ -102,40 +102,23 @@ class _Common(Ops):
     def _setup(self, native: _weft.Group, timeout: float) -> None:
         self._native = native
         self._timeout = timeout
-        self._seq = 0
 
     def getBackendName(self) -> str:
         return "weft"
 
+    # c10d asks for a sequence number the same on every rank (DETAIL
+    # debugging); weft checks its own order, so it is always 0.
     def _get_sequence_number_for_group(self) -> int:
-        return self._seq
+        return 0
 
     def _set_sequence_number_for_group(self) -> None:
-        self._seq = 0
+        pass
 
-    @property
-    def supports_splitting(self) -> bool:
-        return False
-
-    @property
-    def supports_coalescing(self) -> bool:
-        return False
-
-    @property
-    def supports_shrinking(self) -> bool:
-        return False
-
-    @property
-    def supports_reconfigure(self) -> bool:
-        return False
-
-    @property
-    def supports_window(self) -> bool:
-        return False
-
-    @property
-    def _supports_time_estimate(self) -> bool:
-        return False
+    # torch's trampoline recurses without end unless the subclass defines
+    # each capability itself: none of these is offered.
+    _unsupported = property(lambda self: False)
+    supports_splitting = supports_coalescing = supports_shrinking = _unsupported
+    supports_reconfigure = supports_window = _supports_time_estimate = _unsupported
 
     def weft_backend_name(self, device: str = "cpu") -> str | None:
         """The weft backend serving `device` tensors in this group."""

@@ -21,40 +21,33 @@ import torch.distributed as dist
 from . import _weft
 
 
-class WeftError(dist.DistBackendError):
-    """A weft error; `kind`, `peer`, `op` and `rank` say what it was."""
+class _Details:
+    """What every weft exception carries besides its message: the error's
+    `kind`, the `peer` to blame (if any), the `op` and this `rank`."""
 
     def __init__(self, message, kind="backend", peer=None, op=None, rank=None):
         super().__init__(message)
         self.kind, self.peer, self.op, self.rank = kind, peer, op, rank
+
+
+class WeftError(_Details, dist.DistBackendError):
+    """A weft error; `kind`, `peer`, `op` and `rank` say what it was."""
 
 
 class WeftTimeoutError(WeftError, TimeoutError):
     """An op or setup did not finish before its deadline."""
 
 
-class WeftPeerLostError(dist.DistNetworkError):
+class WeftPeerLostError(_Details, dist.DistNetworkError):
     """A peer rank died, closed its connection or left the group."""
 
-    def __init__(self, message, kind="peer_lost", peer=None, op=None, rank=None):
-        super().__init__(message)
-        self.kind, self.peer, self.op, self.rank = kind, peer, op, rank
 
-
-class WeftStoreError(dist.DistStoreError):
+class WeftStoreError(_Details, dist.DistStoreError):
     """The rendezvous store failed while the group was set up."""
 
-    def __init__(self, message, kind="backend", peer=None, op=None, rank=None):
-        super().__init__(message)
-        self.kind, self.peer, self.op, self.rank = kind, peer, op, rank
 
-
-class WeftValueError(ValueError):
+class WeftValueError(_Details, ValueError):
     """An argument weft cannot accept (size, dtype, root, split, tag...)."""
-
-    def __init__(self, message, kind="invalid_argument", peer=None, op=None, rank=None):
-        super().__init__(message)
-        self.kind, self.peer, self.op, self.rank = kind, peer, op, rank
 
 
 _BY_KIND = {

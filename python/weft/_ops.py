@@ -120,8 +120,7 @@ class Ops:
             s.input(values),
             list(x.shape),
             name,
-            # Always in the background: its result is built on completion.
-            self._call(s, opts)[:3] + (False,),
+            self._call(s, opts),
         )
 
         def result():
