@@ -5,7 +5,7 @@
 //! tensors contiguous and describes them ([`Desc`]); weft validates the
 //! rest, as for Rust callers.
 
-use crate::errors::to_py;
+use crate::errors::{setup_to_py, to_py};
 use crate::store::PyStore;
 use crate::tensor::{views, views_mut, Desc};
 use crate::work::PyWork;
@@ -72,7 +72,8 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Call {
 impl PyGroup {
     /// Issue an op; `keep` holds its tensors until it has finished. A
     /// direct op runs on this thread with the GIL released and has
-    /// finished when this returns; else it runs in the background.
+    /// finished when this returns (its error raised here); else it runs in
+    /// the background.
     fn issue(
         &self,
         py: Python<'_>,
@@ -81,7 +82,13 @@ impl PyGroup {
     ) -> PyResult<PyWork> {
         let Call { keep, options, direct } = call;
         let work = if direct {
-            py.detach(|| op(&Issuer::Direct(&self.pg), &options))?
+            let work = py.detach(|| op(&Issuer::Direct(&self.pg), &options))?;
+            // It has finished: its error is the call's, as for a blocking
+            // torch call.
+            if let Some(e) = work.error() {
+                return Err(to_py(e));
+            }
+            work
         } else {
             // SAFETY: every tensor the op views is held by `keep`, which
             // the PyWork keeps (and parks when dropped early) until the op
@@ -114,7 +121,7 @@ impl PyGroup {
         let mut options = GroupOptions::default().backend(backend).timeout(timeout);
         options.hints = hints.unwrap_or_default();
         let store: Arc<dyn weft::store::Store> = Arc::new(PyStore::new(store, timeout));
-        let pg = py.detach(|| ProcessGroup::new(store, rank, size, options)).map_err(to_py)?;
+        let pg = py.detach(|| ProcessGroup::new(store, rank, size, options)).map_err(setup_to_py)?;
         Ok(PyGroup { pg })
     }
 

@@ -27,6 +27,7 @@ fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<work::PyWork>()?;
     m.add_function(wrap_pyfunction!(work::next_completed, m)?)?;
     m.add_function(wrap_pyfunction!(set_current_stream, m)?)?;
+    m.add_function(wrap_pyfunction!(errors::set_error_types, m)?)?;
     m.add("WeftError", m.py().get_type::<errors::WeftError>())?;
     m.add("TIMEOUT_DEFAULT", weft::DEFAULT_TIMEOUT.as_secs_f64())?;
     Ok(())

@@ -10,6 +10,10 @@ use std::time::Duration;
 use weft::store::Store;
 use weft::{Error, Result};
 
+/// How every error from torch's store begins (setup errors with it are of
+/// kind `store`).
+pub const STORE_ERROR: &str = "torch store";
+
 /// A `torch.distributed.Store` (or anything with its methods).
 pub struct PyStore {
     store: Py<PyAny>,
@@ -30,9 +34,9 @@ impl PyStore {
                 let text = e.to_string();
                 let lower = text.to_lowercase();
                 if lower.contains("timeout") || lower.contains("timed out") {
-                    Error::timeout(format!("torch store {what}: {text}"))
+                    Error::timeout(format!("{STORE_ERROR} {what}: {text}"))
                 } else {
-                    Error::backend(format!("torch store {what}: {text}"))
+                    Error::backend(format!("{STORE_ERROR} {what}: {text}"))
                 }
             })
         })

@@ -49,6 +49,11 @@ impl PyWork {
     #[pyo3(signature = (timeout = None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
         let w = self.work();
+        if w.is_completed() {
+            // Nothing to block on (a direct op; a CUDA op's wait only
+            // orders torch's stream): no hand-over of the GIL.
+            return w.wait().map(|()| true).map_err(to_py);
+        }
         py.detach(|| match timeout {
             None => w.wait().map(|()| true),
             Some(t) => w.wait_timeout(Duration::from_secs_f64(t.max(0.0))),

@@ -22,7 +22,7 @@ import datetime
 
 import torch.distributed as dist
 
-from . import _errors, _weft
+from . import _errors, _weft  # noqa: F401 - _errors makes native errors torch types
 from ._ops import Ops
 
 ENV_BACKEND = "WEFT_BACKEND"
@@ -79,11 +79,10 @@ def _serves_every_device() -> bool:
 
 
 def _native_group(store, rank, size, backend_options, timeout) -> _weft.Group:
-    try:
-        hints = getattr(backend_options, "hints", None) or None
-        return _weft.Group(store, rank, size, _weft_spec(backend_options), timeout, hints)
-    except _weft.WeftError as e:
-        raise _errors.convert(e, setup=True) from None
+    """weft's group; setup errors are torch's types (a failing store's is a
+    ``DistStoreError``)."""
+    hints = getattr(backend_options, "hints", None) or None
+    return _weft.Group(store, rank, size, _weft_spec(backend_options), timeout, hints)
 
 
 def create(opts, backend_options=None):

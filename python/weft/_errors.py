@@ -50,18 +50,17 @@ class WeftValueError(_Details, ValueError):
     """An argument weft cannot accept (size, dtype, root, split, tag...)."""
 
 
-_BY_KIND = {
-    "timeout": WeftTimeoutError,
-    "peer_lost": WeftPeerLostError,
-    "invalid_argument": WeftValueError,
-}
+# The native module raises weft's errors as these classes (by kind; any
+# other kind is a WeftError).
+_weft.set_error_types(
+    {
+        "backend": WeftError,
+        "timeout": WeftTimeoutError,
+        "peer_lost": WeftPeerLostError,
+        "invalid_argument": WeftValueError,
+        "store": WeftStoreError,
+    }
+)
 
-
-def convert(e: _weft.WeftError, setup: bool = False) -> Exception:
-    """The torch exception for a native weft error."""
-    message, kind, peer, op, rank = e.args
-    if setup and kind != "timeout" and "torch store" in message:
-        cls = WeftStoreError
-    else:
-        cls = _BY_KIND.get(kind, WeftError)
-    return cls(message, kind, peer, op, rank)
+#: Every exception class a native call raises for a weft error.
+ERRORS = (WeftError, WeftPeerLostError, WeftStoreError, WeftValueError, _weft.WeftError)

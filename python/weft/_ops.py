@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from . import _errors, _weft
+from . import _weft
 from ._tensors import Staged
 from ._work import Work, _seconds
 
@@ -30,11 +30,14 @@ _REDUCE_NAMES = {
     _RED.BXOR: "bxor",
     _RED.AVG: "avg",
 }
+_SUM = _RED.SUM
 
 
 def reduce_name(op) -> str:
     """weft's name of a c10d reduce op (`ReduceOp`, `RedOpType`, or one
     made by `_make_nccl_premul_sum`)."""
+    if op == _SUM:  # the common case, without the slower lookup below
+        return "sum"
     kind = getattr(op, "op", op)
     if kind == _RED.PREMUL_SUM:
         factor = getattr(op, "factor", None)
@@ -47,14 +50,6 @@ def reduce_name(op) -> str:
         return _REDUCE_NAMES[kind]
     except KeyError:
         raise ValueError(f"weft: unsupported reduce op {op}") from None
-
-
-def _call(fn, *args, **kw):
-    """Call the native group, raising torch's exception types."""
-    try:
-        return fn(*args, **kw)
-    except _weft.WeftError as e:
-        raise _errors.convert(e) from None
 
 
 def _rows_to_elements(t: torch.Tensor, splits):
@@ -87,19 +82,22 @@ class Ops:
         `recv` wait on the work."""
         return (s.keep, self._timeout, None, False)
 
-    def _work(self, staged: Staged, natives, outputs, result=None) -> Work:
-        return Work(natives, outputs, staged.finish if staged.needs_finish else None, result)
+    @staticmethod
+    def _work(s: Staged, natives, outputs, call: tuple) -> Work:
+        """The Work of ops issued with `call` (finished already if direct)."""
+        return Work(natives, outputs, s.finish if s.needs_finish else None, done=call[3])
 
     # -- collectives -------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
         opts = opts or c10d.AllreduceOptions()
         name = reduce_name(opts.reduceOp)
-        if any(x.layout == torch.sparse_coo for x in tensors):
+        if tensors and tensors[0].is_sparse:
             return self._allreduce_sparse(tensors, name, opts)
         s = Staged()
-        natives = [_call(self._native.all_reduce, s.output(x), name, self._call(s, opts)) for x in tensors]
-        return self._work(s, natives, list(tensors))
+        call = self._call(s, opts)
+        natives = [self._native.all_reduce(s.output(x), name, call) for x in tensors]
+        return self._work(s, natives, list(tensors), call)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts or c10d.AllreduceCoalescedOptions())
@@ -113,18 +111,10 @@ class Ops:
         s = Staged()
         indices = x._indices().to(torch.int64)
         values = x._values()
-        native = _call(
-            self._native.all_reduce_sparse,
-            s.input(indices),
-            x.sparse_dim(),
-            s.input(values),
-            list(x.shape),
-            name,
-            self._call(s, opts),
-        )
+        native = self._native.all_reduce_sparse(s.input(indices), x.sparse_dim(), s.input(values), list(x.shape), name, self._call(s, opts))
 
         def result():
-            raw_i, raw_v, nnz = _call(native.sparse_result)
+            raw_i, raw_v, nnz = native.sparse_result()
             i = torch.frombuffer(bytearray(raw_i), dtype=torch.int64) if nnz else torch.empty(0, dtype=torch.int64)
             v = torch.frombuffer(bytearray(raw_v), dtype=values.dtype) if nnz else torch.empty(0, dtype=values.dtype)
             i = i.reshape(x.sparse_dim(), nnz)
@@ -137,24 +127,27 @@ class Ops:
     def broadcast(self, tensors, opts=None):
         opts = opts or c10d.BroadcastOptions()
         s = Staged()
-        natives = [_call(self._native.broadcast, s.output(x), opts.rootRank, self._call(s, opts)) for x in tensors]
-        return self._work(s, natives, list(tensors))
+        call = self._call(s, opts)
+        natives = [self._native.broadcast(s.output(x), opts.rootRank, call) for x in tensors]
+        return self._work(s, natives, list(tensors), call)
 
     def reduce(self, tensors, opts=None):
         opts = opts or c10d.ReduceOptions()
         name = reduce_name(opts.reduceOp)
         s = Staged()
-        natives = [_call(self._native.reduce, s.output(x), opts.rootRank, name, self._call(s, opts)) for x in tensors]
-        return self._work(s, natives, list(tensors))
+        call = self._call(s, opts)
+        natives = [self._native.reduce(s.output(x), opts.rootRank, name, call) for x in tensors]
+        return self._work(s, natives, list(tensors), call)
 
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts or c10d.AllgatherOptions()
         s = Staged()
+        call = self._call(s, opts)
         natives = []
         for outs, x in zip(output_lists, inputs, strict=True):
             uneven = any(o.numel() != x.numel() for o in outs)
-            natives.append(_call(self._native.all_gather, s.outputs(outs), s.input(x), uneven, self._call(s, opts)))
-        return self._work(s, natives, list(output_lists))
+            natives.append(self._native.all_gather(s.outputs(outs), s.input(x), uneven, call))
+        return self._work(s, natives, list(output_lists), call)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         # Here out[r][j] is input j of rank r (the other nesting of allgather).
@@ -164,21 +157,16 @@ class Ops:
         return w
 
     def all_gather_single(self, output, input, opts=None):
-        opts = opts or c10d.AllgatherOptions()
-        s = Staged()
-        native = _call(self._native.all_gather_single, s.output(output), s.input(input), self._call(s, opts))
-        return self._work(s, [native], [output])
+        return self.all_gather_single_coalesced([output], [input], opts)
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts or c10d.AllgatherOptions()
         s = Staged()
-        natives = [
-            _call(self._native.all_gather_single, s.output(o), s.input(i), self._call(s, opts))
-            for o, i in zip(outputs, inputs, strict=True)
-        ]
-        return self._work(s, natives, list(outputs))
+        call = self._call(s, opts)
+        natives = [self._native.all_gather_single(s.output(o), s.input(i), call) for o, i in zip(outputs, inputs, strict=True)]
+        return self._work(s, natives, list(outputs), call)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -186,17 +174,15 @@ class Ops:
         opts = opts or c10d.ReduceScatterOptions()
         name = reduce_name(opts.reduceOp)
         s = Staged()
+        call = self._call(s, opts)
         natives = []
         for o, ins in zip(outputs, input_lists, strict=True):
             uneven = any(i.numel() != o.numel() for i in ins)
-            natives.append(_call(self._native.reduce_scatter, s.output(o), s.inputs(ins), name, uneven, self._call(s, opts)))
-        return self._work(s, natives, list(outputs))
+            natives.append(self._native.reduce_scatter(s.output(o), s.inputs(ins), name, uneven, call))
+        return self._work(s, natives, list(outputs), call)
 
     def reduce_scatter_single(self, output, input, opts=None):
-        opts = opts or c10d.ReduceScatterOptions()
-        s = Staged()
-        native = _call(self._native.reduce_scatter_single, s.output(output), s.input(input), reduce_name(opts.reduceOp), self._call(s, opts))
-        return self._work(s, [native], [output])
+        return self.reduce_scatter_single_coalesced([output], [input], opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -204,19 +190,18 @@ class Ops:
         opts = opts or c10d.ReduceScatterOptions()
         name = reduce_name(opts.reduceOp)
         s = Staged()
-        natives = [
-            _call(self._native.reduce_scatter_single, s.output(o), s.input(i), name, self._call(s, opts))
-            for o, i in zip(outputs, inputs, strict=True)
-        ]
-        return self._work(s, natives, list(outputs))
+        call = self._call(s, opts)
+        natives = [self._native.reduce_scatter_single(s.output(o), s.input(i), name, call) for o, i in zip(outputs, inputs, strict=True)]
+        return self._work(s, natives, list(outputs), call)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def alltoall(self, outputs, inputs, opts=None):
         opts = opts or c10d.AllToAllOptions()
         s = Staged()
-        native = _call(self._native.all_to_all, s.outputs(outputs), s.inputs(inputs), self._call(s, opts))
-        return self._work(s, [native], list(outputs))
+        call = self._call(s, opts)
+        native = self._native.all_to_all(s.outputs(outputs), s.inputs(inputs), call)
+        return self._work(s, [native], list(outputs), call)
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, opts=None):
         opts = opts or c10d.AllToAllOptions()
@@ -230,47 +215,54 @@ class Ops:
                 outs = [output.numel() // w] * w
             else:
                 ins = [input.numel() // w] * w
-        native = _call(self._native.all_to_all_single, s.output(output), s.input(input), outs, ins, self._call(s, opts))
-        return self._work(s, [native], [output])
+        call = self._call(s, opts)
+        native = self._native.all_to_all_single(s.output(output), s.input(input), outs, ins, call)
+        return self._work(s, [native], [output], call)
 
     alltoall_base = all_to_all_single
 
     def gather(self, output_lists, inputs, opts=None):
         opts = opts or c10d.GatherOptions()
         s = Staged()
+        call = self._call(s, opts)
         outs = s.outputs(output_lists[0]) if output_lists else []
         (x,) = inputs
-        native = _call(self._native.gather, outs, s.input(x), opts.rootRank, self._call(s, opts))
-        return self._work(s, [native], list(output_lists))
+        native = self._native.gather(outs, s.input(x), opts.rootRank, call)
+        return self._work(s, [native], list(output_lists), call)
 
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts or c10d.ScatterOptions()
         s = Staged()
+        call = self._call(s, opts)
         ins = s.inputs(input_lists[0]) if input_lists else []
         (o,) = outputs
-        native = _call(self._native.scatter, s.output(o), ins, opts.rootRank, self._call(s, opts))
-        return self._work(s, [native], list(outputs))
+        native = self._native.scatter(s.output(o), ins, opts.rootRank, call)
+        return self._work(s, [native], list(outputs), call)
 
     def barrier(self, opts=None):
-        opts = opts or c10d.BarrierOptions()
-        return self._work(Staged(), [_call(self._native.barrier, self._call(Staged(), opts))], [])
+        s = Staged()
+        call = self._call(s, opts or c10d.BarrierOptions())
+        return self._work(s, [self._native.barrier(call)], [], call)
 
     # -- point to point ----------------------------------------------------
 
     def send(self, tensors, dst, tag=0):
         s = Staged()
-        natives = [_call(self._native.send, s.input(x), dst, tag, self._p2p_call(s)) for x in tensors]
-        return self._work(s, natives, list(tensors))
+        call = self._p2p_call(s)
+        natives = [self._native.send(s.input(x), dst, tag, call) for x in tensors]
+        return self._work(s, natives, list(tensors), call)
 
     def recv(self, tensors, src, tag=0):
         s = Staged()
-        natives = [_call(self._native.recv, s.output(x), src, tag, self._p2p_call(s)) for x in tensors]
-        return self._work(s, natives, list(tensors))
+        call = self._p2p_call(s)
+        natives = [self._native.recv(s.output(x), src, tag, call) for x in tensors]
+        return self._work(s, natives, list(tensors), call)
 
     def recv_anysource(self, tensors, tag=0):
         s = Staged()
-        natives = [_call(self._native.recv_any, s.output(x), tag, self._p2p_call(s)) for x in tensors]
-        return self._work(s, natives, list(tensors))
+        call = self._p2p_call(s)
+        natives = [self._native.recv_any(s.output(x), tag, call) for x in tensors]
+        return self._work(s, natives, list(tensors), call)
 
 
 def _replace_sparse(x: torch.Tensor, out: torch.Tensor) -> None:

@@ -27,12 +27,7 @@ _CODES = {
     torch.bool: 10,
 }
 
-
-def _code(t: torch.Tensor) -> int:
-    try:
-        return _CODES[t.dtype]
-    except KeyError:
-        raise TypeError(f"weft: tensors of dtype {t.dtype} are not supported") from None
+_STRIDED = torch.strided
 
 
 def desc(t: torch.Tensor) -> tuple:
@@ -40,13 +35,16 @@ def desc(t: torch.Tensor) -> tuple:
 
     A CUDA tensor also makes torch's current stream on its device the one
     weft orders the op after (and makes wait for it in `Work.wait()`)."""
+    code = _CODES.get(t.dtype)
+    if code is None:
+        raise TypeError(f"weft: tensors of dtype {t.dtype} are not supported")
+    if t.is_cpu:
+        return (t.data_ptr(), t.numel(), code, -1)
+    if not t.is_cuda:
+        raise TypeError(f"weft: tensors on {t.device.type} are not supported (cpu and cuda are)")
     dev = t.device
-    if dev.type == "cpu":
-        return (t.data_ptr(), t.numel(), _code(t), -1)
-    if dev.type != "cuda":
-        raise TypeError(f"weft: tensors on {dev.type} are not supported (cpu and cuda are)")
     _weft.set_current_stream(torch.cuda.current_stream(dev).cuda_stream)
-    return (t.data_ptr(), t.numel(), _code(t), dev.index or 0)
+    return (t.data_ptr(), t.numel(), code, dev.index or 0)
 
 
 class Staged:
@@ -64,7 +62,7 @@ class Staged:
         self._back = None
 
     def input(self, t: torch.Tensor) -> tuple:
-        if t.layout != torch.strided:
+        if t.layout is not _STRIDED:
             raise ValueError(f"weft: expected a dense tensor, got layout {t.layout}")
         if not t.is_contiguous():
             t = t.contiguous()
@@ -72,7 +70,7 @@ class Staged:
         return desc(t)
 
     def output(self, t: torch.Tensor) -> tuple:
-        if t.layout != torch.strided:
+        if t.layout is not _STRIDED:
             raise ValueError(f"weft: expected a dense tensor, got layout {t.layout}")
         if not t.is_contiguous():
             c = t.contiguous()

@@ -54,6 +54,12 @@ class _Completer:
 
 _completer = _Completer()
 
+# Guards every Work's settling and future (short, and rare next to ops:
+# one lock for all instead of one made per op).
+_settle_lock = threading.Lock()
+
+_torch_work_init = dist._Work.__init__
+
 
 def _seconds(timeout) -> float | None:
     """A c10d timeout (timedelta, seconds, or negative/None for unset)."""
@@ -73,20 +79,31 @@ class Work(dist._Work):
     behave as on torch's own backends.
     """
 
-    def __init__(self, natives, outputs, finish: Callable[[], None] | None = None, result=None):
-        super().__init__()
+    # Defaults as class attributes: a Work is made per op, and each
+    # attribute set on a torch Work costs (a direct op's sets two).
+    _settled = False
+    _error: Exception | None = None
+    _future: torch.futures.Future | None = None
+    _finish_fn: Callable[[], None] | None = None
+    _result_fn: Callable[[], list] | None = None
+
+    def __init__(self, natives, outputs, finish: Callable[[], None] | None = None, result=None, done: bool = False):
+        _torch_work_init(self)
         self._natives = natives
         self._outputs = outputs
-        self._finish_fn = finish
-        self._result_fn = result
-        self._settled = False
-        self._error: Exception | None = None
-        self._future: torch.futures.Future | None = None
-        self._lock = threading.Lock()
-        if finish is not None:
+        if result is not None:
+            self._result_fn = result
+        if done:
+            # It ran directly on this thread and succeeded (a failure was
+            # raised by the call): settled already, outputs copied back.
+            if finish is not None:
+                finish()
+            self._settled = True
+        elif finish is not None:
             # Outputs staged through copies are copied back even if nobody
             # waits, as torch's gloo backend does: now if the op has
-            # finished (it ran directly), else once it does.
+            # finished, else once it does.
+            self._finish_fn = finish
             if self._all_done():
                 self._settle()
             else:
@@ -97,21 +114,22 @@ class Work(dist._Work):
 
     def _settle(self) -> None:
         """Once every op has finished: copy outputs back (on success), then
-        complete the future. Runs once, on whichever thread gets here first."""
-        with self._lock:
+        complete the future. Runs once, on whichever thread gets here first;
+        `_settled` turns True after the copies."""
+        with _settle_lock:
             if self._settled:
                 return
-            self._settled = True
             for n in self._natives:
                 e = n.exception()
                 if e is not None:
-                    self._error = _errors.convert(e)
+                    self._error = e
                     break
             if self._error is None and self._finish_fn is not None:
                 try:
                     self._finish_fn()
                 except Exception as e:  # noqa: BLE001 - reported through the work
                     self._error = e
+            self._settled = True
             fut = self._future
         if fut is not None:
             self._complete_future(fut)
@@ -128,15 +146,22 @@ class Work(dist._Work):
         """Block until the op has finished; raise its error. With a timeout
         (timedelta or seconds) that passes first, raise a timeout error (the
         op keeps running)."""
-        secs = _seconds(timeout)
-        for n in self._natives:
-            try:
-                done = n.wait(secs)
-            except _weft.WeftError:
-                done = True
-            if not done:
-                raise _errors.WeftTimeoutError(f"weft: the op did not finish within {secs} s (it keeps running)", "timeout")
-        self._settle()
+        if self._settled:
+            # Finished: a CUDA op's wait still orders torch's current stream
+            # after it (nothing to do for CPU tensors).
+            if self._error is None:
+                for n in self._natives:
+                    n.wait()
+        else:
+            secs = _seconds(timeout)
+            for n in self._natives:
+                try:
+                    done = n.wait(secs)
+                except _errors.ERRORS:
+                    done = True  # _settle takes the op's error
+                if not done:
+                    raise _errors.WeftTimeoutError(f"weft: the op did not finish within {secs} s (it keeps running)", "timeout")
+            self._settle()
         if self._error is not None:
             raise self._error
         return True
@@ -162,7 +187,7 @@ class Work(dist._Work):
 
     def get_future(self) -> torch.futures.Future:
         """A future completed with the op's output tensors (or its error)."""
-        with self._lock:
+        with _settle_lock:
             if self._future is None:
                 self._future = torch.futures.Future()
                 settled = self._settled
@@ -183,8 +208,8 @@ class Work(dist._Work):
         for n in self._natives:
             try:
                 n.synchronize()
-            except _weft.WeftError:
-                pass
+            except _errors.ERRORS:
+                pass  # wait raises it
         self.wait()
 
     def source_rank(self) -> int:
