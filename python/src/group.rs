@@ -13,12 +13,23 @@ use pyo3::prelude::*;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
+use weft::store::{PrefixStore, Store};
 use weft::{Collectives, GroupOptions, OpOptions, P2pOp, ProcessGroup, ReduceOp, SparseCoo, SparseCooTensor, Unscoped};
 
 /// One process group.
 #[pyclass(frozen, module = "weft._weft", name = "Group")]
 pub struct PyGroup {
     pg: ProcessGroup,
+}
+
+/// `store` under the prefix of the group called `name`, claimed by its
+/// rank 0: a second group of that name on the store is an error.
+fn named(store: Arc<dyn Store>, name: &str, rank: usize) -> weft::Result<Arc<dyn Store>> {
+    let store: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("weft.comm.{name}"), store));
+    if rank == 0 && store.add("created", 1)? != 1 {
+        return Err(weft::Error::invalid(format!("a communicator named {name:?} was already created on this store")));
+    }
+    Ok(store)
 }
 
 /// An op's hints.
@@ -102,26 +113,42 @@ impl PyGroup {
 #[pymethods]
 impl PyGroup {
     /// Join a group of `size` ranks as `rank`, meeting through `store` (a
-    /// torch.distributed Store). `backend` is weft's spec (`auto`, `shm`,
-    /// `cpu-tcp`, `cpu:NAME,cuda:NAME`, a plugin); `timeout` (seconds) is
-    /// every op's default and setup's limit.
+    /// torch.distributed Store; None: the store of the launcher's
+    /// environment, see `weft::launch`). `backend` is weft's spec (`auto`,
+    /// `shm`, `cpu-tcp`, `cpu:NAME,cuda:NAME`, a plugin); `timeout`
+    /// (seconds) is every op's default and setup's limit. A `name` keeps
+    /// the group's keys apart from other groups on the store, and two
+    /// groups of one name on one store are an error.
     #[new]
-    #[pyo3(signature = (store, rank, size, backend, timeout, hints = None))]
+    #[pyo3(signature = (store, rank, size, backend, timeout, hints = None, name = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        store: Py<PyAny>,
+        store: Option<Py<PyAny>>,
         rank: usize,
         size: usize,
         backend: String,
         timeout: f64,
         hints: Option<HashMap<String, String>>,
+        name: Option<String>,
     ) -> PyResult<Self> {
         weft_builtin::link();
         let timeout = Duration::from_secs_f64(timeout.max(0.001));
         let mut options = GroupOptions::default().backend(backend).timeout(timeout);
         options.hints = hints.unwrap_or_default();
-        let store: Arc<dyn weft::store::Store> = Arc::new(PyStore::new(store, timeout));
-        let pg = py.detach(|| ProcessGroup::new(store, rank, size, options)).map_err(setup_to_py)?;
+        let pg = py
+            .detach(|| {
+                let store: Arc<dyn Store> = match store {
+                    Some(s) => Arc::new(PyStore::new(s, timeout)),
+                    None => weft::launch::LaunchEnv::from_env()?.connect_store(timeout)?,
+                };
+                let store = match &name {
+                    Some(name) => named(store, name, rank)?,
+                    None => store,
+                };
+                ProcessGroup::new(store, rank, size, options)
+            })
+            .map_err(setup_to_py)?;
         Ok(PyGroup { pg })
     }
 
@@ -144,6 +171,14 @@ impl PyGroup {
         let kind = if device == "cuda" { weft::DeviceKind::Cuda } else { weft::DeviceKind::Cpu };
         let layout = if layout == "sparse" { weft::Layout::SparseCoo } else { weft::Layout::Dense };
         self.pg.backend_name((kind, layout))
+    }
+
+    /// This rank's sub-group of a split where every rank names its own
+    /// (`ranks`: its members, in their new rank order), or None for an
+    /// empty list. Every rank calls it; see `ProcessGroup::join_split`.
+    fn split(&self, py: Python<'_>, ranks: Vec<usize>) -> PyResult<Option<PyGroup>> {
+        let sub = py.detach(|| self.pg.join_split(&ranks)).map_err(setup_to_py)?;
+        Ok(sub.map(|pg| PyGroup { pg }))
     }
 
     /// End every in-flight op with an error and fail later ones.

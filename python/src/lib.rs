@@ -20,6 +20,21 @@ fn set_current_stream(stream: Option<u64>) {
     weft::stream::set_current_stream(stream.map(weft::StreamHandle));
 }
 
+/// The job's place for this process from the launcher's environment
+/// (torchrun, Slurm, Open MPI, PMI): `rank`, `world_size`, `master_addr`,
+/// `master_port`, and `agent_store` (a launcher hosts the store).
+#[pyfunction]
+fn launch_env(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+    let env = weft::launch::LaunchEnv::from_env().map_err(errors::to_py)?;
+    let d = pyo3::types::PyDict::new(py);
+    d.set_item("rank", env.rank)?;
+    d.set_item("world_size", env.world_size)?;
+    d.set_item("master_addr", env.master_addr)?;
+    d.set_item("master_port", env.master_port)?;
+    d.set_item("agent_store", env.agent_store)?;
+    Ok(d)
+}
+
 /// The extension module.
 #[pymodule]
 fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -28,6 +43,7 @@ fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(work::next_completed, m)?)?;
     m.add_function(wrap_pyfunction!(set_current_stream, m)?)?;
     m.add_function(wrap_pyfunction!(errors::set_error_types, m)?)?;
+    m.add_function(wrap_pyfunction!(launch_env, m)?)?;
     m.add("WeftError", m.py().get_type::<errors::WeftError>())?;
     m.add("TIMEOUT_DEFAULT", weft::DEFAULT_TIMEOUT.as_secs_f64())?;
     Ok(())

@@ -5,19 +5,27 @@ Under torchrun, ``dist.init_process_group("weft")`` is all a program needs
 does too). Which weft backend runs inside comes from ``WEFT_BACKEND``
 (``auto``: shared memory on one host, TCP across hosts), or the backend
 options (``pg_options=weft.Options(backend="cpu-tcp")``).
+
+``weft.new_comm`` is TorchComm's communicator API on weft: a TorchComm
+program runs on weft by importing ``weft`` instead of ``torchcomms``.
 """
 
 from __future__ import annotations
 
 from . import _weft
 from ._backend import Options
+from ._comm import Comm, new_comm
 from ._errors import WeftError, WeftPeerLostError, WeftStoreError, WeftTimeoutError, WeftValueError
+from ._reduce_op import ReduceOp
 from ._register import register
 
 register()
 
 __all__ = [
+    "Comm",
+    "new_comm",
     "Options",
+    "ReduceOp",
     "register",
     "WeftError",
     "WeftPeerLostError",

@@ -86,6 +86,11 @@ class Work(dist._Work):
     _future: torch.futures.Future | None = None
     _finish_fn: Callable[[], None] | None = None
     _result_fn: Callable[[], list] | None = None
+    #: Called with the error once a failed op settles (a communicator that
+    #: aborts the process on errors sets it).
+    _on_error: Callable[[Exception], None] | None = None
+    #: Whether `wait` has raised the op's error to somebody.
+    _reported = False
 
     def __init__(self, natives, outputs, finish: Callable[[], None] | None = None, result=None, done: bool = False):
         _torch_work_init(self)
@@ -131,6 +136,8 @@ class Work(dist._Work):
                     self._error = e
             self._settled = True
             fut = self._future
+        if self._error is not None and self._on_error is not None:
+            self._on_error(self._error)
         if fut is not None:
             self._complete_future(fut)
 
@@ -163,6 +170,7 @@ class Work(dist._Work):
                     raise _errors.WeftTimeoutError(f"weft: the op did not finish within {secs} s (it keeps running)", "timeout")
             self._settle()
         if self._error is not None:
+            self._reported = True
             raise self._error
         return True
 

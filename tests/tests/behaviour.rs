@@ -159,6 +159,37 @@ fn split_sub_groups_run_concurrently_with_the_parent() {
 }
 
 #[test]
+fn join_split_gives_each_rank_the_sub_group_it_names() {
+    let out = run_threads(4, options("cpu-tcp"), |pg| {
+        let r = pg.rank();
+        // Ranks 0 and 2 form one group, rank 1 another alone; rank 3 joins none.
+        let mine: &[usize] = match r {
+            0 | 2 => &[2, 0],
+            1 => &[1],
+            _ => &[],
+        };
+        let sub = pg.join_split(mine).unwrap();
+        assert_eq!(sub.is_none(), r == 3);
+        // A list without this rank is refused (the split still counts).
+        let e = pg.join_split(&[(r + 1) % 4]).unwrap_err();
+        assert_eq!(e.kind(), &ErrorKind::InvalidArgument);
+        assert!(e.to_string().contains("not in the list"), "{e}");
+        // Later splits stay in step on every rank.
+        let all = pg.split(&[3, 2, 1, 0]).unwrap().unwrap();
+        assert_eq!(all.rank(), 3 - r);
+        let mut v = vec![r as u64 + 1; 16];
+        if let Some(sub) = &sub {
+            sub.all_reduce(&mut v, ReduceOp::Sum, &o()).unwrap().wait().unwrap();
+        }
+        (sub.map(|s| (s.rank(), s.size())), v[0])
+    });
+    assert_eq!(out[0], (Some((1, 2)), 4));
+    assert_eq!(out[2], (Some((0, 2)), 4));
+    assert_eq!(out[1], (Some((0, 1)), 2));
+    assert_eq!(out[3], (None, 4));
+}
+
+#[test]
 fn two_groups_in_one_process_are_independent() {
     run_threads(3, options("cpu-tcp"), |pg| {
         // A second group on the same store gets its own namespace.

@@ -97,6 +97,38 @@ impl ProcessGroup {
     /// ranks not listed get `None`. An empty list, a rank out of range or a
     /// duplicate is `InvalidArgument`.
     pub fn split(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>> {
+        self.check_split_list(ranks)?;
+        let n = self.core.splits.fetch_add(1, Ordering::Relaxed);
+        match ranks.iter().position(|&r| r == self.core.rank) {
+            Some(sub_rank) => self.form_split(n, ranks, sub_rank).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// This rank's sub-group in a split where every rank names its own
+    /// (NCCL's colours, TorchComm's `split`): every rank of this group
+    /// calls it, in the same order relative to other splits, passing the
+    /// ranks of the sub-group it joins (the same list, in the same order,
+    /// as the other members: the i-th listed rank becomes rank i), or an
+    /// empty list to join none (`None`). A list without this rank, a rank
+    /// out of range or a duplicate is `InvalidArgument`.
+    pub fn join_split(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>> {
+        // The split is numbered first: ranks that join none, or pass a bad
+        // list, stay in step with the others for later splits.
+        let n = self.core.splits.fetch_add(1, Ordering::Relaxed);
+        if ranks.is_empty() {
+            return Ok(None);
+        }
+        self.check_split_list(ranks)?;
+        let Some(sub_rank) = ranks.iter().position(|&r| r == self.core.rank) else {
+            let e = Error::invalid(format!("this rank ({}) is not in the list {ranks:?}", self.core.rank));
+            return Err(e.with_op("split").with_rank(self.core.rank));
+        };
+        self.form_split(n, ranks, sub_rank).map(Some)
+    }
+
+    /// A split's rank list is non-empty, in range and without duplicates.
+    fn check_split_list(&self, ranks: &[usize]) -> Result<()> {
         let c = &self.core;
         let fail = |m: String| Err(Error::invalid(m).with_op("split").with_rank(c.rank));
         if ranks.is_empty() {
@@ -110,25 +142,31 @@ impl ProcessGroup {
                 return fail(format!("rank {r} is listed twice"));
             }
         }
-        let n = c.splits.fetch_add(1, Ordering::Relaxed);
-        let Some(sub_rank) = ranks.iter().position(|&r| r == c.rank) else {
-            return Ok(None);
-        };
-        let store: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("split{n}"), c.store.clone()));
+        Ok(())
+    }
+
+    /// Set up split `n`'s sub-group `ranks` as its rank `sub_rank`, on the
+    /// store under a prefix of its own (sub-groups of one split are
+    /// disjoint, so their first ranks differ); members check they passed
+    /// the same list.
+    fn form_split(&self, n: u64, ranks: &[usize], sub_rank: usize) -> Result<ProcessGroup> {
+        let c = &self.core;
+        let store: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("split{n}.{}", ranks[0]), c.store.clone()));
         let list = format!("{ranks:?}");
         if sub_rank == 0 {
             store.set("members", list.as_bytes())?;
         } else {
             let first = store.get("members", c.options.timeout).map_err(|e| e.with_op("split"))?;
             if first != list.as_bytes() {
-                return fail(format!(
+                let e = Error::invalid(format!(
                     "rank lists differ: this rank passed {list}, rank {} passed {}",
                     ranks[0],
                     String::from_utf8_lossy(&first)
                 ));
+                return Err(e.with_op("split").with_rank(c.rank));
             }
         }
-        Self::new(store, sub_rank, ranks.len(), c.options.clone()).map(Some)
+        Self::new(store, sub_rank, ranks.len(), c.options.clone())
     }
 
     /// End every in-flight op of this rank promptly with `Aborted`, and make
