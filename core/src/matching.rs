@@ -36,6 +36,8 @@ enum Stashed {
 pub struct Inbound {
     frame: Option<Frame>,
     stash: HashMap<u64, VecDeque<Stashed>>,
+    /// Longest data frame taken before its receive is posted (None: any).
+    early_limit: Option<usize>,
 }
 
 fn size_mismatch(peer: usize, me: usize, got: usize, want: usize, tag: u64) -> Error {
@@ -85,6 +87,14 @@ pub enum Early {
 }
 
 impl Inbound {
+    /// Inbound state for a transport whose messages longer than `limit`
+    /// bytes wait for their receive (a rendezvous): a longer data frame
+    /// with no receive posted for it is a protocol error, found before
+    /// anything is allocated for it, whatever length a peer announces.
+    pub fn with_early_limit(limit: usize) -> Inbound {
+        Inbound { early_limit: Some(limit), ..Inbound::default() }
+    }
+
     /// Whether a frame is partly read.
     pub fn in_frame(&self) -> bool {
         self.frame.is_some()
@@ -155,6 +165,14 @@ impl Inbound {
         let matched = self.matching_receive(me, peer, tag, len, ops, done)?;
         let dest = match matched {
             Some(i) => Dest::Recv(i),
+            None if self.early_limit.is_some_and(|limit| len > limit) => {
+                return Err(Error::backend(format!(
+                    "peer rank {peer} sent a {len}-byte message ({}) before rank {me} posted its receive, \
+                     unannounced (at most {} bytes may come early)",
+                    OpKind::describe_tag(tag),
+                    self.early_limit.unwrap_or_default()
+                )))
+            }
             None => Dest::Stash(vec![0u8; len]),
         };
         self.frame = Some(Frame { tag, len, got: 0, dest });

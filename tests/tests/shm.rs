@@ -277,6 +277,23 @@ fn shm_sigkill_mid_op_gives_peer_lost_and_leaves_dev_shm_clean() {
     assert_all_clean(&ends);
 }
 
+#[test]
+fn shm_a_dead_peer_left_unreaped_is_lost_not_waited_for() {
+    // The last rank dies mid-op, but its parent does not reap it for 8 s:
+    // kill(pid, 0) still finds the zombie. The others must name it well
+    // before it is reaped, and before their 30 s timeout.
+    let worker = env!("CARGO_BIN_EXE_weft-test-worker");
+    let env = [("WEFT_BACKEND", "cpu:shm"), ("WEFT_TIMEOUT_SECONDS", "30")];
+    let ends = run_world(worker, 3, &["zombie"], &env, Duration::from_secs(90));
+    let reaped = ends[2].at;
+    for (r, e) in ends[..2].iter().enumerate() {
+        assert!(e.status.success(), "rank {r}: {:?}\n{}", e.status, e.output);
+        assert!(e.output.contains("zombie"), "rank {r} names the zombie: {}", e.output);
+        assert!(reaped.saturating_duration_since(e.at) > Duration::from_secs(4), "rank {r} waited for the reaping");
+    }
+    assert_all_clean(&ends);
+}
+
 /// No segment of these processes is left in /dev/shm.
 fn assert_all_clean(ends: &[weft_tests::procs::RankEnd]) {
     let _ = ends;

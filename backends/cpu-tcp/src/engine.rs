@@ -59,7 +59,7 @@ impl Peer {
             sock,
             hdr: [0; HEADER],
             hdr_got: 0,
-            inbound: Inbound::default(),
+            inbound: Inbound::with_early_limit(EAGER_LIMIT),
             left: false,
             torn: false,
             ctl: Vec::new(),

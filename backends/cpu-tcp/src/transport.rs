@@ -257,6 +257,18 @@ mod tests {
     }
 
     #[test]
+    fn a_huge_unannounced_frame_is_refused_before_anything_is_allocated() {
+        let (b, mut raw) = backend_with_raw_peer();
+        // 2^40 bytes announced by a bare data frame (no rendezvous), with no
+        // receive posted for it.
+        raw.write_all(&Header { kind: Kind::Data, tag: 9, len: 1 << 40 }.encode()).unwrap();
+        let mut buf = [0u8; 4];
+        let e = b.exchange(&mut [P2p::Recv { peer: 1, tag: 1, buf: &mut buf }], Instant::now() + Duration::from_secs(5)).unwrap_err();
+        assert!(e.to_string().contains("peer rank 1 sent a 1099511627776-byte message"), "{e}");
+        assert!(e.to_string().contains("unannounced"), "{e}");
+    }
+
+    #[test]
     fn a_frame_then_eof_delivers_the_frame_then_reports_peer_lost() {
         let (b, mut raw) = backend_with_raw_peer();
         let h = Header { kind: Kind::Data, tag: 7, len: 3 };

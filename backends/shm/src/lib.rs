@@ -6,6 +6,7 @@
 mod cma;
 mod cores;
 mod fastbox;
+mod liveness;
 mod ring;
 mod segment;
 mod stream;

@@ -97,6 +97,8 @@ pub struct ShmBackend {
     pub(crate) oversubscribed: bool,
     /// One core's L2 cache, in bytes (`stream.rs` pushes messages that fit).
     pub(crate) l2: usize,
+    /// Whether the peers' processes live (zombies and reused pids included).
+    liveness: crate::liveness::Liveness,
 }
 
 impl ShmBackend {
@@ -128,6 +130,7 @@ impl ShmBackend {
             single_copy: cma.unwrap_or(crate::cma::Policy::FAST),
             oversubscribed,
             l2: crate::cores::l2_bytes(),
+            liveness: crate::liveness::Liveness::new(size),
         };
         // The rings this rank writes or reads, at once rather than a page
         // fault at a time during its first transfers (the others' rings it
@@ -192,11 +195,10 @@ impl ShmBackend {
             CLOSED => return Some(Error::peer_lost(peer, format!("peer rank {peer} left the group (its process group was closed)"))),
             _ => {}
         }
-        let pid = self.pid(peer);
-        if pid != 0 && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), None) == Err(nix::errno::Errno::ESRCH) {
-            return Some(Error::peer_lost(peer, format!("peer rank {peer} (pid {pid}) died")));
+        match self.pid(peer) {
+            0 => None,
+            pid => self.liveness.dead(peer, pid).map(|why| Error::peer_lost(peer, why)),
         }
-        None
     }
 
     pub(crate) fn check_failed(&self) -> Result<()> {

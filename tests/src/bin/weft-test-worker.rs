@@ -26,7 +26,40 @@ fn sigkill_self_after(delay: Duration) {
     });
 }
 
+/// Under the scenario `zombie`, the last rank forks: the child goes on as
+/// the rank (and kills itself mid-op, as in `sigkill_small`), while this
+/// process, its parent, does not reap it for `ZOMBIE_GRACE` after it died,
+/// so the other ranks must tell a zombie from a live peer. Then it reaps
+/// it and exits 0.
+fn fork_a_rank_left_unreaped() -> anyhow::Result<()> {
+    // SAFETY: called first thing in `main`'s thread, before any other
+    // thread exists; the child goes on with a copy of this one.
+    match unsafe { nix::unistd::fork() }? {
+        nix::unistd::ForkResult::Child => Ok(()),
+        nix::unistd::ForkResult::Parent { child } => {
+            let stat = format!("/proc/{child}/stat");
+            let until = Instant::now() + Duration::from_secs(60);
+            while Instant::now() < until {
+                let text = std::fs::read_to_string(&stat).unwrap_or_default();
+                if text.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            std::thread::sleep(ZOMBIE_GRACE);
+            let _ = nix::sys::wait::waitpid(child, None);
+            std::process::exit(0);
+        }
+    }
+}
+
+/// How long a dead rank stays a zombie in the `zombie` scenario.
+const ZOMBIE_GRACE: Duration = Duration::from_secs(8);
+
 fn run(scenario: &str) -> anyhow::Result<()> {
+    if scenario == "zombie" && std::env::var("RANK")?.parse::<usize>()? + 1 == std::env::var("WORLD_SIZE")?.parse::<usize>()? {
+        fork_a_rank_left_unreaped()?;
+    }
     // WEFT_TEST_HINTS="k=v,k=v": group hints (e.g. forcing an algorithm).
     let mut options = GroupOptions::from_env()?;
     for kv in std::env::var("WEFT_TEST_HINTS").unwrap_or_default().split(',').filter(|kv| !kv.is_empty()) {
@@ -50,7 +83,7 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             pg.barrier(&o)?.wait()?;
             println!("rank {r} of {w}: ok");
         }
-        "sigkill" | "sigkill_small" | "sigkill_all_gather" => {
+        "sigkill" | "sigkill_small" | "sigkill_all_gather" | "zombie" => {
             // The last rank kills itself in the middle of 64 MiB (or 8-byte:
             // shm's fast path) all_reduces, or of all_gathers of 1 MiB parts
             // (shm: single copy, pushed by senders that also receive); every
@@ -61,7 +94,7 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             }
             let (op, n) = match scenario {
                 "sigkill" => ("all_reduce", 16 << 20),
-                "sigkill_small" => ("all_reduce", 2),
+                "sigkill_small" | "zombie" => ("all_reduce", 2),
                 _ => ("all_gather_single", 300_000),
             };
             let mut v = vec![1f32; n];
