@@ -94,7 +94,8 @@ pub fn run(l: &Launch) -> Result<i32> {
     }
     let _server;
     let port = if l.node_rank == 0 {
-        let server = TcpStoreServer::start(([0, 0, 0, 0], l.master_port).into()).context("starting the store")?;
+        let bind = weft::launch::store_bind_addr(&l.master_addr, l.master_port);
+        let server = TcpStoreServer::start(bind).context("starting the store")?;
         let p = server.local_addr().port();
         _server = server;
         p

@@ -104,11 +104,19 @@ impl LaunchEnv {
     /// launcher agent hosts it.
     pub fn connect_store(&self, timeout: Duration) -> Result<Arc<dyn Store>> {
         if self.rank == 0 && !self.agent_store {
-            let bind = std::net::SocketAddr::from(([0, 0, 0, 0], self.master_port));
-            return Ok(Arc::new(TcpStore::host(bind, timeout)?));
+            return Ok(Arc::new(TcpStore::host(store_bind_addr(&self.master_addr, self.master_port), timeout)?));
         }
         Ok(Arc::new(TcpStore::connect(&self.master_addr, self.master_port, timeout)?))
     }
+}
+
+/// Where the store for a job whose ranks reach it at `master_addr` listens:
+/// on loopback only when that is a loopback address (a one-host job is not
+/// reachable from elsewhere), else on every interface.
+pub fn store_bind_addr(master_addr: &str, port: u16) -> std::net::SocketAddr {
+    let loopback = master_addr == "localhost" || master_addr.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+    let ip = if loopback { std::net::Ipv4Addr::LOCALHOST } else { std::net::Ipv4Addr::UNSPECIFIED };
+    std::net::SocketAddr::from((ip, port))
 }
 
 #[cfg(test)]
@@ -119,6 +127,13 @@ mod tests {
     fn env(pairs: &[(&str, &str)]) -> Result<LaunchEnv> {
         let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         LaunchEnv::from_lookup(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn the_store_listens_on_loopback_for_a_loopback_master() {
+        for (addr, loopback) in [("127.0.0.1", true), ("127.0.1.1", true), ("localhost", true), ("::1", true), ("10.0.0.5", false), ("node7", false)] {
+            assert_eq!(store_bind_addr(addr, 5).ip().is_loopback(), loopback, "{addr}");
+        }
     }
 
     #[test]
