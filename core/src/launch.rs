@@ -51,32 +51,19 @@ impl LaunchEnv {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
 
+    /// This process's rank and the world size alone, from the process
+    /// environment (no store address needed: the caller has a store).
+    pub fn rank_and_size() -> Result<(usize, usize)> {
+        let get = |k: &str| std::env::var(k).ok();
+        let (_, rank, size, _) = ranks(&get)?;
+        Ok((rank, size))
+    }
+
     /// Read from any variable lookup (for tests and embedding).
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
-        let num = |k: &str| -> Result<Option<usize>> {
-            get(k)
-                .map(|v| v.trim().parse::<usize>().map_err(|_| Error::invalid(format!("{k}={v:?} is not a non-negative integer"))))
-                .transpose()
-        };
-        let (launcher, rank_var, size_var, local_var, local_size_var) = if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
-            (Launcher::Torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-        } else if get("SLURM_PROCID").is_some() {
-            (Launcher::Slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")
-        } else if get("OMPI_COMM_WORLD_RANK").is_some() {
-            (Launcher::OpenMpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
-        } else if get("PMI_RANK").is_some() {
-            (Launcher::Pmi, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
-        } else {
-            return Err(Error::invalid(
-                "RANK is not set (nor SLURM_PROCID, OMPI_COMM_WORLD_RANK or PMI_RANK): start the program with `weft run`, torchrun, srun or mpirun",
-            ));
-        };
+        let (launcher, rank, world_size, [local_var, local_size_var]) = ranks(&get)?;
+        let num = |k: &str| number(&get, k);
         let missing = |k: &str| Error::invalid(format!("{k} is not set (rank variables of {launcher:?} found)"));
-        let rank = num(rank_var)?.ok_or_else(|| missing(rank_var))?;
-        let world_size = num(size_var)?.ok_or_else(|| missing(size_var))?;
-        if rank >= world_size {
-            return Err(Error::invalid(format!("{rank_var}={rank} is not below {size_var}={world_size}")));
-        }
         let master_addr = get("MASTER_ADDR").ok_or_else(|| missing("MASTER_ADDR"))?;
         let master_port = match (get("MASTER_PORT"), launcher) {
             (Some(p), _) => p.trim().parse().map_err(|_| Error::invalid(format!("MASTER_PORT={p:?} is not a port number")))?,
@@ -110,6 +97,36 @@ impl LaunchEnv {
     }
 }
 
+/// The variable `k` as a count, if set.
+fn number(get: &impl Fn(&str) -> Option<String>, k: &str) -> Result<Option<usize>> {
+    get(k).map(|v| v.trim().parse::<usize>().map_err(|_| Error::invalid(format!("{k}={v:?} is not a non-negative integer")))).transpose()
+}
+
+/// Which launcher's variables are set, the rank and world size they give,
+/// and the names of its local rank and local size variables.
+fn ranks(get: &impl Fn(&str) -> Option<String>) -> Result<(Launcher, usize, usize, [&'static str; 2])> {
+    let (launcher, rank_var, size_var, local_var, local_size_var) = if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
+        (Launcher::Torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    } else if get("SLURM_PROCID").is_some() {
+        (Launcher::Slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")
+    } else if get("OMPI_COMM_WORLD_RANK").is_some() {
+        (Launcher::OpenMpi, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
+    } else if get("PMI_RANK").is_some() {
+        (Launcher::Pmi, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+    } else {
+        return Err(Error::invalid(
+            "RANK is not set (nor SLURM_PROCID, OMPI_COMM_WORLD_RANK or PMI_RANK): start the program with `weft run`, torchrun, srun or mpirun",
+        ));
+    };
+    let missing = |k: &str| Error::invalid(format!("{k} is not set (rank variables of {launcher:?} found)"));
+    let rank = number(get, rank_var)?.ok_or_else(|| missing(rank_var))?;
+    let world_size = number(get, size_var)?.ok_or_else(|| missing(size_var))?;
+    if rank >= world_size {
+        return Err(Error::invalid(format!("{rank_var}={rank} is not below {size_var}={world_size}")));
+    }
+    Ok((launcher, rank, world_size, [local_var, local_size_var]))
+}
+
 /// Where the store for a job whose ranks reach it at `master_addr` listens:
 /// on loopback only when that is a loopback address (a one-host job is not
 /// reachable from elsewhere), else on every interface.
@@ -131,7 +148,9 @@ mod tests {
 
     #[test]
     fn the_store_listens_on_loopback_for_a_loopback_master() {
-        for (addr, loopback) in [("127.0.0.1", true), ("127.0.1.1", true), ("localhost", true), ("::1", true), ("10.0.0.5", false), ("node7", false)] {
+        for (addr, loopback) in
+            [("127.0.0.1", true), ("127.0.1.1", true), ("localhost", true), ("::1", true), ("10.0.0.5", false), ("node7", false)]
+        {
             assert_eq!(store_bind_addr(addr, 5).ip().is_loopback(), loopback, "{addr}");
         }
     }

@@ -21,7 +21,8 @@ static TYPES: OnceLock<HashMap<String, Py<PyType>>> = OnceLock::new();
 /// Raise weft's errors as these classes from now on: `types` maps a kind
 /// (`timeout`, `peer_lost`, `invalid_argument`, `unsupported`, `aborted`,
 /// `backend`, `store`) to a class called with `(message, kind, peer, op,
-/// rank)`; kinds it lacks raise `WeftError`. Only the first call counts.
+/// rank)`; kinds it lacks raise the `backend` class. Only the first call
+/// counts.
 #[pyfunction]
 pub fn set_error_types(types: &Bound<'_, PyDict>) -> PyResult<()> {
     let map = types.iter().map(|(k, v)| Ok((k.extract::<String>()?, v.cast_into::<PyType>()?.unbind()))).collect::<PyResult<_>>()?;

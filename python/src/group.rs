@@ -176,7 +176,10 @@ impl PyGroup {
     /// This rank's sub-group of a split where every rank names its own
     /// (`ranks`: its members, in their new rank order), or None for an
     /// empty list. Every rank calls it; see `ProcessGroup::join_split`.
-    fn split(&self, py: Python<'_>, ranks: Vec<usize>) -> PyResult<Option<PyGroup>> {
+    fn split(&self, py: Python<'_>, ranks: Vec<i64>) -> PyResult<Option<PyGroup>> {
+        // A negative rank is out of range like any other (weft says so
+        // after numbering the split, so every rank stays in step).
+        let ranks: Vec<usize> = ranks.iter().map(|&r| usize::try_from(r).unwrap_or(usize::MAX)).collect();
         let sub = py.detach(|| self.pg.join_split(&ranks)).map_err(setup_to_py)?;
         Ok(sub.map(|pg| PyGroup { pg }))
     }

@@ -35,6 +35,13 @@ fn launch_env(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
     Ok(d)
 }
 
+/// This process's rank and the world size from the launcher's variables
+/// alone (for a caller that brings its own store).
+#[pyfunction]
+fn launch_ranks() -> PyResult<(usize, usize)> {
+    weft::launch::LaunchEnv::rank_and_size().map_err(errors::to_py)
+}
+
 /// The extension module.
 #[pymodule]
 fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -44,6 +51,7 @@ fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_current_stream, m)?)?;
     m.add_function(wrap_pyfunction!(errors::set_error_types, m)?)?;
     m.add_function(wrap_pyfunction!(launch_env, m)?)?;
+    m.add_function(wrap_pyfunction!(launch_ranks, m)?)?;
     m.add("WeftError", m.py().get_type::<errors::WeftError>())?;
     m.add("TIMEOUT_DEFAULT", weft::DEFAULT_TIMEOUT.as_secs_f64())?;
     Ok(())

@@ -6,6 +6,7 @@ a communicator beside a torch.distributed group."""
 import datetime
 import faulthandler
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -245,6 +246,15 @@ def splits(rank, w):
         refused = None
     except ValueError as e:
         refused = (type(e).__name__, str(e))
+    # So does a list that is not of ranks, on rank 3 only: the split still
+    # counts there, so the next one meets the others'.
+    try:
+        comm.split(["3"] if rank == 3 else [])
+    except TypeError:
+        pass
+    pairs = comm.split([0, 1] if rank < 2 else [2, 3])
+    pairs.barrier(False)
+    pairs.finalize()
     # Sub-communicator and parent ops at once.
     t = torch.full((64,), float(rank))
     ws = comm.all_reduce(torch.ones(64), weft.ReduceOp.SUM, True)
@@ -260,7 +270,7 @@ def splits(rank, w):
 
 def test_split_gives_each_rank_its_group_none_for_an_empty_list_and_raises_without_this_rank():
     out = run(splits, 4, init=False)
-    assert out[0][0] == ("comm0.split0", 1, 2) or out[0][0][1:] == (1, 2)
+    assert out[0][0] == ("comm0.split0", 1, 2)
     assert out[2][0][1:] == (0, 2) and out[1][0][1:] == (0, 2) and out[3][0][1:] == (1, 2)
     assert out[0][1] == (0, 1) and all(o[1] is None for o in out[1:])
     for rank, o in enumerate(out):
@@ -364,6 +374,29 @@ def test_abort_on_error_ends_the_process_and_the_others_raise_naming_it():
     assert peer == 1 and "rank 1" in msg, msg
 
 
+def abort_on_an_async_error_nobody_waits_for(rank, w):
+    faulthandler.disable()
+    comm = weft.new_comm("weft", "cpu", abort_process_on_timeout_or_error=rank == 1)
+    comm.barrier(False)
+    if rank == 0:
+        time.sleep(3)
+        return "rank 0 done"
+    # A bad argument raises even here: nothing was sent, nothing is broken.
+    try:
+        comm.broadcast(torch.ones(2), 7, False)
+    except ValueError as e:
+        refused = str(e)
+    # An op that fails with nobody waiting for it still ends the process.
+    comm.all_reduce(torch.ones(4), weft.ReduceOp.SUM, True, timeout=0.3)
+    time.sleep(2)
+    return f"still alive ({refused})"
+
+
+def test_abort_on_error_also_for_an_async_op_nobody_waits_for_but_not_for_a_bad_argument():
+    out = run(abort_on_an_async_error_nobody_waits_for, 2, init=False, allow_fail=True)
+    assert out[1] == ("died", -signal.SIGABRT), out[1]
+
+
 # -- bootstrap and living beside torch.distributed -----------------------
 
 
@@ -400,6 +433,31 @@ def test_a_communicator_lives_beside_a_torch_group(tmp_path):
             assert dup is not None and "already created" in dup, dup
 
 
+def one_after_another(rank, w, path):
+    # A communicator finalized, then another from the same environment
+    # (rank 0 hosts the store for both); then one over an explicit store
+    # with no store address in the environment at all.
+    first = weft.new_comm("weft", "cpu", abort_process_on_timeout_or_error=False)
+    first.barrier(False)
+    first.finalize()
+    second = weft.new_comm("cpu-tcp", "cpu", abort_process_on_timeout_or_error=False)
+    t = torch.ones(2)
+    second.all_reduce(t, weft.ReduceOp.SUM, False)
+    second.finalize()
+    for k in ("MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(k)
+    third = weft.new_comm("weft", "cpu", store=dist.FileStore(path, w), abort_process_on_timeout_or_error=False)
+    u = torch.ones(2)
+    third.all_reduce(u, weft.ReduceOp.SUM, False)
+    third.finalize()
+    return t.tolist(), u.tolist(), second.get_name(), third.get_name()
+
+
+def test_communicators_one_after_another_and_an_explicit_store_without_a_store_address(tmp_path):
+    for out in run(one_after_another, 3, str(tmp_path / "fs"), init=False):
+        assert out == ([3.0, 3.0], [3.0, 3.0], "comm1", "comm2")
+
+
 def from_open_mpi(rank, w):
     # As mpirun sets it: no RANK or WORLD_SIZE, Open MPI's variables instead.
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
@@ -427,14 +485,17 @@ def test_reduce_op_values():
     R = weft.ReduceOp
     assert R.PREMUL_SUM(torch.tensor(0.25)).weft_name() == "premul_sum(0.25)"
     assert R.SUM == R.SUM and R.SUM != R.MAX
+    assert R.PREMUL_SUM(2) == R.PREMUL_SUM(2.0) != R.PREMUL_SUM(3) != R.PREMUL_SUM
+    assert len({R.SUM, R.PREMUL_SUM, R.PREMUL_SUM(1)}) == 3
     with pytest.raises(ValueError, match="needs a factor"):
         R.PREMUL_SUM.weft_name()
-    os.environ["WEFT_ABORT_ON_ERROR"] = "maybe"
-    try:
-        with pytest.raises(ValueError, match="WEFT_ABORT_ON_ERROR"):
-            weft.new_comm("weft", "cpu")
-    finally:
-        del os.environ["WEFT_ABORT_ON_ERROR"]
+    for var, value in [("WEFT_ABORT_ON_ERROR", "maybe"), ("TORCHCOMM_ABORT_ON_ERROR", "maybe"), ("WEFT_TIMEOUT_SECONDS", "0")]:
+        os.environ[var] = value
+        try:
+            with pytest.raises(ValueError, match="WEFT_"):
+                weft.new_comm("weft", "cpu")
+        finally:
+            del os.environ[var]
 
 
 def test_the_example_runs_under_torchrun():
@@ -444,5 +505,6 @@ def test_the_example_runs_under_torchrun():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()), str(example)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("rank"))
+    # (Two ranks print to one pipe: lines may interleave.)
+    lines = sorted(re.findall(r"rank \d: sum \d+, pair \S+ got \d+", out.stdout))
     assert lines == ["rank 0: sum 3, pair comm0.split0 got 1", "rank 1: sum 3, pair comm0.split0 got 0"], out.stdout

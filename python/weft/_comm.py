@@ -11,39 +11,62 @@ return the same Work (`_work.py`).
 
 from __future__ import annotations
 
-import datetime
 import itertools
+import operator
 import os
 import sys
 
 import torch
 
 from . import _bootstrap, _errors, _weft
-from ._backend import _timeout_seconds
-from ._ops import _rows_to_elements, reduce_name
-from ._reduce_op import _Kind
+from ._ops import reduce_name, split_elements
 from ._tensors import Staged
-from ._work import Work, _completer, _seconds
+from ._work import Work, _seconds
 
 ENV_ABORT = "WEFT_ABORT_ON_ERROR"
+ENV_TIMEOUT = "WEFT_TIMEOUT_SECONDS"
+# TorchComm's names of the same settings, read when weft's are unset.
+_TORCHCOMM_ENV = {ENV_ABORT: "TORCHCOMM_ABORT_ON_ERROR", ENV_TIMEOUT: "TORCHCOMM_TIMEOUT_SECONDS"}
 
 # Names for communicators made without one, in creation order (the same on
 # every rank when they create their communicators in the same order).
 _unnamed = itertools.count()
 
-# What an error of the communication itself raises (not a bad argument):
-# with abort_process_on_timeout_or_error, these end the process.
-_COMM_ERRORS = (_errors.WeftError, _errors.WeftPeerLostError, _errors.WeftStoreError, _weft.WeftError)
+# Kinds of error from the communication itself, which end the process with
+# abort_process_on_timeout_or_error. Bad arguments and unsupported
+# requests (refused before anything moved) raise either way.
+_FATAL_KINDS = frozenset({"timeout", "peer_lost", "backend", "store", "aborted"})
+
+
+def _env(name: str) -> str | None:
+    """weft's variable `name`, else TorchComm's of the same meaning."""
+    return os.environ.get(name) or os.environ.get(_TORCHCOMM_ENV[name])
 
 
 def _abort_default() -> bool:
-    """``WEFT_ABORT_ON_ERROR``: true unless set to 0, false, no or off."""
-    value = os.environ.get(ENV_ABORT, "true").strip().lower()
+    """``WEFT_ABORT_ON_ERROR`` (else ``TORCHCOMM_ABORT_ON_ERROR``): true
+    unless set to 0, false, no or off."""
+    value = (_env(ENV_ABORT) or "true").strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"weft: {ENV_ABORT}={value!r} is not a boolean (true/false, 1/0, yes/no, on/off)")
+
+
+def _default_timeout() -> float:
+    """``WEFT_TIMEOUT_SECONDS`` (else ``TORCHCOMM_TIMEOUT_SECONDS``), else
+    weft's default (600 s)."""
+    value = _env(ENV_TIMEOUT)
+    if value is None:
+        return float(_weft.TIMEOUT_DEFAULT)
+    try:
+        secs = float(value)
+    except ValueError:
+        secs = 0.0
+    if not secs > 0:
+        raise ValueError(f"weft: {ENV_TIMEOUT}={value!r} is not a positive number of seconds")
+    return secs
 
 
 def _hints(hints) -> dict[str, str] | None:
@@ -52,9 +75,12 @@ def _hints(hints) -> dict[str, str] | None:
     return {str(k): str(v) for k, v in hints.items()} if hints else None
 
 
-def _reduce(op) -> str:
-    """weft's name of a `weft.ReduceOp` or a torch.distributed one."""
-    return op.weft_name() if isinstance(op, _Kind) else reduce_name(op)
+def _fatal(e: BaseException) -> bool:
+    """Whether `e` is a failure of the communication (not of the call)."""
+    kind = getattr(e, "kind", None)
+    if kind is None and isinstance(e, _weft.WeftError) and len(e.args) > 1:
+        kind = e.args[1]
+    return kind in _FATAL_KINDS
 
 
 class _Finalized:
@@ -64,6 +90,7 @@ class _Finalized:
         self._name = name
 
     def __getattr__(self, attr):
+        """Any use of the group: an error saying it was finalized."""
         raise _errors.WeftError(f"weft: communicator {self._name!r} was finalized", "aborted")
 
 
@@ -89,16 +116,19 @@ def new_comm(
       ``MASTER_ADDR:MASTER_PORT``. Rank and size come from the launcher's
       environment either way.
     - ``timeout`` (timedelta or seconds): every op's default and setup's
-      limit; default ``WEFT_TIMEOUT_SECONDS``, else 600 s.
+      limit; default ``WEFT_TIMEOUT_SECONDS`` (or TorchComm's
+      ``TORCHCOMM_TIMEOUT_SECONDS``), else 600 s.
     - ``hints``: weft's group hints (keys weft does not know are ignored).
     - ``name``: keeps this communicator's keys apart on the store (default
       ``comm0``, ``comm1``... in creation order).
     - ``abort_process_on_timeout_or_error``: end the process (``abort()``)
-      when an op fails or times out, instead of raising; default
-      ``WEFT_ABORT_ON_ERROR``, else true, as TorchComm's.
+      when an op fails or times out, instead of raising (bad arguments
+      and unsupported requests still raise); default
+      ``WEFT_ABORT_ON_ERROR`` (or ``TORCHCOMM_ABORT_ON_ERROR``), else
+      true, as TorchComm's.
     """
     abort = _abort_default() if abort_process_on_timeout_or_error is None else bool(abort_process_on_timeout_or_error)
-    secs = _timeout_seconds(None) if timeout is None else _seconds(timeout)
+    secs = _default_timeout() if timeout is None else _seconds(timeout)
     if secs is None:
         raise ValueError(f"weft: timeout must be positive, not {timeout!r}")
     name = f"comm{next(_unnamed)}" if name is None else str(name)
@@ -162,9 +192,16 @@ class Comm:
         """This rank's sub-communicator (collective: every rank calls it,
         each with the ranks of the sub-communicator it joins, in its rank
         order; the same list on every member). An empty list joins none and
-        returns None; a list without this rank raises."""
+        returns None; a list without this rank raises ``ValueError``.
+        ``name`` (a weft extension) names the sub-communicator; by default
+        it is ``<this name>.split<N>``."""
         number = next(self._splits)
-        sub = self._guard(self._native.split, [int(r) for r in ranks])
+        try:
+            ranks = [operator.index(r) for r in ranks]
+        except TypeError:
+            self._native.split([])  # the split still counts, as on the others
+            raise
+        sub = self._guard(self._native.split, ranks)
         if sub is None:
             return None
         name = name or f"{self._name}.split{number}"
@@ -190,7 +227,7 @@ class Comm:
         if not unreported:
             try:
                 native.barrier(([], self._timeout, None, True))
-            except _COMM_ERRORS as e:
+            except _errors.ERRORS as e:
                 unreported.append(e)
         self._native = _Finalized(self._name)
         self._inflight = []
@@ -209,7 +246,7 @@ class Comm:
     def _failed(self, e: BaseException) -> None:
         """An op failed or timed out: with abort_process_on_timeout_or_error,
         end the process (TorchComm's behaviour); else the caller raises."""
-        if not self._abort or not isinstance(e, _COMM_ERRORS):
+        if not self._abort or not _fatal(e):
             return
         sys.stderr.write(f"weft: communicator {self._name!r}: {e}\nweft: aborting the process (abort_process_on_timeout_or_error)\n")
         sys.stderr.flush()
@@ -219,7 +256,7 @@ class Comm:
         """Call the native group; its errors go through `_failed` first."""
         try:
             return fn(*args)
-        except _COMM_ERRORS as e:
+        except _errors.ERRORS as e:
             self._failed(e)
             raise
 
@@ -232,14 +269,13 @@ class Comm:
         direct = not async_op and not p2p
         call = (s.keep, None if timeout is None else _seconds(timeout), _hints(hints), direct)
         native = self._guard(fn, *args, call)
-        w = Work([native], outputs, s.finish if s.needs_finish else None, done=direct)
+        finish = s.finish if s.needs_finish else None
+        w = Work([native], outputs, finish, done=direct, on_error=self._failed if self._abort and not direct else None)
         if direct:
             return w
-        if self._abort:
-            w._on_error = self._failed
-            _completer.watch(w)
         if len(self._inflight) >= 64:
-            self._inflight = [x for x in self._inflight if not x.is_completed()]
+            # Keep what finalize must still wait for or report.
+            self._inflight = [x for x in self._inflight if not x.is_completed() or (x._error is not None and not x._reported)]
         self._inflight.append(w)
         if not async_op:
             w.wait()
@@ -267,12 +303,12 @@ class Comm:
     def all_reduce(self, tensor, op, async_op: bool, hints=None, timeout=None) -> Work:
         """Reduce every rank's ``tensor`` with ``op`` into every rank's."""
         s = Staged()
-        return self._issue(s, [tensor], async_op, hints, timeout, self._native.all_reduce, s.output(tensor), _reduce(op))
+        return self._issue(s, [tensor], async_op, hints, timeout, self._native.all_reduce, s.output(tensor), reduce_name(op))
 
     def reduce(self, tensor, root: int, op, async_op: bool, hints=None, timeout=None) -> Work:
         """Reduce every rank's ``tensor`` with ``op`` into rank ``root``'s."""
         s = Staged()
-        return self._issue(s, [tensor], async_op, hints, timeout, self._native.reduce, s.output(tensor), root, _reduce(op))
+        return self._issue(s, [tensor], async_op, hints, timeout, self._native.reduce, s.output(tensor), root, reduce_name(op))
 
     def all_gather(self, tensor_list, tensor, async_op: bool, hints=None, timeout=None) -> Work:
         """``tensor_list[i]`` receives rank i's ``tensor`` (equal sizes)."""
@@ -306,14 +342,14 @@ class Comm:
     def _reduce_scatter(self, output, input_list, op, async_op, hints, timeout, uneven):
         s = Staged()
         fn = self._native.reduce_scatter
-        return self._issue(s, [output], async_op, hints, timeout, fn, s.output(output), s.inputs(input_list), _reduce(op), uneven)
+        return self._issue(s, [output], async_op, hints, timeout, fn, s.output(output), s.inputs(input_list), reduce_name(op), uneven)
 
     def reduce_scatter_single(self, output, input, op, async_op: bool, hints=None, timeout=None) -> Work:
         """The i-th of W equal parts of every rank's ``input``, reduced into
         rank i's ``output``."""
         s = Staged()
         fn = self._native.reduce_scatter_single
-        return self._issue(s, [output], async_op, hints, timeout, fn, s.output(output), s.input(input), _reduce(op))
+        return self._issue(s, [output], async_op, hints, timeout, fn, s.output(output), s.input(input), reduce_name(op))
 
     def all_to_all(self, output_tensor_list, input_tensor_list, async_op: bool, hints=None, timeout=None) -> Work:
         """``output_tensor_list[i]`` receives rank i's ``input_tensor_list[rank]``."""
@@ -335,8 +371,7 @@ class Comm:
         dim 0): ``input_split_sizes[i]`` go to rank i, ``output_split_sizes[i]``
         come from rank i."""
         s = Staged()
-        outs = _rows_to_elements(output, output_split_sizes) or []
-        ins = _rows_to_elements(input, input_split_sizes) or []
+        outs, ins = split_elements(output, input, output_split_sizes, input_split_sizes, self.get_size())
         fn = self._native.all_to_all_single
         return self._issue(s, [output], async_op, hints, timeout, fn, s.output(output), s.input(input), outs, ins)
 

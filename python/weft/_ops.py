@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from . import _weft
+from ._reduce_op import _Kind
 from ._tensors import Staged
 from ._work import Work, _seconds
 
@@ -35,9 +36,11 @@ _SUM = _RED.SUM
 
 def reduce_name(op) -> str:
     """weft's name of a c10d reduce op (`ReduceOp`, `RedOpType`, or one
-    made by `_make_nccl_premul_sum`)."""
+    made by `_make_nccl_premul_sum`) or of a `weft.ReduceOp`."""
     if op == _SUM:  # the common case, without the slower lookup below
         return "sum"
+    if isinstance(op, _Kind):
+        return op.weft_name()
     kind = getattr(op, "op", op)
     if kind == _RED.PREMUL_SUM:
         factor = getattr(op, "factor", None)
@@ -58,6 +61,19 @@ def _rows_to_elements(t: torch.Tensor, splits):
         return None
     row = math.prod(t.shape[1:])  # 1 for a 1-D tensor
     return [int(s) * row for s in splits]
+
+
+def split_elements(output: torch.Tensor, input: torch.Tensor, output_splits, input_splits, world: int):
+    """An all_to_all_single's split sizes (rows of dim 0, either side may
+    be missing or empty) as weft's element counts: both None for equal
+    parts; one side given, the other is equal parts of its tensor."""
+    outs = _rows_to_elements(output, output_splits)
+    ins = _rows_to_elements(input, input_splits)
+    if outs is None and ins is not None:
+        outs = [output.numel() // world] * world
+    elif ins is None and outs is not None:
+        ins = [input.numel() // world] * world
+    return outs, ins
 
 
 class Ops:
@@ -206,15 +222,7 @@ class Ops:
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, opts=None):
         opts = opts or c10d.AllToAllOptions()
         s = Staged()
-        outs = _rows_to_elements(output, output_split_sizes)
-        ins = _rows_to_elements(input, input_split_sizes)
-        if (outs is None) != (ins is None):
-            # One side given: the other is equal parts of its tensor.
-            w = self.size()
-            if outs is None:
-                outs = [output.numel() // w] * w
-            else:
-                ins = [input.numel() // w] * w
+        outs, ins = split_elements(output, input, output_split_sizes, input_split_sizes, self.size())
         call = self._call(s, opts)
         native = self._native.all_to_all_single(s.output(output), s.input(input), outs, ins, call)
         return self._work(s, [native], [output], call)

@@ -25,11 +25,14 @@ class _Kind:
         """weft's name of the op (``sum``, ``premul_sum(0.5)``...)."""
         return self.name
 
+    def _key(self) -> tuple:
+        return (self.name, getattr(self, "factor", None))
+
     def __eq__(self, other) -> bool:
-        return isinstance(other, _Kind) and other.weft_name() == self.weft_name()
+        return isinstance(other, _Kind) and other._key() == self._key()
 
     def __hash__(self) -> int:
-        return hash(self.weft_name())
+        return hash(self._key())
 
     def __repr__(self) -> str:
         return f"ReduceOp.{self.name.upper()}"
@@ -46,6 +49,8 @@ class _PremulSum(_Kind):
         self.factor = factor
 
     def __call__(self, factor) -> _PremulSum:
+        """The pre-multiplied sum with `factor` (a number, or a tensor of
+        one element)."""
         if isinstance(factor, torch.Tensor):
             if factor.numel() != 1:
                 raise ValueError(f"weft: a PREMUL_SUM factor tensor has one element, not {factor.numel()}")
@@ -62,7 +67,10 @@ class _PremulSum(_Kind):
 
 
 class ReduceOp:
-    """How a reduction combines the ranks' elements."""
+    """How a reduction combines the ranks' elements: ``SUM``, ``PRODUCT``,
+    ``MIN``, ``MAX``, ``BAND``, ``BOR``, ``BXOR`` (bitwise, integers and
+    bool), ``AVG`` (the sum divided by the world size), and
+    ``PREMUL_SUM(factor)`` (each rank's tensor times ``factor``, summed)."""
 
     SUM = _Kind("sum")
     PRODUCT = _Kind("product")

@@ -92,7 +92,15 @@ class Work(dist._Work):
     #: Whether `wait` has raised the op's error to somebody.
     _reported = False
 
-    def __init__(self, natives, outputs, finish: Callable[[], None] | None = None, result=None, done: bool = False):
+    def __init__(
+        self,
+        natives,
+        outputs,
+        finish: Callable[[], None] | None = None,
+        result=None,
+        done: bool = False,
+        on_error: Callable[[Exception], None] | None = None,
+    ):
         _torch_work_init(self)
         self._natives = natives
         self._outputs = outputs
@@ -104,10 +112,14 @@ class Work(dist._Work):
             if finish is not None:
                 finish()
             self._settled = True
-        elif finish is not None:
+            return
+        if on_error is not None:
+            self._on_error = on_error
+        if finish is not None or on_error is not None:
             # Outputs staged through copies are copied back even if nobody
-            # waits, as torch's gloo backend does: now if the op has
-            # finished, else once it does.
+            # waits, as torch's gloo backend does, and a failure is seen by
+            # `on_error` even if nobody waits: now if the op has finished,
+            # else once it does.
             self._finish_fn = finish
             if self._all_done():
                 self._settle()

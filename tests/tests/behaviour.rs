@@ -177,6 +177,9 @@ fn join_split_gives_each_rank_the_sub_group_it_names() {
         // Later splits stay in step on every rank.
         let all = pg.split(&[3, 2, 1, 0]).unwrap().unwrap();
         assert_eq!(all.rank(), 3 - r);
+        // Members that disagree on the order are told so (not left waiting).
+        let e = pg.join_split(if r == 0 { &[0, 1, 2, 3] } else { &[3, 2, 1, 0] }).unwrap_err();
+        assert!(e.to_string().contains("rank lists differ"), "{e}");
         let mut v = vec![r as u64 + 1; 16];
         if let Some(sub) = &sub {
             sub.all_reduce(&mut v, ReduceOp::Sum, &o()).unwrap().wait().unwrap();

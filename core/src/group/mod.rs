@@ -147,21 +147,21 @@ impl ProcessGroup {
 
     /// Set up split `n`'s sub-group `ranks` as its rank `sub_rank`, on the
     /// store under a prefix of its own (sub-groups of one split are
-    /// disjoint, so their first ranks differ); members check they passed
-    /// the same list.
+    /// disjoint, so their lowest ranks differ). Each member publishes its
+    /// list and reads every listed member's: members that disagree (on
+    /// who, or in which order) all fail, naming the first that differs.
     fn form_split(&self, n: u64, ranks: &[usize], sub_rank: usize) -> Result<ProcessGroup> {
         let c = &self.core;
-        let store: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("split{n}.{}", ranks[0]), c.store.clone()));
+        let lowest = ranks.iter().min().copied().unwrap_or_default();
+        let store: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("split{n}.{lowest}"), c.store.clone()));
         let list = format!("{ranks:?}");
-        if sub_rank == 0 {
-            store.set("members", list.as_bytes())?;
-        } else {
-            let first = store.get("members", c.options.timeout).map_err(|e| e.with_op("split"))?;
-            if first != list.as_bytes() {
+        store.set(&format!("members/{}", c.rank), list.as_bytes())?;
+        for &r in ranks {
+            let theirs = store.get(&format!("members/{r}"), c.options.timeout).map_err(|e| e.with_op("split"))?;
+            if theirs != list.as_bytes() {
                 let e = Error::invalid(format!(
-                    "rank lists differ: this rank passed {list}, rank {} passed {}",
-                    ranks[0],
-                    String::from_utf8_lossy(&first)
+                    "rank lists differ: this rank passed {list}, rank {r} passed {}",
+                    String::from_utf8_lossy(&theirs)
                 ));
                 return Err(e.with_op("split").with_rank(c.rank));
             }
