@@ -43,6 +43,9 @@ pub struct Launch {
     /// small jobs: stops the scheduler from stacking communicating ranks on
     /// one core, which halves loopback bandwidth at random.
     pub bind_cores: bool,
+    /// A failed rank does not stop the others (they may shrink their group
+    /// and go on).
+    pub keep_going: bool,
     /// Program and arguments.
     pub program: Vec<String>,
 }
@@ -71,6 +74,7 @@ pub fn relaunch_local(nproc: usize, args: Vec<String>, timeout: Option<Duration>
         timeout,
         prefix: false,
         bind_cores: nproc <= usable_cpus().len(),
+        keep_going: false,
         program,
     })
 }
@@ -180,7 +184,7 @@ pub fn run(l: &Launch) -> Result<i32> {
             break;
         }
         if stopping.is_none() {
-            if let Some((rank, status)) = failed {
+            if let (Some((rank, status)), false) = (failed, l.keep_going) {
                 reason = format!("rank {rank} failed ({}); stopping the others", describe(status));
             } else if INTERRUPTED.load(Ordering::SeqCst) {
                 reason = "interrupted; forwarding SIGINT".into();

@@ -48,6 +48,11 @@ enum Cmd {
         /// Pin local rank i to CPU i (as mpirun binds small jobs).
         #[arg(long)]
         bind_cores: bool,
+        /// Leave the other ranks running when one fails, so the survivors
+        /// can shrink their group and carry on (the exit status is still
+        /// the first failure's).
+        #[arg(long)]
+        keep_going: bool,
         /// The program and its arguments.
         #[arg(last = true, required = true)]
         program: Vec<String>,
@@ -97,7 +102,7 @@ fn main() -> Result<()> {
     unsafe { nix::sys::signal::signal(nix::sys::signal::Signal::SIGPIPE, nix::sys::signal::SigHandler::SigDfl) }.ok();
     weft_builtin::link();
     let code = match Cli::parse().cmd {
-        Cmd::Run { nproc, nnodes, node_rank, master_addr, master_port, backend, timeout, no_prefix, bind_cores, program } => {
+        Cmd::Run { nproc, nnodes, node_rank, master_addr, master_port, backend, timeout, no_prefix, bind_cores, keep_going, program } => {
             launcher::run(&Launch {
                 nproc,
                 nnodes,
@@ -108,6 +113,7 @@ fn main() -> Result<()> {
                 timeout: timeout.map(Duration::from_secs_f64),
                 prefix: !no_prefix,
                 bind_cores,
+                keep_going,
                 program,
             })?
         }

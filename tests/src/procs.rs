@@ -130,3 +130,23 @@ pub fn run_world_with(
         })
         .collect()
 }
+
+/// weft's shm segments in /dev/shm (`weft-<pid of rank 0>-<nonce>`) whose
+/// creating process is gone: what a job left behind. Segments of live
+/// processes (other tests running) do not count.
+pub fn stale_shm_segments() -> Vec<String> {
+    let names: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("weft-")).collect()
+        })
+        .unwrap_or_default();
+    names
+        .into_iter()
+        .filter(|n| {
+            n.split('-')
+                .nth(1)
+                .and_then(|p| p.parse::<i32>().ok())
+                .is_some_and(|pid| nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_err())
+        })
+        .collect()
+}

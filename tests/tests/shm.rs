@@ -8,14 +8,6 @@ use weft::ErrorKind;
 use weft_tests::procs::{run_world, run_world_on_free_port, torchrun_vars};
 use weft_tests::{options, run_threads};
 
-fn shm_files() -> Vec<String> {
-    std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("weft-")).collect()
-        })
-        .unwrap_or_default()
-}
-
 #[test]
 fn shm_passes_conformance_at_world_sizes_1_to_8() {
     for w in 1..=8 {
@@ -297,18 +289,7 @@ fn shm_a_dead_peer_left_unreaped_is_lost_not_waited_for() {
 /// No segment of these processes is left in /dev/shm.
 fn assert_all_clean(ends: &[weft_tests::procs::RankEnd]) {
     let _ = ends;
-    let left: Vec<String> = shm_files().into_iter().filter(|n| !n.is_empty()).collect();
-    // Segments are named weft-<pid of rank 0>-<nonce>; other test processes
-    // may be running, so only segments of dead processes count.
-    let stale: Vec<&String> = left
-        .iter()
-        .filter(|n| {
-            n.split('-')
-                .nth(1)
-                .and_then(|p| p.parse::<i32>().ok())
-                .is_some_and(|pid| nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_err())
-        })
-        .collect();
+    let stale = weft_tests::procs::stale_shm_segments();
     assert!(stale.is_empty(), "left in /dev/shm: {stale:?}");
 }
 

@@ -123,7 +123,14 @@ impl TcpBackend {
     fn root_cause(&self, e: Error) -> Error {
         let ErrorKind::PeerLost { rank: peer } = *e.kind() else { return e };
         let key = format!("abort/{peer}");
-        match self.store.check(&[key.as_str()]).and_then(|_| self.store.get(&key, Duration::from_millis(200))) {
+        // (A peer that died without aborting left no key: no waiting for it.)
+        match self.store.check(&[key.as_str()]).and_then(|found| {
+            if found {
+                self.store.get(&key, Duration::from_millis(200))
+            } else {
+                Ok(Vec::new())
+            }
+        }) {
             Ok(v) => match String::from_utf8_lossy(&v).parse::<usize>() {
                 Ok(b) if b == self.rank => Error::aborted(format!("rank {peer} aborted, blaming this rank")),
                 Ok(b) if b != peer => Error::peer_lost(b, format!("peer rank {b} lost (rank {peer} aborted because of it)")),

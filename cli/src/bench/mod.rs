@@ -78,6 +78,12 @@ pub struct BenchArgs {
     /// Local ranks when run stand-alone (ignored under a launcher).
     #[arg(long = "world", default_value_t = 4)]
     world: usize,
+    /// Measure on a group shrunk after a rank died: one rank more starts,
+    /// the last leaves at once without a goodbye (as a crash would), and
+    /// the others shrink their group and measure on it. Compare with a
+    /// run without the flag (a fresh group of the same size).
+    #[arg(long)]
+    shrunk: bool,
     /// Write results as CSV to this file ("-" for stdout instead of the table).
     #[arg(long)]
     csv: Option<String>,
@@ -120,7 +126,7 @@ pub fn main(args: BenchArgs) -> Result<i32> {
     let checked = plan(&args)?;
     if std::env::var("RANK").is_err() && std::env::var("SLURM_PROCID").is_err() && std::env::var("OMPI_COMM_WORLD_RANK").is_err() {
         // Stand-alone: start a local world running this same command.
-        return launcher::relaunch_local(args.world, std::env::args().skip(1).collect(), None);
+        return launcher::relaunch_local(args.world + usize::from(args.shrunk), std::env::args().skip(1).collect(), None);
     }
     run_rank(&args, checked)
 }
@@ -181,6 +187,7 @@ fn run_rank(a: &BenchArgs, plan: Plan) -> Result<i32> {
         opts = opts.hint(k, v);
     }
     let pg = ProcessGroup::from_env(opts)?;
+    let pg = if a.shrunk { shrunk_after_a_loss(pg)? } else { pg };
     let (r, w) = (pg.rank(), pg.size());
     if a.root >= w {
         bail!("root {} is out of range for {w} ranks", a.root);
@@ -265,6 +272,21 @@ fn run_rank(a: &BenchArgs, plan: Plan) -> Result<i32> {
         }
     }
     Ok(if wrong > 0 { 1 } else { 0 })
+}
+
+/// `--shrunk`: the last rank leaves without a goodbye (exit status 0, so
+/// the launcher lets the others go on); the others see it gone at a
+/// barrier and shrink their group.
+fn shrunk_after_a_loss(pg: ProcessGroup) -> Result<ProcessGroup> {
+    if pg.rank() + 1 == pg.size() {
+        // No destructors: the connections just drop, as in a crash.
+        std::process::exit(0);
+    }
+    let o = OpOptions::default();
+    if pg.barrier(&o)?.wait().is_ok() {
+        bail!("--shrunk: the last rank left, yet the barrier succeeded");
+    }
+    Ok(pg.shrink(&weft::ShrinkOptions::default())?)
 }
 
 /// Time one (op, size) on every rank; the row as rank 0 reports it.

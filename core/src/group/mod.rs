@@ -1,4 +1,4 @@
-//! The process group: rank, size, ops, sub-groups, abort.
+//! The process group: rank, size, ops, sub-groups, abort, shrinking after a death.
 
 mod debug;
 mod executor;
@@ -6,10 +6,12 @@ mod ops;
 mod p2p;
 mod scope;
 mod setup;
+mod shrink;
 mod work;
 
 pub use ops::{Collectives, Job, P2pOp};
 pub use scope::{Scope, Unscoped};
+pub use shrink::ShrinkOptions;
 pub use work::Work;
 
 use crate::algorithms;
@@ -57,6 +59,8 @@ pub(crate) struct GroupCore {
     /// The first failure after bytes may have moved (checked on every op).
     poisoned: OnceLock<Error>,
     splits: AtomicU64,
+    /// Shrinks and agreements run so far (numbered alike on survivors).
+    surveys: AtomicU64,
     /// Hashes every op's hint map: seeded once, so an op without hints
     /// makes its empty map without reading the per-thread seed.
     hasher: std::collections::hash_map::RandomState,
@@ -319,7 +323,7 @@ impl GroupCore {
                 stream: opts.stream,
                 completion: completion.clone(),
             };
-            let r = self.execute(backend.as_ref(), &ctx, fingerprint.as_ref(), op);
+            let r = self.execute(backend.as_ref(), &ctx, fingerprint.as_ref(), op).map_err(|e| self.explain(e));
             if let Err(e) = &r {
                 // Invalid/unsupported calls are caught before data moves (the
                 // detail check is symmetric on every rank): no need to poison.

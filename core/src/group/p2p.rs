@@ -205,7 +205,7 @@ impl GroupCore {
         let from = source.clone();
         let done: crate::progress::Done = Box::new(move |r: Result<()>| {
             let r = r.map_err(|e| {
-                let e = e.with_op(name).with_rank(core.rank);
+                let e = core.explain(e).with_op(name).with_rank(core.rank);
                 if !matches!(e.kind(), ErrorKind::Unsupported | ErrorKind::InvalidArgument) {
                     core.poison(e.clone());
                 }

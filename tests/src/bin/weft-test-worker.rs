@@ -256,6 +256,7 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             anyhow::ensure!(ok, "rank {r}:\n{table}");
             println!("rank {r}: {} p2p checks passed on {:?}", checks.len(), pg);
         }
+        "shrink" => shrink_scenario(pg)?,
         "conformance" => {
             let checks = weft_conformance::run(&pg, 5);
             let (table, ok) = weft_conformance::summary(&checks);
@@ -275,5 +276,112 @@ fn run(scenario: &str) -> anyhow::Result<()> {
         }
         other => anyhow::bail!("unknown scenario {other:?}"),
     }
+    Ok(())
+}
+
+/// The `shrink` scenario: ranks die (or stop, or nobody dies and rank 0
+/// revokes) mid all_reduce; the survivors shrink, check the new group with
+/// the conformance suite and agree on a value. `WEFT_TEST_VICTIMS`: the
+/// original ranks to lose, one per round (default: the last);
+/// `WEFT_TEST_HOW`: `kill` (default), `stop` or `revoke`;
+/// `WEFT_TEST_CUDA=1`: the suite runs on (emulated) CUDA tensors too.
+fn shrink_scenario(pg: ProcessGroup) -> anyhow::Result<()> {
+    use weft::ShrinkOptions;
+    let (me, w) = (pg.rank(), pg.size());
+    let victims: Vec<usize> = match std::env::var("WEFT_TEST_VICTIMS") {
+        Ok(v) => v.split(',').map(str::parse).collect::<Result<_, _>>()?,
+        Err(_) => vec![w - 1],
+    };
+    let how = std::env::var("WEFT_TEST_HOW").unwrap_or_else(|_| "kill".into());
+    let cuda = std::env::var("WEFT_TEST_CUDA").as_deref() == Ok("1");
+    let store = weft::launch::LaunchEnv::from_env()?.connect_store(Duration::from_secs(30))?;
+    let o = OpOptions::default();
+    let mut group = pg;
+    let mut alive: Vec<usize> = (0..w).collect();
+    for (round, &victim) in victims.iter().enumerate() {
+        let lost = alive.iter().position(|&x| x == victim).expect("a victim of a later round is alive");
+        let when = Duration::from_millis(300);
+        if me == victim && how != "revoke" {
+            store.set(&format!("test/pid/{round}"), std::process::id().to_string().as_bytes())?;
+            let store = store.clone();
+            let how = how.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(when);
+                let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+                let _ = store.set(&format!("test/lost_at/{round}"), now.as_nanos().to_string().as_bytes());
+                let _ = nix::sys::signal::raise(if how == "stop" {
+                    nix::sys::signal::Signal::SIGSTOP
+                } else {
+                    nix::sys::signal::Signal::SIGKILL
+                });
+            });
+        }
+        if how == "revoke" && group.rank() == 0 {
+            let g = &group;
+            std::thread::scope(|t| {
+                t.spawn(move || {
+                    std::thread::sleep(when);
+                    g.revoke();
+                });
+            });
+        }
+        // All-reduce until the loss shows.
+        let mut v = vec![1f32; 1 << 16];
+        let e = loop {
+            if let Err(e) = group.all_reduce(&mut v, ReduceOp::Sum, &o)?.wait() {
+                break e;
+            }
+        };
+        let failed_at = Instant::now();
+        match how.as_str() {
+            "revoke" => anyhow::ensure!(e.kind() == &ErrorKind::Aborted, "revoked: expected Aborted, got {e}"),
+            "kill" => anyhow::ensure!(e.kind() == &ErrorKind::PeerLost { rank: lost }, "expected PeerLost {{ rank: {lost} }}, got {e}"),
+            _ => {}
+        }
+        let opts = if how == "stop" { ShrinkOptions::default().wait(Duration::from_secs(1)) } else { ShrinkOptions::default() };
+        let shrunk = match group.shrink(&opts) {
+            Ok(g) => g,
+            Err(e) if me == victim => {
+                // Stopped, then resumed: left out, and told so.
+                anyhow::ensure!(e.kind() == &ErrorKind::Aborted && e.to_string().contains("left out"), "the resumed rank: {e}");
+                println!("rank {me}: left out after resuming: {e}");
+                return Ok(());
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let took = failed_at.elapsed();
+        if how != "revoke" {
+            alive.retain(|&x| x != victim);
+        }
+        anyhow::ensure!(shrunk.size() == alive.len(), "shrunk to {} ranks, expected {alive:?}", shrunk.size());
+        anyhow::ensure!(Some(shrunk.rank()) == alive.iter().position(|&x| x == me), "new rank {} in {alive:?}", shrunk.rank());
+        if how != "revoke" {
+            let lost_at: u128 = String::from_utf8(store.get(&format!("test/lost_at/{round}"), Duration::from_secs(10))?)?.parse()?;
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos();
+            println!(
+                "rank {me}: round {round}: usable {} ms after the loss (shrink {} ms)",
+                (now.saturating_sub(lost_at)) / 1_000_000,
+                took.as_millis()
+            );
+        }
+        let checks = if cuda {
+            weft_conformance::run_on(&shrunk, 5, Some(weft_conformance::cuda::local_placement(shrunk.rank())?))
+        } else {
+            weft_conformance::run(&shrunk, 5)
+        };
+        let (table, ok) = weft_conformance::summary(&checks);
+        anyhow::ensure!(ok, "rank {me} after shrinking:\n{table}");
+        // Every survivor agrees on the AND of their values.
+        let mine = u64::MAX ^ (1 << shrunk.rank());
+        let agreed = shrunk.agree(mine, &ShrinkOptions::default())?;
+        let want = (0..shrunk.size()).fold(u64::MAX, |v, r| v & (u64::MAX ^ (1 << r)));
+        anyhow::ensure!(agreed == want, "agree gave {agreed:#x}, expected {want:#x}");
+        if how == "stop" && shrunk.rank() == 0 {
+            let pid: i32 = String::from_utf8(store.get(&format!("test/pid/{round}"), Duration::from_secs(10))?)?.parse()?;
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGCONT)?;
+        }
+        group = shrunk;
+    }
+    println!("rank {me}: {} survivors ok", alive.len());
     Ok(())
 }
