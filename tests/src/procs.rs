@@ -27,6 +27,19 @@ pub fn run_world(program: &str, n: usize, args: &[&str], env: &[(&str, &str)], l
     run_world_with(program, n, args, env, limit, |rank| torchrun_vars(rank, n, &port, &[("WEFT_AGENT_STORE", "1".into())]))
 }
 
+/// As [`run_world`], with rank r on the "host" `hosts[r]` (`WEFT_HOST_ID`)
+/// and `auto` choosing backends unless `env` says otherwise.
+pub fn run_on_hosts(program: &str, hosts: &[&str], args: &[&str], env: &[(&str, &str)], limit: Duration) -> Vec<RankEnd> {
+    let server = TcpStoreServer::start(([127, 0, 0, 1], 0).into()).expect("store server");
+    let port = server.local_addr().port().to_string();
+    let n = hosts.len();
+    let vars = |r: usize| {
+        let extra = [("WEFT_AGENT_STORE", "1".into()), ("WEFT_BACKEND", "auto".into()), ("WEFT_HOST_ID", hosts[r].to_string())];
+        torchrun_vars(r, n, &port, &extra)
+    };
+    run_world_with(program, n, args, env, limit, vars)
+}
+
 /// torchrun's variables for `rank` of `n` with the store at
 /// 127.0.0.1:`port`, then `extra`.
 pub fn torchrun_vars(rank: usize, n: usize, port: &str, extra: &[(&str, String)]) -> Vec<(String, String)> {

@@ -5,20 +5,12 @@
 
 use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
-use weft_tests::procs::{run_world_with, torchrun_vars, RankEnd};
+use weft_tests::procs::{run_on_hosts, RankEnd};
 
 /// Run the worker `scenario` with rank r on host `hosts[r]`; the store is
 /// hosted here, as `weft run` hosts it.
 fn on_hosts(hosts: &[&str], scenario: &str, limit: Duration) -> Vec<RankEnd> {
-    let worker = env!("CARGO_BIN_EXE_weft-test-worker");
-    let server = weft::store::TcpStoreServer::start(([127, 0, 0, 1], 0).into()).expect("store server");
-    let port = server.local_addr().port().to_string();
-    let n = hosts.len();
-    let vars = |r: usize| {
-        let extra = [("WEFT_AGENT_STORE", "1".into()), ("WEFT_BACKEND", "auto".into()), ("WEFT_HOST_ID", hosts[r].to_string())];
-        torchrun_vars(r, n, &port, &extra)
-    };
-    run_world_with(worker, n, &[scenario], &[], limit, vars)
+    run_on_hosts(env!("CARGO_BIN_EXE_weft-test-worker"), hosts, &[scenario], &[], limit)
 }
 
 #[test]

@@ -7,7 +7,7 @@
 
 use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
-use weft_tests::procs::{run_world, stale_shm_segments, RankEnd};
+use weft_tests::procs::{run_on_hosts, run_world, stale_shm_segments, RankEnd};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_weft-test-worker");
 
@@ -47,6 +47,24 @@ fn survivors_of_a_killed_rank_shrink_and_pass_conformance_at_w_3_4_5() {
 }
 
 #[test]
+fn the_hierarchical_backend_shrinks_too() {
+    // Two "hosts" of two ranks; one rank of the first dies.
+    let ends = run_on_hosts(WORKER, &["a", "a", "b", "b"], &["shrink"], &[("WEFT_TEST_VICTIMS", "1")], Duration::from_secs(120));
+    check(&ends, &[1], "hierarchical");
+    assert!(ends[0].output.contains("backend=hierarchical"), "{}", ends[0].output);
+}
+
+#[test]
+fn shrink_can_leave_out_live_ranks_who_are_told_so() {
+    let ends = world("cpu-tcp", 4, &[("WEFT_TEST_HOW", "exclude"), ("WEFT_TEST_VICTIMS", "0,2")]);
+    for (r, e) in ends.iter().enumerate() {
+        assert!(e.status.success(), "rank {r}:\n{}", e.output);
+        let want = if r % 2 == 0 { "excluded" } else { "2 survivors ok" };
+        assert!(e.output.contains(want), "rank {r}:\n{}", e.output);
+    }
+}
+
+#[test]
 fn two_ranks_die_one_after_the_other_and_the_group_shrinks_twice() {
     for backend in ["cpu-tcp", "cpu:shm"] {
         let ends = world(backend, 5, &[("WEFT_TEST_VICTIMS", "3,0")]);
@@ -80,7 +98,10 @@ fn a_revoked_group_fails_with_aborted_everywhere_and_shrinks_to_everyone() {
 
 #[test]
 fn the_shrunk_group_serves_cuda_tensors_too() {
-    // The emulated GPU: cuda-device (and shm for the CPU) in the new group.
-    let ends = world("auto", 3, &[("WEFT_TEST_CUDA", "1"), ("WEFT_CUDA_EMULATION", "1"), ("WEFT_TEST_VICTIMS", "2")]);
-    check(&ends, &[2], "cuda");
+    // The emulated GPU: cuda-device (and shm for the CPU), then host
+    // staging over cpu-tcp, in the new group.
+    for spec in ["auto", "cpu:cpu-tcp,cuda:cuda-host-staging"] {
+        let ends = world(spec, 3, &[("WEFT_TEST_CUDA", "1"), ("WEFT_CUDA_EMULATION", "1"), ("WEFT_TEST_VICTIMS", "2")]);
+        check(&ends, &[2], spec);
+    }
 }

@@ -293,7 +293,27 @@ fn shrink_scenario(pg: ProcessGroup) -> anyhow::Result<()> {
         Err(_) => vec![w - 1],
     };
     let how = std::env::var("WEFT_TEST_HOW").unwrap_or_else(|_| "kill".into());
+    if how == "exclude" {
+        // Nobody dies: every rank shrinks, leaving out the "victims".
+        let exclude: Vec<usize> = victims.clone();
+        return match pg.shrink(&ShrinkOptions::default().exclude(exclude.clone())) {
+            Ok(g) => {
+                anyhow::ensure!(!exclude.contains(&me) && g.size() == w - exclude.len(), "shrunk to {} ranks", g.size());
+                let checks = weft_conformance::run(&g, 5);
+                let (table, ok) = weft_conformance::summary(&checks);
+                anyhow::ensure!(ok, "rank {me}:\n{table}");
+                println!("rank {me}: {} survivors ok", g.size());
+                Ok(())
+            }
+            Err(e) if exclude.contains(&me) && e.kind() == &ErrorKind::Aborted => {
+                println!("rank {me}: excluded: {e}");
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        };
+    }
     let cuda = std::env::var("WEFT_TEST_CUDA").as_deref() == Ok("1");
+    println!("rank {me}: backend={}", pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense)).unwrap_or_default());
     let store = weft::launch::LaunchEnv::from_env()?.connect_store(Duration::from_secs(30))?;
     let o = OpOptions::default();
     let mut group = pg;
@@ -325,13 +345,23 @@ fn shrink_scenario(pg: ProcessGroup) -> anyhow::Result<()> {
                 });
             });
         }
-        // All-reduce until the loss shows.
-        let mut v = vec![1f32; 1 << 16];
-        let e = loop {
-            if let Err(e) = group.all_reduce(&mut v, ReduceOp::Sum, &o)?.wait() {
-                break e;
-            }
-        };
+        // Collectives of every kind, round after round, until the loss
+        // shows (in whichever one it lands).
+        let n = group.size();
+        let (mut v, mut all, parts) = (vec![1f32; 1 << 14], vec![0f32; n << 14], vec![2f32; n << 14]);
+        let e = (0..)
+            .find_map(|i| {
+                let work = match i % 6 {
+                    0 => group.all_reduce(&mut v, ReduceOp::Sum, &o),
+                    1 => group.all_gather_single(&mut all, &v, &o),
+                    2 => group.broadcast(&mut v, i % n, &o),
+                    3 => group.reduce_scatter_single(&mut v[..1 << 10], &all[..n << 10], ReduceOp::Max, &o),
+                    4 => group.all_to_all_single(&mut all, &parts, &o),
+                    _ => group.barrier(&o),
+                };
+                work.and_then(|w| w.wait()).err()
+            })
+            .expect("the loop ends with an error");
         let failed_at = Instant::now();
         match how.as_str() {
             "revoke" => anyhow::ensure!(e.kind() == &ErrorKind::Aborted, "revoked: expected Aborted, got {e}"),
@@ -363,6 +393,11 @@ fn shrink_scenario(pg: ProcessGroup) -> anyhow::Result<()> {
                 (now.saturating_sub(lost_at)) / 1_000_000,
                 took.as_millis()
             );
+        }
+        // The shrunk group splits like any other.
+        let halves = shrunk.split(&(0..shrunk.size()).step_by(2).collect::<Vec<_>>())?;
+        if let Some(h) = &halves {
+            h.barrier(&o)?.wait()?;
         }
         let checks = if cuda {
             weft_conformance::run_on(&shrunk, 5, Some(weft_conformance::cuda::local_placement(shrunk.rank())?))
