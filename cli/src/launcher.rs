@@ -175,6 +175,9 @@ pub fn run(l: &Launch) -> Result<i32> {
             match child.try_wait()? {
                 Some(status) if !status.success() && failed.is_none() && stopping.is_none() => {
                     failed = Some((*rank, status));
+                    if l.keep_going {
+                        eprintln!("weft run: rank {rank} failed ({}); --keep-going: the others go on", describe(status));
+                    }
                 }
                 Some(_) => {}
                 None => live += 1,

@@ -61,6 +61,8 @@ pub(crate) struct GroupCore {
     splits: AtomicU64,
     /// Shrinks and agreements run so far (numbered alike on survivors).
     surveys: AtomicU64,
+    /// Whether this rank marked the group revoked in the store (`shrink.rs`).
+    revoked: AtomicBool,
     /// Hashes every op's hint map: seeded once, so an op without hints
     /// makes its empty map without reading the per-thread seed.
     hasher: std::collections::hash_map::RandomState,

@@ -5,13 +5,20 @@
 //!
 //! Survivors agree through the group's store (which must outlive the dead
 //! rank: `weft run` and torchrun host it in the launcher), in a *survey*:
-//! each survivor checks in with the ranks it knows are dead; the first to
-//! arrive (by the store's atomic counter) decides once every rank has
-//! checked in or is known dead, or when the wait runs out, and publishes
-//! the decision, which every survivor reads. So every survivor gets the
-//! same membership. If the deciding rank dies in the middle, the others
-//! fail at their timeout rather than disagree. The deciding rule is
-//! [`decide`], free of I/O.
+//! each survivor checks in (with the ranks it knows are dead and those it
+//! wants left out), then watches the others' check-ins until [`decide`]
+//! says every rank has checked in, is left out, or is known dead (after a
+//! short grace, since a rank that gave up on a stalled peer may be blamed
+//! while alive), or until its wait runs out. It then offers its decision
+//! with the store's compare-and-set: the first offer is the decision, the
+//! same for every survivor, whoever made it and whoever dies meanwhile.
+//! The deciding rule is [`decide`], free of I/O.
+//!
+//! Limits: survivors must run their surveys (`shrink`, `agree`) in the
+//! same order, and one that fails on some ranks only (its store
+//! unreachable) puts them out of step; a rank left out must not survey the
+//! old group again; a member that dies while the new group is being set up
+//! fails that setup at the group's timeout (shrink again then).
 
 use super::{GroupCore, ProcessGroup};
 use crate::error::{Error, ErrorKind, Result};
@@ -20,15 +27,23 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// The store key a revoking rank sets (to its rank) in the group's store.
+/// The store key a rank sets (`revoked/RANK`) when it revokes the group,
+/// or learns that it was revoked: its peers then know that its leaving is
+/// the revocation, not a death.
 const REVOKED: &str = "revoked";
 /// Longest a survey waits, by default, for a rank that neither checked in
 /// nor is known dead (the group's timeout if shorter).
 const DEFAULT_WAIT: Duration = Duration::from_secs(10);
-/// How often the deciding rank looks for new check-ins.
+/// How often a survivor looks for new check-ins.
 const POLL: Duration = Duration::from_millis(2);
+/// How long a survey still waits for a rank that a survivor says is dead,
+/// once every other rank is in: one that gave up on a stalled peer blames
+/// itself to the others while it is alive, and checks in soon.
+const GRACE: Duration = Duration::from_millis(100);
 
-/// Options of [`ProcessGroup::shrink`] and [`ProcessGroup::agree`].
+/// Options of [`ProcessGroup::shrink`] and [`ProcessGroup::agree`]. Each
+/// survivor's `exclude` counts (their union is left out); `wait` bounds
+/// each survivor's own wait.
 #[derive(Clone, Debug, Default)]
 pub struct ShrinkOptions {
     /// Ranks to leave out even if alive (`shrink(exclude=...)`).
@@ -52,12 +67,14 @@ impl ShrinkOptions {
     }
 }
 
-/// One survivor's check-in: the ranks it knows are dead, and its value
-/// (for `agree`).
+/// One survivor's check-in: the ranks it knows are dead, those it wants
+/// left out, and its value (for `agree`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct CheckIn {
     /// Ranks this survivor saw die.
     pub dead: Vec<usize>,
+    /// Ranks this survivor wants left out.
+    pub exclude: Vec<usize>,
     /// Its value.
     pub value: u64,
 }
@@ -71,18 +88,22 @@ pub(crate) struct Decision {
     pub value: u64,
 }
 
-/// The decision once it can be made: every rank of `checkins` (indexed
-/// by rank; None: not heard from) has checked in, is excluded, or is known
-/// dead by some survivor that checked in; or `expired` (the wait ran out),
-/// when whoever has not checked in is left out. Ranks excluded are left out
-/// even if they checked in. None: keep waiting.
-pub(crate) fn decide(checkins: &[Option<CheckIn>], exclude: &[usize], expired: bool) -> Option<Decision> {
-    let known_dead = |r: usize| exclude.contains(&r) || checkins.iter().flatten().any(|c| c.dead.contains(&r));
-    let waiting = checkins.iter().enumerate().any(|(r, c)| c.is_none() && !known_dead(r));
+/// The decision once it can be made (None: keep waiting). Every rank of
+/// `checkins` (indexed by rank; None: not heard from) must have checked
+/// in, be left out by some survivor, or be said dead by one, and those
+/// said dead are still waited for until `grace_over`; once `expired` (the
+/// wait ran out) whoever has not checked in is left out. Left-out ranks
+/// are left out even if they checked in.
+pub(crate) fn decide(checkins: &[Option<CheckIn>], grace_over: bool, expired: bool) -> Option<Decision> {
+    let heard = || checkins.iter().flatten();
+    let excluded = |r: usize| heard().any(|c| c.exclude.contains(&r));
+    let said_dead = |r: usize| heard().any(|c| c.dead.contains(&r));
+    let missing = |r: usize| checkins[r].is_none() && !excluded(r);
+    let waiting = (0..checkins.len()).any(|r| missing(r) && (!said_dead(r) || !grace_over));
     if waiting && !expired {
         return None;
     }
-    let members: Vec<usize> = (0..checkins.len()).filter(|&r| checkins[r].is_some() && !exclude.contains(&r)).collect();
+    let members: Vec<usize> = (0..checkins.len()).filter(|&r| checkins[r].is_some() && !excluded(r)).collect();
     let value = members.iter().filter_map(|&r| checkins[r].as_ref()).fold(u64::MAX, |v, c| v & c.value);
     Some(Decision { members, value })
 }
@@ -95,41 +116,52 @@ fn decode_list(s: &str) -> Result<Vec<usize>> {
     s.split(',').filter(|x| !x.is_empty()).map(|x| x.parse().map_err(|_| Error::backend(format!("bad rank {x:?} in a survey")))).collect()
 }
 
+/// `a;b;value` (two rank lists and a number) from the store.
+fn decode_parts(b: &[u8]) -> Result<(Vec<usize>, Vec<usize>, u64)> {
+    let s = String::from_utf8_lossy(b);
+    let bad = || Error::backend(format!("bad survey record {s:?}"));
+    let mut parts = s.split(';');
+    let (Some(a), Some(b), Some(v), None) = (parts.next(), parts.next(), parts.next(), parts.next()) else { return Err(bad()) };
+    Ok((decode_list(a)?, decode_list(b)?, v.parse().map_err(|_| bad())?))
+}
+
 impl CheckIn {
     fn encode(&self) -> Vec<u8> {
-        format!("{};{}", encode_list(&self.dead), self.value).into_bytes()
+        format!("{};{};{}", encode_list(&self.dead), encode_list(&self.exclude), self.value).into_bytes()
     }
     fn decode(b: &[u8]) -> Result<CheckIn> {
-        let s = String::from_utf8_lossy(b);
-        let (dead, value) = s.split_once(';').ok_or_else(|| Error::backend(format!("bad check-in {s:?}")))?;
-        Ok(CheckIn { dead: decode_list(dead)?, value: value.parse().map_err(|_| Error::backend(format!("bad check-in {s:?}")))? })
+        decode_parts(b).map(|(dead, exclude, value)| CheckIn { dead, exclude, value })
     }
 }
 
 impl Decision {
     fn encode(&self) -> Vec<u8> {
-        format!("{};{}", encode_list(&self.members), self.value).into_bytes()
+        format!("{};;{}", encode_list(&self.members), self.value).into_bytes()
     }
     fn decode(b: &[u8]) -> Result<Decision> {
-        let c = CheckIn::decode(b)?;
-        Ok(Decision { members: c.dead, value: c.value })
+        decode_parts(b).map(|(members, _, value)| Decision { members, value })
     }
 }
 
 impl GroupCore {
-    /// `e`, explained: a lost peer in a group some rank revoked is the
-    /// revocation (`Aborted`), not a death. Only on error paths (one store
-    /// lookup).
+    /// `e`, explained: a lost peer that left because the group was revoked
+    /// (it set `revoked/PEER`) is the revocation (`Aborted`), not a death;
+    /// this rank then says it knows too, so its own leaving is read alike.
+    /// Only on error paths (a store lookup).
     pub(super) fn explain(&self, e: Error) -> Error {
-        if !matches!(e.kind(), ErrorKind::PeerLost { .. }) {
+        let ErrorKind::PeerLost { rank: peer } = *e.kind() else { return e };
+        let key = format!("{REVOKED}/{peer}");
+        if !matches!(self.store.check(&[key.as_str()]), Ok(true)) {
             return e;
         }
-        match self.store.check(&[REVOKED]) {
-            Ok(true) => match self.store.get(REVOKED, Duration::from_millis(200)) {
-                Ok(by) => Error::aborted(format!("rank {} revoked the group ({e})", String::from_utf8_lossy(&by))),
-                Err(_) => e,
-            },
-            _ => e,
+        self.mark_revoked();
+        Error::aborted(format!("the group was revoked (rank {peer} left because of it: {e})"))
+    }
+
+    /// Record in the store that this rank's group is revoked (once).
+    fn mark_revoked(&self) {
+        if !self.revoked.swap(true, Ordering::AcqRel) {
+            let _ = self.store.set(&format!("{REVOKED}/{}", self.rank), b"1");
         }
     }
 
@@ -143,37 +175,35 @@ impl GroupCore {
     }
 
     /// Run survey number `n` (`what` names it in errors) with this rank's
-    /// `value`: every survivor gets the same decision.
+    /// `value`: every survivor gets the same decision (see the module docs).
     fn survey(&self, what: &'static str, n: u64, value: u64, opts: &ShrinkOptions) -> Result<(Arc<dyn Store>, Decision)> {
         let fail = |e: Error| e.with_op(what).with_rank(self.rank);
         if let Some(r) = opts.exclude.iter().find(|&&r| r >= self.size) {
             return Err(fail(Error::invalid(format!("cannot exclude rank {r}: the group has {} ranks", self.size))));
         }
         let store: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("survey{n}"), self.store.clone()));
+        let start = Instant::now();
         let wait = opts.wait.unwrap_or(self.options.timeout.min(DEFAULT_WAIT));
-        let mine = CheckIn { dead: self.known_dead(), value };
+        let mine = CheckIn { dead: self.known_dead(), exclude: opts.exclude.clone(), value };
         store.set(&format!("in/{}", self.rank), &mine.encode()).map_err(fail)?;
-        if store.add("decider", 1).map_err(fail)? == 1 {
-            let decision = self.decide_survey(&*store, opts, wait).map_err(fail)?;
-            store.set("decision", &decision.encode()).map_err(fail)?;
-        }
-        let got = store.get("decision", wait + self.options.timeout).map_err(|e| fail(e.context("waiting for the survivors' decision")))?;
-        Ok((store, Decision::decode(&got).map_err(fail)?))
-    }
-
-    /// As the deciding rank: gather check-ins until [`decide`] says.
-    fn decide_survey(&self, store: &dyn Store, opts: &ShrinkOptions, wait: Duration) -> Result<Decision> {
-        let until = Instant::now() + wait;
         let mut checkins: Vec<Option<CheckIn>> = vec![None; self.size];
         loop {
+            // A decision made already (by another survivor) is the one.
+            if store.check(&["decision"]).map_err(fail)? {
+                let got = store.get("decision", self.options.timeout).map_err(fail)?;
+                return Ok((store, Decision::decode(&got).map_err(fail)?));
+            }
             for (r, slot) in checkins.iter_mut().enumerate() {
                 let key = format!("in/{r}");
-                if slot.is_none() && store.check(&[key.as_str()])? {
-                    *slot = Some(CheckIn::decode(&store.get(&key, self.options.timeout)?)?);
+                if slot.is_none() && store.check(&[key.as_str()]).map_err(fail)? {
+                    *slot = Some(CheckIn::decode(&store.get(&key, self.options.timeout).map_err(fail)?).map_err(fail)?);
                 }
             }
-            if let Some(d) = decide(&checkins, &opts.exclude, Instant::now() >= until) {
-                return Ok(d);
+            let waited = start.elapsed();
+            if let Some(d) = decide(&checkins, waited >= GRACE, waited >= wait) {
+                // Offer it: the first offer stored is everyone's decision.
+                let got = store.compare_set("decision", b"", &d.encode()).map_err(fail)?;
+                return Ok((store, Decision::decode(&got).map_err(fail)?));
             }
             std::thread::sleep(POLL);
         }
@@ -181,17 +211,18 @@ impl GroupCore {
 }
 
 impl ProcessGroup {
-    /// Mark this group failed on every rank (ULFM's `MPI_Comm_revoke`):
-    /// this rank's pending and later ops fail with `Aborted` at once, and
-    /// so do every other rank's as they touch this one (their pending ops
-    /// promptly; the failure spreads through each rank that sees it). Then
-    /// [`ProcessGroup::shrink`] makes a usable group, with everyone if
-    /// nobody died.
+    /// Mark this group failed (ULFM's `MPI_Comm_revoke`): this rank's
+    /// pending and later ops fail with `Aborted` at once; another rank's
+    /// fail with `Aborted` as they touch this one or a rank that already
+    /// failed (its pending collectives promptly), and each rank that fails
+    /// so passes it on. A rank idle meanwhile learns at its next op with
+    /// one of them. Then [`ProcessGroup::shrink`] makes a usable group,
+    /// with everyone if nobody died.
     pub fn revoke(&self) {
         let c = &self.core;
-        // Set before the transports fail, so peers that see this rank go
+        // Marked before the transports fail, so peers that see this rank go
         // find why.
-        let _ = c.store.set(REVOKED, c.rank.to_string().as_bytes());
+        c.mark_revoked();
         c.poison(Error::aborted(format!("rank {} revoked the group", c.rank)).with_rank(c.rank));
     }
 
@@ -237,31 +268,36 @@ mod tests {
     use super::*;
 
     fn ck(dead: &[usize], value: u64) -> Option<CheckIn> {
-        Some(CheckIn { dead: dead.to_vec(), value })
+        Some(CheckIn { dead: dead.to_vec(), exclude: vec![], value })
     }
 
     #[test]
     fn decides_once_every_rank_is_in_or_known_dead() {
         // Rank 2 died; rank 1 saw it; rank 3 has not checked in yet.
         let mut c = vec![ck(&[], 7), ck(&[2], 3), None, None];
-        assert_eq!(decide(&c, &[], false), None);
+        assert_eq!(decide(&c, true, false), None);
         c[3] = ck(&[], 1);
-        assert_eq!(decide(&c, &[], false), Some(Decision { members: vec![0, 1, 3], value: 1 }));
+        let d = Some(Decision { members: vec![0, 1, 3], value: 1 });
+        assert_eq!(decide(&c, true, false), d);
+        // A rank said dead is still waited for during the grace.
+        assert_eq!(decide(&c, false, false), None);
         // Nobody knows rank 2 is dead: wait until the time runs out.
         c[1] = ck(&[], 3);
-        assert_eq!(decide(&c, &[], false), None);
-        assert_eq!(decide(&c, &[], true), Some(Decision { members: vec![0, 1, 3], value: 1 }));
-        // Excluded ranks are left out even when alive.
+        assert_eq!(decide(&c, true, false), None);
+        assert_eq!(decide(&c, true, true), d);
+        // Ranks any survivor leaves out are left out even when alive.
         c[2] = ck(&[], 0);
-        assert_eq!(decide(&c, &[0], false), Some(Decision { members: vec![1, 2, 3], value: 0 }));
+        c[3] = Some(CheckIn { dead: vec![], exclude: vec![0], value: 1 });
+        assert_eq!(decide(&c, false, false), Some(Decision { members: vec![1, 2, 3], value: 0 }));
     }
 
     #[test]
     fn check_ins_and_decisions_survive_the_store() {
-        let c = CheckIn { dead: vec![1, 4], value: u64::MAX };
+        let c = CheckIn { dead: vec![1, 4], exclude: vec![2], value: u64::MAX };
         assert_eq!(CheckIn::decode(&c.encode()).unwrap(), c);
         let d = Decision { members: vec![], value: 0 };
         assert_eq!(Decision::decode(&d.encode()).unwrap(), d);
-        assert!(CheckIn::decode(b"1,x;2").is_err());
+        assert!(CheckIn::decode(b"1,x;;2").is_err());
+        assert!(CheckIn::decode(b"1;2").is_err());
     }
 }

@@ -279,11 +279,60 @@ fn run(scenario: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The conformance suite on `pg` (CUDA tensors too with `cuda`), failing
+/// with the table of what went wrong.
+fn conform(pg: &ProcessGroup, cuda: bool) -> anyhow::Result<()> {
+    let checks = if cuda {
+        weft_conformance::run_on(pg, 5, Some(weft_conformance::cuda::local_placement(pg.rank())?))
+    } else {
+        weft_conformance::run(pg, 5)
+    };
+    let (table, ok) = weft_conformance::summary(&checks);
+    anyhow::ensure!(ok, "rank {}:\n{table}", pg.rank());
+    Ok(())
+}
+
+/// weft's shm segments this process has mapped.
+fn mapped_segments() -> usize {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let mut names: Vec<&str> = maps.lines().filter_map(|l| l.split_whitespace().nth(5)).filter(|p| p.starts_with("/dev/shm/weft-")).collect();
+    names.sort_unstable();
+    names.dedup();
+    names.len()
+}
+
+/// Collectives of every kind in turn on `group` until one fails: its error.
+fn collectives_until_an_error(group: &ProcessGroup) -> weft::Error {
+    let o = OpOptions::default();
+    let n = group.size();
+    let (mut v, mut all, parts) = (vec![1f32; 1 << 14], vec![0f32; n << 14], vec![2f32; n << 14]);
+    (0..)
+        .find_map(|i| {
+            let work = match i % 6 {
+                0 => group.all_reduce(&mut v, ReduceOp::Sum, &o),
+                1 => group.all_gather_single(&mut all, &v, &o),
+                2 => group.broadcast(&mut v, i % n, &o),
+                3 => group.reduce_scatter_single(&mut v[..1 << 10], &all[..n << 10], ReduceOp::Max, &o),
+                4 => group.all_to_all_single(&mut all, &parts, &o),
+                _ => group.barrier(&o),
+            };
+            work.and_then(|w| w.wait()).err()
+        })
+        .expect("the loop ends with an error")
+}
+
+/// Nanoseconds since the epoch (comparable between processes of a host).
+fn epoch_nanos() -> u128 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos()
+}
+
 /// The `shrink` scenario: ranks die (or stop, or nobody dies and rank 0
-/// revokes) mid all_reduce; the survivors shrink, check the new group with
-/// the conformance suite and agree on a value. `WEFT_TEST_VICTIMS`: the
-/// original ranks to lose, one per round (default: the last);
-/// `WEFT_TEST_HOW`: `kill` (default), `stop` or `revoke`;
+/// revokes) at a random moment of a stream of collectives of every kind;
+/// the survivors agree on the failed group, shrink, split the new group,
+/// run the conformance suite on it and agree again.
+/// `WEFT_TEST_VICTIMS`: the original ranks to lose, one per round
+/// (default: the last); `WEFT_TEST_HOW`: `kill` (default), `stop`,
+/// `revoke` or `exclude` (nobody dies; the victims are left out);
 /// `WEFT_TEST_CUDA=1`: the suite runs on (emulated) CUDA tensors too.
 fn shrink_scenario(pg: ProcessGroup) -> anyhow::Result<()> {
     use weft::ShrinkOptions;
@@ -293,130 +342,121 @@ fn shrink_scenario(pg: ProcessGroup) -> anyhow::Result<()> {
         Err(_) => vec![w - 1],
     };
     let how = std::env::var("WEFT_TEST_HOW").unwrap_or_else(|_| "kill".into());
+    let cuda = std::env::var("WEFT_TEST_CUDA").as_deref() == Ok("1");
     if how == "exclude" {
         // Nobody dies: every rank shrinks, leaving out the "victims".
-        let exclude: Vec<usize> = victims.clone();
-        return match pg.shrink(&ShrinkOptions::default().exclude(exclude.clone())) {
+        return match pg.shrink(&ShrinkOptions::default().exclude(victims.clone())) {
             Ok(g) => {
-                anyhow::ensure!(!exclude.contains(&me) && g.size() == w - exclude.len(), "shrunk to {} ranks", g.size());
-                let checks = weft_conformance::run(&g, 5);
-                let (table, ok) = weft_conformance::summary(&checks);
-                anyhow::ensure!(ok, "rank {me}:\n{table}");
+                anyhow::ensure!(!victims.contains(&me) && g.size() == w - victims.len(), "shrunk to {} ranks", g.size());
+                conform(&g, cuda)?;
                 println!("rank {me}: {} survivors ok", g.size());
                 Ok(())
             }
-            Err(e) if exclude.contains(&me) && e.kind() == &ErrorKind::Aborted => {
+            Err(e) if victims.contains(&me) && e.kind() == &ErrorKind::Aborted => {
                 println!("rank {me}: excluded: {e}");
                 Ok(())
             }
             Err(e) => Err(e.into()),
         };
     }
-    let cuda = std::env::var("WEFT_TEST_CUDA").as_deref() == Ok("1");
     println!("rank {me}: backend={}", pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense)).unwrap_or_default());
     let store = weft::launch::LaunchEnv::from_env()?.connect_store(Duration::from_secs(30))?;
-    let o = OpOptions::default();
+    let shm = std::env::var("WEFT_BACKEND").is_ok_and(|b| b.ends_with("shm"));
     let mut group = pg;
     let mut alive: Vec<usize> = (0..w).collect();
     for (round, &victim) in victims.iter().enumerate() {
         let lost = alive.iter().position(|&x| x == victim).expect("a victim of a later round is alive");
-        let when = Duration::from_millis(300);
+        // Somewhere in 100-600 ms of collectives.
+        let when = Duration::from_millis(100 + (epoch_nanos() % 500) as u64);
         if me == victim && how != "revoke" {
             store.set(&format!("test/pid/{round}"), std::process::id().to_string().as_bytes())?;
-            let store = store.clone();
-            let how = how.clone();
+            let (store, how) = (store.clone(), how.clone());
             std::thread::spawn(move || {
                 std::thread::sleep(when);
-                let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-                let _ = store.set(&format!("test/lost_at/{round}"), now.as_nanos().to_string().as_bytes());
-                let _ = nix::sys::signal::raise(if how == "stop" {
-                    nix::sys::signal::Signal::SIGSTOP
-                } else {
-                    nix::sys::signal::Signal::SIGKILL
-                });
+                let _ = store.set(&format!("test/lost_at/{round}"), epoch_nanos().to_string().as_bytes());
+                let signal = if how == "stop" { nix::sys::signal::Signal::SIGSTOP } else { nix::sys::signal::Signal::SIGKILL };
+                let _ = nix::sys::signal::raise(signal);
             });
         }
-        if how == "revoke" && group.rank() == 0 {
-            let g = &group;
-            std::thread::scope(|t| {
+        let e = std::thread::scope(|t| {
+            if how == "revoke" && group.rank() == 0 {
+                // Revoked while every rank is in some collective.
+                let g = &group;
                 t.spawn(move || {
                     std::thread::sleep(when);
                     g.revoke();
                 });
-            });
-        }
-        // Collectives of every kind, round after round, until the loss
-        // shows (in whichever one it lands).
-        let n = group.size();
-        let (mut v, mut all, parts) = (vec![1f32; 1 << 14], vec![0f32; n << 14], vec![2f32; n << 14]);
-        let e = (0..)
-            .find_map(|i| {
-                let work = match i % 6 {
-                    0 => group.all_reduce(&mut v, ReduceOp::Sum, &o),
-                    1 => group.all_gather_single(&mut all, &v, &o),
-                    2 => group.broadcast(&mut v, i % n, &o),
-                    3 => group.reduce_scatter_single(&mut v[..1 << 10], &all[..n << 10], ReduceOp::Max, &o),
-                    4 => group.all_to_all_single(&mut all, &parts, &o),
-                    _ => group.barrier(&o),
-                };
-                work.and_then(|w| w.wait()).err()
-            })
-            .expect("the loop ends with an error");
+            }
+            collectives_until_an_error(&group)
+        });
         let failed_at = Instant::now();
+        println!("rank {me}: round {round}: {} failed: {e}", e.op().unwrap_or("?"));
         match how.as_str() {
             "revoke" => anyhow::ensure!(e.kind() == &ErrorKind::Aborted, "revoked: expected Aborted, got {e}"),
             "kill" => anyhow::ensure!(e.kind() == &ErrorKind::PeerLost { rank: lost }, "expected PeerLost {{ rank: {lost} }}, got {e}"),
             _ => {}
         }
         let opts = if how == "stop" { ShrinkOptions::default().wait(Duration::from_secs(1)) } else { ShrinkOptions::default() };
+        // The survivors agree on the failed group first.
+        let flag = u64::MAX ^ (1 << me);
+        let agreed = match group.agree(flag, &opts) {
+            Ok(v) => v,
+            Err(e) if me == victim => return resumed_and_left_out(e),
+            Err(e) => return Err(e.into()),
+        };
+        let survivors: Vec<usize> = if how == "revoke" { alive.clone() } else { alive.iter().copied().filter(|&x| x != victim).collect() };
+        let want = survivors.iter().fold(u64::MAX, |v, r| v & (u64::MAX ^ (1 << r)));
+        anyhow::ensure!(agreed == want, "agree on the failed group gave {agreed:#x}, expected {want:#x}");
         let shrunk = match group.shrink(&opts) {
             Ok(g) => g,
-            Err(e) if me == victim => {
-                // Stopped, then resumed: left out, and told so.
-                anyhow::ensure!(e.kind() == &ErrorKind::Aborted && e.to_string().contains("left out"), "the resumed rank: {e}");
-                println!("rank {me}: left out after resuming: {e}");
-                return Ok(());
-            }
+            Err(e) if me == victim => return resumed_and_left_out(e),
             Err(e) => return Err(e.into()),
         };
         let took = failed_at.elapsed();
-        if how != "revoke" {
-            alive.retain(|&x| x != victim);
-        }
+        alive = survivors;
         anyhow::ensure!(shrunk.size() == alive.len(), "shrunk to {} ranks, expected {alive:?}", shrunk.size());
         anyhow::ensure!(Some(shrunk.rank()) == alive.iter().position(|&x| x == me), "new rank {} in {alive:?}", shrunk.rank());
         if how != "revoke" {
             let lost_at: u128 = String::from_utf8(store.get(&format!("test/lost_at/{round}"), Duration::from_secs(10))?)?.parse()?;
-            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos();
-            println!(
-                "rank {me}: round {round}: usable {} ms after the loss (shrink {} ms)",
-                (now.saturating_sub(lost_at)) / 1_000_000,
-                took.as_millis()
-            );
+            let after = epoch_nanos().saturating_sub(lost_at) / 1_000_000;
+            println!("rank {me}: round {round}: usable {after} ms after the loss (shrink {} ms)", took.as_millis());
         }
-        // The shrunk group splits like any other.
+        if how == "stop" && shrunk.rank() == 0 {
+            // Resume the stopped rank now: what it still sends on the old
+            // group while the new one runs must not reach the new one.
+            let pid: i32 = String::from_utf8(store.get(&format!("test/pid/{round}"), Duration::from_secs(10))?)?.parse()?;
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGCONT)?;
+        }
+        // The shrunk group splits, passes the suite and agrees like any other.
         let halves = shrunk.split(&(0..shrunk.size()).step_by(2).collect::<Vec<_>>())?;
         if let Some(h) = &halves {
-            h.barrier(&o)?.wait()?;
+            h.barrier(&OpOptions::default())?.wait()?;
         }
-        let checks = if cuda {
-            weft_conformance::run_on(&shrunk, 5, Some(weft_conformance::cuda::local_placement(shrunk.rank())?))
-        } else {
-            weft_conformance::run(&shrunk, 5)
-        };
-        let (table, ok) = weft_conformance::summary(&checks);
-        anyhow::ensure!(ok, "rank {me} after shrinking:\n{table}");
-        // Every survivor agrees on the AND of their values.
+        conform(&shrunk, cuda)?;
         let mine = u64::MAX ^ (1 << shrunk.rank());
         let agreed = shrunk.agree(mine, &ShrinkOptions::default())?;
         let want = (0..shrunk.size()).fold(u64::MAX, |v, r| v & (u64::MAX ^ (1 << r)));
         anyhow::ensure!(agreed == want, "agree gave {agreed:#x}, expected {want:#x}");
-        if how == "stop" && shrunk.rank() == 0 {
-            let pid: i32 = String::from_utf8(store.get(&format!("test/pid/{round}"), Duration::from_secs(10))?)?.parse()?;
-            nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGCONT)?;
-        }
+        drop(halves);
         group = shrunk;
+        // The old group's segment is unmapped with it (the new group's stays).
+        if shm {
+            anyhow::ensure!(
+                mapped_segments() == 1,
+                "{} shm segments still mapped: {}",
+                mapped_segments(),
+                std::fs::read_to_string("/proc/self/maps").unwrap_or_default().lines().filter(|l| l.contains("/dev/shm/weft-")).collect::<Vec<_>>().join("\n")
+            );
+        }
     }
     println!("rank {me}: {} survivors ok", alive.len());
+    Ok(())
+}
+
+/// A stopped rank, resumed after the others shrank without it: its next
+/// survey tells it it was left out.
+fn resumed_and_left_out(e: weft::Error) -> anyhow::Result<()> {
+    anyhow::ensure!(e.kind() == &ErrorKind::Aborted && e.to_string().contains("left out"), "the resumed rank: {e}");
+    println!("left out after resuming: {e}");
     Ok(())
 }
