@@ -319,7 +319,10 @@ impl OpKind {
             return format!("user tag {tag}");
         }
         let op = OpKind::from_code(crate::tag::op_code(tag)).map(OpKind::name).unwrap_or("unknown op");
-        format!("{op} #{} step {}", crate::tag::seq(tag), crate::tag::step(tag))
+        let shape = crate::tag::shape(tag);
+        let dtype = crate::shape::dtype(shape).map(|d| format!(" {d}")).unwrap_or_default();
+        let redop = crate::shape::reduce_op(shape).map(|o| format!(" {o}")).unwrap_or_default();
+        format!("{op} #{} step {}{dtype}{redop}", crate::tag::seq(tag), crate::tag::step(tag))
     }
 }
 
@@ -336,6 +339,9 @@ pub struct OpContext {
     pub kind: OpKind,
     /// Collective sequence number in the group (same on every rank).
     pub seq: u64,
+    /// What every rank must agree on about the op ([`crate::shape`]),
+    /// carried in its messages' tags.
+    pub shape: u32,
     /// When the op must be finished.
     pub deadline: Deadline,
     /// The op's hints merged over the group's.
@@ -351,7 +357,7 @@ pub struct OpContext {
 impl OpContext {
     /// The tag of step `step` of this op.
     pub fn tag(&self, step: u32) -> u64 {
-        crate::tag::collective(self.kind as u8, self.seq, step)
+        crate::tag::collective(self.kind as u8, self.seq, self.shape, step)
     }
     /// Time left before the deadline (zero if passed).
     pub fn remaining(&self) -> Duration {

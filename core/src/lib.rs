@@ -37,6 +37,7 @@ pub mod plugin;
 pub mod progress;
 mod reduce_op;
 pub mod registry;
+pub mod shape;
 pub mod store;
 pub mod stream;
 pub mod tag;

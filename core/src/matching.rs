@@ -47,9 +47,15 @@ fn size_mismatch(peer: usize, me: usize, got: usize, want: usize, tag: u64) -> E
     ))
 }
 
+/// Ranks in different collectives, or in one they called differently: an
+/// invalid call (`InvalidArgument`), found when the first message arrives.
 fn collective_mismatch(peer: usize, theirs: u64, mine: u64) -> Error {
-    Error::backend(format!(
-        "collective mismatch: peer rank {peer} sent a message for {} while this rank waits in {}",
+    let what = match crate::shape::difference(crate::tag::shape(mine), crate::tag::shape(theirs)) {
+        Some(d) if crate::tag::op_code(mine) == crate::tag::op_code(theirs) => format!(": {d}"),
+        _ => String::new(),
+    };
+    Error::invalid(format!(
+        "collective mismatch: peer rank {peer} sent a message for {} while this rank waits in {}{what}",
         OpKind::describe_tag(theirs),
         OpKind::describe_tag(mine)
     ))
@@ -311,8 +317,8 @@ mod tests {
         let mut small = [0u8; 1];
         let ops = vec![P2p::Recv { peer: 1, tag: 7, buf: &mut small }];
         assert!(inb.begin(0, 1, 7, 4, &ops, &[false]).unwrap_err().to_string().contains("sent 4 bytes"));
-        let a = crate::tag::collective(OpKind::AllReduce as u8, 3, 0);
-        let g = crate::tag::collective(OpKind::AllGather as u8, 3, 0);
+        let a = crate::tag::collective(OpKind::AllReduce as u8, 3, 0, 0);
+        let g = crate::tag::collective(OpKind::AllGather as u8, 3, 0, 0);
         let mut r = [0u8; 1];
         let ops = vec![P2p::Recv { peer: 1, tag: g, buf: &mut r }];
         assert!(inb.begin(0, 1, a, 1, &ops, &[false]).unwrap_err().to_string().contains("collective mismatch"));
@@ -360,8 +366,8 @@ mod tests {
         assert!(inb.announce(0, 1, 7, 3, &ops, &[false]).unwrap_err().to_string().contains("sent 3 bytes"));
         assert!(inb.stash.is_empty());
         // Another collective at the same sequence number.
-        let a = crate::tag::collective(OpKind::AllReduce as u8, 3, 0);
-        let g = crate::tag::collective(OpKind::AllGather as u8, 3, 0);
+        let a = crate::tag::collective(OpKind::AllReduce as u8, 3, 0, 0);
+        let g = crate::tag::collective(OpKind::AllGather as u8, 3, 0, 0);
         let ops = vec![P2p::Recv { peer: 1, tag: g, buf: &mut b4 }];
         assert!(inb.announce(0, 1, a, 4, &ops, &[false]).unwrap_err().to_string().contains("collective mismatch"));
         inb.announce(0, 1, a, 4, &[], &[]).unwrap();

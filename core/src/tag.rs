@@ -1,4 +1,5 @@
-//! Message tags: how the algorithms keep concurrent messages apart.
+//! Message tags: how the algorithms keep concurrent messages apart, and
+//! how a rank in another collective than its peers is caught at once.
 //!
 //! A tag is an opaque `u64` to transports, which match a receive with the
 //! oldest message from the same peer carrying the same tag. Core builds tags
@@ -8,9 +9,15 @@
 //! ```text
 //! bit 63      : 1 = internal (collective), 0 = user send/recv
 //! user        : low 32 bits = the user's tag
-//! collective  : bits 56..63 op code, bit 55 combines, bit 54 fresh,
-//!               16..54 sequence number (mod 2^38), 0..16 step
+//! collective  : bits 58..63 op code, bit 57 combines, bit 56 fresh,
+//!               38..56 shape, 16..38 sequence number (mod 2^22), 0..16 step
 //! ```
+//!
+//! The *shape* ([`crate::shape`]) packs what every rank must agree on about
+//! the collective (dtype, reduce op, a hash of its element counts and
+//! root), so a message of the same collective slot with another op code or
+//! shape is a mismatch ([`conflicts`]) that a transport reports when it
+//! arrives, instead of reducing garbage or waiting for the timeout.
 //!
 //! The two locality bits tell a transport that can move a message with
 //! either side's core (shared memory) which cache it should come from or
@@ -30,15 +37,19 @@ pub const fn user(tag: u32) -> u64 {
 }
 
 /// The bit of a collective tag whose step combines what it receives.
-pub const COMBINES: u64 = 1 << 55;
+pub const COMBINES: u64 = 1 << 57;
 /// The bit of a collective tag whose step sends what its sender has just written.
-pub const FRESH: u64 = 1 << 54;
+pub const FRESH: u64 = 1 << 56;
+/// Bits of a collective's shape ([`crate::shape`]).
+pub const SHAPE_BITS: u32 = 18;
+const SHAPE_MASK: u64 = (1 << SHAPE_BITS) - 1;
 /// A collective tag's sequence number bits (after shifting out the step).
-const SEQ_MASK: u64 = (1 << 38) - 1;
+const SEQ_MASK: u64 = (1 << 22) - 1;
 
-/// Tag of step `step` of collective number `seq` (op code `op`).
-pub const fn collective(op: u8, seq: u64, step: u32) -> u64 {
-    (1 << 63) | ((op as u64 & 0x7f) << 56) | ((seq & SEQ_MASK) << 16) | (step as u64 & 0xffff)
+/// Tag of step `step` of collective number `seq` (op code `op`, below 32)
+/// whose shape is `shape`.
+pub const fn collective(op: u8, seq: u64, shape: u32, step: u32) -> u64 {
+    (1 << 63) | ((op as u64 & 0x1f) << 58) | ((shape as u64 & SHAPE_MASK) << 38) | ((seq & SEQ_MASK) << 16) | (step as u64 & 0xffff)
 }
 
 /// Whether `tag` belongs to a collective (else it is a user message).
@@ -51,9 +62,14 @@ pub const fn step(tag: u64) -> u32 {
     (tag & 0xffff) as u32
 }
 
-/// The sequence number of a collective tag (mod 2^38).
+/// The sequence number of a collective tag (mod 2^22).
 pub const fn seq(tag: u64) -> u64 {
     (tag >> 16) & SEQ_MASK
+}
+
+/// The shape of a collective tag.
+pub const fn shape(tag: u64) -> u32 {
+    ((tag >> 38) & SHAPE_MASK) as u32
 }
 
 /// Whether `tag` is a collective step whose receiver combines (reduces)
@@ -69,15 +85,16 @@ pub const fn fresh(tag: u64) -> bool {
 }
 
 /// True when two tags belong to the same collective slot (same sequence
-/// number) but different ops: the two ranks disagree on which collective
-/// they are in. Transports may use this to fail fast instead of waiting.
+/// number) but different ops or shapes: the two ranks disagree on which
+/// collective they are in, or on its dtype, reduce op, sizes or root.
+/// Transports use this to fail at once instead of waiting.
 pub const fn conflicts(a: u64, b: u64) -> bool {
-    is_collective(a) && is_collective(b) && seq(a) == seq(b) && op_code(a) != op_code(b)
+    is_collective(a) && is_collective(b) && seq(a) == seq(b) && (op_code(a) != op_code(b) || shape(a) != shape(b))
 }
 
 /// Op code from a collective tag.
 pub const fn op_code(tag: u64) -> u8 {
-    ((tag >> 56) & 0x7f) as u8
+    ((tag >> 58) & 0x1f) as u8
 }
 
 #[cfg(test)]
@@ -86,17 +103,25 @@ mod tests {
 
     #[test]
     fn namespaces_do_not_collide() {
-        assert_ne!(user(5), collective(0, 0, 5));
-        assert_ne!(collective(1, 7, 0), collective(1, 8, 0));
-        assert!(conflicts(collective(1, 7, 0), collective(2, 7, 3)));
-        assert!(!conflicts(collective(1, 7, 0), collective(1, 7, 3)));
-        assert!(!conflicts(user(1), collective(2, 0, 1)));
-        assert_eq!(op_code(collective(9, 1, 1)), 9);
+        assert_ne!(user(5), collective(0, 0, 0, 5));
+        assert_ne!(collective(1, 7, 0, 0), collective(1, 8, 0, 0));
+        assert!(conflicts(collective(1, 7, 0, 0), collective(2, 7, 0, 3)));
+        assert!(!conflicts(collective(1, 7, 0, 0), collective(1, 7, 0, 3)));
+        assert!(!conflicts(user(1), collective(2, 0, 0, 1)));
+        assert_eq!(op_code(collective(9, 1, 0, 1)), 9);
+    }
+
+    #[test]
+    fn another_shape_in_the_same_slot_conflicts() {
+        let (a, b) = (collective(3, 9, 0x2_1234, 0), collective(3, 9, 0x2_1235, 4));
+        assert!(conflicts(a, b));
+        assert_eq!((shape(a), seq(a), op_code(a), step(b)), (0x2_1234, 9, 3, 4));
+        assert!(!conflicts(a, collective(3, 10, 0x2_1235, 0)), "another slot");
     }
 
     #[test]
     fn locality_bits_are_apart_from_sequence_and_op() {
-        let t = collective(3, (1 << 38) + 7, 2);
+        let t = collective(3, (1 << 22) + 7, SHAPE_MASK as u32, 2);
         assert!(!combines(t) && combines(t | COMBINES) && !fresh(t | COMBINES));
         assert!(!fresh(t) && fresh(t | FRESH) && !combines(t | FRESH));
         for bits in [COMBINES, FRESH, COMBINES | FRESH] {

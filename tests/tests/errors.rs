@@ -157,3 +157,69 @@ fn timeouts_are_reported_with_the_op_name() {
         }
     }
 }
+
+/// One rank's call and the other's, on `spec` with 2 ranks: each rank's
+/// error, and how long it took to come.
+fn mismatched(spec: &str, call: fn(&ProcessGroup, bool) -> weft::Result<()>) -> Vec<(weft::Error, Duration)> {
+    run_threads(2, options(spec), move |pg| {
+        let start = Instant::now();
+        let e = call(&pg, pg.rank() == 0).expect_err("a mismatched call fails");
+        (e, start.elapsed())
+    })
+}
+
+#[test]
+fn same_bytes_other_dtype_sizes_or_reduce_op_are_named_on_both_ranks_without_debug_mode() {
+    // 64 KiB: past shm's fast path (which checks calls itself), through the
+    // rings and the sockets, where only the messages' tags can tell.
+    type Call = fn(&ProcessGroup, bool) -> weft::Result<()>;
+    let cases: [(&str, Call, &str); 4] = [
+        (
+            "f32 against f64 of the same bytes",
+            |pg, first| {
+                if first {
+                    pg.all_reduce(&mut vec![1f32; 16 << 10][..], ReduceOp::Sum, &o())?.wait()
+                } else {
+                    pg.all_reduce(&mut vec![1f64; 8 << 10][..], ReduceOp::Sum, &o())?.wait()
+                }
+            },
+            "dtype",
+        ),
+        (
+            "sum against max",
+            |pg, first| {
+                let op = if first { ReduceOp::Sum } else { ReduceOp::Max };
+                pg.all_reduce(&mut vec![1f32; 16 << 10][..], op, &o())?.wait()
+            },
+            "reduce op",
+        ),
+        (
+            "4 MiB against 8 MiB",
+            |pg, first| pg.all_reduce(&mut vec![1f32; if first { 1 << 20 } else { 2 << 20 }][..], ReduceOp::Sum, &o())?.wait(),
+            "",
+        ),
+        (
+            "1000 against 2000 floats",
+            |pg, first| pg.all_reduce(&mut vec![1f32; if first { 1000 } else { 2000 }][..], ReduceOp::Sum, &o())?.wait(),
+            "",
+        ),
+    ];
+    for spec in ["cpu-tcp", "shm"] {
+        for (what, call, names) in cases {
+            if spec == "shm" && what.starts_with("1000") {
+                // Not yet: on shm the 4000-byte call takes the fast path and
+                // the 8000-byte one the rings, where neither sees the other
+                // (it waits for the timeout; issue 39 stays open for it).
+                continue;
+            }
+            for (r, (e, took)) in mismatched(spec, call).into_iter().enumerate() {
+                // Caught as the first messages arrive, not at the 30 s timeout.
+                assert!(took < Duration::from_secs(10), "{spec}, {what}: rank {r} took {took:?}: {e}");
+                assert!(e.to_string().contains("mismatch"), "{spec}, {what}: rank {r}: {e}");
+                if e.kind() == &ErrorKind::InvalidArgument {
+                    assert!(e.to_string().contains(names), "{spec}, {what}: rank {r}: {e}");
+                }
+            }
+        }
+    }
+}

@@ -486,7 +486,7 @@ mod tests {
 
     #[test]
     fn where_kernel_copies_are_slow_only_large_messages_that_are_not_reduced_go_single_copy() {
-        let plain = weft::tag::collective(1, 5, 0);
+        let plain = weft::tag::collective(1, 5, 0, 0);
         let reduced = plain | weft::tag::COMBINES;
         let fast = Policy::FAST;
         assert!(fast.offers(MIN_BYTES, plain, true) && fast.offers(MIN_BYTES, reduced, false));

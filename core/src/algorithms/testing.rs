@@ -82,6 +82,7 @@ pub fn run_ranks_with<T: Send>(
                         name: "test",
                         kind,
                         seq: 0,
+                        shape: 0,
                         deadline: crate::backend::Deadline::after(Duration::from_secs(20)),
                         hints: hints.clone(),
                         stream: None,

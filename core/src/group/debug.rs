@@ -50,7 +50,7 @@ pub(crate) fn check(backend: &dyn Backend, ctx: &OpContext, mine: &Fingerprint) 
     if w == 1 {
         return Ok(());
     }
-    let tag = crate::tag::collective(OpKind::DebugCheck as u8, ctx.seq, 0);
+    let tag = crate::tag::collective(OpKind::DebugCheck as u8, ctx.seq, 0, 0);
     let out = mine.encode();
     let mut theirs = vec![[0u8; WIRE]; w];
     let mut ops: Vec<P2p<'_>> = (0..w).filter(|p| *p != r).map(|peer| P2p::Send { peer, tag, data: &out[..] }).collect();

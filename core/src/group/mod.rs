@@ -320,6 +320,7 @@ impl GroupCore {
                 name,
                 kind,
                 seq,
+                shape: crate::shape::of(op),
                 deadline: Deadline::after(opts.timeout.unwrap_or(self.options.timeout)),
                 hints,
                 stream: opts.stream,

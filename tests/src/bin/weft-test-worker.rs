@@ -295,7 +295,8 @@ fn conform(pg: &ProcessGroup, cuda: bool) -> anyhow::Result<()> {
 /// weft's shm segments this process has mapped.
 fn mapped_segments() -> usize {
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
-    let mut names: Vec<&str> = maps.lines().filter_map(|l| l.split_whitespace().nth(5)).filter(|p| p.starts_with("/dev/shm/weft-")).collect();
+    let mut names: Vec<&str> =
+        maps.lines().filter_map(|l| l.split_whitespace().nth(5)).filter(|p| p.starts_with("/dev/shm/weft-")).collect();
     names.sort_unstable();
     names.dedup();
     names.len()
@@ -445,7 +446,12 @@ fn shrink_scenario(pg: ProcessGroup) -> anyhow::Result<()> {
                 mapped_segments() == 1,
                 "{} shm segments still mapped: {}",
                 mapped_segments(),
-                std::fs::read_to_string("/proc/self/maps").unwrap_or_default().lines().filter(|l| l.contains("/dev/shm/weft-")).collect::<Vec<_>>().join("\n")
+                std::fs::read_to_string("/proc/self/maps")
+                    .unwrap_or_default()
+                    .lines()
+                    .filter(|l| l.contains("/dev/shm/weft-"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
             );
         }
     }
