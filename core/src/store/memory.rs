@@ -28,6 +28,7 @@ impl MemoryStore {
     fn wait_until<T>(
         &self,
         timeout: Duration,
+        gone: Option<&dyn Fn() -> bool>,
         what: impl Fn(&HashMap<String, Vec<u8>>) -> String,
         mut ready: impl FnMut(&HashMap<String, Vec<u8>>) -> Option<T>,
     ) -> Result<T> {
@@ -41,9 +42,32 @@ impl MemoryStore {
             if now >= deadline {
                 return Err(Error::timeout(format!("store: {} not set within {timeout:?}", what(&map))));
             }
-            map = self.changed.wait_timeout(map, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            let slice = if gone.is_some() { (deadline - now).min(GONE_CHECK) } else { deadline - now };
+            map = self.changed.wait_timeout(map, slice).unwrap_or_else(|p| p.into_inner()).0;
+            if gone.is_some_and(|g| g()) {
+                return Err(Error::aborted("the waiting client went away"));
+            }
         }
     }
+
+    /// [`Store::get`], given up (`Aborted`) once `gone()` says the one
+    /// waiting for it has left (checked every 100 ms).
+    pub(crate) fn get_unless_gone(&self, key: &str, timeout: Duration, gone: &dyn Fn() -> bool) -> Result<Vec<u8>> {
+        self.wait_until(timeout, Some(gone), |_| format!("key {key:?}"), |m| m.get(key).cloned())
+    }
+
+    /// [`Store::wait`], given up as [`MemoryStore::get_unless_gone`].
+    pub(crate) fn wait_unless_gone(&self, keys: &[&str], timeout: Duration, gone: &dyn Fn() -> bool) -> Result<()> {
+        self.wait_until(timeout, Some(gone), |m| missing(m, keys), |m| keys.iter().all(|k| m.contains_key(*k)).then_some(()))
+    }
+}
+
+/// How often a wait for a client checks whether that client is still there.
+const GONE_CHECK: Duration = Duration::from_millis(100);
+
+/// Which of `keys` are not set yet, for a timeout's message.
+fn missing(m: &HashMap<String, Vec<u8>>, keys: &[&str]) -> String {
+    format!("keys {:?}", keys.iter().filter(|k| !m.contains_key(**k)).collect::<Vec<_>>())
 }
 
 impl Store for MemoryStore {
@@ -53,7 +77,7 @@ impl Store for MemoryStore {
         Ok(())
     }
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
-        self.wait_until(timeout, |_| format!("key {key:?}"), |m| m.get(key).cloned())
+        self.wait_until(timeout, None, |_| format!("key {key:?}"), |m| m.get(key).cloned())
     }
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
         let mut m = self.lock();
@@ -83,9 +107,7 @@ impl Store for MemoryStore {
         Ok(desired.to_vec())
     }
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
-        let missing =
-            |m: &HashMap<String, Vec<u8>>| keys.iter().filter(|k| !m.contains_key(**k)).map(|k| k.to_string()).collect::<Vec<_>>();
-        self.wait_until(timeout, |m| format!("keys {:?}", missing(m)), |m| keys.iter().all(|k| m.contains_key(*k)).then_some(()))
+        self.wait_until(timeout, None, |m| missing(m, keys), |m| keys.iter().all(|k| m.contains_key(*k)).then_some(()))
     }
     fn check(&self, keys: &[&str]) -> Result<bool> {
         let m = self.lock();

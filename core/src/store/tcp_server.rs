@@ -1,44 +1,91 @@
-//! The TcpStore server: one thread per client, state in a [`MemoryStore`].
+//! The TcpStore server: one thread per client, state in a [`MemoryStore`],
+//! with limits so that no client, friendly or not, can take it down.
 //!
-//! A client that sends garbage, a truncated frame or an oversized frame gets
-//! an error response (when one can still be sent) and is disconnected; every
-//! other client keeps being served.
+//! - At most [`MAX_CLIENTS`] connections; one more is told so and closed.
+//! - A frame's body is read as it arrives (memory grows with the bytes
+//!   actually sent, not with the length a client announces), within
+//!   [`FRAME_TIME`] of its first byte; frames in flight may hold at most
+//!   [`FRAMES_BUDGET`] bytes in all.
+//! - A blocking `get` or `wait` ends when its client goes away, not at its
+//!   timeout: its thread and socket are freed at once.
+//! - Out of file descriptors, the accept loop backs off instead of spinning.
+//!
+//! A client that sends garbage, a truncated or oversized frame or breaks a
+//! limit gets an error response (when one can still be sent) and is
+//! disconnected; every other client keeps being served.
 
 use super::memory::MemoryStore;
-use super::wire::{read_frame, write_frame, Encoder, Request, Status};
+use super::wire::{write_frame, Encoder, Request, Status, MAX_FRAME};
 use super::Store;
 use crate::error::{Error, ErrorKind, Result};
+use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// Most clients served at once.
+pub const MAX_CLIENTS: usize = 4096;
+/// Longest a frame may take to arrive, from its first byte.
+pub const FRAME_TIME: Duration = Duration::from_secs(30);
+/// Most bytes of frames being received, over all clients.
+pub const FRAMES_BUDGET: usize = 256 << 20;
+
+/// The server's limits (the constants above, smaller in tests).
+#[derive(Clone, Copy, Debug)]
+struct Limits {
+    max_clients: usize,
+    frame_time: Duration,
+    frames_budget: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_clients: MAX_CLIENTS, frame_time: FRAME_TIME, frames_budget: FRAMES_BUDGET }
+    }
+}
 
 /// A running store server. Dropping it stops accepting new clients.
 pub struct TcpStoreServer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
+    shared: Arc<Shared>,
+}
+
+/// What the clients' threads share.
+struct Shared {
+    state: MemoryStore,
+    limits: Limits,
+    clients: AtomicUsize,
+    /// Bytes of frames being received right now.
+    in_flight: AtomicUsize,
 }
 
 impl TcpStoreServer {
     /// Bind `addr` (port 0 picks a free one) and serve in background threads.
     pub fn start(addr: SocketAddr) -> Result<Self> {
+        Self::start_with(addr, Limits::default())
+    }
+
+    fn start_with(addr: SocketAddr, limits: Limits) -> Result<Self> {
         let listener = TcpListener::bind(addr).map_err(|e| Error::backend(format!("store server cannot bind {addr}: {e}")))?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
-        let state = Arc::new(MemoryStore::new(Duration::from_secs(3600)));
-        let stop2 = stop.clone();
-        std::thread::Builder::new().name("weft-store-accept".into()).spawn(move || {
-            for conn in listener.incoming() {
-                if stop2.load(Ordering::Acquire) {
-                    break;
-                }
-                let Ok(conn) = conn else { continue };
-                let state = state.clone();
-                let _ = std::thread::Builder::new().name("weft-store-client".into()).spawn(move || serve_client(conn, &state));
-            }
-        })?;
+        let shared = Arc::new(Shared {
+            state: MemoryStore::new(Duration::from_secs(3600)),
+            limits,
+            clients: AtomicUsize::new(0),
+            in_flight: AtomicUsize::new(0),
+        });
+        let (stop2, shared2) = (stop.clone(), shared.clone());
+        std::thread::Builder::new().name("weft-store-accept".into()).spawn(move || accept_loop(listener, &stop2, &shared2))?;
         crate::log::debug(format_args!("store server listening on {addr}"));
-        Ok(TcpStoreServer { addr, stop })
+        Ok(TcpStoreServer { addr, stop, shared })
+    }
+
+    /// Clients connected now.
+    pub fn clients(&self) -> usize {
+        self.shared.clients.load(Ordering::Acquire)
     }
 
     /// The address clients connect to.
@@ -55,11 +102,45 @@ impl Drop for TcpStoreServer {
     }
 }
 
-fn serve_client(mut conn: TcpStream, state: &MemoryStore) {
+fn accept_loop(listener: TcpListener, stop: &AtomicBool, shared: &Arc<Shared>) {
+    for conn in listener.incoming() {
+        if stop.load(Ordering::Acquire) {
+            break;
+        }
+        let mut conn = match conn {
+            Ok(c) => c,
+            Err(e) => {
+                // Out of descriptors (or another transient failure): the
+                // connection waits in the backlog; retrying at once spins.
+                crate::log::debug(format_args!("store server: accept failed: {e}"));
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            }
+        };
+        let max = shared.limits.max_clients;
+        if shared.clients.fetch_add(1, Ordering::AcqRel) >= max {
+            shared.clients.fetch_sub(1, Ordering::AcqRel);
+            let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+            reject(&mut conn, &peer, Error::backend(format!("the store serves at most {max} clients at once")));
+            continue;
+        }
+        let shared2 = shared.clone();
+        let spawned = std::thread::Builder::new().name("weft-store-client".into()).spawn(move || {
+            serve_client(conn, &shared2);
+            shared2.clients.fetch_sub(1, Ordering::AcqRel);
+        });
+        if spawned.is_err() {
+            shared.clients.fetch_sub(1, Ordering::AcqRel);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn serve_client(mut conn: TcpStream, shared: &Shared) {
     let _ = conn.set_nodelay(true);
     let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     loop {
-        let body = match read_frame(&mut conn) {
+        let body = match read_frame_bounded(&mut conn, shared) {
             Ok(Some(b)) => b,
             Ok(None) => return,
             Err(e) => return reject(&mut conn, &peer, e),
@@ -68,8 +149,10 @@ fn serve_client(mut conn: TcpStream, state: &MemoryStore) {
             Ok(r) => r,
             Err(e) => return reject(&mut conn, &peer, e),
         };
-        let reply = match execute(state, req) {
+        drop(body);
+        let reply = match execute(&shared.state, req, &conn) {
             Ok(body) => body,
+            Err(e) if e.kind() == &ErrorKind::Aborted => return,
             Err(e) if e.kind() == &ErrorKind::Timeout => Encoder::default().u8(Status::Timeout as u8).bytes(e.message().as_bytes()).0,
             Err(e) => Encoder::default().u8(Status::Error as u8).bytes(e.message().as_bytes()).0,
         };
@@ -79,29 +162,121 @@ fn serve_client(mut conn: TcpStream, state: &MemoryStore) {
     }
 }
 
+/// Bytes of a frame being received, counted against [`FRAMES_BUDGET`].
+struct InFlight<'a> {
+    shared: &'a Shared,
+    bytes: usize,
+}
+
+impl InFlight<'_> {
+    fn grow(&mut self, n: usize) -> Result<()> {
+        let before = self.shared.in_flight.fetch_add(n, Ordering::AcqRel);
+        self.bytes += n;
+        let budget = self.shared.limits.frames_budget;
+        if before + n > budget {
+            return Err(Error::backend(format!("the store is receiving more than {budget} bytes of frames at once")));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.shared.in_flight.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+/// One frame (see `wire.rs`), its body read as it arrives, within
+/// [`FRAME_TIME`] of its first byte; `Ok(None)` on a clean end of stream
+/// before a frame starts.
+fn read_frame_bounded(conn: &mut TcpStream, shared: &Shared) -> Result<Option<Vec<u8>>> {
+    let mut len = [0u8; 4];
+    let _ = conn.set_read_timeout(None);
+    match conn.read(&mut len[..1]) {
+        Ok(0) => return Ok(None),
+        Ok(_) => {}
+        Err(e) => return Err(e.into()),
+    }
+    let time = shared.limits.frame_time;
+    let until = Instant::now() + time;
+    let timed_out = |what: &str| Error::backend(format!("store frame {what} did not arrive within {time:?}"));
+    read_by(conn, &mut len[1..], until).map_err(|_| timed_out("length"))?;
+    let n = u32::from_le_bytes(len) as usize;
+    if n > MAX_FRAME {
+        return Err(Error::backend(format!("store frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")));
+    }
+    let mut body = Vec::new();
+    let mut counted = InFlight { shared, bytes: 0 };
+    let mut chunk = [0u8; 64 << 10];
+    while body.len() < n {
+        let want = (n - body.len()).min(chunk.len());
+        let got = read_some(conn, &mut chunk[..want], until).map_err(|_| timed_out("body"))?;
+        counted.grow(got)?;
+        body.extend_from_slice(&chunk[..got]);
+    }
+    Ok(Some(body))
+}
+
+/// Fill `buf` before `until`.
+fn read_by(conn: &mut TcpStream, buf: &mut [u8], until: Instant) -> std::io::Result<()> {
+    let mut at = 0;
+    while at < buf.len() {
+        at += read_some(conn, &mut buf[at..], until)?;
+    }
+    Ok(())
+}
+
+/// Read at least one byte into `buf` before `until` (an error at the end
+/// of the stream or past `until`).
+fn read_some(conn: &mut TcpStream, buf: &mut [u8], until: Instant) -> std::io::Result<usize> {
+    let left = until.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(std::io::ErrorKind::TimedOut.into());
+    }
+    conn.set_read_timeout(Some(left))?;
+    match conn.read(buf)? {
+        0 => Err(std::io::ErrorKind::UnexpectedEof.into()),
+        n => Ok(n),
+    }
+}
+
 fn reject(conn: &mut TcpStream, peer: &str, e: Error) {
     crate::log::debug(format_args!("store server: dropping client {peer}: {e}"));
     let reply = Encoder::default().u8(Status::Error as u8).bytes(format!("protocol error: {}", e.message()).as_bytes()).0;
+    let _ = conn.set_write_timeout(Some(Duration::from_secs(1)));
     let _ = write_frame(conn, &reply);
     let _ = conn.shutdown(std::net::Shutdown::Both);
+}
+
+/// Whether the client has gone (its end closed, or the connection broke).
+fn client_gone(conn: &TcpStream) -> bool {
+    let _ = conn.set_nonblocking(true);
+    let mut b = [0u8; 1];
+    let gone = match conn.peek(&mut b) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+    };
+    let _ = conn.set_nonblocking(false);
+    gone
 }
 
 fn refs(keys: &[String]) -> Vec<&str> {
     keys.iter().map(String::as_str).collect()
 }
 
-fn execute(s: &MemoryStore, req: Request) -> Result<Vec<u8>> {
+fn execute(s: &MemoryStore, req: Request, conn: &TcpStream) -> Result<Vec<u8>> {
     let ok = Encoder::default().u8(Status::Ok as u8);
     Ok(match req {
         Request::Set { key, value } => {
             s.set(&key, &value)?;
             ok
         }
-        Request::Get { key, timeout } => ok.bytes(&s.get(&key, timeout)?),
+        Request::Get { key, timeout } => ok.bytes(&s.get_unless_gone(&key, timeout, &|| client_gone(conn))?),
         Request::Add { key, delta } => ok.u64(s.add(&key, delta)? as u64),
         Request::CompareSet { key, expected, desired } => ok.bytes(&s.compare_set(&key, &expected, &desired)?),
         Request::Wait { keys, timeout } => {
-            s.wait(&refs(&keys), timeout)?;
+            s.wait_unless_gone(&refs(&keys), timeout, &|| client_gone(conn))?;
             ok
         }
         Request::Check { keys } => ok.u8(s.check(&refs(&keys))? as u8),
@@ -109,4 +284,77 @@ fn execute(s: &MemoryStore, req: Request) -> Result<Vec<u8>> {
         Request::NumKeys => ok.u64(s.num_keys()?),
     }
     .0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::wire::{read_frame, write_frame, Decoder};
+    use std::io::Write;
+
+    fn server(limits: Limits) -> TcpStoreServer {
+        TcpStoreServer::start_with("127.0.0.1:0".parse().unwrap(), limits).unwrap()
+    }
+
+    /// Poll `cond` for up to 5 s.
+    fn soon(cond: impl Fn() -> bool) -> bool {
+        let until = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < until {
+            if cond() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        cond()
+    }
+
+    #[test]
+    fn a_blocked_get_ends_with_its_client_and_frees_its_thread() {
+        let s = server(Limits::default());
+        let get = Request::Get { key: "never".into(), timeout: Duration::from_secs(600) }.encode();
+        let conns: Vec<TcpStream> = (0..50)
+            .map(|_| {
+                let mut c = TcpStream::connect(s.local_addr()).unwrap();
+                write_frame(&mut c, &get).unwrap();
+                c
+            })
+            .collect();
+        assert!(soon(|| s.clients() == 50), "{} clients", s.clients());
+        drop(conns);
+        assert!(soon(|| s.clients() == 0), "{} clients still served after they left", s.clients());
+    }
+
+    #[test]
+    fn limits_on_clients_frame_bytes_and_frame_time() {
+        let s = server(Limits { max_clients: 3, frame_time: Duration::from_millis(300), frames_budget: 1 << 20 });
+        let addr = s.local_addr();
+        // One client too many is told so.
+        let held: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        assert!(soon(|| s.clients() == 3));
+        let mut extra = TcpStream::connect(addr).unwrap();
+        let reply = read_frame(&mut extra).unwrap().unwrap();
+        assert!(String::from_utf8_lossy(&reply).contains("at most 3 clients"));
+        drop(held);
+        assert!(soon(|| s.clients() == 0));
+        // A frame announcing 60 MiB costs only what is sent, and is dropped
+        // when the rest does not come in time.
+        let mut slow = TcpStream::connect(addr).unwrap();
+        slow.write_all(&(60u32 << 20).to_le_bytes()).unwrap();
+        slow.write_all(&[1u8; 1000]).unwrap();
+        assert!(soon(|| s.shared.in_flight.load(Ordering::Acquire) == 1000));
+        let reply = read_frame(&mut slow).unwrap().unwrap();
+        assert!(String::from_utf8_lossy(&reply).contains("did not arrive within"), "{}", String::from_utf8_lossy(&reply));
+        assert!(soon(|| s.shared.in_flight.load(Ordering::Acquire) == 0));
+        // Frames in flight together may not pass the budget.
+        let mut big = TcpStream::connect(addr).unwrap();
+        big.write_all(&(2u32 << 20).to_le_bytes()).unwrap();
+        big.write_all(&vec![0u8; 2 << 20]).unwrap_or(());
+        let reply = read_frame(&mut big).unwrap().unwrap();
+        assert!(String::from_utf8_lossy(&reply).contains("more than 1048576 bytes"));
+        // Well-behaved clients are served throughout.
+        let mut ok = TcpStream::connect(addr).unwrap();
+        write_frame(&mut ok, &Request::Set { key: "k".into(), value: b"v".to_vec() }.encode()).unwrap();
+        let reply = read_frame(&mut ok).unwrap().unwrap();
+        assert_eq!(Decoder(&reply).u8().unwrap(), Status::Ok as u8);
+    }
 }
