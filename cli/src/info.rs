@@ -25,6 +25,14 @@ pub fn print() -> Result<i32> {
         Ok(o) => println!("  default group: backend {:?}, timeout {:?}", o.backend, o.timeout),
         Err(e) => println!("  default group: {e}"),
     }
+    match weft::auth::Key::from_env() {
+        Ok(Some(_)) => println!("  authentication: on (a key from {} or {})", weft::auth::ENV_KEY, weft::auth::ENV_KEY_FILE),
+        Ok(None) => println!(
+            "  authentication: off: the job is unauthenticated (anyone who can reach its store can join; set {} or run under `weft run`)",
+            weft::auth::ENV_KEY
+        ),
+        Err(e) => println!("  authentication: {e}"),
+    }
     match weft_cpu_tcp::local_addr() {
         Ok((ip, why)) => println!("  cpu-tcp address: {ip} ({why})"),
         Err(e) => println!("  cpu-tcp address: {e}"),

@@ -96,10 +96,24 @@ pub fn run(l: &Launch) -> Result<i32> {
     if l.nnodes > 1 && l.master_port == 0 {
         bail!("--master-port is required with --nnodes > 1");
     }
+    // The job's key: the environment's, else (one node) a fresh one, which
+    // the ranks inherit. Across nodes every launcher must be given the same.
+    let generated = match weft::auth::Key::from_env()? {
+        Some(_) => None,
+        None if l.nnodes == 1 => Some(weft::auth::Key::generate()?),
+        None => {
+            eprintln!("weft run: {} is not set: this multi-node job is unauthenticated", weft::auth::ENV_KEY);
+            None
+        }
+    };
+    let key = match &generated {
+        Some(k) => Some(weft::auth::Key::new(k.as_bytes())?),
+        None => weft::auth::Key::from_env()?,
+    };
     let _server;
     let port = if l.node_rank == 0 {
         let bind = weft::launch::store_bind_addr(&l.master_addr, l.master_port);
-        let server = TcpStoreServer::start(bind).context("starting the store")?;
+        let server = TcpStoreServer::start_keyed(bind, key).context("starting the store")?;
         let p = server.local_addr().port();
         _server = server;
         p
@@ -132,6 +146,9 @@ pub fn run(l: &Launch) -> Result<i32> {
             .process_group(0);
         if let Some(b) = &l.backend {
             cmd.env(weft::ENV_BACKEND, b);
+        }
+        if let Some(k) = &generated {
+            cmd.env(weft::auth::ENV_KEY, k);
         }
         if l.bind_cores {
             let cpus = usable_cpus();

@@ -22,6 +22,7 @@
 #![warn(missing_docs)]
 
 pub mod algorithms;
+pub mod auth;
 pub mod backend;
 mod deadline;
 mod dtype;

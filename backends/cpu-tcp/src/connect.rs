@@ -6,17 +6,30 @@
 //! connection, a peer of another job or group, or a duplicate is rejected
 //! and the acceptor keeps waiting for the right peer. Every wait, on both
 //! sides, ends at the setup deadline.
+//!
+//! With the job's key ([`weft::auth`]), the handshake is protocol version 2:
+//! the connector adds its nonce, the acceptor answers with its own and its
+//! proof over the hello and both nonces, and the connector answers with
+//! its proof; a connection whose proof fails is dropped (a recorded
+//! handshake is useless against fresh nonces). A side with a key and a side
+//! without one refuse each other (a version mismatch).
 
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
+use weft::auth::{self, Key};
 use weft::store::Store;
 use weft::{Error, Result};
 
 const MAGIC: u32 = 0x5746_4853; // "WFHS"
+/// The handshake without a key, and with one.
 const VERSION: u16 = 1;
+const VERSION_KEYED: u16 = 2;
 const HELLO: usize = 22;
+/// Labels of the acceptor's proof and the connector's.
+const ACCEPTOR_PROOF: &str = "weft cpu-tcp acceptor";
+const CONNECTOR_PROOF: &str = "weft cpu-tcp connector";
 
 #[derive(Copy, Clone, Debug, PartialEq)]
 enum Status {
@@ -27,10 +40,10 @@ enum Status {
     BadVersion = 4,
 }
 
-fn hello(from: usize, to: usize, nonce: u64) -> [u8; HELLO] {
+fn hello(from: usize, to: usize, nonce: u64, keyed: bool) -> [u8; HELLO] {
     let mut b = [0u8; HELLO];
     b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
-    b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+    b[4..6].copy_from_slice(&(if keyed { VERSION_KEYED } else { VERSION }).to_le_bytes());
     b[6..10].copy_from_slice(&(from as u32).to_le_bytes());
     b[10..14].copy_from_slice(&(to as u32).to_le_bytes());
     b[14..22].copy_from_slice(&nonce.to_le_bytes());
@@ -46,7 +59,8 @@ fn random_u64() -> u64 {
 }
 
 /// Connect this rank to every other; `peers[r]` is the socket to rank r.
-pub fn mesh(store: &dyn Store, rank: usize, size: usize, ip: IpAddr, deadline: Instant) -> Result<Vec<Option<Socket>>> {
+/// With `key`, every connection is authenticated.
+pub fn mesh(store: &dyn Store, rank: usize, size: usize, ip: IpAddr, deadline: Instant, key: Option<&Key>) -> Result<Vec<Option<Socket>>> {
     let timeout = deadline.saturating_duration_since(Instant::now());
     let listener = Socket::new(Domain::for_address(SocketAddr::new(ip, 0)), Type::STREAM, Some(Protocol::TCP))?;
     listener.set_reuse_address(true)?;
@@ -69,10 +83,10 @@ pub fn mesh(store: &dyn Store, rank: usize, size: usize, ip: IpAddr, deadline: I
 
     let mut peers: Vec<Option<Socket>> = (0..size).map(|_| None).collect();
     std::thread::scope(|s| -> Result<()> {
-        let acceptor = s.spawn(|| accept_all(&listener, rank, size, nonce, deadline));
+        let acceptor = s.spawn(|| accept_all(&listener, rank, size, nonce, deadline, key));
         let mut lower = Vec::new();
         for peer in 0..rank {
-            lower.push(connect_one(store, rank, peer, ip, nonce, deadline)?);
+            lower.push(connect_one(store, rank, peer, ip, nonce, deadline, key)?);
         }
         let higher = acceptor.join().expect("acceptor thread does not panic")?;
         for (p, sock) in lower.into_iter().enumerate() {
@@ -91,7 +105,15 @@ pub fn mesh(store: &dyn Store, rank: usize, size: usize, ip: IpAddr, deadline: I
 }
 
 /// `local`: this rank's address (a peer there is on this host).
-fn connect_one(store: &dyn Store, rank: usize, peer: usize, local: IpAddr, nonce: u64, deadline: Instant) -> Result<Socket> {
+fn connect_one(
+    store: &dyn Store,
+    rank: usize,
+    peer: usize,
+    local: IpAddr,
+    nonce: u64,
+    deadline: Instant,
+    key: Option<&Key>,
+) -> Result<Socket> {
     let raw = store.get(&format!("addr/{peer}"), deadline.saturating_duration_since(Instant::now()))?;
     let addr: SocketAddr = String::from_utf8_lossy(&raw)
         .parse()
@@ -114,22 +136,51 @@ fn connect_one(store: &dyn Store, rank: usize, peer: usize, local: IpAddr, nonce
         }
         sock.set_read_timeout(Some(left.max(Duration::from_millis(1))))?;
         sock.set_write_timeout(Some(left.max(Duration::from_millis(1))))?;
-        (&sock).write_all(&hello(rank, peer, nonce))?;
+        let h = hello(rank, peer, nonce, key.is_some());
+        let mine = key.map(|_| auth::nonce()).transpose()?;
+        (&sock).write_all(&h)?;
+        if let Some(n) = &mine {
+            (&sock).write_all(n)?;
+        }
         let mut ack = [0u8; 5];
         (&sock)
             .read_exact(&mut ack)
             .map_err(|e| Error::backend(format!("cpu-tcp: no handshake reply from peer rank {peer} at {addr}: {e}")))?;
         let status = ack[4];
         if u32::from_le_bytes(ack[..4].try_into().expect("4 bytes")) != MAGIC || status != Status::Ok as u8 {
-            return Err(Error::backend(format!(
-                "cpu-tcp: peer rank {peer} at {addr} rejected the handshake (status {status}: not the same job or group?)"
-            )));
+            let hint = if status == Status::BadVersion as u8 {
+                "not the same job, or one of the two has WEFT_AUTH_KEY and the other not?"
+            } else {
+                "not the same job or group?"
+            };
+            return Err(Error::backend(format!("cpu-tcp: peer rank {peer} at {addr} rejected the handshake (status {status}: {hint})")));
+        }
+        if let (Some(key), Some(mine)) = (key, mine) {
+            let mut theirs = [0u8; auth::NONCE + auth::PROOF];
+            (&sock)
+                .read_exact(&mut theirs)
+                .map_err(|e| Error::backend(format!("cpu-tcp: peer rank {peer} at {addr} sent no proof: {e}")))?;
+            let (their_nonce, proof) = theirs.split_at(auth::NONCE);
+            if !key.verify(ACCEPTOR_PROOF, &[&h, &mine, their_nonce], proof) {
+                return Err(Error::backend(format!(
+                    "cpu-tcp: the listener at {addr} (peer rank {peer}'s address) does not hold this job's key"
+                )));
+            }
+            (&sock).write_all(&key.prove(CONNECTOR_PROOF, &[&h, their_nonce, &mine]))?;
         }
         return Ok(sock);
     }
 }
 
-fn accept_all(listener: &Socket, rank: usize, size: usize, nonce: u64, deadline: Instant) -> Result<Vec<(usize, Socket)>> {
+fn accept_all(
+    listener: &Socket,
+    rank: usize,
+    size: usize,
+    nonce: u64,
+    deadline: Instant,
+    key: Option<&Key>,
+) -> Result<Vec<(usize, Socket)>> {
+    let version = if key.is_some() { VERSION_KEYED } else { VERSION };
     let mut got: Vec<(usize, Socket)> = Vec::new();
     listener.set_nonblocking(true)?;
     while got.len() < size - rank - 1 {
@@ -156,7 +207,13 @@ fn accept_all(listener: &Socket, rank: usize, size: usize, nonce: u64, deadline:
         }
         let word = |i: usize| u32::from_le_bytes(h[i..i + 4].try_into().expect("4 bytes"));
         let peer = word(6) as usize;
-        let status = if word(0) != MAGIC || u16::from_le_bytes([h[4], h[5]]) != VERSION {
+        let mut their_nonce = [0u8; auth::NONCE];
+        let keyed_hello = u16::from_le_bytes([h[4], h[5]]) == VERSION_KEYED;
+        if key.is_some() && keyed_hello && (&sock).read_exact(&mut their_nonce).is_err() {
+            weft::log::debug(format_args!("cpu-tcp rank {rank}: dropped a connection from {from:?} that sent no nonce"));
+            continue;
+        }
+        let status = if word(0) != MAGIC || u16::from_le_bytes([h[4], h[5]]) != version {
             Status::BadVersion
         } else if u64::from_le_bytes(h[14..22].try_into().expect("8 bytes")) != nonce {
             Status::BadNonce
@@ -169,12 +226,28 @@ fn accept_all(listener: &Socket, rank: usize, size: usize, nonce: u64, deadline:
         };
         let mut ack = MAGIC.to_le_bytes().to_vec();
         ack.push(status as u8);
-        let _ = (&sock).write_all(&ack);
-        if status == Status::Ok {
-            got.push((peer, sock));
-        } else {
+        if status != Status::Ok {
+            let _ = (&sock).write_all(&ack);
             weft::log::debug(format_args!("cpu-tcp rank {rank}: rejected a connection from {from:?}: {status:?}"));
+            continue;
         }
+        if let Some(key) = key {
+            // Our nonce and proof, then the connector's proof.
+            let Ok(mine) = auth::nonce() else { continue };
+            ack.extend_from_slice(&mine);
+            ack.extend_from_slice(&key.prove(ACCEPTOR_PROOF, &[&h, &their_nonce, &mine]));
+            let mut proof = [0u8; auth::PROOF];
+            if (&sock).write_all(&ack).is_err() || (&sock).read_exact(&mut proof).is_err() {
+                continue;
+            }
+            if !key.verify(CONNECTOR_PROOF, &[&h, &mine, &their_nonce], &proof) {
+                weft::log::debug(format_args!("cpu-tcp rank {rank}: dropped a connection from {from:?}: its proof of the key failed"));
+                continue;
+            }
+        } else if (&sock).write_all(&ack).is_err() {
+            continue;
+        }
+        got.push((peer, sock));
     }
     Ok(got)
 }
@@ -191,17 +264,17 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(10);
         let ip: IpAddr = "127.0.0.1".parse().unwrap();
         std::thread::scope(|s| {
-            let r0 = s.spawn(|| mesh(&*store, 0, 2, ip, deadline));
+            let r0 = s.spawn(|| mesh(&*store, 0, 2, ip, deadline, None));
             let addr: SocketAddr = String::from_utf8(store.get("addr/0", Duration::from_secs(5)).unwrap()).unwrap().parse().unwrap();
             // Garbage, then a well-formed hello from "another job" (wrong nonce).
             let mut g = std::net::TcpStream::connect(addr).unwrap();
             g.write_all(b"GET / HTTP/1.0\r\n\r\n....").unwrap();
             let mut foreign = std::net::TcpStream::connect(addr).unwrap();
-            foreign.write_all(&hello(1, 0, 12345)).unwrap();
+            foreign.write_all(&hello(1, 0, 12345, false)).unwrap();
             let mut ack = [0u8; 5];
             foreign.read_exact(&mut ack).unwrap();
             assert_eq!(ack[4], Status::BadNonce as u8);
-            let r1 = mesh(&*store, 1, 2, ip, deadline).unwrap();
+            let r1 = mesh(&*store, 1, 2, ip, deadline, None).unwrap();
             let r0 = r0.join().unwrap().unwrap();
             assert!(r0[1].is_some() && r1[0].is_some());
             // The buffers asked for (the kernel doubles them, up to rmem_max).
@@ -214,7 +287,49 @@ mod tests {
     #[test]
     fn a_missing_peer_is_a_timeout_naming_it() {
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(10)));
-        let e = mesh(&*store, 0, 3, "127.0.0.1".parse().unwrap(), Instant::now() + Duration::from_millis(300)).err().unwrap();
+        let e = mesh(&*store, 0, 3, "127.0.0.1".parse().unwrap(), Instant::now() + Duration::from_millis(300), None).err().unwrap();
         assert!(e.is_timeout() && e.to_string().contains("[1, 2]"), "{e}");
+    }
+
+    #[test]
+    fn with_a_key_a_stranger_who_knows_the_nonce_is_dropped_and_the_peer_gets_in() {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(10)));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        let key = Key::new(vec![5u8; 32]).unwrap();
+        std::thread::scope(|s| {
+            let r0 = s.spawn(|| mesh(&*store, 0, 2, ip, deadline, Some(&key)));
+            let addr: SocketAddr = String::from_utf8(store.get("addr/0", Duration::from_secs(5)).unwrap()).unwrap().parse().unwrap();
+            let nonce = u64::from_le_bytes(store.get("nonce", Duration::from_secs(5)).unwrap().try_into().unwrap());
+            // A stranger with the group's nonce (say, sniffed) but not the
+            // key: the listener's proof comes, but the stranger's fails.
+            let mut stranger = std::net::TcpStream::connect(addr).unwrap();
+            stranger.write_all(&hello(1, 0, nonce, true)).unwrap();
+            stranger.write_all(&[9u8; auth::NONCE]).unwrap();
+            let mut reply = [0u8; 5 + auth::NONCE + auth::PROOF];
+            stranger.read_exact(&mut reply).unwrap();
+            assert_eq!(reply[4], Status::Ok as u8);
+            stranger.write_all(&[0u8; auth::PROOF]).unwrap();
+            // A stranger without a key speaking version 1 is refused outright.
+            let mut plain = std::net::TcpStream::connect(addr).unwrap();
+            plain.write_all(&hello(1, 0, nonce, false)).unwrap();
+            let mut ack = [0u8; 5];
+            plain.read_exact(&mut ack).unwrap();
+            assert_eq!(ack[4], Status::BadVersion as u8);
+            // The real rank 1 gets in.
+            let r1 = mesh(&*store, 1, 2, ip, deadline, Some(&key)).unwrap();
+            let r0 = r0.join().unwrap().unwrap();
+            assert!(r0[1].is_some() && r1[0].is_some());
+        });
+        // A rank with another key is refused by the listener's proof.
+        let store2: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(10)));
+        let other = Key::new(vec![6u8; 32]).unwrap();
+        let short = Instant::now() + Duration::from_secs(2);
+        std::thread::scope(|s| {
+            let a = s.spawn(|| mesh(&*store2, 0, 2, ip, short, Some(&key)));
+            let e = mesh(&*store2, 1, 2, ip, short, Some(&other)).expect_err("another key is refused");
+            assert!(e.to_string().contains("does not hold this job's key"), "{e}");
+            assert!(a.join().unwrap().is_err(), "rank 0 never got its peer");
+        });
     }
 }

@@ -39,7 +39,8 @@ impl BackendFactory for CpuTcp {
     fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
         let (ip, why) = local_addr()?;
         weft::log::debug(format_args!("cpu-tcp rank {}: using address {ip} ({why})", ctx.rank));
-        let peers = connect::mesh(&*ctx.store, ctx.rank, ctx.size, ip, ctx.setup_deadline())?;
+        let key = weft::auth::Key::from_env()?;
+        let peers = connect::mesh(&*ctx.store, ctx.rank, ctx.size, ip, ctx.setup_deadline(), key.as_ref())?;
         Ok(Arc::new(transport::TcpBackend::start(ctx.rank, peers, ctx.store)?))
     }
 }

@@ -1,7 +1,9 @@
 //! The TcpStore client.
 
+use super::tcp_server::{CLIENT_PROOF, SERVER_PROOF};
 use super::wire::{read_frame, write_frame, Decoder, Request, Status};
 use super::{Store, TcpStoreServer};
+use crate::auth::{self, Key};
 use crate::error::{Error, Result};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::Mutex;
@@ -21,31 +23,64 @@ pub struct TcpStore {
     /// The server answered once: a refused connection now means it is
     /// gone (its rank exited), not that it has not started yet.
     reached: std::sync::atomic::AtomicBool,
+    /// The job's key, proven on every new connection.
+    key: Option<Key>,
     _server: Option<TcpStoreServer>,
 }
 
 impl TcpStore {
     /// Connect to the server at `host:port`, retrying until `timeout`
-    /// (the server may start after the client).
+    /// (the server may start after the client), proving the key of the
+    /// environment (`WEFT_AUTH_KEY`) if there is one.
     pub fn connect(host: &str, port: u16, timeout: Duration) -> Result<Self> {
+        Self::connect_keyed(host, port, timeout, Key::from_env()?)
+    }
+
+    /// As [`TcpStore::connect`], with this key (or none).
+    pub fn connect_keyed(host: &str, port: u16, timeout: Duration, key: Option<Key>) -> Result<Self> {
         let addr = resolve(host, port)?;
-        let store = TcpStore { addr, idle: Mutex::new(Vec::new()), timeout, reached: false.into(), _server: None };
+        let store = TcpStore { addr, idle: Mutex::new(Vec::new()), timeout, reached: false.into(), key, _server: None };
         let first = store.connect_one()?;
         store.idle.lock().unwrap_or_else(|p| p.into_inner()).push(first);
         Ok(store)
     }
 
     /// Start a server on `bind` and connect to it; the server lives as long
-    /// as the returned store.
+    /// as the returned store. Both use the key of the environment, if any.
     pub fn host(bind: SocketAddr, timeout: Duration) -> Result<Self> {
-        let server = TcpStoreServer::start(bind)?;
+        let key = Key::from_env()?;
+        let server = TcpStoreServer::start_keyed(bind, key.clone())?;
         let mut addr = server.local_addr();
         if addr.ip().is_unspecified() {
             addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
         }
-        let mut store = Self::connect(&addr.ip().to_string(), addr.port(), timeout)?;
+        let mut store = Self::connect_keyed(&addr.ip().to_string(), addr.port(), timeout, key)?;
         store._server = Some(server);
         Ok(store)
+    }
+
+    /// Prove the key on a new connection, and check that the server holds
+    /// it too (see [`crate::auth`]).
+    fn authenticate(&self, conn: &mut TcpStream, key: &Key) -> Result<()> {
+        let fail = |why: String| Error::backend(format!("store at {}: {why}", self.addr));
+        conn.set_read_timeout(Some(self.timeout))?;
+        let mine = auth::nonce()?;
+        write_frame(conn, &Request::Hello { nonce: mine.to_vec() }.encode())?;
+        let reply = read_frame(conn)?.ok_or_else(|| fail("closed the connection during authentication".into()))?;
+        let mut d = Decoder(&reply);
+        if d.u8()? != Status::Ok as u8 {
+            return Err(fail(String::from_utf8_lossy(&d.bytes().unwrap_or_default()).into_owned()));
+        }
+        let (theirs, proof) = (d.bytes()?, d.bytes()?);
+        if theirs.len() != auth::NONCE || !key.verify(SERVER_PROOF, &[&mine, &theirs], &proof) {
+            return Err(fail("the server does not hold this job's key (WEFT_AUTH_KEY)".into()));
+        }
+        write_frame(conn, &Request::Proof { proof: key.prove(CLIENT_PROOF, &[&theirs, &mine]).to_vec() }.encode())?;
+        let reply = read_frame(conn)?.ok_or_else(|| fail("refused this process's key".into()))?;
+        if Decoder(&reply).u8()? != Status::Ok as u8 {
+            return Err(fail("refused this process's key".into()));
+        }
+        Ok(())
     }
 
     /// The server address.
@@ -75,6 +110,10 @@ impl TcpStore {
         };
         stream.set_nodelay(true)?;
         self.reached.store(true, std::sync::atomic::Ordering::Relaxed);
+        let mut stream = stream;
+        if let Some(key) = &self.key {
+            self.authenticate(&mut stream, key)?;
+        }
         Ok(stream)
     }
 
@@ -161,6 +200,50 @@ mod tests {
     #[test]
     fn conforms() {
         super::super::conformance::check_store(hosted());
+    }
+
+    fn key(b: u8) -> Option<Key> {
+        Some(Key::new(vec![b; 32]).unwrap())
+    }
+
+    #[test]
+    fn with_a_key_only_holders_of_it_get_in_and_a_recorded_handshake_is_useless() {
+        let server = TcpStoreServer::start_keyed("127.0.0.1:0".parse().unwrap(), key(1)).unwrap();
+        let port = server.local_addr().port();
+        let t = Duration::from_secs(5);
+        let ours = Arc::new(TcpStore::connect_keyed("127.0.0.1", port, t, key(1)).unwrap());
+        super::super::conformance::check_store(ours.clone());
+        ours.set("secret", b"nonce").unwrap();
+        // No key: refused before any request is served.
+        let e = TcpStore::connect_keyed("127.0.0.1", port, t, None).unwrap().get("secret", t).unwrap_err();
+        assert!(e.to_string().contains("requires a key"), "{e}");
+        // Another key: refused.
+        let e = TcpStore::connect_keyed("127.0.0.1", port, t, key(2)).err().expect("a wrong key is refused");
+        assert!(e.to_string().contains("does not hold this job's key"), "{e}");
+        // A key against a server without one: refused too, saying so.
+        let open = TcpStoreServer::start_keyed("127.0.0.1:0".parse().unwrap(), None).unwrap();
+        let e = TcpStore::connect_keyed("127.0.0.1", open.local_addr().port(), t, key(1)).err().expect("refused");
+        assert!(e.to_string().contains("no key"), "{e}");
+        // A handshake recorded from a real client and replayed: the server's
+        // new nonce makes the recorded proof worthless.
+        let mut c = TcpStream::connect(server.local_addr()).unwrap();
+        c.set_read_timeout(Some(t)).unwrap();
+        let k = key(1).unwrap();
+        let mine = [7u8; 16];
+        write_frame(&mut c, &Request::Hello { nonce: mine.to_vec() }.encode()).unwrap();
+        let reply = read_frame(&mut c).unwrap().unwrap();
+        let mut d = Decoder(&reply);
+        d.u8().unwrap();
+        let first_nonce = d.bytes().unwrap();
+        let recorded = k.prove(CLIENT_PROOF, &[&first_nonce, &mine]);
+        let mut replay = TcpStream::connect(server.local_addr()).unwrap();
+        replay.set_read_timeout(Some(t)).unwrap();
+        write_frame(&mut replay, &Request::Hello { nonce: mine.to_vec() }.encode()).unwrap();
+        read_frame(&mut replay).unwrap().unwrap();
+        write_frame(&mut replay, &Request::Proof { proof: recorded.to_vec() }.encode()).unwrap();
+        let reply = read_frame(&mut replay).unwrap().unwrap();
+        assert!(String::from_utf8_lossy(&reply).contains("authentication failed"));
+        assert_eq!(ours.get("secret", t).unwrap(), b"nonce");
     }
 
     #[test]

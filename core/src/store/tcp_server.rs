@@ -9,6 +9,8 @@
 //! - A blocking `get` or `wait` ends when its client goes away, not at its
 //!   timeout: its thread and socket are freed at once.
 //! - Out of file descriptors, the accept loop backs off instead of spinning.
+//! - With a key ([`crate::auth`]), a client must prove it holds it before
+//!   any other request; a stranger is told only that a key is required.
 //!
 //! A client that sends garbage, a truncated or oversized frame or breaks a
 //! limit gets an error response (when one can still be sent) and is
@@ -17,6 +19,7 @@
 use super::memory::MemoryStore;
 use super::wire::{write_frame, Encoder, Request, Status, MAX_FRAME};
 use super::Store;
+use crate::auth::{self, Key};
 use crate::error::{Error, ErrorKind, Result};
 use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -30,6 +33,10 @@ pub const MAX_CLIENTS: usize = 4096;
 pub const FRAME_TIME: Duration = Duration::from_secs(30);
 /// Most bytes of frames being received, over all clients.
 pub const FRAMES_BUDGET: usize = 256 << 20;
+
+/// The label of the server's proof, then the client's ([`Key::prove`]).
+pub(super) const SERVER_PROOF: &str = "weft store server";
+pub(super) const CLIENT_PROOF: &str = "weft store client";
 
 /// The server's limits (the constants above, smaller in tests).
 #[derive(Clone, Copy, Debug)]
@@ -56,24 +63,34 @@ pub struct TcpStoreServer {
 struct Shared {
     state: MemoryStore,
     limits: Limits,
+    /// The job's key: clients must prove they hold it.
+    key: Option<Key>,
     clients: AtomicUsize,
     /// Bytes of frames being received right now.
     in_flight: AtomicUsize,
 }
 
 impl TcpStoreServer {
-    /// Bind `addr` (port 0 picks a free one) and serve in background threads.
+    /// Bind `addr` (port 0 picks a free one) and serve in background
+    /// threads, to clients holding the key of the environment (`WEFT_AUTH_KEY`;
+    /// none: to anyone).
     pub fn start(addr: SocketAddr) -> Result<Self> {
-        Self::start_with(addr, Limits::default())
+        Self::start_keyed(addr, Key::from_env()?)
     }
 
-    fn start_with(addr: SocketAddr, limits: Limits) -> Result<Self> {
+    /// As [`TcpStoreServer::start`], with this key (or none).
+    pub fn start_keyed(addr: SocketAddr, key: Option<Key>) -> Result<Self> {
+        Self::start_with(addr, Limits::default(), key)
+    }
+
+    fn start_with(addr: SocketAddr, limits: Limits, key: Option<Key>) -> Result<Self> {
         let listener = TcpListener::bind(addr).map_err(|e| Error::backend(format!("store server cannot bind {addr}: {e}")))?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
         let shared = Arc::new(Shared {
             state: MemoryStore::new(Duration::from_secs(3600)),
             limits,
+            key,
             clients: AtomicUsize::new(0),
             in_flight: AtomicUsize::new(0),
         });
@@ -139,6 +156,8 @@ fn accept_loop(listener: TcpListener, stop: &AtomicBool, shared: &Arc<Shared>) {
 fn serve_client(mut conn: TcpStream, shared: &Shared) {
     let _ = conn.set_nodelay(true);
     let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+    let mut challenge: Option<([u8; auth::NONCE], Vec<u8>)> = None;
+    let mut trusted = shared.key.is_none();
     loop {
         let body = match read_frame_bounded(&mut conn, shared) {
             Ok(Some(b)) => b,
@@ -150,6 +169,34 @@ fn serve_client(mut conn: TcpStream, shared: &Shared) {
             Err(e) => return reject(&mut conn, &peer, e),
         };
         drop(body);
+        // Authentication first, when the store has a key.
+        let req = match (req, &shared.key, trusted) {
+            (Request::Hello { nonce: theirs }, Some(key), false) if challenge.is_none() && theirs.len() == auth::NONCE => {
+                let Ok(mine) = auth::nonce() else { return reject(&mut conn, &peer, Error::backend("no randomness")) };
+                let proof = key.prove(SERVER_PROOF, &[&theirs, &mine]);
+                let reply = Encoder::default().u8(Status::Ok as u8).bytes(&mine).bytes(&proof).0;
+                challenge = Some((mine, theirs));
+                if write_frame(&mut conn, &reply).is_err() {
+                    return;
+                }
+                continue;
+            }
+            (Request::Proof { proof }, Some(key), false) => match challenge.take() {
+                Some((mine, theirs)) if key.verify(CLIENT_PROOF, &[&mine, &theirs], &proof) => {
+                    trusted = true;
+                    if write_frame(&mut conn, &Encoder::default().u8(Status::Ok as u8).0).is_err() {
+                        return;
+                    }
+                    continue;
+                }
+                _ => return reject(&mut conn, &peer, Error::backend("authentication failed")),
+            },
+            (Request::Hello { .. }, None, _) => {
+                return reject(&mut conn, &peer, Error::backend("this store has no key, but the client has one (WEFT_AUTH_KEY)"))
+            }
+            (_, Some(_), false) => return reject(&mut conn, &peer, Error::backend("this store requires a key (WEFT_AUTH_KEY)")),
+            (req, ..) => req,
+        };
         let reply = match execute(&shared.state, req, &conn) {
             Ok(body) => body,
             Err(e) if e.kind() == &ErrorKind::Aborted => return,
@@ -282,6 +329,7 @@ fn execute(s: &MemoryStore, req: Request, conn: &TcpStream) -> Result<Vec<u8>> {
         Request::Check { keys } => ok.u8(s.check(&refs(&keys))? as u8),
         Request::Delete { key } => ok.u8(s.delete(&key)? as u8),
         Request::NumKeys => ok.u64(s.num_keys()?),
+        Request::Hello { .. } | Request::Proof { .. } => return Err(Error::invalid("already authenticated")),
     }
     .0)
 }
@@ -293,7 +341,7 @@ mod tests {
     use std::io::Write;
 
     fn server(limits: Limits) -> TcpStoreServer {
-        TcpStoreServer::start_with("127.0.0.1:0".parse().unwrap(), limits).unwrap()
+        TcpStoreServer::start_with("127.0.0.1:0".parse().unwrap(), limits, None).unwrap()
     }
 
     /// Poll `cond` for up to 5 s.

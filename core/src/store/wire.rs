@@ -5,6 +5,10 @@
 //! request  = u8 opcode + fields      (bytes = u32 len + data, ints LE)
 //! response = u8 status (0 ok, 1 timeout, 2 error) + fields | message
 //! ```
+//!
+//! With a key ([`crate::auth`]), a connection opens with `Hello` (the
+//! client's nonce; the server answers with its nonce and proof) and
+//! `Proof` (the client's), before any other request.
 
 use crate::error::{Error, Result};
 use std::io::{Read, Write};
@@ -16,14 +20,42 @@ pub const MAX_FRAME: usize = 64 << 20;
 /// A decoded request.
 #[derive(Debug, PartialEq)]
 pub enum Request {
-    Set { key: String, value: Vec<u8> },
-    Get { key: String, timeout: Duration },
-    Add { key: String, delta: i64 },
-    CompareSet { key: String, expected: Vec<u8>, desired: Vec<u8> },
-    Wait { keys: Vec<String>, timeout: Duration },
-    Check { keys: Vec<String> },
-    Delete { key: String },
+    Set {
+        key: String,
+        value: Vec<u8>,
+    },
+    Get {
+        key: String,
+        timeout: Duration,
+    },
+    Add {
+        key: String,
+        delta: i64,
+    },
+    CompareSet {
+        key: String,
+        expected: Vec<u8>,
+        desired: Vec<u8>,
+    },
+    Wait {
+        keys: Vec<String>,
+        timeout: Duration,
+    },
+    Check {
+        keys: Vec<String>,
+    },
+    Delete {
+        key: String,
+    },
     NumKeys,
+    /// Authentication, first: the client's nonce.
+    Hello {
+        nonce: Vec<u8>,
+    },
+    /// Authentication, second: the client's proof over both nonces.
+    Proof {
+        proof: Vec<u8>,
+    },
 }
 
 /// Response status byte.
@@ -117,6 +149,8 @@ impl Request {
             Request::Check { keys } => e.u8(6).keys(&keys.iter().map(String::as_str).collect::<Vec<_>>()),
             Request::Delete { key } => e.u8(7).bytes(key.as_bytes()),
             Request::NumKeys => e.u8(8),
+            Request::Hello { nonce } => e.u8(9).bytes(nonce),
+            Request::Proof { proof } => e.u8(10).bytes(proof),
         }
         .0
     }
@@ -134,6 +168,8 @@ impl Request {
             6 => Request::Check { keys: d.keys()? },
             7 => Request::Delete { key: d.string()? },
             8 => Request::NumKeys,
+            9 => Request::Hello { nonce: d.bytes()? },
+            10 => Request::Proof { proof: d.bytes()? },
             op => return Err(Error::backend(format!("unknown store opcode {op}"))),
         };
         d.end()?;
@@ -181,6 +217,8 @@ mod tests {
             Request::Check { keys: vec![] },
             Request::Delete { key: "k".into() },
             Request::NumKeys,
+            Request::Hello { nonce: vec![3; 16] },
+            Request::Proof { proof: vec![4; 32] },
         ];
         for r in reqs {
             assert_eq!(Request::decode(&r.encode()).unwrap(), r);
