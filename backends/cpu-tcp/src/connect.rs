@@ -172,6 +172,18 @@ fn connect_one(
     }
 }
 
+/// Longest one incoming connection may take to complete its handshake (a
+/// silent or slow stranger holds nothing else up: each has its own thread).
+const HANDSHAKE_TIME: Duration = Duration::from_secs(5);
+/// Most incoming handshakes in progress at once (more wait in the backlog).
+const HANDSHAKES: usize = 64;
+
+/// What the handshake of one incoming connection found.
+enum Incoming {
+    Peer(usize, Socket),
+    Refused,
+}
+
 fn accept_all(
     listener: &Socket,
     rank: usize,
@@ -180,13 +192,28 @@ fn accept_all(
     deadline: Instant,
     key: Option<&Key>,
 ) -> Result<Vec<(usize, Socket)>> {
-    let version = if key.is_some() { VERSION_KEYED } else { VERSION };
+    let accepted = std::sync::Arc::new(std::sync::Mutex::new(Vec::<usize>::new()));
+    let (tx, rx) = std::sync::mpsc::channel::<Incoming>();
     let mut got: Vec<(usize, Socket)> = Vec::new();
     listener.set_nonblocking(true)?;
+    let mut running = 0usize;
     while got.len() < size - rank - 1 {
+        while let Ok(done) = rx.try_recv() {
+            running -= 1;
+            if let Incoming::Peer(p, sock) = done {
+                got.push((p, sock));
+            }
+        }
+        if got.len() == size - rank - 1 {
+            break;
+        }
         if Instant::now() >= deadline {
             let missing: Vec<usize> = (rank + 1..size).filter(|r| got.iter().all(|(p, _)| p != r)).collect();
             return Err(Error::timeout(format!("cpu-tcp: rank {rank} timed out waiting for peer rank(s) {missing:?} to connect")));
+        }
+        if running >= HANDSHAKES {
+            std::thread::sleep(Duration::from_millis(2));
+            continue;
         }
         let (sock, from) = match listener.accept() {
             Ok(c) => c,
@@ -196,60 +223,103 @@ fn accept_all(
             }
             Err(e) => return Err(e.into()),
         };
-        sock.set_nonblocking(false)?;
-        sock.set_read_timeout(Some(
-            Duration::from_secs(5).min(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))),
-        ))?;
-        let mut h = [0u8; HELLO];
-        if (&sock).read_exact(&mut h).is_err() {
-            weft::log::debug(format_args!("cpu-tcp rank {rank}: dropped a connection from {from:?} that sent no handshake"));
-            continue;
-        }
-        let word = |i: usize| u32::from_le_bytes(h[i..i + 4].try_into().expect("4 bytes"));
-        let peer = word(6) as usize;
-        let mut their_nonce = [0u8; auth::NONCE];
-        let keyed_hello = u16::from_le_bytes([h[4], h[5]]) == VERSION_KEYED;
-        if key.is_some() && keyed_hello && (&sock).read_exact(&mut their_nonce).is_err() {
-            weft::log::debug(format_args!("cpu-tcp rank {rank}: dropped a connection from {from:?} that sent no nonce"));
-            continue;
-        }
-        let status = if word(0) != MAGIC || u16::from_le_bytes([h[4], h[5]]) != version {
-            Status::BadVersion
-        } else if u64::from_le_bytes(h[14..22].try_into().expect("8 bytes")) != nonce {
-            Status::BadNonce
-        } else if word(10) as usize != rank || peer <= rank || peer >= size {
-            Status::BadRank
-        } else if got.iter().any(|(p, _)| *p == peer) {
-            Status::Duplicate
-        } else {
-            Status::Ok
-        };
-        let mut ack = MAGIC.to_le_bytes().to_vec();
-        ack.push(status as u8);
-        if status != Status::Ok {
-            let _ = (&sock).write_all(&ack);
-            weft::log::debug(format_args!("cpu-tcp rank {rank}: rejected a connection from {from:?}: {status:?}"));
-            continue;
-        }
-        if let Some(key) = key {
-            // Our nonce and proof, then the connector's proof.
-            let Ok(mine) = auth::nonce() else { continue };
-            ack.extend_from_slice(&mine);
-            ack.extend_from_slice(&key.prove(ACCEPTOR_PROOF, &[&h, &their_nonce, &mine]));
-            let mut proof = [0u8; auth::PROOF];
-            if (&sock).write_all(&ack).is_err() || (&sock).read_exact(&mut proof).is_err() {
-                continue;
-            }
-            if !key.verify(CONNECTOR_PROOF, &[&h, &mine, &their_nonce], &proof) {
-                weft::log::debug(format_args!("cpu-tcp rank {rank}: dropped a connection from {from:?}: its proof of the key failed"));
-                continue;
-            }
-        } else if (&sock).write_all(&ack).is_err() {
-            continue;
-        }
-        got.push((peer, sock));
+        running += 1;
+        // Its own thread, not waited for: setup goes on as soon as every
+        // peer is in, while a silent stranger's handshake runs out alone.
+        let (tx, accepted, key) = (tx.clone(), accepted.clone(), key.cloned());
+        std::thread::Builder::new().name("weft-tcp-handshake".into()).spawn(move || {
+            let until = deadline.min(Instant::now() + HANDSHAKE_TIME);
+            let out = match handshake(&sock, rank, size, nonce, until, key.as_ref(), &accepted) {
+                Ok(peer) => Incoming::Peer(peer, sock),
+                Err(why) => {
+                    weft::log::debug(format_args!("cpu-tcp rank {rank}: dropped a connection from {from:?}: {why}"));
+                    Incoming::Refused
+                }
+            };
+            let _ = tx.send(out);
+        })?;
     }
     Ok(got)
+}
+
+/// The acceptor's side of one connection's handshake, by `until`: the
+/// peer rank it is from, or why it was refused.
+fn handshake(
+    sock: &Socket,
+    rank: usize,
+    size: usize,
+    nonce: u64,
+    until: Instant,
+    key: Option<&Key>,
+    accepted: &std::sync::Mutex<Vec<usize>>,
+) -> std::result::Result<usize, String> {
+    let io = |e: std::io::Error| e.to_string();
+    sock.set_nonblocking(false).map_err(io)?;
+    sock.set_read_timeout(Some(until.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)))).map_err(io)?;
+    sock.set_write_timeout(Some(HANDSHAKE_TIME)).map_err(io)?;
+    let version = if key.is_some() { VERSION_KEYED } else { VERSION };
+    let mut h = [0u8; HELLO];
+    (&mut &*sock).read_exact(&mut h).map_err(|e| format!("no handshake ({e})"))?;
+    let word = |i: usize| u32::from_le_bytes(h[i..i + 4].try_into().expect("4 bytes"));
+    let peer = word(6) as usize;
+    let mut their_nonce = [0u8; auth::NONCE];
+    if key.is_some() && u16::from_le_bytes([h[4], h[5]]) == VERSION_KEYED {
+        (&mut &*sock).read_exact(&mut their_nonce).map_err(|e| format!("no nonce ({e})"))?;
+    }
+    let status = if word(0) != MAGIC || u16::from_le_bytes([h[4], h[5]]) != version {
+        Status::BadVersion
+    } else if u64::from_le_bytes(h[14..22].try_into().expect("8 bytes")) != nonce {
+        Status::BadNonce
+    } else if word(10) as usize != rank || peer <= rank || peer >= size {
+        Status::BadRank
+    } else {
+        Status::Ok
+    };
+    let mut ack = MAGIC.to_le_bytes().to_vec();
+    // Duplicates are told so only once the first of them has proven itself.
+    let claim = |ack: &mut Vec<u8>| {
+        let mut seen = accepted.lock().unwrap_or_else(|p| p.into_inner());
+        if seen.contains(&peer) {
+            return false;
+        }
+        seen.push(peer);
+        ack.push(Status::Ok as u8);
+        true
+    };
+    if status != Status::Ok {
+        ack.push(status as u8);
+        let _ = (&mut &*sock).write_all(&ack);
+        return Err(format!("{status:?}"));
+    }
+    match key {
+        None => {
+            if !claim(&mut ack) {
+                ack.push(Status::Duplicate as u8);
+                let _ = (&mut &*sock).write_all(&ack);
+                return Err("Duplicate".into());
+            }
+            (&mut &*sock).write_all(&ack).map_err(io)?;
+        }
+        Some(key) => {
+            // Our nonce and proof, then the connector's proof; only then is
+            // the peer's place taken.
+            let mine = auth::nonce().map_err(|e| e.to_string())?;
+            let mut reply = MAGIC.to_le_bytes().to_vec();
+            reply.push(Status::Ok as u8);
+            reply.extend_from_slice(&mine);
+            reply.extend_from_slice(&key.prove(ACCEPTOR_PROOF, &[&h, &their_nonce, &mine]));
+            let mut proof = [0u8; auth::PROOF];
+            (&mut &*sock).write_all(&reply).map_err(io)?;
+            (&mut &*sock).read_exact(&mut proof).map_err(|e| format!("no proof ({e})"))?;
+            if !key.verify(CONNECTOR_PROOF, &[&h, &mine, &their_nonce], &proof) {
+                return Err("its proof of the key failed".into());
+            }
+            if !claim(&mut ack) {
+                return Err("Duplicate".into());
+            }
+        }
+    }
+    Ok(peer)
 }
 
 #[cfg(test)]
@@ -281,6 +351,26 @@ mod tests {
             let cap = std::fs::read_to_string("/proc/sys/net/core/rmem_max").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0);
             let got = r1[0].as_ref().unwrap().recv_buffer_size().unwrap();
             assert!(got >= crate::tune::DEFAULT_BUFFER.min(cap), "receive buffer {got} bytes");
+        });
+    }
+
+    #[test]
+    fn silent_connections_do_not_hold_up_the_real_peer() {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(10)));
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        std::thread::scope(|s| {
+            let start = Instant::now();
+            let r0 = s.spawn(|| mesh(&*store, 0, 2, ip, deadline, None));
+            let addr: SocketAddr = String::from_utf8(store.get("addr/0", Duration::from_secs(5)).unwrap()).unwrap().parse().unwrap();
+            // Eight strangers connect and say nothing.
+            let silent: Vec<std::net::TcpStream> = (0..8).map(|_| std::net::TcpStream::connect(addr).unwrap()).collect();
+            let r1 = mesh(&*store, 1, 2, ip, deadline, None).unwrap();
+            let r0 = r0.join().unwrap().unwrap();
+            assert!(r0[1].is_some() && r1[0].is_some());
+            // Not one 5 s handshake wait after another (a hang guard, not a timing).
+            assert!(start.elapsed() < Duration::from_secs(5), "setup took {:?}", start.elapsed());
+            drop(silent);
         });
     }
 
