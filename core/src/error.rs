@@ -41,6 +41,8 @@ struct Details {
     kind: ErrorKind,
     op: Option<&'static str>,
     rank: Option<usize>,
+    /// A timeout's cause: the peer that never answered.
+    stalled: Option<usize>,
     message: String,
 }
 
@@ -50,7 +52,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 impl Error {
     /// An error of `kind` with `message`.
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Error(Box::new(Details { kind, op: None, rank: None, message: message.into() }))
+        Error(Box::new(Details { kind, op: None, rank: None, stalled: None, message: message.into() }))
     }
     /// A [`ErrorKind::Timeout`] error.
     pub fn timeout(message: impl Into<String>) -> Self {
@@ -97,6 +99,16 @@ impl Error {
     pub fn is_timeout(&self) -> bool {
         self.0.kind == ErrorKind::Timeout
     }
+    /// For a timeout: the peer that never answered, when one is to blame
+    /// (what a rank that gives up tells the others is the cause).
+    pub fn stalled_peer(&self) -> Option<usize> {
+        self.0.stalled
+    }
+    /// Record `peer` as the one that never answered, unless one is already.
+    pub fn stalled_on(mut self, peer: usize) -> Self {
+        self.0.stalled.get_or_insert(peer);
+        self
+    }
 
     /// Attach the op name unless one is already set.
     pub fn with_op(mut self, op: &'static str) -> Self {
@@ -124,7 +136,7 @@ impl fmt::Debug for Error {
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let Details { kind, op, rank, message } = &*self.0;
+        let Details { kind, op, rank, message, .. } = &*self.0;
         let kind = match kind {
             ErrorKind::Timeout => "timeout".to_string(),
             ErrorKind::PeerLost { rank } => format!("peer rank {rank} lost"),

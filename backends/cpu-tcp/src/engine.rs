@@ -319,8 +319,17 @@ impl Engine {
                     }
                 })
                 .collect();
+            // The first peer it waited for is the one to blame.
+            let stalled = pending.iter().map(|&i| ops[i].peer()).find(|&p| p != ANY_SOURCE);
             self.release(|i| pending.contains(&i));
-            self.table.withdraw(id, Error::timeout(format!("{} before the deadline", what.join("; "))));
+            let e = Error::timeout(format!("{} before the deadline", what.join("; ")));
+            self.table.withdraw(
+                id,
+                match stalled {
+                    Some(p) => e.stalled_on(p),
+                    None => e,
+                },
+            );
             posting.notify();
         }
         self.settle(posting);

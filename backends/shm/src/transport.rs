@@ -299,8 +299,13 @@ impl Backend for ShmBackend {
     fn abort(&self, reason: &Error) {
         self.fail(reason.clone());
         let me = self.control(self.rank);
-        if let weft::ErrorKind::PeerLost { rank } = reason.kind() {
-            me.blame.store(*rank as u32 + 1, Ordering::Release);
+        // The rank to blame: a lost one, or the one a timeout waited for.
+        let blame = match reason.kind() {
+            weft::ErrorKind::PeerLost { rank } => Some(*rank),
+            _ => reason.stalled_peer(),
+        };
+        if let Some(rank) = blame {
+            me.blame.store(rank as u32 + 1, Ordering::Release);
         }
         me.state.store(ABORTED, Ordering::Release);
         for r in 0..self.size {
@@ -348,7 +353,7 @@ impl Waiter for ShmBackend {
             self.check_failed()?;
             let now = Instant::now();
             if now >= deadline {
-                return Err(Error::timeout(format!("shm: rank {peer} did not join the {} before the deadline", what())));
+                return Err(Error::timeout(format!("shm: rank {peer} did not join the {} before the deadline", what())).stalled_on(peer));
             }
             if now.duration_since(start) < SPIN {
                 std::thread::yield_now();

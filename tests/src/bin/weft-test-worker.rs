@@ -395,6 +395,17 @@ fn shrink_scenario(pg: ProcessGroup) -> anyhow::Result<()> {
         match how.as_str() {
             "revoke" => anyhow::ensure!(e.kind() == &ErrorKind::Aborted, "revoked: expected Aborted, got {e}"),
             "kill" => anyhow::ensure!(e.kind() == &ErrorKind::PeerLost { rank: lost }, "expected PeerLost {{ rank: {lost} }}, got {e}"),
+            // Stopped: a rank that timed out blames the peer it waited for
+            // (the stopped one, or one waiting for it), and the others hear
+            // of that peer, not of the rank that gave up.
+            _ if me != victim => {
+                let blamed = match e.kind() {
+                    ErrorKind::PeerLost { rank } => Some(*rank),
+                    _ => e.stalled_peer(),
+                };
+                anyhow::ensure!(blamed.is_some_and(|p| p != group.rank()), "expected a peer blamed, got {e}");
+                println!("rank {me}: round {round}: blames rank {}", alive[blamed.unwrap_or_default()]);
+            }
             _ => {}
         }
         let opts = if how == "stop" { ShrinkOptions::default().wait(Duration::from_secs(1)) } else { ShrinkOptions::default() };
