@@ -82,8 +82,10 @@ fn a_stopped_rank_is_left_out_after_the_wait_and_told_so_when_it_resumes() {
             assert!(ends[r].status.success(), "{backend}: rank {r}:\n{}", ends[r].output);
             assert!(ends[r].output.contains("2 survivors ok"), "{backend}: rank {r}:\n{}", ends[r].output);
         }
-        // The rank that waited on the stopped one names it as the cause.
-        assert!(ends.iter().any(|e| e.output.contains("blames rank 1")), "{backend}: nobody blamed the stopped rank");
+        // Each survivor blamed a peer, not itself (the worker checks; which
+        // peer depends on who timed out first: the stopped rank, or one
+        // waiting for it).
+        assert!(ends.iter().all(|e| e.output.contains("left out") || e.output.contains("blames rank")), "{backend}: {ends:?}");
     }
 }
 

@@ -706,7 +706,9 @@ fn drain(me: usize, peer: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>]
             let blame = payload.get(..4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize).unwrap_or(peer);
             let why = String::from_utf8_lossy(payload.get(4..).unwrap_or_default()).into_owned();
             return Err(if blame == me {
-                Error::aborted(format!("{why} (reported back by rank {peer})"))
+                // It gave up waiting for this rank (or reports our own
+                // failure back): it is gone all the same.
+                Error::peer_lost(peer, format!("{why} (reported by rank {peer}, which left)"))
             } else {
                 Error::peer_lost(blame, format!("{why} (reported by rank {peer})"))
             });

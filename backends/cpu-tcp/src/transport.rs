@@ -132,7 +132,8 @@ impl TcpBackend {
             }
         }) {
             Ok(v) => match String::from_utf8_lossy(&v).parse::<usize>() {
-                Ok(b) if b == self.rank => Error::aborted(format!("rank {peer} aborted, blaming this rank")),
+                // It gave up waiting for this rank: it is gone all the same.
+                Ok(b) if b == self.rank => Error::peer_lost(peer, format!("peer rank {peer} gave up waiting for this rank and left")),
                 Ok(b) if b != peer => Error::peer_lost(b, format!("peer rank {b} lost (rank {peer} aborted because of it)")),
                 _ => e,
             },
