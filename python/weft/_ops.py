@@ -85,6 +85,11 @@ class Ops:
 
     # -- helpers -----------------------------------------------------------
 
+    def _begin(self, opts) -> tuple[Staged, tuple]:
+        """An op's staging and its native call tuple (see `_call`)."""
+        s = Staged()
+        return s, self._call(s, opts)
+
     def _call(self, s: Staged, opts) -> tuple:
         """The native ops' last argument: `(keep, timeout, hints, direct)`.
         A synchronous torch call (`opts.asyncOp` False) runs directly on
@@ -110,8 +115,7 @@ class Ops:
         name = reduce_name(opts.reduceOp)
         if tensors and tensors[0].is_sparse:
             return self._allreduce_sparse(tensors, name, opts)
-        s = Staged()
-        call = self._call(s, opts)
+        s, call = self._begin(opts)
         natives = [self._native.all_reduce(s.output(x), name, call) for x in tensors]
         return self._work(s, natives, list(tensors), call)
 
@@ -142,23 +146,20 @@ class Ops:
 
     def broadcast(self, tensors, opts=None):
         opts = opts or c10d.BroadcastOptions()
-        s = Staged()
-        call = self._call(s, opts)
+        s, call = self._begin(opts)
         natives = [self._native.broadcast(s.output(x), opts.rootRank, call) for x in tensors]
         return self._work(s, natives, list(tensors), call)
 
     def reduce(self, tensors, opts=None):
         opts = opts or c10d.ReduceOptions()
         name = reduce_name(opts.reduceOp)
-        s = Staged()
-        call = self._call(s, opts)
+        s, call = self._begin(opts)
         natives = [self._native.reduce(s.output(x), opts.rootRank, name, call) for x in tensors]
         return self._work(s, natives, list(tensors), call)
 
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts or c10d.AllgatherOptions()
-        s = Staged()
-        call = self._call(s, opts)
+        s, call = self._begin(opts)
         natives = []
         for outs, x in zip(output_lists, inputs, strict=True):
             uneven = any(o.numel() != x.numel() for o in outs)
@@ -179,8 +180,7 @@ class Ops:
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts or c10d.AllgatherOptions()
-        s = Staged()
-        call = self._call(s, opts)
+        s, call = self._begin(opts)
         natives = [self._native.all_gather_single(s.output(o), s.input(i), call) for o, i in zip(outputs, inputs, strict=True)]
         return self._work(s, natives, list(outputs), call)
 
@@ -189,8 +189,7 @@ class Ops:
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
         name = reduce_name(opts.reduceOp)
-        s = Staged()
-        call = self._call(s, opts)
+        s, call = self._begin(opts)
         natives = []
         for o, ins in zip(outputs, input_lists, strict=True):
             uneven = any(i.numel() != o.numel() for i in ins)
@@ -205,8 +204,7 @@ class Ops:
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
         name = reduce_name(opts.reduceOp)
-        s = Staged()
-        call = self._call(s, opts)
+        s, call = self._begin(opts)
         natives = [self._native.reduce_scatter_single(s.output(o), s.input(i), name, call) for o, i in zip(outputs, inputs, strict=True)]
         return self._work(s, natives, list(outputs), call)
 
@@ -214,16 +212,14 @@ class Ops:
 
     def alltoall(self, outputs, inputs, opts=None):
         opts = opts or c10d.AllToAllOptions()
-        s = Staged()
-        call = self._call(s, opts)
+        s, call = self._begin(opts)
         native = self._native.all_to_all(s.outputs(outputs), s.inputs(inputs), call)
         return self._work(s, [native], list(outputs), call)
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, opts=None):
         opts = opts or c10d.AllToAllOptions()
-        s = Staged()
+        s, call = self._begin(opts)
         outs, ins = split_elements(output, input, output_split_sizes, input_split_sizes, self.size())
-        call = self._call(s, opts)
         native = self._native.all_to_all_single(s.output(output), s.input(input), outs, ins, call)
         return self._work(s, [native], [output], call)
 
@@ -231,8 +227,7 @@ class Ops:
 
     def gather(self, output_lists, inputs, opts=None):
         opts = opts or c10d.GatherOptions()
-        s = Staged()
-        call = self._call(s, opts)
+        s, call = self._begin(opts)
         outs = s.outputs(output_lists[0]) if output_lists else []
         (x,) = inputs
         native = self._native.gather(outs, s.input(x), opts.rootRank, call)
@@ -240,16 +235,14 @@ class Ops:
 
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts or c10d.ScatterOptions()
-        s = Staged()
-        call = self._call(s, opts)
+        s, call = self._begin(opts)
         ins = s.inputs(input_lists[0]) if input_lists else []
         (o,) = outputs
         native = self._native.scatter(s.output(o), ins, opts.rootRank, call)
         return self._work(s, [native], list(outputs), call)
 
     def barrier(self, opts=None):
-        s = Staged()
-        call = self._call(s, opts or c10d.BarrierOptions())
+        s, call = self._begin(opts or c10d.BarrierOptions())
         return self._work(s, [self._native.barrier(call)], [], call)
 
     # -- point to point ----------------------------------------------------
