@@ -98,7 +98,8 @@ pub fn run(l: &Launch) -> Result<i32> {
     }
     // The job's key: the environment's, else (one node) a fresh one, which
     // the ranks inherit. Across nodes every launcher must be given the same.
-    let generated = match weft::auth::Key::from_env()? {
+    let given = weft::auth::Key::from_env()?;
+    let generated = match &given {
         Some(_) => None,
         None if l.nnodes == 1 => Some(weft::auth::Key::generate()?),
         None => {
@@ -106,10 +107,7 @@ pub fn run(l: &Launch) -> Result<i32> {
             None
         }
     };
-    let key = match &generated {
-        Some(k) => Some(weft::auth::Key::new(k.as_bytes())?),
-        None => weft::auth::Key::from_env()?,
-    };
+    let key = given.or_else(|| generated.clone());
     let _server;
     let port = if l.node_rank == 0 {
         let bind = weft::launch::store_bind_addr(&l.master_addr, l.master_port);
@@ -147,8 +145,8 @@ pub fn run(l: &Launch) -> Result<i32> {
         if let Some(b) = &l.backend {
             cmd.env(weft::ENV_BACKEND, b);
         }
-        if let Some(k) = &generated {
-            cmd.env(weft::auth::ENV_KEY, k);
+        if let Some(text) = generated.as_ref().and_then(weft::auth::Key::as_text) {
+            cmd.env(weft::auth::ENV_KEY, text);
         }
         if l.bind_cores {
             let cpus = usable_cpus();

@@ -61,11 +61,17 @@ impl Key {
         Key::new(text).map(Some)
     }
 
-    /// A fresh random key, as text fit for [`ENV_KEY`] (64 hex digits).
-    pub fn generate() -> Result<String> {
+    /// A fresh random key of 64 hex digits (text fit for [`ENV_KEY`]).
+    pub fn generate() -> Result<Key> {
         let mut b = [0u8; 32];
         random(&mut b)?;
-        Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+        Key::new(b.iter().map(|x| format!("{x:02x}")).collect::<String>())
+    }
+
+    /// The key as text, if it is (a generated one is: what a launcher puts
+    /// in [`ENV_KEY`] for its ranks).
+    pub fn as_text(&self) -> Option<&str> {
+        std::str::from_utf8(&self.0).ok()
     }
 
     /// This key's proof for `label` over `parts`.
@@ -117,7 +123,7 @@ mod tests {
         assert!(!k.verify("store client", &[b"ab", b"cd"], &p), "parts are delimited");
         assert!(!Key::new(*b"0123456789abcdef0124").unwrap().verify("store client", &[b"abc", b"d"], &p));
         assert!(Key::new(*b"short").is_err());
-        assert_eq!(Key::generate().unwrap().len(), 64);
+        assert_eq!(Key::generate().unwrap().as_text().unwrap().len(), 64);
         assert_ne!(nonce().unwrap(), nonce().unwrap());
         assert_eq!(format!("{k:?}"), "Key(..)");
     }

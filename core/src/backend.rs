@@ -326,6 +326,12 @@ impl OpKind {
     }
 }
 
+/// The first peer (not [`ANY_SOURCE`]) that the ops `pending` (indices
+/// into `ops`) wait for: the one a timeout blames.
+pub fn first_named_peer(ops: &[P2p<'_>], pending: &[usize]) -> Option<usize> {
+    pending.iter().map(|&i| ops[i].peer()).find(|&p| p != ANY_SOURCE)
+}
+
 /// Everything a collective implementation needs to know about the call.
 #[derive(Clone, Debug)]
 pub struct OpContext {

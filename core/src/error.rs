@@ -104,10 +104,21 @@ impl Error {
     pub fn stalled_peer(&self) -> Option<usize> {
         self.0.stalled
     }
-    /// Record `peer` as the one that never answered, unless one is already.
-    pub fn stalled_on(mut self, peer: usize) -> Self {
-        self.0.stalled.get_or_insert(peer);
+    /// Record `peer` (if any) as the one that never answered, unless one
+    /// is already.
+    pub fn stalled_on(mut self, peer: Option<usize>) -> Self {
+        if self.0.stalled.is_none() {
+            self.0.stalled = peer;
+        }
         self
+    }
+    /// The peer to blame for this error: the lost one, or the one a timeout
+    /// waited for.
+    pub fn blamed_peer(&self) -> Option<usize> {
+        match self.0.kind {
+            ErrorKind::PeerLost { rank } => Some(rank),
+            _ => self.0.stalled,
+        }
     }
 
     /// Attach the op name unless one is already set.

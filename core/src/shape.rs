@@ -47,11 +47,6 @@ pub fn reduce_op(shape: u32) -> Option<&'static str> {
     ReduceOp::ALL.iter().find(|o| o.code() as u32 == code).map(|o| o.name())
 }
 
-/// The hash of counts and root a shape holds.
-pub fn sizes(shape: u32) -> u32 {
-    shape & 0x3ff
-}
-
 /// What differs between two shapes, readably ("dtype f32 here, f64
 /// there"), or None if they agree.
 pub fn difference(mine: u32, theirs: u32) -> Option<String> {
@@ -68,6 +63,11 @@ pub fn difference(mine: u32, theirs: u32) -> Option<String> {
     Some("element counts or root differ".to_string())
 }
 
+/// FNV-1a over `bytes` (also what `WEFT_DEBUG=detail` fingerprints hash).
+pub(crate) fn fnv1a(bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
 fn pack(dtype: Option<DType>, op: Option<ReduceOp>, counts: &[usize], root: Option<usize>) -> u32 {
     pack_counts(dtype, op, counts.iter().copied().chain(root.map(|r| usize::MAX - r)))
 }
@@ -76,7 +76,7 @@ fn pack_counts(dtype: Option<DType>, op: Option<ReduceOp>, counts: impl Iterator
     let d = dtype.map_or(0, |d| d as u32 + 1) & 0xf;
     let o = op.map_or(0, |o| o.code() as u32 + 1) & 0xf;
     // FNV-1a over the counts, folded to 10 bits.
-    let h = counts.fold(0xcbf2_9ce4_8422_2325u64, |h, c| (h ^ c as u64).wrapping_mul(0x0000_0100_0000_01b3));
+    let h = fnv1a(counts.flat_map(|c| (c as u64).to_le_bytes()));
     let h = (h ^ (h >> 10) ^ (h >> 20) ^ (h >> 30) ^ (h >> 40) ^ (h >> 50) ^ (h >> 60)) as u32 & 0x3ff;
     (d << 14) | (o << 10) | h
 }

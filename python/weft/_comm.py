@@ -19,7 +19,7 @@ import sys
 import torch
 
 from . import _bootstrap, _errors, _weft
-from ._ops import reduce_name, split_elements
+from ._ops import Ops, reduce_name, split_elements
 from ._tensors import Staged
 from ._work import Work, _seconds
 
@@ -77,10 +77,7 @@ def _hints(hints) -> dict[str, str] | None:
 
 def _fatal(e: BaseException) -> bool:
     """Whether `e` is a failure of the communication (not of the call)."""
-    kind = getattr(e, "kind", None)
-    if kind is None and isinstance(e, _weft.WeftError) and len(e.args) > 1:
-        kind = e.args[1]
-    return kind in _FATAL_KINDS
+    return getattr(e, "kind", None) in _FATAL_KINDS
 
 
 class _Finalized:
@@ -267,10 +264,9 @@ class Comm:
         always run in the background (a synchronous one is waited for), so
         their progress never depends on the order peers issue them."""
         direct = not async_op and not p2p
-        call = (s.keep, None if timeout is None else _seconds(timeout), _hints(hints), direct)
+        call = (s.keep, _seconds(timeout), _hints(hints), direct)
         native = self._guard(fn, *args, call)
-        finish = s.finish if s.needs_finish else None
-        w = Work([native], outputs, finish, done=direct, on_error=self._failed if self._abort and not direct else None)
+        w = Ops._work(s, [native], outputs, call, self._failed if self._abort else None)
         if direct:
             return w
         if len(self._inflight) >= 64:

@@ -63,4 +63,4 @@ _weft.set_error_types(
 )
 
 #: Every exception class a native call raises for a weft error.
-ERRORS = (WeftError, WeftPeerLostError, WeftStoreError, WeftValueError, _weft.WeftError)
+ERRORS = (WeftError, WeftPeerLostError, WeftStoreError, WeftValueError)

@@ -104,9 +104,10 @@ class Ops:
         return (s.keep, self._timeout, None, False)
 
     @staticmethod
-    def _work(s: Staged, natives, outputs, call: tuple) -> Work:
-        """The Work of ops issued with `call` (finished already if direct)."""
-        return Work(natives, outputs, s.finish if s.needs_finish else None, done=call[3])
+    def _work(s: Staged, natives, outputs, call: tuple, on_error=None) -> Work:
+        """The Work of ops issued with `call` (finished already if direct);
+        `on_error` sees a failure of one that was not."""
+        return Work(natives, outputs, s.finish if s.needs_finish else None, done=call[3], on_error=on_error)
 
     # -- collectives -------------------------------------------------------
 

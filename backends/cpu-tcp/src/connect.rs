@@ -275,46 +275,43 @@ fn handshake(
     } else {
         Status::Ok
     };
-    let mut ack = MAGIC.to_le_bytes().to_vec();
-    // Duplicates are told so only once the first of them has proven itself.
-    let claim = |ack: &mut Vec<u8>| {
+    // The status reply; a duplicate is told so only once the first of its
+    // rank has proven itself (`claim`: this peer's place, if still free).
+    let reply = |status: Status| [&MAGIC.to_le_bytes()[..], &[status as u8]].concat();
+    let claim = || {
         let mut seen = accepted.lock().unwrap_or_else(|p| p.into_inner());
-        if seen.contains(&peer) {
-            return false;
+        let free = !seen.contains(&peer);
+        if free {
+            seen.push(peer);
         }
-        seen.push(peer);
-        ack.push(Status::Ok as u8);
-        true
+        free
     };
     if status != Status::Ok {
-        ack.push(status as u8);
-        let _ = (&mut &*sock).write_all(&ack);
+        let _ = (&mut &*sock).write_all(&reply(status));
         return Err(format!("{status:?}"));
     }
     match key {
         None => {
-            if !claim(&mut ack) {
-                ack.push(Status::Duplicate as u8);
-                let _ = (&mut &*sock).write_all(&ack);
+            if !claim() {
+                let _ = (&mut &*sock).write_all(&reply(Status::Duplicate));
                 return Err("Duplicate".into());
             }
-            (&mut &*sock).write_all(&ack).map_err(io)?;
+            (&mut &*sock).write_all(&reply(Status::Ok)).map_err(io)?;
         }
         Some(key) => {
             // Our nonce and proof, then the connector's proof; only then is
             // the peer's place taken.
             let mine = auth::nonce().map_err(|e| e.to_string())?;
-            let mut reply = MAGIC.to_le_bytes().to_vec();
-            reply.push(Status::Ok as u8);
-            reply.extend_from_slice(&mine);
-            reply.extend_from_slice(&key.prove(ACCEPTOR_PROOF, &[&h, &their_nonce, &mine]));
+            let mut ok = reply(Status::Ok);
+            ok.extend_from_slice(&mine);
+            ok.extend_from_slice(&key.prove(ACCEPTOR_PROOF, &[&h, &their_nonce, &mine]));
             let mut proof = [0u8; auth::PROOF];
-            (&mut &*sock).write_all(&reply).map_err(io)?;
+            (&mut &*sock).write_all(&ok).map_err(io)?;
             (&mut &*sock).read_exact(&mut proof).map_err(|e| format!("no proof ({e})"))?;
             if !key.verify(CONNECTOR_PROOF, &[&h, &mine, &their_nonce], &proof) {
                 return Err("its proof of the key failed".into());
             }
-            if !claim(&mut ack) {
+            if !claim() {
                 return Err("Duplicate".into());
             }
         }

@@ -319,17 +319,9 @@ impl Engine {
                     }
                 })
                 .collect();
-            // The first peer it waited for is the one to blame.
-            let stalled = pending.iter().map(|&i| ops[i].peer()).find(|&p| p != ANY_SOURCE);
+            let stalled = weft::backend::first_named_peer(ops, &pending);
             self.release(|i| pending.contains(&i));
-            let e = Error::timeout(format!("{} before the deadline", what.join("; ")));
-            self.table.withdraw(
-                id,
-                match stalled {
-                    Some(p) => e.stalled_on(p),
-                    None => e,
-                },
-            );
+            self.table.withdraw(id, Error::timeout(format!("{} before the deadline", what.join("; "))).stalled_on(stalled));
             posting.notify();
         }
         self.settle(posting);

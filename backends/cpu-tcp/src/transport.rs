@@ -198,10 +198,10 @@ impl Backend for TcpBackend {
     fn abort(&self, reason: &Error) {
         // Our own reason first: a peer's echo of this abort must not win.
         self.fail(reason.clone());
-        let (blame, why) = match (reason.kind(), reason.stalled_peer()) {
-            (ErrorKind::PeerLost { rank }, _) if *rank != self.rank => (*rank, reason.message().to_string()),
-            // A timeout blames the peer that never answered, not this rank.
-            (_, Some(p)) if p != self.rank => (p, format!("rank {} gave up waiting for rank {p}: {reason}", self.rank)),
+        // A lost peer, or the one a timeout waited for; else this rank.
+        let (blame, why) = match reason.blamed_peer() {
+            Some(p) if p != self.rank && matches!(reason.kind(), ErrorKind::PeerLost { .. }) => (p, reason.message().to_string()),
+            Some(p) if p != self.rank => (p, format!("rank {} gave up waiting for rank {p}: {reason}", self.rank)),
             _ => (self.rank, format!("rank {} aborted its group: {reason}", self.rank)),
         };
         // Leave the blame where peers look when our connections drop.

@@ -226,12 +226,8 @@ impl ShmBackend {
                     (op, false) => format!("receive from peer rank {}", op.peer()),
                 })
                 .collect();
-            let e = Error::timeout(format!("shm: {} not finished before the deadline", what.join(", ")));
-            let stalled = pending.iter().map(|&i| ops[i].peer()).find(|&p| p != ANY_SOURCE);
-            let e = match stalled {
-                Some(p) => e.stalled_on(p),
-                None => e,
-            };
+            let e = Error::timeout(format!("shm: {} not finished before the deadline", what.join(", ")))
+                .stalled_on(weft::backend::first_named_peer(ops, &pending));
             let half_sent = |i: usize| matches!(send_of(ops, gathered, i), Some((_, _, out)) if state[i].sent > 0 && state[i].sent < HEADER + out.len());
             let in_flight = pending.iter().any(|&i| state[i].offer.is_some() || half_sent(i))
                 || eng.peers.iter().any(|st| st.awaiting.is_some() && st.inbound.filling().is_some_and(|r| pending.contains(&r)));

@@ -300,11 +300,7 @@ impl Backend for ShmBackend {
         self.fail(reason.clone());
         let me = self.control(self.rank);
         // The rank to blame: a lost one, or the one a timeout waited for.
-        let blame = match reason.kind() {
-            weft::ErrorKind::PeerLost { rank } => Some(*rank),
-            _ => reason.stalled_peer(),
-        };
-        if let Some(rank) = blame {
+        if let Some(rank) = reason.blamed_peer() {
             me.blame.store(rank as u32 + 1, Ordering::Release);
         }
         me.state.store(ABORTED, Ordering::Release);
@@ -353,7 +349,9 @@ impl Waiter for ShmBackend {
             self.check_failed()?;
             let now = Instant::now();
             if now >= deadline {
-                return Err(Error::timeout(format!("shm: rank {peer} did not join the {} before the deadline", what())).stalled_on(peer));
+                return Err(
+                    Error::timeout(format!("shm: rank {peer} did not join the {} before the deadline", what())).stalled_on(Some(peer))
+                );
             }
             if now.duration_since(start) < SPIN {
                 std::thread::yield_now();

@@ -19,7 +19,7 @@ pub(crate) struct Fingerprint {
 impl Fingerprint {
     /// `canon` lists the fields every rank must agree on for `kind`.
     pub(crate) fn new(name: &str, kind: OpKind, canon: String) -> Self {
-        let hash = fnv1a(format!("{kind:?} {canon}").as_bytes());
+        let hash = crate::shape::fnv1a(format!("{kind:?} {canon}").into_bytes());
         Fingerprint { hash, text: format!("{name}({canon})") }
     }
 
@@ -38,10 +38,6 @@ impl Fingerprint {
         let n = (u16::from_le_bytes([b[8], b[9]]) as usize).min(WIRE - 10);
         Fingerprint { hash, text: String::from_utf8_lossy(&b[10..10 + n]).into_owned() }
     }
-}
-
-fn fnv1a(data: &[u8]) -> u64 {
-    data.iter().fold(0xcbf29ce484222325u64, |h, b| (h ^ *b as u64).wrapping_mul(0x100000001b3))
 }
 
 /// Exchange fingerprints with every rank; error naming the ranks that differ.

@@ -252,15 +252,18 @@ fn read_frame_bounded(conn: &mut TcpStream, shared: &Shared) -> Result<Option<Ve
     if n > MAX_FRAME {
         return Err(Error::backend(format!("store frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")));
     }
+    // Grown as bytes come (at most 64 KiB ahead of them), read in place.
     let mut body = Vec::new();
     let mut counted = InFlight { shared, bytes: 0 };
-    let mut chunk = [0u8; 64 << 10];
-    while body.len() < n {
-        let want = (n - body.len()).min(chunk.len());
-        let got = read_some(conn, &mut chunk[..want], until).map_err(|_| timed_out("body"))?;
+    let mut have = 0;
+    while have < n {
+        let want = (n - have).min(64 << 10);
+        body.resize(have + want, 0);
+        let got = read_some(conn, &mut body[have..], until).map_err(|_| timed_out("body"))?;
         counted.grow(got)?;
-        body.extend_from_slice(&chunk[..got]);
+        have += got;
     }
+    body.truncate(have);
     Ok(Some(body))
 }
 
