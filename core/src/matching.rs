@@ -31,6 +31,62 @@ enum Stashed {
     Announced(usize),
 }
 
+/// Environment variable: how many bytes of messages that come before their
+/// receive one rank keeps (a quarter of it per peer).
+pub const ENV_EARLY_BYTES: &str = "WEFT_EARLY_BYTES";
+/// Default of [`ENV_EARLY_BYTES`]: 256 MiB per rank, 64 MiB per peer.
+pub const DEFAULT_EARLY_BYTES: usize = 256 << 20;
+/// Said of a receive that timed out while its peer's next frame was held
+/// back (see [`Inbound::holds_back`]): why its message may never have come.
+pub const HELD_BACK: &str = " (messages from that peer that no receive has taken yet fill this rank's budget for early messages, \
+                             WEFT_EARLY_BYTES, and the rest wait where they are)";
+
+/// What one stashed entry costs beyond its payload (map and queue slots,
+/// its header), so that floods of empty messages or announcements are
+/// bounded too.
+const ENTRY_COST: usize = 64;
+
+/// How many bytes of early messages (no receive posted for them yet) a rank
+/// keeps: from one peer, and from all together. Beyond it the transport
+/// leaves the next frame where it is (the socket, the ring), so the sender
+/// waits: memory stays bounded whatever peers send, and a program that
+/// receives what it is sent still completes. One message per peer is
+/// always taken, so a single early message of any size gets through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EarlyBudget {
+    /// Bytes kept from one peer.
+    pub per_peer: usize,
+    /// Bytes kept from all peers together.
+    pub per_rank: usize,
+}
+
+impl EarlyBudget {
+    /// A budget of `per_rank` bytes in all, a quarter of it per peer.
+    pub fn new(per_rank: usize) -> EarlyBudget {
+        EarlyBudget { per_peer: (per_rank / 4).max(1), per_rank: per_rank.max(1) }
+    }
+
+    /// The budget `WEFT_EARLY_BYTES` sets, or the default.
+    pub fn from_env() -> Result<EarlyBudget> {
+        match std::env::var(ENV_EARLY_BYTES) {
+            Err(_) => Ok(EarlyBudget::new(DEFAULT_EARLY_BYTES)),
+            Ok(v) => v
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|n| *n > 0)
+                .map(EarlyBudget::new)
+                .ok_or_else(|| Error::invalid(format!("{ENV_EARLY_BYTES}={v:?} is not a positive number of bytes"))),
+        }
+    }
+}
+
+impl Default for EarlyBudget {
+    fn default() -> EarlyBudget {
+        EarlyBudget::new(DEFAULT_EARLY_BYTES)
+    }
+}
+
 /// One peer's inbound state, kept across exchanges.
 #[derive(Default)]
 pub struct Inbound {
@@ -38,6 +94,10 @@ pub struct Inbound {
     stash: HashMap<u64, VecDeque<Stashed>>,
     /// Longest data frame taken before its receive is posted (None: any).
     early_limit: Option<usize>,
+    /// What the stash (and a frame arriving into it) holds, in bytes
+    /// counted as [`EarlyBudget`] counts them.
+    stashed: usize,
+    budget: EarlyBudget,
 }
 
 fn size_mismatch(peer: usize, me: usize, got: usize, want: usize, tag: u64) -> Error {
@@ -101,6 +161,37 @@ impl Inbound {
         Inbound { early_limit: Some(limit), ..Inbound::default() }
     }
 
+    /// This state with `budget` for early messages (see [`EarlyBudget`]).
+    pub fn with_budget(self, budget: EarlyBudget) -> Inbound {
+        Inbound { budget, ..self }
+    }
+
+    /// Bytes held for early messages (as [`EarlyBudget`] counts them).
+    pub fn stashed_bytes(&self) -> usize {
+        self.stashed
+    }
+
+    /// Whether a frame of `len` bytes under `tag` (an announcement: `None`)
+    /// must stay where it is for now: no receive of the batch awaits it,
+    /// and stashing it would pass the budget, this peer's or, with
+    /// `rank_stashed` bytes already held from all peers, the rank's. The
+    /// transport then leaves it unread and asks again when a receive is
+    /// posted or the stash has drained; it never holds a peer's first
+    /// early message.
+    pub fn holds_back(&self, peer: usize, tag: u64, len: Option<usize>, ops: &[P2p<'_>], done: &[bool], rank_stashed: usize) -> bool {
+        if self.stashed == 0 || waiting(ops, done, peer, tag).is_some() {
+            return false;
+        }
+        let cost = len.unwrap_or(0) + ENTRY_COST;
+        self.stashed + cost > self.budget.per_peer || rank_stashed + cost > self.budget.per_rank
+    }
+
+    /// Set aside an early entry of `cost` payload bytes.
+    fn keep(&mut self, tag: u64, entry: Stashed, cost: usize) {
+        self.stashed += cost + ENTRY_COST;
+        self.stash.entry(tag).or_default().push_back(entry);
+    }
+
     /// Whether a frame is partly read.
     pub fn in_frame(&self) -> bool {
         self.frame.is_some()
@@ -118,6 +209,11 @@ impl Inbound {
         if self.stash.get(&tag).is_some_and(VecDeque::is_empty) {
             self.stash.remove(&tag);
         }
+        self.stashed -= match &msg {
+            Some(Stashed::Message(m)) => m.len() + ENTRY_COST,
+            Some(Stashed::Announced(_)) => ENTRY_COST,
+            None => 0,
+        };
         match msg {
             Some(Stashed::Message(msg)) if msg.len() != buf.len() => Err(size_mismatch(peer, me, msg.len(), buf.len(), tag)),
             Some(Stashed::Message(msg)) => {
@@ -139,7 +235,7 @@ impl Inbound {
     pub fn announce(&mut self, me: usize, peer: usize, tag: u64, len: usize, ops: &[P2p<'_>], done: &[bool]) -> Result<Option<usize>> {
         let matched = self.matching_receive(me, peer, tag, len, ops, done)?;
         if matched.is_none() {
-            self.stash.entry(tag).or_default().push_back(Stashed::Announced(len));
+            self.keep(tag, Stashed::Announced(len), 0);
         }
         Ok(matched)
     }
@@ -179,7 +275,10 @@ impl Inbound {
                     self.early_limit.unwrap_or_default()
                 )))
             }
-            None => Dest::Stash(vec![0u8; len]),
+            None => {
+                self.stashed += len;
+                Dest::Stash(vec![0u8; len])
+            }
         };
         self.frame = Some(Frame { tag, len, got: 0, dest });
         Ok(matched)
@@ -231,6 +330,7 @@ impl Inbound {
             Dest::Control(payload) => return Ok(Some(payload)),
             Dest::Stash(msg) => match waiting(ops, done, peer, f.tag) {
                 Some(i) => {
+                    self.stashed -= msg.len();
                     let P2p::Recv { buf, .. } = &mut ops[i] else { unreachable!("matched a receive") };
                     if buf.len() != msg.len() {
                         return Err(size_mismatch(peer, me, msg.len(), buf.len(), f.tag));
@@ -239,7 +339,12 @@ impl Inbound {
                     done[i] = true;
                     bind(ops, i, peer);
                 }
-                None => self.stash.entry(f.tag).or_default().push_back(Stashed::Message(msg)),
+                None => {
+                    // (Its payload was counted when the frame began.)
+                    self.stashed -= msg.len();
+                    let len = msg.len();
+                    self.keep(f.tag, Stashed::Message(msg), len);
+                }
             },
         }
         Ok(None)
@@ -263,6 +368,7 @@ impl Inbound {
                     let mut copy = vec![0u8; f.len];
                     copy[..f.got].copy_from_slice(&buf[..f.got]);
                     f.dest = Dest::Stash(copy);
+                    self.stashed += f.len;
                 }
             }
         }
@@ -372,5 +478,55 @@ mod tests {
         assert!(inb.announce(0, 1, a, 4, &ops, &[false]).unwrap_err().to_string().contains("collective mismatch"));
         inb.announce(0, 1, a, 4, &[], &[]).unwrap();
         assert!(inb.serve_early(0, 1, g, &mut b4).unwrap_err().to_string().contains("collective mismatch"));
+    }
+
+    /// One early frame of `len` bytes under `tag` from peer 1, stashed.
+    fn stash(inb: &mut Inbound, tag: u64, len: usize) {
+        inb.begin(0, 1, tag, len, &[], &[]).unwrap();
+        inb.advance(len);
+        assert_eq!(inb.finish(0, 1, &mut [], &mut []).unwrap(), None);
+    }
+
+    #[test]
+    fn early_messages_are_held_back_beyond_the_budget_but_never_the_first_or_an_awaited_one() {
+        let budget = EarlyBudget { per_peer: 1000, per_rank: 1500 };
+        let mut inb = Inbound::default().with_budget(budget);
+        // The first early message of any size is taken.
+        assert!(!inb.holds_back(1, 5, Some(5000), &[], &[], 0));
+        stash(&mut inb, 5, 600);
+        assert_eq!(inb.stashed_bytes(), 600 + ENTRY_COST);
+        // Past this peer's budget, or the rank's: held back.
+        assert!(inb.holds_back(1, 6, Some(400), &[], &[], inb.stashed_bytes()));
+        assert!(!inb.holds_back(1, 6, Some(100), &[], &[], inb.stashed_bytes()));
+        assert!(inb.holds_back(1, 6, Some(100), &[], &[], 1450));
+        // Announcements count too.
+        assert!(!inb.holds_back(1, 6, None, &[], &[], inb.stashed_bytes()));
+        // A frame a posted receive awaits is never held back.
+        let mut buf = [0u8; 400];
+        let ops = vec![P2p::Recv { peer: 1, tag: 6, buf: &mut buf }];
+        assert!(!inb.holds_back(1, 6, Some(400), &ops, &[false], inb.stashed_bytes()));
+        // Served: the stash is empty again, and so is its count.
+        let mut out = [0u8; 600];
+        assert_eq!(inb.serve_early(0, 1, 5, &mut out).unwrap(), Early::Served);
+        assert_eq!(inb.stashed_bytes(), 0);
+        // An announcement, then a frame that went to a receive posted
+        // while it arrived: nothing stays counted.
+        inb.announce(0, 1, 7, 10, &[], &[]).unwrap();
+        inb.begin(0, 1, 8, 3, &[], &[]).unwrap();
+        let mut three = [0u8; 3];
+        let mut ops = vec![P2p::Recv { peer: 1, tag: 8, buf: &mut three }];
+        let mut done = vec![false];
+        inb.advance(3);
+        inb.finish(0, 1, &mut ops, &mut done).unwrap();
+        assert!(done[0]);
+        let mut ten = [0u8; 10];
+        assert_eq!(inb.serve_early(0, 1, 7, &mut ten).unwrap(), Early::Announced);
+        assert_eq!(inb.stashed_bytes(), 0);
+    }
+
+    #[test]
+    fn the_budget_comes_from_weft_early_bytes() {
+        assert_eq!(EarlyBudget::new(1 << 20), EarlyBudget { per_peer: 1 << 18, per_rank: 1 << 20 });
+        assert_eq!(EarlyBudget::default().per_rank, DEFAULT_EARLY_BYTES);
     }
 }

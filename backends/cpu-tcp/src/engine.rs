@@ -18,7 +18,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use weft::backend::{OpKind, P2p, ANY_SOURCE};
-use weft::matching::{self, Early, Inbound};
+use weft::matching::{self, Early, EarlyBudget, Inbound};
 use weft::progress::{Post, Posting, Table};
 use weft::{Error, Result};
 
@@ -45,6 +45,8 @@ pub struct Peer {
     pub left: bool,
     /// A send stopped mid-frame: nothing more may be written.
     pub torn: bool,
+    /// The peer shut its side (seen while its frames were held back).
+    hung_up: bool,
     /// Rendezvous control frames (whole headers) not yet written, and how
     /// many of their bytes are.
     ctl: Vec<u8>,
@@ -53,15 +55,21 @@ pub struct Peer {
     ready: HashMap<u64, usize>,
 }
 
+/// Most Ready frames kept for sends not yet posted: a correct peer sends
+/// one per long send this rank announced.
+const MAX_READY: usize = 1 << 16;
+
 impl Peer {
-    pub fn new(sock: Socket) -> Peer {
+    /// A connection whose early messages are kept within `budget`.
+    pub fn new(sock: Socket, budget: EarlyBudget) -> Peer {
         Peer {
             sock,
             hdr: [0; HEADER],
             hdr_got: 0,
-            inbound: Inbound::with_early_limit(EAGER_LIMIT),
+            inbound: Inbound::with_early_limit(EAGER_LIMIT).with_budget(budget),
             left: false,
             torn: false,
+            hung_up: false,
             ctl: Vec::new(),
             ctl_sent: 0,
             ready: HashMap::new(),
@@ -85,6 +93,12 @@ impl Peer {
             self.ctl_sent = 0;
         }
         Ok(n > 0)
+    }
+
+    /// A whole frame header is read but its frame waits in the socket:
+    /// stashing it would pass the budget for early messages.
+    pub fn holds(&self) -> bool {
+        self.hdr_got == HEADER
     }
 
     /// Use one Ready of `tag`, if the peer has sent one.
@@ -314,9 +328,12 @@ impl Engine {
                     P2p::Recv { peer: ANY_SOURCE, tag, buf } => {
                         format!("no message from any rank for {} ({} bytes expected)", OpKind::describe_tag(*tag), buf.len())
                     }
-                    P2p::Recv { peer, tag, buf } => {
-                        format!("no message from peer rank {peer} for {} ({} bytes expected)", OpKind::describe_tag(*tag), buf.len())
-                    }
+                    P2p::Recv { peer, tag, buf } => format!(
+                        "no message from peer rank {peer} for {} ({} bytes expected){}",
+                        OpKind::describe_tag(*tag),
+                        buf.len(),
+                        if self.peers[*peer].as_ref().is_some_and(Peer::holds) { matching::HELD_BACK } else { "" }
+                    ),
                 })
                 .collect();
             let stalled = weft::backend::first_named_peer(ops, &pending);
@@ -480,7 +497,13 @@ pub fn drive(me: usize, eng: &mut Engine, posting: &Posting, wake: &Wake, watch:
                 let mut ev = nix::poll::PollFlags::empty();
                 // A peer with unread frames nobody awaits would wake poll() at
                 // once: watch it only once reading everything.
-                if eager || flags.hear[peer] || awaited(ops, done, peer) {
+                if p.holds() {
+                    // Its next frame waits for room: only its hang-up
+                    // matters, and only until seen (its frames stay readable).
+                    if !p.hung_up {
+                        ev |= nix::poll::PollFlags::from_bits_retain(nix::libc::POLLRDHUP);
+                    }
+                } else if eager || flags.hear[peer] || awaited(ops, done, peer) {
                     ev |= nix::poll::PollFlags::POLLIN;
                 }
                 if flags.busy[peer] {
@@ -500,7 +523,14 @@ pub fn drive(me: usize, eng: &mut Engine, posting: &Posting, wake: &Wake, watch:
         }
         wake.napping.store(false, Ordering::SeqCst);
         let woken = fds[0].revents().is_some_and(|r| r.contains(nix::poll::PollFlags::POLLIN));
+        let hung_up: SmallVec<[bool; 8]> = fds[1..]
+            .iter()
+            .map(|fd| fd.revents().is_some_and(|r| r.contains(nix::poll::PollFlags::from_bits_retain(nix::libc::POLLRDHUP))))
+            .collect();
         drop(fds);
+        for (p, h) in eng.peers.iter_mut().flatten().zip(hung_up) {
+            p.hung_up |= h;
+        }
         if woken {
             wake.drain();
         }
@@ -626,9 +656,9 @@ fn awaited(ops: &[P2p<'_>], done: &[bool], peer: usize) -> bool {
 /// at a frame boundary once no receive of `ops` awaits this peer: a frame
 /// left in the socket costs nothing, one read early is copied twice.
 fn drain(me: usize, peer: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>], done: &mut [bool], eager: bool) -> Result<bool> {
-    let p = peers[peer].as_mut().expect("connected");
     let mut moved = false;
     loop {
+        let mut p = peers[peer].as_mut().expect("connected");
         if !p.inbound.in_frame() {
             if p.left {
                 return Ok(moved);
@@ -636,25 +666,39 @@ fn drain(me: usize, peer: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>]
             if !eager && p.hdr_got == 0 && !awaited(ops, done, peer) {
                 return Ok(moved);
             }
-            match read_some(&p.sock, &mut p.hdr[p.hdr_got..], peer)? {
-                Got::None => return Ok(moved),
-                Got::Eof if p.hdr_got == 0 => {
-                    return Err(Error::peer_lost(
-                        peer,
-                        format!(
-                            "connection to peer rank {peer} closed without a goodbye: the process exited, crashed or aborted its group"
-                        ),
-                    ))
+            if !p.holds() {
+                match read_some(&p.sock, &mut p.hdr[p.hdr_got..], peer)? {
+                    Got::None => return Ok(moved),
+                    Got::Eof if p.hdr_got == 0 => {
+                        return Err(Error::peer_lost(
+                            peer,
+                            format!(
+                                "connection to peer rank {peer} closed without a goodbye: the process exited, crashed or aborted its group"
+                            ),
+                        ))
+                    }
+                    Got::Eof => {
+                        return Err(Error::peer_lost(peer, format!("connection to peer rank {peer} closed in the middle of a frame")))
+                    }
+                    Got::Some(k) => p.hdr_got += k,
                 }
-                Got::Eof => return Err(Error::peer_lost(peer, format!("connection to peer rank {peer} closed in the middle of a frame"))),
-                Got::Some(k) => p.hdr_got += k,
+                moved = true;
+                if p.hdr_got < HEADER {
+                    continue;
+                }
             }
-            moved = true;
-            if p.hdr_got < HEADER {
-                continue;
+            let h = Header::decode(&p.hdr, peer)?;
+            if matches!(h.kind, Kind::Data | Kind::Announce) {
+                let len = (h.kind == Kind::Data).then_some(h.len as usize);
+                let rank_stashed = peers.iter().flatten().map(|q| q.inbound.stashed_bytes()).sum();
+                let q = peers[peer].as_ref().expect("connected");
+                if q.inbound.holds_back(peer, h.tag, len, ops, done, rank_stashed) {
+                    // Left in the socket (header read) until there is room.
+                    return Ok(moved);
+                }
+                p = peers[peer].as_mut().expect("connected");
             }
             p.hdr_got = 0;
-            let h = Header::decode(&p.hdr, peer)?;
             match h.kind {
                 Kind::Goodbye => {
                     p.left = true;
@@ -675,6 +719,9 @@ fn drain(me: usize, peer: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>]
                         }
                     }
                     continue;
+                }
+                Kind::Ready if p.ready.len() >= MAX_READY && !p.ready.contains_key(&h.tag) => {
+                    return Err(Error::backend(format!("peer rank {peer} sent more than {MAX_READY} unrequested Ready frames")));
                 }
                 Kind::Ready => {
                     *p.ready.entry(h.tag).or_default() += 1;

@@ -82,6 +82,7 @@ impl progress::Engine for TcpBackend {
 impl TcpBackend {
     /// Take over connected sockets (`peers[r]` is the one to rank r).
     pub fn start(rank: usize, peers: Vec<Option<Socket>>, store: Arc<dyn Store>) -> Result<Self> {
+        let budget = weft::matching::EarlyBudget::from_env()?;
         let mut handles = Vec::with_capacity(peers.len());
         let mut conns = Vec::with_capacity(peers.len());
         for sock in peers {
@@ -89,7 +90,7 @@ impl TcpBackend {
                 Some(s) => {
                     s.set_nonblocking(true)?;
                     handles.push(Some(s.try_clone()?));
-                    conns.push(Some(Peer::new(s)));
+                    conns.push(Some(Peer::new(s, budget)));
                 }
                 None => {
                     handles.push(None);

@@ -102,7 +102,8 @@ impl BackendFactory for ShmFactory {
         let agreed = cma::Policy::agreed(&*ctx.store, ctx.rank, ctx.size, left(), forced.is_none())?;
         let cma = forced.unwrap_or(Some(agreed));
         let oversubscribed = cores::oversubscribed(&*ctx.store, ctx.rank, ctx.size, left())?;
-        Ok(Arc::new(transport::ShmBackend::new(ctx.rank, ctx.size, seg, cap, cma, oversubscribed)))
+        let budget = weft::matching::EarlyBudget::from_env()?;
+        Ok(Arc::new(transport::ShmBackend::new(ctx.rank, ctx.size, seg, cap, cma, oversubscribed, budget)))
     }
 }
 

@@ -13,7 +13,7 @@ use smallvec::{smallvec, SmallVec};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use weft::backend::{Backend, Gather, GatherSend, P2p, ANY_SOURCE};
-use weft::matching::{self, Early, Inbound};
+use weft::matching::{self, Early, EarlyBudget, Inbound};
 use weft::progress::{Post, Posting, Table};
 use weft::{Error, Result};
 
@@ -43,6 +43,25 @@ pub(crate) struct PeerIn {
     /// A pushed offer whose payload this rank waits for (destination
     /// published, frame open), and since when.
     awaiting: Option<(cma::Offer, Instant)>,
+}
+
+impl PeerIn {
+    /// The header bytes of the frame being read: a single-copy frame's
+    /// descriptor follows its header.
+    fn header_len(&self) -> usize {
+        let len = u64::from_le_bytes(self.hdr[8..16].try_into().expect("8 bytes"));
+        if self.hdr_got >= HEADER && len & CMA_FLAG != 0 {
+            HEADER + cma::DESCRIPTOR
+        } else {
+            HEADER
+        }
+    }
+
+    /// A whole frame header is read but its frame waits in the ring:
+    /// stashing it would pass the budget for early messages.
+    pub(crate) fn holds(&self) -> bool {
+        self.hdr_got >= HEADER && self.hdr_got == self.header_len()
+    }
 }
 
 /// What a send of an exchange sends: bytes in one buffer (which may go
@@ -91,8 +110,10 @@ pub(crate) struct Engine {
 }
 
 impl Engine {
-    pub(crate) fn new(size: usize) -> Engine {
-        Engine { peers: (0..size).map(|_| PeerIn::default()).collect(), table: Table::default() }
+    /// Every peer's state, early messages kept within `budget`.
+    pub(crate) fn new(size: usize, budget: EarlyBudget) -> Engine {
+        let peer = || PeerIn { inbound: Inbound::default().with_budget(budget), ..PeerIn::default() };
+        Engine { peers: (0..size).map(|_| peer()).collect(), table: Table::default() }
     }
 }
 
@@ -223,7 +244,11 @@ impl ShmBackend {
                 .map(|&i| match (&ops[i], send_of(ops, gathered, i).is_some()) {
                     (op, true) => format!("send to peer rank {}", op.peer()),
                     (P2p::Recv { peer: ANY_SOURCE, .. }, false) => "receive from any rank".to_string(),
-                    (op, false) => format!("receive from peer rank {}", op.peer()),
+                    (op, false) => format!(
+                        "receive from peer rank {}{}",
+                        op.peer(),
+                        if eng.peers[op.peer()].holds() { matching::HELD_BACK } else { "" }
+                    ),
                 })
                 .collect();
             let e = Error::timeout(format!("shm: {} not finished before the deadline", what.join(", ")))
@@ -296,7 +321,8 @@ impl ShmBackend {
                         if peer == ANY_SOURCE {
                             continue;
                         }
-                        let drained = matches!(op, P2p::Send { .. }) || self.ring(peer, me).available() == 0;
+                        // (A frame held back stays until its receive comes.)
+                        let drained = matches!(op, P2p::Send { .. }) || self.ring(peer, me).available() == 0 || eng.peers[peer].holds();
                         if let (true, Some(e)) = (drained, self.peer_problem(peer)) {
                             return Err(self.fail(e));
                         }
@@ -338,7 +364,7 @@ impl ShmBackend {
             let deadline = eng.table.next_deadline().unwrap_or(now + NAP);
             self.nap(now, deadline, &|| {
                 posting.has_new()
-                    || (0..w).any(|p| p != me && self.ring(p, me).available() > 0)
+                    || (0..w).any(|p| p != me && self.ring(p, me).available() > 0 && !eng.peers[p].holds())
                     || self.single_copy_moved(&eng.table, &eng.peers)
             });
         }
@@ -685,9 +711,9 @@ impl ShmBackend {
     /// Read what `peer` has written to us; true if any byte moved.
     fn drain(&self, peer: usize, ops: &mut [P2p<'_>], incoming: &mut [PeerIn], done: &mut [bool]) -> Result<bool> {
         let ring = self.ring(peer, self.rank);
-        let st = &mut incoming[peer];
         let mut moved = false;
         loop {
+            let mut st = &mut incoming[peer];
             if st.awaiting.is_some() {
                 if !self.collect_pushed(peer, st, ops)? {
                     return Ok(moved);
@@ -695,20 +721,29 @@ impl ShmBackend {
                 moved = true;
             }
             if !st.inbound.in_frame() {
-                let raw_len = |h: &[u8]| u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
-                let need = if st.hdr_got >= HEADER && raw_len(&st.hdr) & CMA_FLAG != 0 { HEADER + cma::DESCRIPTOR } else { HEADER };
-                let n = ring.read(&mut st.hdr[st.hdr_got..need]);
-                if n == 0 {
+                if !st.holds() {
+                    let need = st.header_len();
+                    let n = ring.read(&mut st.hdr[st.hdr_got..need]);
+                    if n == 0 {
+                        return Ok(moved);
+                    }
+                    moved = true;
+                    st.hdr_got += n;
+                    // (A header's length may announce a descriptor.)
+                    if !st.holds() {
+                        continue;
+                    }
+                }
+                let tag = u64::from_le_bytes(st.hdr[..8].try_into().expect("8 bytes"));
+                let len = u64::from_le_bytes(st.hdr[8..16].try_into().expect("8 bytes"));
+                let rank_stashed = incoming.iter().map(|p| p.inbound.stashed_bytes()).sum();
+                if incoming[peer].inbound.holds_back(peer, tag, Some((len & !CMA_FLAG) as usize), ops, done, rank_stashed) {
+                    // Left in the ring (header read) until there is room:
+                    // the sender waits for ring space.
                     return Ok(moved);
                 }
-                moved = true;
-                st.hdr_got += n;
-                if st.hdr_got < HEADER || (st.hdr_got == HEADER && raw_len(&st.hdr) & CMA_FLAG != 0) || st.hdr_got < need {
-                    continue;
-                }
+                st = &mut incoming[peer];
                 st.hdr_got = 0;
-                let tag = u64::from_le_bytes(st.hdr[..8].try_into().expect("8 bytes"));
-                let len = raw_len(&st.hdr);
                 if len & CMA_FLAG != 0 {
                     st.cma_in = Some(cma::Offer::decode(&st.hdr[HEADER..]));
                 }

@@ -104,8 +104,17 @@ pub struct ShmBackend {
 impl ShmBackend {
     /// Wrap a mapped segment of `size` ranks with rings of `cap` bytes
     /// (zeroed by its creator); `cma`: which sends go single-copy, if any;
-    /// `oversubscribed`: see `cores`.
-    pub fn new(rank: usize, size: usize, seg: Segment, cap: usize, cma: Option<crate::cma::Policy>, oversubscribed: bool) -> Self {
+    /// `oversubscribed`: see `cores`; `budget`: how much of what peers send
+    /// early is kept (see `weft::matching::EarlyBudget`).
+    pub fn new(
+        rank: usize,
+        size: usize,
+        seg: Segment,
+        cap: usize,
+        cma: Option<crate::cma::Policy>,
+        oversubscribed: bool,
+        budget: weft::matching::EarlyBudget,
+    ) -> Self {
         let ctl = rings_at(size);
         assert!(seg.len() >= segment_len(size, cap), "segment sized by segment_len");
         let rings = (0..size * size)
@@ -123,7 +132,7 @@ impl ShmBackend {
             seg,
             fast,
             rings,
-            engine: Mutex::new(Engine::new(size)),
+            engine: Mutex::new(Engine::new(size, budget)),
             posting: Arc::default(),
             failed: std::sync::OnceLock::new(),
             cma: std::sync::atomic::AtomicBool::new(cma.is_some()),

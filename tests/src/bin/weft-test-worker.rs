@@ -272,6 +272,7 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             println!("rank {r}: {e}");
             anyhow::ensure!(e.to_string().contains("rank(s) [0] called all_reduce"), "detail message: {e}");
         }
+        "flood" => flood_scenario(&pg)?,
         other => anyhow::bail!("unknown scenario {other:?}"),
     }
     Ok(())
@@ -470,5 +471,53 @@ fn shrink_scenario(pg: ProcessGroup) -> anyhow::Result<()> {
 fn resumed_and_left_out(e: weft::Error) -> anyhow::Result<()> {
     anyhow::ensure!(e.kind() == &ErrorKind::Aborted && e.to_string().contains("left out"), "the resumed rank: {e}");
     println!("left out after resuming: {e}");
+    Ok(())
+}
+
+/// Messages rank 1 sends rank 0 in the `flood` scenario, and their size.
+const FLOOD: (usize, usize) = (4000, 64 << 10);
+
+/// Peak resident memory of this process so far (VmHWM), in bytes.
+fn peak_rss() -> anyhow::Result<usize> {
+    let status = std::fs::read_to_string("/proc/self/status")?;
+    let kb = status.lines().find_map(|l| l.strip_prefix("VmHWM:")).ok_or_else(|| anyhow::anyhow!("no VmHWM"))?;
+    Ok(kb.trim().trim_end_matches("kB").trim().parse::<usize>()? << 10)
+}
+
+/// Rank 1 sends rank 0 `FLOOD` messages at once while rank 0 waits 3 s
+/// for a message from rank 2: rank 0 keeps at most its budget for early
+/// messages (WEFT_EARLY_BYTES) of them, and rank 1's sends wait; then
+/// rank 0 receives them all, in order. Prints rank 0's peak growth.
+fn flood_scenario(pg: &ProcessGroup) -> anyhow::Result<()> {
+    let o = OpOptions::default();
+    let (count, size) = FLOOD;
+    match pg.rank() {
+        0 => {
+            let before = peak_rss()?;
+            let mut b = [0u8; 8];
+            pg.recv(&mut b[..], 2, 8, &o)?.wait()?;
+            let grew = peak_rss()?.saturating_sub(before);
+            println!("rank 0: peak RSS grew by {} KiB while flooded", grew >> 10);
+            let budget: usize = std::env::var("WEFT_EARLY_BYTES")?.parse()?;
+            anyhow::ensure!(grew < budget + (16 << 20), "peak RSS grew by {grew} bytes, over the {budget}-byte budget");
+            let mut m = vec![0u8; size];
+            for i in 0..count {
+                pg.recv(&mut m[..], 1, 7, &o)?.wait()?;
+                anyhow::ensure!(m.iter().all(|x| *x == i as u8), "message {i} arrived out of order or damaged");
+            }
+        }
+        1 => {
+            let data: Vec<u8> = (0..count).flat_map(|i| std::iter::repeat_n(i as u8, size)).collect();
+            let works = data.chunks(size).map(|m| pg.send(m, 0, 7, &o)).collect::<weft::Result<Vec<_>>>()?;
+            for w in works {
+                w.wait()?;
+            }
+        }
+        _ => {
+            std::thread::sleep(Duration::from_secs(3));
+            pg.send(&[1u8; 8][..], 0, 8, &o)?.wait()?;
+        }
+    }
+    pg.barrier(&o)?.wait()?;
     Ok(())
 }
