@@ -144,9 +144,10 @@ pub fn run_world_with(
         .collect()
 }
 
-/// weft's shm segments in /dev/shm (`weft-<pid of rank 0>-<nonce>`) whose
-/// creating process is gone: what a job left behind. Segments of live
-/// processes (other tests running) do not count.
+/// weft shm segments in /dev/shm (`weft-<pid of rank 0>-<nonce>`, as
+/// versions before anonymous segments named them) whose creating process
+/// is gone: what a job left behind. Segments of live processes do not
+/// count. Today's segments have no name there, so there should be none.
 pub fn stale_shm_segments() -> Vec<String> {
     let names: Vec<String> = std::fs::read_dir("/dev/shm")
         .map(|d| {

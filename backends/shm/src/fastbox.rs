@@ -13,6 +13,15 @@
 //!
 //! Every rank reduces all contributions in rank order, so every rank gets
 //! the same bits (as the ring algorithms guarantee too).
+//!
+//! Ranks that call an op differently may choose differently (4000 bytes
+//! here, 8000 there: one takes the slots, the other the rings, and each
+//! would wait for the other in vain). So every call of an op the fast path
+//! could take is numbered, alike on every rank; a fast op's slot carries
+//! its call number, and an op sent to the rings publishes its number and
+//! description in this rank's marker. A rank waiting for a slot sees a
+//! peer's marker of the same call, and a rank in the rings sees
+//! (`rings_mismatch`) a peer's slot of its call: both name the mismatch.
 
 use crate::ring::{Bytes, RawBytes};
 use crate::sync::{AtomicU64, Ordering};
@@ -22,9 +31,11 @@ use weft::{DType, Error, ReduceOp, Result};
 
 /// Payload bytes a slot holds: ops up to this size take the fast path.
 pub const FASTBOX_BYTES: usize = 4096;
-/// Sequence and description words, then the payload (an 8-byte payload
-/// shares their cache line).
-const HEADER: usize = 16;
+/// Sequence, description and call words, then the payload (an 8-byte
+/// payload shares their cache line).
+const HEADER: usize = 24;
+/// Bytes of a rank's marker (one cache line).
+const MARKER: usize = 64;
 /// Bytes per slot, whole cache lines.
 pub const SLOT: usize = (HEADER + FASTBOX_BYTES).next_multiple_of(64);
 
@@ -116,6 +127,16 @@ pub struct Header {
     seq: AtomicU64,
     /// `Kind::describe` of that op.
     what: AtomicU64,
+    /// The call number of that op (see the module doc).
+    call: AtomicU64,
+}
+
+/// A rank's last op sent to the rings: its call number (published last)
+/// and description.
+#[repr(C)]
+pub struct Marker {
+    call: AtomicU64,
+    what: AtomicU64,
 }
 
 /// One rank's slot: header, then payload bytes.
@@ -149,13 +170,14 @@ impl<B: Bytes> Slot<B> {
     }
     /// Write this rank's payload and publish it as op `seq` (the caller
     /// owns the slot: see the module doc).
-    fn publish(&self, seq: u64, what: u64, data: &[u8]) {
+    fn publish(&self, seq: u64, what: u64, call: u64, data: &[u8]) {
         debug_assert!(data.len() <= FASTBOX_BYTES);
         // SAFETY: inside the payload area; no peer reads it until `seq` is
         // stored below, and none still reads the op published before.
         unsafe { self.data.put(0, data) };
         let h = self.header();
         h.what.store(what, Ordering::Relaxed);
+        h.call.store(call, Ordering::Relaxed);
         // SeqCst: `Waiter::wake_sleepers` relies on it to see a sleeping
         // peer's flag (no separate fence).
         h.seq.store(seq, Ordering::SeqCst);
@@ -164,6 +186,11 @@ impl<B: Bytes> Slot<B> {
     fn published(&self, seq: u64) -> Option<u64> {
         let h = self.header();
         (h.seq.load(Ordering::Acquire) == seq).then(|| h.what.load(Ordering::Relaxed))
+    }
+    /// The call number and description of whatever op is published.
+    fn latest(&self) -> Option<(u64, u64)> {
+        let h = self.header();
+        (h.seq.load(Ordering::Acquire) != 0).then(|| (h.call.load(Ordering::Relaxed), h.what.load(Ordering::Relaxed)))
     }
     /// Copy the published payload's bytes from `at` into `dst`.
     fn read(&self, at: usize, dst: &mut [u8]) {
@@ -208,8 +235,19 @@ pub struct Fastbox<B: Bytes = RawBytes> {
     rank: usize,
     /// Rank r's slot for op k is `slots[r * 2 + k % 2]`.
     slots: Vec<Slot<B>>,
+    /// Rank r's marker.
+    markers: Vec<*const Marker>,
+    /// The next fast op's sequence number.
     next: AtomicU64,
+    /// The next call's number (fast op or marked, see the module doc).
+    calls: AtomicU64,
 }
+
+// SAFETY: the markers are atomics in the shared mapping (or leaked, in
+// model checks), alive as long as the slots.
+unsafe impl<B: Bytes> Send for Fastbox<B> {}
+// SAFETY: as above.
+unsafe impl<B: Bytes> Sync for Fastbox<B> {}
 
 impl Fastbox {
     /// Over `size` ranks' slot pairs starting at `base`.
@@ -221,25 +259,84 @@ impl Fastbox {
     pub unsafe fn at(base: *mut u8, rank: usize, size: usize) -> Fastbox {
         // SAFETY: the caller's contract, slot by slot.
         let slots = (0..2 * size).map(|i| unsafe { Slot::at(base.add(i * SLOT)) }).collect();
-        Fastbox { rank, slots, next: AtomicU64::new(1) }
+        // SAFETY: the markers follow the slots, within `len`.
+        let markers = (0..size).map(|r| unsafe { base.add(2 * size * SLOT + r * MARKER) } as *const Marker).collect();
+        Fastbox { rank, slots, markers, next: AtomicU64::new(1), calls: AtomicU64::new(1) }
     }
 
     /// Bytes of segment for `size` ranks.
     pub const fn len(size: usize) -> usize {
-        2 * size * SLOT
+        size * (2 * SLOT + MARKER)
     }
 }
 
 impl<B: Bytes> Fastbox<B> {
+    fn marker(&self, r: usize) -> &Marker {
+        // SAFETY: see the constructor (and `Send`).
+        unsafe { &*self.markers[r] }
+    }
+
+    /// An op of `kind` (`len` bytes in all) that the fast path could take
+    /// goes through the rings: it takes a call number all the same, and
+    /// says so in this rank's marker.
+    pub fn through_rings(&self, waiter: &dyn Waiter, kind: Kind, len: usize) {
+        let call = self.calls.fetch_add(1, Ordering::Relaxed);
+        let m = self.marker(self.rank);
+        m.what.store(kind.describe(len.min(LEN as usize - 1)), Ordering::Relaxed);
+        // SeqCst, as a slot's publication (`wake_sleepers`).
+        m.call.store(call, Ordering::SeqCst);
+        waiter.wake_sleepers();
+    }
+
+    /// While this rank's latest call runs through the rings: a peer that
+    /// took that call through the fast path, or called another op, is a
+    /// mismatch (`InvalidArgument`).
+    pub fn rings_mismatch(&self) -> Option<Error> {
+        let mine = self.marker(self.rank);
+        let call = mine.call.load(Ordering::Relaxed);
+        if call == 0 || call + 1 != self.calls.load(Ordering::Relaxed) {
+            return None;
+        }
+        let what = mine.what.load(Ordering::Relaxed);
+        (0..self.size()).filter(|p| *p != self.rank).find_map(|p| {
+            let fast = (0..2).find_map(|i| self.slots[2 * p + i].latest().filter(|(c, _)| *c == call));
+            let m = self.marker(p);
+            let marked = (m.call.load(Ordering::Acquire) == call).then(|| m.what.load(Ordering::Relaxed));
+            let theirs = match (fast, marked) {
+                (Some((_, theirs)), _) => format!("{} (fast path)", explain(theirs)),
+                (None, Some(theirs)) if shared_part(theirs) != shared_part(what) => explain(theirs),
+                _ => return None,
+            };
+            Some(Error::invalid(format!("mismatched collectives: this rank called {} (rings), rank {p} {theirs}", explain(what))))
+        })
+    }
+
     /// One round: publish `mine` as this rank's part of op `kind` (`len`
     /// bytes in all, the same on every rank), then wait until every peer
     /// has published its part of the same op.
     fn round(&self, waiter: &dyn Waiter, kind: Kind, len: usize, mine: &[u8], deadline: &Deadline) -> Result<Round<'_, B>> {
-        let round = self.publish(waiter, kind, len, mine);
+        let (round, call) = self.publish(waiter, kind, len, mine);
         let (k, what) = (round.k, kind.describe(len));
         for p in (0..self.size()).filter(|p| *p != self.rank) {
-            waiter.wait_until(p, &|| explain(what), deadline, &|| round.slot(p).published(k).is_some())?;
-            let theirs = round.slot(p).published(k).expect("published");
+            let marked = || self.marker(p).call.load(Ordering::Acquire) == call;
+            waiter.wait_until(p, &|| explain(what), deadline, &|| round.slot(p).published(k).is_some() || marked())?;
+            let Some(theirs) = round.slot(p).published(k) else {
+                let theirs = self.marker(p).what.load(Ordering::Relaxed);
+                return Err(Error::invalid(format!(
+                    "mismatched collectives: this rank called {} (fast path), rank {p} {} (rings)",
+                    explain(what),
+                    explain(theirs)
+                )));
+            };
+            let their_call = round.slot(p).header().call.load(Ordering::Relaxed);
+            if their_call != call {
+                return Err(Error::invalid(format!(
+                    "mismatched collectives: rank {p} called {} as another op than this rank's {} \
+                     (calls that may take the fast path: its #{their_call}, this rank's #{call})",
+                    explain(theirs),
+                    explain(what)
+                )));
+            }
             if shared_part(theirs) != shared_part(what) {
                 return Err(Error::invalid(format!(
                     "mismatched collectives: this rank called {}, rank {p} {}",
@@ -251,14 +348,16 @@ impl<B: Bytes> Fastbox<B> {
         Ok(round)
     }
 
-    /// The first half of [`Fastbox::round`]: publish, without waiting.
-    fn publish(&self, waiter: &dyn Waiter, kind: Kind, len: usize, mine: &[u8]) -> Round<'_, B> {
+    /// The first half of [`Fastbox::round`]: publish, without waiting;
+    /// the round and its call number.
+    fn publish(&self, waiter: &dyn Waiter, kind: Kind, len: usize, mine: &[u8]) -> (Round<'_, B>, u64) {
         debug_assert!(mine.len() <= FASTBOX_BYTES);
         let k = self.next.fetch_add(1, Ordering::Relaxed);
+        let call = self.calls.fetch_add(1, Ordering::Relaxed);
         let round = Round { fb: self, k };
-        round.slot(self.rank).publish(k, kind.describe(len), mine);
+        round.slot(self.rank).publish(k, kind.describe(len), call, mine);
         waiter.wake_sleepers();
-        round
+        (round, call)
     }
 
     fn size(&self) -> usize {
@@ -448,14 +547,19 @@ mod loom_tests {
             let slots: Arc<Vec<(&'static Header, Cells)>> = Arc::new(
                 (0..4)
                     .map(|_| {
-                        let h: &'static Header = Box::leak(Box::new(Header { seq: AtomicU64::new(0), what: AtomicU64::new(0) }));
+                        let h: &'static Header =
+                            Box::leak(Box::new(Header { seq: AtomicU64::new(0), what: AtomicU64::new(0), call: AtomicU64::new(0) }));
                         (h, Cells::new(1))
                     })
                     .collect(),
             );
+            // Both ranks' markers, by address (the model's threads share them).
+            let markers: [usize; 2] =
+                [0, 1].map(|_| Box::leak(Box::new(Marker { call: AtomicU64::new(0), what: AtomicU64::new(0) })) as *const Marker as usize);
             let rank = move |r: usize, slots: Arc<Vec<(&'static Header, Cells)>>| {
                 let slots = slots.iter().map(|(h, c)| Slot { header: *h as *const Header, data: c.clone() }).collect();
-                let fb = Fastbox { rank: r, slots, next: AtomicU64::new(1) };
+                let markers = markers.iter().map(|m| *m as *const Marker).collect();
+                let fb = Fastbox { rank: r, slots, markers, next: AtomicU64::new(1), calls: AtomicU64::new(1) };
                 let mut sums = Vec::new();
                 for op in 0..3u8 {
                     let mut v = [10 * op + r as u8];

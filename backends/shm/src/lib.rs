@@ -47,40 +47,60 @@ impl BackendFactory for ShmFactory {
         let deadline = ctx.setup_deadline();
         let left = || deadline.saturating_duration_since(std::time::Instant::now());
         weft::locality::check("shm", &*ctx.store, ctx.rank, ctx.size, ctx.timeout)?;
-        // Rank 0 chooses the name and ring size (from the free space it
-        // sees) and publishes them: every rank must use the same layout.
-        let (name, cap) = if ctx.rank == 0 {
+        // Rank 0 creates the segment (its ring size from the free space it
+        // sees) and publishes how to open it: every rank uses that layout.
+        // A rank that cannot open it says so, and every rank fails setup.
+        let (mut seg, cap) = if ctx.rank == 0 {
             let cap = transport::ring_cap(ctx.size, segment::available());
-            let name = format!("/weft-{}-{:x}", std::process::id(), nonce());
-            ctx.store.set("layout", format!("{name} {cap}").as_bytes())?;
-            (name, cap)
+            let tag = format!("{:x}", nonce());
+            match segment::Segment::create(&tag, transport::segment_len(ctx.size, cap)) {
+                Ok(seg) => {
+                    let fd = seg.creator_fd().expect("the creator holds it");
+                    ctx.store.set("layout", format!("{} {fd} {tag} {cap}", std::process::id()).as_bytes())?;
+                    (seg, cap)
+                }
+                Err(e) => {
+                    ctx.store.set("layout", format!("failed {e}").as_bytes())?;
+                    return Err(e);
+                }
+            }
         } else {
             let layout = String::from_utf8_lossy(&ctx.store.get("layout", left())?).into_owned();
-            let (name, cap) = layout.split_once(' ').ok_or_else(|| Error::backend("shm: malformed layout in the store"))?;
-            (name.to_string(), cap.parse().map_err(|_| Error::backend("shm: malformed ring size in the store"))?)
-        };
-        let len = transport::segment_len(ctx.size, cap);
-        let seg = if ctx.rank == 0 {
-            let seg = segment::Segment::map(&name, len, true);
-            // Tell the others whether to go on; unlink whatever happens next.
-            ctx.store.set("created", if seg.is_ok() { b"1" } else { b"0" })?;
-            let seg = seg?;
-            let waited = (1..ctx.size).try_for_each(|r| ctx.store.get(&format!("mapped/{r}"), left()).map(drop));
-            segment::Segment::unlink(&name);
-            waited?;
-            seg
-        } else {
-            if ctx.store.get("created", left())? != b"1" {
-                return Err(Error::backend("shm: rank 0 could not create the segment"));
+            if let Some(why) = layout.strip_prefix("failed ") {
+                return Err(Error::backend(format!("shm: rank 0 could not create the segment: {why}")));
             }
-            let seg = segment::Segment::map(&name, len, false)?;
-            ctx.store.set(&format!("mapped/{}", ctx.rank), b"1")?;
-            seg
+            let bad = || Error::backend(format!("shm: malformed layout in the store: {layout:?}"));
+            let fields: Vec<&str> = layout.split(' ').collect();
+            let [pid, fd, tag, cap] = fields[..] else { return Err(bad()) };
+            let (pid, fd, cap) = (pid.parse().map_err(|_| bad())?, fd.parse().map_err(|_| bad())?, cap.parse().map_err(|_| bad())?);
+            let seg = segment::Segment::open(pid, fd, tag, transport::segment_len(ctx.size, cap));
+            ctx.store.set(&format!("mapped/{}", ctx.rank), if seg.is_ok() { b"1" } else { b"0" })?;
+            (seg?, cap)
         };
-        // Everyone waits until rank 0 has seen every mapping (and unlinked).
+        if ctx.rank == 0 {
+            // Every rank has its own descriptor (or gave up): close ours.
+            let opened = (1..ctx.size).try_for_each(|r| match &ctx.store.get(&format!("mapped/{r}"), left())?[..] {
+                b"1" => Ok(()),
+                _ => Err(Error::backend(format!("shm: rank {r} could not open the segment"))),
+            });
+            seg.close_fd();
+            if let Err(e) = opened {
+                // Everyone waiting below learns it at once.
+                let _ = ctx.store.add("ready", -(1 << 40));
+                return Err(e);
+            }
+        }
+        // Everyone waits until every rank has mapped the segment.
         ctx.store.add("ready", 1)?;
         let until = std::time::Instant::now() + left();
-        while weft::store::Store::add(&*ctx.store, "ready", 0)? < ctx.size as i64 {
+        loop {
+            let ready = weft::store::Store::add(&*ctx.store, "ready", 0)?;
+            if ready < 0 {
+                return Err(Error::backend("shm: a rank could not open the segment"));
+            }
+            if ready >= ctx.size as i64 {
+                break;
+            }
             if std::time::Instant::now() >= until {
                 return Err(Error::timeout("shm: ranks did not all map the segment"));
             }

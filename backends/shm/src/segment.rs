@@ -1,11 +1,15 @@
-//! One shared-memory segment per group: created by rank 0 under a name
-//! unique to the group, mapped by every rank, unlinked as soon as all have
-//! mapped it (so nothing is left in /dev/shm, even after SIGKILL).
+//! One shared-memory segment per group: an anonymous file (memfd) that
+//! rank 0 creates and every other rank opens through
+//! `/proc/<pid>/fd/<n>` while rank 0 holds it open. It never has a name in
+//! /dev/shm, so no process killed at any moment of setup can leave one
+//! behind: the memory goes when the last process that maps it exits.
 
 use nix::fcntl::OFlag;
-use nix::sys::mman::{madvise, mmap, munmap, shm_open, shm_unlink, MapFlags, MmapAdvise, ProtFlags};
+use nix::sys::memfd::{memfd_create, MFdFlags};
+use nix::sys::mman::{madvise, mmap, munmap, MapFlags, MmapAdvise, ProtFlags};
 use nix::sys::stat::Mode;
 use std::num::NonZeroUsize;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 use weft::{Error, Result};
 
@@ -13,6 +17,8 @@ use weft::{Error, Result};
 pub struct Segment {
     ptr: NonNull<u8>,
     len: usize,
+    /// The creator's descriptor, open until every rank has opened its own.
+    fd: Option<OwnedFd>,
 }
 
 // SAFETY: the mapping is plain shared memory; every access to it goes
@@ -26,31 +32,72 @@ fn os(what: &str, e: nix::errno::Errno) -> Error {
     Error::backend(format!("shm: {what}: {e}"))
 }
 
+/// The name a segment is created with (memfd names are only labels: the
+/// ranks opening it check it, so a reused pid or descriptor number is
+/// never mistaken for the segment).
+fn label(tag: &str) -> String {
+    format!("weft-shm-{tag}")
+}
+
+/// Map `len` bytes of `fd`, shared.
+fn map(fd: &OwnedFd, len: usize) -> Result<NonNull<u8>> {
+    let size = NonZeroUsize::new(len).ok_or_else(|| Error::invalid("shm: empty segment"))?;
+    // SAFETY: a fresh shared mapping of a file we hold, of the size its
+    // creator set (checked by `open`); nothing else aliases it in this
+    // process.
+    let ptr = unsafe { mmap(None, size, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_SHARED, fd, 0) }
+        .map_err(|e| os("mmap", e))?;
+    Ok(ptr.cast())
+}
+
 impl Segment {
-    /// Create (rank 0) or open the segment `name` of `len` bytes and map it.
-    pub fn map(name: &str, len: usize, create: bool) -> Result<Segment> {
-        let flags = if create { OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR } else { OFlag::O_RDWR };
-        let fd = shm_open(name, flags, Mode::S_IRUSR | Mode::S_IWUSR).map_err(|e| os(&format!("shm_open {name}"), e))?;
-        if create {
-            nix::unistd::ftruncate(&fd, len as i64).map_err(|e| os("ftruncate", e))?;
-            // Reserve the pages now: a full /dev/shm is an error here, not a
-            // SIGBUS when a ring first touches a page mid-transfer.
-            nix::fcntl::posix_fallocate(&fd, 0, len as i64).map_err(|e| {
-                let _ = shm_unlink(name);
-                Error::unsupported(format!("shm: cannot reserve {len} bytes of shared memory ({e}); /dev/shm too small?"))
-            })?;
-        }
-        let size = NonZeroUsize::new(len).ok_or_else(|| Error::invalid("shm: empty segment"))?;
-        // SAFETY: a fresh shared mapping of a file we just opened, of the
-        // size the creator set; nothing else aliases it in this process.
-        let ptr = unsafe { mmap(None, size, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_SHARED, &fd, 0) }
-            .map_err(|e| os("mmap", e))?;
-        Ok(Segment { ptr: ptr.cast(), len })
+    /// Create a segment of `len` bytes labelled with `tag` (rank 0), zeroed,
+    /// its memory reserved, and map it.
+    pub fn create(tag: &str, len: usize) -> Result<Segment> {
+        let fd = memfd_create(label(tag).as_str(), MFdFlags::MFD_CLOEXEC).map_err(|e| os("memfd_create", e))?;
+        nix::unistd::ftruncate(&fd, len as i64).map_err(|e| os("ftruncate", e))?;
+        // Reserve the pages now: too little shared memory is an error here,
+        // not a SIGBUS when a ring first touches a page mid-transfer.
+        nix::fcntl::posix_fallocate(&fd, 0, len as i64)
+            .map_err(|e| Error::unsupported(format!("shm: cannot reserve {len} bytes of shared memory ({e})")))?;
+        let ptr = map(&fd, len)?;
+        Ok(Segment { ptr, len, fd: Some(fd) })
     }
 
-    /// Remove the name (the memory lives on while mapped).
-    pub fn unlink(name: &str) {
-        let _ = shm_unlink(name);
+    /// Open and map the segment labelled `tag` of `len` bytes that process
+    /// `pid` created and holds as its descriptor `fd`.
+    pub fn open(pid: u32, fd: i32, tag: &str, len: usize) -> Result<Segment> {
+        let path = format!("/proc/{pid}/fd/{fd}");
+        let file = nix::fcntl::open(path.as_str(), OFlag::O_RDWR | OFlag::O_CLOEXEC, Mode::empty()).map_err(|e| match e {
+            nix::errno::Errno::ENOENT => {
+                Error::backend(format!("shm: rank 0 (pid {pid}) exited or closed the segment before this rank opened it"))
+            }
+            e => Error::unsupported(format!("shm: cannot open rank 0's segment ({path}: {e})")),
+        })?;
+        // What was opened: the name it was created with, and its size.
+        let opened = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())).unwrap_or_default();
+        let size = nix::sys::stat::fstat(&file).map(|st| st.st_size as usize).unwrap_or(0);
+        if opened.to_string_lossy() != format!("/memfd:{} (deleted)", label(tag)) || size != len {
+            return Err(Error::backend(format!(
+                "shm: {path} is not rank 0's segment ({} of {size} bytes, expected {} of {len})",
+                opened.display(),
+                label(tag)
+            )));
+        }
+        let ptr = map(&file, len)?;
+        Ok(Segment { ptr, len, fd: None })
+    }
+
+    /// The creator's descriptor number, for the others to open (`None` on
+    /// the others, and once closed).
+    pub fn creator_fd(&self) -> Option<i32> {
+        self.fd.as_ref().map(|fd| fd.as_raw_fd())
+    }
+
+    /// Every rank has opened the segment: close the creator's descriptor
+    /// (the mappings keep the memory).
+    pub fn close_fd(&mut self) {
+        self.fd = None;
     }
 
     /// The first byte.

@@ -315,6 +315,11 @@ impl ShmBackend {
                 self.expire(eng, posting, now)?;
                 if now.duration_since(last_check) >= NAP {
                     last_check = now;
+                    // A collective this rank runs through the rings that a
+                    // peer took through the fast path never completes.
+                    if let Some(e) = self.fast.rings_mismatch() {
+                        return Err(self.fail(e));
+                    }
                     let Table { ops, done, .. } = &eng.table;
                     for op in ops.iter().zip(done).filter(|(_, d)| !**d).map(|(op, _)| op) {
                         let peer = op.peer();

@@ -91,7 +91,7 @@ pub struct ShmBackend {
     /// Which sends are offered single-copy.
     pub(crate) single_copy: crate::cma::Policy,
     /// Small collectives and barrier (`fastbox.rs`).
-    fast: Fastbox,
+    pub(crate) fast: Fastbox,
     /// More ranks than cores: a waiting rank yields at once instead of
     /// spinning, since the peer it waits for may need its core.
     pub(crate) oversubscribed: bool,
@@ -251,11 +251,18 @@ impl Backend for ShmBackend {
     /// all_to_all where every rank's parts fit, through the fast path (hint
     /// `shm_fastbox=off`: through the rings).
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
+        let (kind, len) = fast_kind(op)?;
         // (`is_empty` first: no hashing on the common path.)
-        match (!ctx.hints.is_empty()).then(|| ctx.hints.get("shm_fastbox")).flatten().map(String::as_str) {
-            None | Some("on") => {}
-            Some("off") => return None,
+        let off = match (!ctx.hints.is_empty()).then(|| ctx.hints.get("shm_fastbox")).flatten().map(String::as_str) {
+            None | Some("on") => false,
+            Some("off") => true,
             Some(v) => return Some(Err(Error::invalid(format!("hint shm_fastbox={v:?}: use on or off")))),
+        };
+        if off || (len > FASTBOX_BYTES && !matches!(op, Op::AllToAll { .. })) {
+            // Numbered all the same: a rank that took the fast path
+            // instead is named (see `fastbox`).
+            self.fast.through_rings(self, kind, len);
+            return None;
         }
         if let Op::AllToAll { inputs, outputs } = op {
             // Whether a rank's parts fit differs between ranks: every rank
@@ -265,17 +272,6 @@ impl Backend for ShmBackend {
                 Ok(false) => None,
                 Err(e) => Some(Err(e)),
             };
-        }
-        let small = |n: usize| n <= FASTBOX_BYTES;
-        let fast = match op {
-            Op::AllReduce { buf, .. } | Op::Broadcast { buf, .. } => small(buf.nbytes()),
-            Op::Barrier => true,
-            Op::AllGather { outputs, .. } => small(outputs.iter().map(|o| o.nbytes()).sum()),
-            Op::ReduceScatter { inputs, .. } => small(inputs.iter().map(|i| i.nbytes()).sum()),
-            _ => false,
-        };
-        if !fast {
-            return None;
         }
         Some(self.check_failed().and_then(|()| self.run_fast(op, &ctx.deadline)))
     }
@@ -387,6 +383,22 @@ impl Waiter for ShmBackend {
             }
         }
     }
+}
+
+/// The ops the fast path may take, as its slots describe them, with their
+/// bytes in all (all ranks' parts together; all_to_all: decided in the
+/// round, see `Fastbox::all_to_all`).
+fn fast_kind(op: &Op<'_>) -> Option<(crate::fastbox::Kind, usize)> {
+    use crate::fastbox::Kind;
+    Some(match op {
+        Op::AllReduce { buf, op } => (Kind::AllReduce(buf.dtype(), *op), buf.nbytes()),
+        Op::Broadcast { buf, root } => (Kind::Broadcast(*root), buf.nbytes()),
+        Op::Barrier => (Kind::Barrier, 0),
+        Op::AllGather { outputs, .. } => (Kind::AllGather, outputs.iter().map(|o| o.nbytes()).sum()),
+        Op::ReduceScatter { inputs, output, op } => (Kind::ReduceScatter(output.dtype(), *op), inputs.iter().map(|i| i.nbytes()).sum()),
+        Op::AllToAll { inputs, .. } => (Kind::AllToAll, inputs.iter().map(|i| i.nbytes()).sum()),
+        _ => return None,
+    })
 }
 
 /// The bytes of a fast op's tensors (no heap allocation for up to 8).

@@ -291,11 +291,13 @@ fn conform(pg: &ProcessGroup, cuda: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How a mapping of shm's segment (a memfd) shows in /proc/self/maps.
+const SEGMENT: &str = "/memfd:weft-shm-";
+
 /// weft's shm segments this process has mapped.
 fn mapped_segments() -> usize {
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
-    let mut names: Vec<&str> =
-        maps.lines().filter_map(|l| l.split_whitespace().nth(5)).filter(|p| p.starts_with("/dev/shm/weft-")).collect();
+    let mut names: Vec<&str> = maps.lines().filter_map(|l| l.split_whitespace().nth(5)).filter(|p| p.starts_with(SEGMENT)).collect();
     names.sort_unstable();
     names.dedup();
     names.len()
@@ -456,7 +458,7 @@ fn shrink_scenario(pg: ProcessGroup) -> anyhow::Result<()> {
                 std::fs::read_to_string("/proc/self/maps")
                     .unwrap_or_default()
                     .lines()
-                    .filter(|l| l.contains("/dev/shm/weft-"))
+                    .filter(|l| l.contains(SEGMENT))
                     .collect::<Vec<_>>()
                     .join("\n")
             );
