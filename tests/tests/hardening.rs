@@ -65,3 +65,18 @@ fn killing_any_rank_at_any_moment_of_shm_setup_leaves_nothing_behind() {
         .unwrap_or_default();
     assert!(weft_tests::procs::stale_shm_segments().is_empty() && left.is_empty(), "left in /dev/shm: {left:?}");
 }
+
+#[test]
+fn a_stopped_peer_never_stretches_a_wait_past_the_ops_deadline() {
+    // Stopped mid all_gather, single-copy (pushed and pulled) and through
+    // the rings; the others' ops must each end within their 2 s timeout
+    // (and a scheduling margin) of starting, however the stop caught them
+    // (see the worker's `stop_all_gather`).
+    for cma in ["on", "off"] {
+        let env = [("WEFT_BACKEND", "cpu:shm"), ("WEFT_SHM_CMA", cma), ("WEFT_TIMEOUT_SECONDS", "2")];
+        let ends = run_world(WORKER, 3, &["stop_all_gather"], &env, Duration::from_secs(60));
+        for (r, e) in ends[..2].iter().enumerate() {
+            assert!(e.status.success(), "cma {cma} rank {r}: {:?}\n{}", e.status, e.output);
+        }
+    }
+}

@@ -24,6 +24,10 @@ const CMA_FLAG: u64 = 1 << 63;
 /// A receiver waiting for a pushed offer pulls it itself if the sender has
 /// claimed none of it by then (the sender is not running).
 const STEAL: Duration = Duration::from_micros(50);
+/// After a failure, how long a peer copying to or from this rank's buffers
+/// gets to finish before they go back to the caller anyway (a running one
+/// needs well under a millisecond; a stopped one may never finish).
+const CANCEL_GRACE: Duration = Duration::from_millis(500);
 
 /// One peer's state, kept across exchanges: what is arriving from it, and
 /// the single-copy state of what this rank sends it.
@@ -223,7 +227,7 @@ impl ShmBackend {
             // finds why (and whom to blame) in our control block.
             self.abort(&e);
             for &(peer, seq) in &open {
-                self.revoke(peer, seq);
+                self.revoke(peer, seq, Instant::now() + CANCEL_GRACE);
             }
         }
         let e = if cancelled || !open.is_empty() { self.fail(e) } else { e };
@@ -382,6 +386,8 @@ impl ShmBackend {
         let me = self.rank;
         let mut moved = false;
         let Engine { peers: incoming, table } = eng;
+        // How long a single-copy transfer may keep this pass waiting.
+        let until = table.next_deadline().unwrap_or_else(|| Instant::now() + NAP);
         let Table { ops, done, gathered, state, .. } = table;
         busy.fill(false);
         // Help copy single-copy sends only with nothing left to receive:
@@ -454,7 +460,7 @@ impl ShmBackend {
         }
         // Receives: drain every incoming ring, matching or stashing frames.
         for peer in (0..self.size).filter(|p| *p != me) {
-            if self.drain(peer, ops, incoming, done)? {
+            if self.drain(peer, ops, incoming, done, until)? {
                 moved = true;
                 self.wake(peer);
             }
@@ -463,11 +469,10 @@ impl ShmBackend {
     }
 
     /// Withdraw single-copy offer `seq` to `peer`; if the peer is reading
-    /// it right now, wait (one system call) until it is done.
-    fn revoke(&self, peer: usize, seq: u64) {
+    /// it right now, wait (one system call) until it is done, or `until`.
+    fn revoke(&self, peer: usize, seq: u64, until: Instant) {
         let cell = self.cell(self.rank, peer);
         if cell.advance(seq, cma::REVOKED) == Err(Some(cma::READING)) {
-            let until = Instant::now() + Duration::from_secs(10);
             while cell.phase(seq) == Some(cma::READING) && Instant::now() < until && self.peer_problem(peer).is_none() {
                 std::thread::sleep(Duration::from_micros(20));
             }
@@ -545,7 +550,7 @@ impl ShmBackend {
     /// destination, or refuse it (the payload then follows inline). A pushed
     /// offer into a posted receive is only opened: the frame then waits for
     /// the sender (`collect_pushed`).
-    fn read_offer(&self, peer: usize, offer: cma::Offer, st: &mut PeerIn, ops: &mut [P2p<'_>]) -> Result<()> {
+    fn read_offer(&self, peer: usize, offer: cma::Offer, st: &mut PeerIn, ops: &mut [P2p<'_>], until: Instant) -> Result<()> {
         let seq = offer.seq;
         let cell = self.cell(peer, self.rank);
         if !self.cma.load(Ordering::Relaxed) {
@@ -566,7 +571,7 @@ impl ShmBackend {
             self.wake(peer);
             return Ok(());
         }
-        self.pull_offer(peer, offer, st, ops)
+        self.pull_offer(peer, offer, st, ops, until)
     }
 
     /// A withdrawn offer means the sender failed and aborted: its cause.
@@ -578,7 +583,7 @@ impl ShmBackend {
     /// The awaited pushed offer from `peer`: finished (true) once the sender
     /// has pushed it all, or, if the sender has claimed nothing for `STEAL`
     /// (it is not running), once this rank has pulled it instead.
-    fn collect_pushed(&self, peer: usize, st: &mut PeerIn, ops: &mut [P2p<'_>]) -> Result<bool> {
+    fn collect_pushed(&self, peer: usize, st: &mut PeerIn, ops: &mut [P2p<'_>], until: Instant) -> Result<bool> {
         let Some((offer, since)) = st.awaiting else { return Ok(true) };
         let cell = self.cell(peer, self.rank);
         let count = cma::Chunks::of(st.inbound.payload(ops).len()).count();
@@ -586,7 +591,7 @@ impl ShmBackend {
             return Ok(false);
         }
         st.awaiting = None;
-        self.pull_offer(peer, offer, st, ops)?;
+        self.pull_offer(peer, offer, st, ops, until)?;
         Ok(true)
     }
 
@@ -597,28 +602,35 @@ impl ShmBackend {
         let Some((offer, _)) = st.awaiting.take() else { return false };
         let count = cma::Chunks::of(st.inbound.payload(ops).len()).count();
         let theirs = self.cell(peer, self.rank).close(offer.seq, count);
-        let _ = self.wait_pushed(peer, offer.seq, theirs);
+        let _ = self.wait_pushed(peer, offer.seq, theirs, Instant::now() + CANCEL_GRACE);
         self.cell(peer, self.rank).advance_from_reading(offer.seq, cma::REFUSED);
         self.wake(peer);
         true
     }
 
     /// Wait until the sender of `seq` has pushed (or given up on) `theirs`
-    /// chunks; only a dead or stopped sender takes long.
-    fn wait_pushed(&self, peer: usize, seq: u64, theirs: u64) -> Result<()> {
+    /// chunks, or `until`; only a dead or stopped sender takes long.
+    fn wait_pushed(&self, peer: usize, seq: u64, theirs: u64, until: Instant) -> Result<()> {
         let cell = self.cell(peer, self.rank);
         let start = Instant::now();
         while cell.pushed_count(seq) < theirs {
-            if start.elapsed() > Duration::from_millis(1) {
+            let now = Instant::now();
+            if now.duration_since(start) > Duration::from_millis(1) {
                 if let Some(e) = self.peer_problem(peer) {
                     return Err(self.fail(e));
                 }
-                if start.elapsed() > Duration::from_secs(10) {
+                if now >= until {
                     // It may still write there later: this stream is done for.
-                    return Err(self.fail(Error::backend(format!("shm: peer rank {peer} never finished copying into this rank"))));
+                    return Err(self.fail(
+                        Error::timeout(format!("shm: peer rank {peer} did not finish copying into this rank before the deadline"))
+                            .stalled_on(Some(peer)),
+                    ));
                 }
+                // Not running (stopped, or descheduled): no need to spin.
+                std::thread::sleep(Duration::from_micros(20));
+            } else {
+                std::thread::yield_now();
             }
-            std::thread::yield_now();
         }
         Ok(())
     }
@@ -626,7 +638,7 @@ impl ShmBackend {
     /// Copy the opened offer into the frame's destination: the chunks
     /// nobody has claimed yet are pulled here, those the sender claimed are
     /// waited for; then DONE.
-    fn pull_offer(&self, peer: usize, offer: cma::Offer, st: &mut PeerIn, ops: &mut [P2p<'_>]) -> Result<()> {
+    fn pull_offer(&self, peer: usize, offer: cma::Offer, st: &mut PeerIn, ops: &mut [P2p<'_>], until: Instant) -> Result<()> {
         let (addr, seq) = (offer.addr, offer.seq);
         let cell = self.cell(peer, self.rank);
         let dst = st.inbound.payload(ops);
@@ -652,7 +664,7 @@ impl ShmBackend {
         // The sender may be writing the chunks it claimed into `dst`: no
         // more claims, and wait until those are in before going on.
         let theirs = cell.close(seq, chunks.count()) - mine;
-        self.wait_pushed(peer, seq, theirs)?;
+        self.wait_pushed(peer, seq, theirs, until)?;
         if let (Ok(()), Some(run)) = (&r, cell.failed_run(seq)) {
             r = pull(run);
         }
@@ -714,13 +726,14 @@ impl ShmBackend {
     }
 
     /// Read what `peer` has written to us; true if any byte moved.
-    fn drain(&self, peer: usize, ops: &mut [P2p<'_>], incoming: &mut [PeerIn], done: &mut [bool]) -> Result<bool> {
+    /// `until`: how long a single-copy transfer may keep it waiting.
+    fn drain(&self, peer: usize, ops: &mut [P2p<'_>], incoming: &mut [PeerIn], done: &mut [bool], until: Instant) -> Result<bool> {
         let ring = self.ring(peer, self.rank);
         let mut moved = false;
         loop {
             let mut st = &mut incoming[peer];
             if st.awaiting.is_some() {
-                if !self.collect_pushed(peer, st, ops)? {
+                if !self.collect_pushed(peer, st, ops, until)? {
                     return Ok(moved);
                 }
                 moved = true;
@@ -757,7 +770,7 @@ impl ShmBackend {
                 }
             }
             if let Some(offer) = st.cma_in.take() {
-                self.read_offer(peer, offer, st, ops)?;
+                self.read_offer(peer, offer, st, ops, until)?;
                 moved = true;
                 if st.awaiting.is_some() {
                     continue;

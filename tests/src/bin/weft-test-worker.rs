@@ -118,6 +118,41 @@ fn run(scenario: &str) -> anyhow::Result<()> {
                 }
             }
         }
+        "stop_all_gather" => {
+            // The last rank stops itself (SIGSTOP; a child kills it 5 s
+            // later) in the middle of all_gathers of 1 MiB parts, which
+            // senders push straight into receivers' buffers. Each other
+            // rank's op fails within its own timeout (WEFT_TIMEOUT_SECONDS)
+            // of starting, however the stop caught a copy: no wait of its
+            // own outlives the op's deadline.
+            let victim = w - 1;
+            if r == victim {
+                std::process::Command::new("sh").args(["-c", &format!("sleep 5; kill -9 {}", std::process::id())]).spawn()?;
+                std::thread::spawn(|| {
+                    std::thread::sleep(Duration::from_millis(400));
+                    let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP);
+                });
+            }
+            let timeout = weft::timeout_from_env()?;
+            let mut v = vec![1f32; 300_000];
+            let mut all = vec![0f32; v.len() * w];
+            loop {
+                let start = Instant::now();
+                let Err(e) = pg.all_gather_single(&mut all, &v, &o)?.wait() else {
+                    v[0] += 1.0;
+                    continue;
+                };
+                let took = start.elapsed();
+                println!("rank {r}: after {took:?}: {e}");
+                anyhow::ensure!(r != victim, "the stopped rank failed before it was killed: {e}");
+                anyhow::ensure!(took < timeout + Duration::from_millis(1500), "the op took {took:?} with a {timeout:?} timeout");
+                anyhow::ensure!(
+                    matches!(e.kind(), ErrorKind::Timeout | ErrorKind::PeerLost { .. }),
+                    "expected a timeout or a lost peer: {e}"
+                );
+                return Ok(());
+            }
+        }
         "sigkill_p2p_batch" => {
             // The last rank kills itself while every other rank waits in a
             // scope on a batch of receives from it (one long, one short)
