@@ -8,9 +8,12 @@
 //!   [`FRAMES_BUDGET`] bytes in all.
 //! - A blocking `get` or `wait` ends when its client goes away, not at its
 //!   timeout: its thread and socket are freed at once.
+//! - A reply the client does not read within [`FRAME_TIME`] drops it.
+//! - A write wakes only the waiters of its key (see [`MemoryStore`]).
 //! - Out of file descriptors, the accept loop backs off instead of spinning.
 //! - With a key ([`crate::auth`]), a client must prove it holds it before
-//!   any other request; a stranger is told only that a key is required.
+//!   any other request, within [`AUTH_TIME`] of connecting; a stranger is
+//!   told only that a key is required.
 //!
 //! A client that sends garbage, a truncated or oversized frame or breaks a
 //! limit gets an error response (when one can still be sent) and is
@@ -33,6 +36,9 @@ pub const MAX_CLIENTS: usize = 4096;
 pub const FRAME_TIME: Duration = Duration::from_secs(30);
 /// Most bytes of frames being received, over all clients.
 pub const FRAMES_BUDGET: usize = 256 << 20;
+/// With a key: longest a client may take to prove it holds it, from
+/// connecting (a stranger cannot hold a client slot longer).
+pub const AUTH_TIME: Duration = Duration::from_secs(10);
 
 /// The label of the server's proof, then the client's ([`Key::prove`]).
 pub(super) const SERVER_PROOF: &str = "weft store server";
@@ -44,11 +50,12 @@ struct Limits {
     max_clients: usize,
     frame_time: Duration,
     frames_budget: usize,
+    auth_time: Duration,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_clients: MAX_CLIENTS, frame_time: FRAME_TIME, frames_budget: FRAMES_BUDGET }
+        Limits { max_clients: MAX_CLIENTS, frame_time: FRAME_TIME, frames_budget: FRAMES_BUDGET, auth_time: AUTH_TIME }
     }
 }
 
@@ -58,6 +65,14 @@ pub struct TcpStoreServer {
     stop: Arc<AtomicBool>,
     shared: Arc<Shared>,
 }
+
+/// Largest frame body read into the heap (larger ones: [`Body::Large`]):
+/// a frame announced but never sent costs at most this.
+const SMALL_FRAME: usize = 4 << 10;
+/// Stack of a client's thread: it only decodes frames and calls the
+/// in-memory store (a small stack also keeps what exited threads leave
+/// cached for reuse small).
+const CLIENT_STACK: usize = 256 << 10;
 
 /// What the clients' threads share.
 struct Shared {
@@ -142,7 +157,7 @@ fn accept_loop(listener: TcpListener, stop: &AtomicBool, shared: &Arc<Shared>) {
             continue;
         }
         let shared2 = shared.clone();
-        let spawned = std::thread::Builder::new().name("weft-store-client".into()).spawn(move || {
+        let spawned = std::thread::Builder::new().name("weft-store-client".into()).stack_size(CLIENT_STACK).spawn(move || {
             serve_client(conn, &shared2);
             shared2.clients.fetch_sub(1, Ordering::AcqRel);
         });
@@ -155,11 +170,13 @@ fn accept_loop(listener: TcpListener, stop: &AtomicBool, shared: &Arc<Shared>) {
 
 fn serve_client(mut conn: TcpStream, shared: &Shared) {
     let _ = conn.set_nodelay(true);
+    let _ = conn.set_write_timeout(Some(shared.limits.frame_time));
     let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     let mut challenge: Option<([u8; auth::NONCE], Vec<u8>)> = None;
     let mut trusted = shared.key.is_none();
+    let auth_by = Instant::now() + shared.limits.auth_time;
     loop {
-        let body = match read_frame_bounded(&mut conn, shared) {
+        let body = match read_frame_bounded(&mut conn, shared, (!trusted).then_some(auth_by)) {
             Ok(Some(b)) => b,
             Ok(None) => return,
             Err(e) => return reject(&mut conn, &peer, e),
@@ -234,37 +251,80 @@ impl Drop for InFlight<'_> {
 }
 
 /// One frame (see `wire.rs`), its body read as it arrives, within
-/// [`FRAME_TIME`] of its first byte; `Ok(None)` on a clean end of stream
-/// before a frame starts.
-fn read_frame_bounded(conn: &mut TcpStream, shared: &Shared) -> Result<Option<Vec<u8>>> {
+/// [`FRAME_TIME`] of its first byte (and, given `by`, all of it by then);
+/// `Ok(None)` on a clean end of stream before a frame starts.
+fn read_frame_bounded(conn: &mut TcpStream, shared: &Shared, by: Option<Instant>) -> Result<Option<Body>> {
     let mut len = [0u8; 4];
-    let _ = conn.set_read_timeout(None);
-    match conn.read(&mut len[..1]) {
+    let first = match by {
+        None => {
+            let _ = conn.set_read_timeout(None);
+            conn.read(&mut len[..1])
+        }
+        Some(by) => read_some(conn, &mut len[..1], by),
+    };
+    match first {
         Ok(0) => return Ok(None),
         Ok(_) => {}
+        Err(e) if by.is_some() && matches!(e.kind(), std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock) => {
+            return Err(Error::backend(format!("not authenticated within {:?}", shared.limits.auth_time)))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
         Err(e) => return Err(e.into()),
     }
     let time = shared.limits.frame_time;
-    let until = Instant::now() + time;
-    let timed_out = |what: &str| Error::backend(format!("store frame {what} did not arrive within {time:?}"));
+    let until = by.map_or(Instant::now() + time, |by| by.min(Instant::now() + time));
+    let timed_out = |what: &str| match by {
+        Some(by) if by <= Instant::now() => Error::backend(format!("not authenticated within {:?}", shared.limits.auth_time)),
+        _ => Error::backend(format!("store frame {what} did not arrive within {time:?}")),
+    };
     read_by(conn, &mut len[1..], until).map_err(|_| timed_out("length"))?;
     let n = u32::from_le_bytes(len) as usize;
     if n > MAX_FRAME {
         return Err(Error::backend(format!("store frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")));
     }
-    // Grown as bytes come (at most 64 KiB ahead of them), read in place.
-    let mut body = Vec::new();
+    // Read in place; a page takes memory only once bytes reach it.
+    let mut body = Body::of(n)?;
     let mut counted = InFlight { shared, bytes: 0 };
     let mut have = 0;
     while have < n {
-        let want = (n - have).min(64 << 10);
-        body.resize(have + want, 0);
-        let got = read_some(conn, &mut body[have..], until).map_err(|_| timed_out("body"))?;
+        let got = read_some(conn, &mut body[have..n], until).map_err(|_| timed_out("body"))?;
         counted.grow(got)?;
         have += got;
     }
-    body.truncate(have);
     Ok(Some(body))
+}
+
+/// A frame's body: on the heap when small, else in its own anonymous
+/// mapping (see the `memmap2` entry in Cargo.toml).
+enum Body {
+    Small(Vec<u8>),
+    Large(memmap2::MmapMut),
+}
+
+impl Body {
+    /// Zeroed room for `n` bytes.
+    fn of(n: usize) -> Result<Body> {
+        Ok(if n <= SMALL_FRAME { Body::Small(vec![0; n]) } else { Body::Large(memmap2::MmapMut::map_anon(n)?) })
+    }
+}
+
+impl std::ops::Deref for Body {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Body::Small(v) => v,
+            Body::Large(m) => m,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Body {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            Body::Small(v) => v,
+            Body::Large(m) => m,
+        }
+    }
 }
 
 /// Fill `buf` before `until`.
@@ -377,7 +437,7 @@ mod tests {
 
     #[test]
     fn limits_on_clients_frame_bytes_and_frame_time() {
-        let s = server(Limits { max_clients: 3, frame_time: Duration::from_millis(300), frames_budget: 1 << 20 });
+        let s = server(Limits { max_clients: 3, frame_time: Duration::from_millis(300), frames_budget: 1 << 20, ..Limits::default() });
         let addr = s.local_addr();
         // One client too many is told so.
         let held: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(addr).unwrap()).collect();
@@ -407,5 +467,21 @@ mod tests {
         write_frame(&mut ok, &Request::Set { key: "k".into(), value: b"v".to_vec() }.encode()).unwrap();
         let reply = read_frame(&mut ok).unwrap().unwrap();
         assert_eq!(Decoder(&reply).u8().unwrap(), Status::Ok as u8);
+    }
+
+    #[test]
+    fn with_a_key_a_silent_or_slow_stranger_loses_its_slot_in_time() {
+        let limits = Limits { auth_time: Duration::from_millis(300), ..Limits::default() };
+        let key = Key::new(b"a job key of sixteen bytes or more".to_vec()).unwrap();
+        let s = TcpStoreServer::start_with("127.0.0.1:0".parse().unwrap(), limits, Some(key)).unwrap();
+        // One sends nothing, one starts a frame and stops.
+        let mut silent = TcpStream::connect(s.local_addr()).unwrap();
+        let mut slow = TcpStream::connect(s.local_addr()).unwrap();
+        slow.write_all(&100u32.to_le_bytes()).unwrap();
+        for c in [&mut silent, &mut slow] {
+            let reply = read_frame(c).unwrap().unwrap();
+            assert!(String::from_utf8_lossy(&reply).contains("within 300ms"), "{}", String::from_utf8_lossy(&reply));
+        }
+        assert!(soon(|| s.clients() == 0));
     }
 }
