@@ -30,8 +30,15 @@ impl Deadline {
 
     /// The instant (fixed by the first call).
     pub fn get(&self) -> Instant {
-        *self.at.get_or_init(|| Instant::now() + self.timeout)
+        *self.at.get_or_init(|| after(self.timeout))
     }
+}
+
+/// `timeout` from now; a timeout past what the clock can hold (a peer's
+/// `u64::MAX` milliseconds, `Duration::MAX`) is a century.
+pub(crate) fn after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout).unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
 }
 
 impl Clone for Deadline {
@@ -44,6 +51,11 @@ impl Clone for Deadline {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timeouts_too_long_for_the_clock_saturate() {
+        assert!(Deadline::after(Duration::MAX).get() > Instant::now() + Duration::from_secs(3600 * 24 * 365));
+    }
 
     #[test]
     fn the_clock_starts_at_the_first_get_and_copies_share_the_instant() {

@@ -27,6 +27,8 @@ pub mod backend;
 mod deadline;
 mod dtype;
 mod error;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod group;
 pub mod kernels;
 pub mod launch;

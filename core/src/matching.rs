@@ -174,16 +174,24 @@ impl Inbound {
     /// Whether a frame of `len` bytes under `tag` (an announcement: `None`)
     /// must stay where it is for now: no receive of the batch awaits it,
     /// and stashing it would pass the budget, this peer's or, with
-    /// `rank_stashed` bytes already held from all peers, the rank's. The
+    /// `rank_stashed()` bytes already held from all peers, the rank's. The
     /// transport then leaves it unread and asks again when a receive is
     /// posted or the stash has drained; it never holds a peer's first
     /// early message.
-    pub fn holds_back(&self, peer: usize, tag: u64, len: Option<usize>, ops: &[P2p<'_>], done: &[bool], rank_stashed: usize) -> bool {
+    pub fn holds_back(
+        &self,
+        peer: usize,
+        tag: u64,
+        len: Option<usize>,
+        ops: &[P2p<'_>],
+        done: &[bool],
+        rank_stashed: impl FnOnce() -> usize,
+    ) -> bool {
         if self.stashed == 0 || waiting(ops, done, peer, tag).is_some() {
             return false;
         }
         let cost = len.unwrap_or(0) + ENTRY_COST;
-        self.stashed + cost > self.budget.per_peer || rank_stashed + cost > self.budget.per_rank
+        self.stashed + cost > self.budget.per_peer || rank_stashed() + cost > self.budget.per_rank
     }
 
     /// Set aside an early entry of `cost` payload bytes.
@@ -492,19 +500,19 @@ mod tests {
         let budget = EarlyBudget { per_peer: 1000, per_rank: 1500 };
         let mut inb = Inbound::default().with_budget(budget);
         // The first early message of any size is taken.
-        assert!(!inb.holds_back(1, 5, Some(5000), &[], &[], 0));
+        assert!(!inb.holds_back(1, 5, Some(5000), &[], &[], || 0));
         stash(&mut inb, 5, 600);
         assert_eq!(inb.stashed_bytes(), 600 + ENTRY_COST);
         // Past this peer's budget, or the rank's: held back.
-        assert!(inb.holds_back(1, 6, Some(400), &[], &[], inb.stashed_bytes()));
-        assert!(!inb.holds_back(1, 6, Some(100), &[], &[], inb.stashed_bytes()));
-        assert!(inb.holds_back(1, 6, Some(100), &[], &[], 1450));
+        assert!(inb.holds_back(1, 6, Some(400), &[], &[], || inb.stashed_bytes()));
+        assert!(!inb.holds_back(1, 6, Some(100), &[], &[], || inb.stashed_bytes()));
+        assert!(inb.holds_back(1, 6, Some(100), &[], &[], || 1450));
         // Announcements count too.
-        assert!(!inb.holds_back(1, 6, None, &[], &[], inb.stashed_bytes()));
+        assert!(!inb.holds_back(1, 6, None, &[], &[], || inb.stashed_bytes()));
         // A frame a posted receive awaits is never held back.
         let mut buf = [0u8; 400];
         let ops = vec![P2p::Recv { peer: 1, tag: 6, buf: &mut buf }];
-        assert!(!inb.holds_back(1, 6, Some(400), &ops, &[false], inb.stashed_bytes()));
+        assert!(!inb.holds_back(1, 6, Some(400), &ops, &[false], || inb.stashed_bytes()));
         // Served: the stash is empty again, and so is its count.
         let mut out = [0u8; 600];
         assert_eq!(inb.serve_early(0, 1, 5, &mut out).unwrap(), Early::Served);

@@ -104,8 +104,8 @@ pub fn timeout_from_env() -> Result<Duration> {
             .trim()
             .parse::<f64>()
             .ok()
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map(Duration::from_secs_f64)
+            .filter(|s| *s > 0.0)
+            .and_then(|s| Duration::try_from_secs_f64(s).ok())
             .ok_or_else(|| Error::invalid(format!("{ENV_TIMEOUT}={v:?} is not a positive number of seconds"))),
     }
 }

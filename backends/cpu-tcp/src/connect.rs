@@ -244,7 +244,7 @@ fn accept_all(
 
 /// The acceptor's side of one connection's handshake, by `until`: the
 /// peer rank it is from, or why it was refused.
-fn handshake(
+pub(crate) fn handshake(
     sock: &Socket,
     rank: usize,
     size: usize,

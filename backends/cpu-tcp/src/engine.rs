@@ -690,7 +690,7 @@ fn drain(me: usize, peer: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>]
             let h = Header::decode(&p.hdr, peer)?;
             if matches!(h.kind, Kind::Data | Kind::Announce) {
                 let len = (h.kind == Kind::Data).then_some(h.len as usize);
-                let rank_stashed = peers.iter().flatten().map(|q| q.inbound.stashed_bytes()).sum();
+                let rank_stashed = || peers.iter().flatten().map(|q| q.inbound.stashed_bytes()).sum();
                 let q = peers[peer].as_ref().expect("connected");
                 if q.inbound.holds_back(peer, h.tag, len, ops, done, rank_stashed) {
                     // Left in the socket (header read) until there is room.

@@ -9,6 +9,8 @@
 mod addr;
 mod connect;
 mod engine;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod transport;
 mod tune;
 mod wire;

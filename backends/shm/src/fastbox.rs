@@ -78,7 +78,7 @@ impl Kind {
     /// (kind, dtype or root, op) in one word, with the op's length (the
     /// same on every rank except for all_to_all: for all_gather and
     /// reduce_scatter, all ranks' parts together).
-    fn describe(self, len: usize) -> u64 {
+    pub(crate) fn describe(self, len: usize) -> u64 {
         let (kind, a, b) = match self {
             Kind::AllReduce(d, op) => (1u64, d as u64, op_code(op)),
             Kind::Broadcast(root) => (2, root as u64, 0),
@@ -271,6 +271,14 @@ impl Fastbox {
 }
 
 impl<B: Bytes> Fastbox<B> {
+    /// This call's number. (A load and a store, not a locked increment:
+    /// a group's collectives run one at a time, as the slots require.)
+    fn next_call(&self) -> u64 {
+        let call = self.calls.load(Ordering::Relaxed);
+        self.calls.store(call + 1, Ordering::Relaxed);
+        call
+    }
+
     fn marker(&self, r: usize) -> &Marker {
         // SAFETY: see the constructor (and `Send`).
         unsafe { &*self.markers[r] }
@@ -280,7 +288,7 @@ impl<B: Bytes> Fastbox<B> {
     /// goes through the rings: it takes a call number all the same, and
     /// says so in this rank's marker.
     pub fn through_rings(&self, waiter: &dyn Waiter, kind: Kind, len: usize) {
-        let call = self.calls.fetch_add(1, Ordering::Relaxed);
+        let call = self.next_call();
         let m = self.marker(self.rank);
         m.what.store(kind.describe(len.min(LEN as usize - 1)), Ordering::Relaxed);
         // SeqCst, as a slot's publication (`wake_sleepers`).
@@ -294,7 +302,7 @@ impl<B: Bytes> Fastbox<B> {
     pub fn rings_mismatch(&self) -> Option<Error> {
         let mine = self.marker(self.rank);
         let call = mine.call.load(Ordering::Relaxed);
-        if call == 0 || call + 1 != self.calls.load(Ordering::Relaxed) {
+        if call == 0 || call.wrapping_add(1) != self.calls.load(Ordering::Relaxed) {
             return None;
         }
         let what = mine.what.load(Ordering::Relaxed);
@@ -353,7 +361,7 @@ impl<B: Bytes> Fastbox<B> {
     fn publish(&self, waiter: &dyn Waiter, kind: Kind, len: usize, mine: &[u8]) -> (Round<'_, B>, u64) {
         debug_assert!(mine.len() <= FASTBOX_BYTES);
         let k = self.next.fetch_add(1, Ordering::Relaxed);
-        let call = self.calls.fetch_add(1, Ordering::Relaxed);
+        let call = self.next_call();
         let round = Round { fb: self, k };
         round.slot(self.rank).publish(k, kind.describe(len), call, mine);
         waiter.wake_sleepers();

@@ -6,6 +6,8 @@
 mod cma;
 mod cores;
 mod fastbox;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod liveness;
 mod ring;
 mod segment;

@@ -754,7 +754,7 @@ impl ShmBackend {
                 }
                 let tag = u64::from_le_bytes(st.hdr[..8].try_into().expect("8 bytes"));
                 let len = u64::from_le_bytes(st.hdr[8..16].try_into().expect("8 bytes"));
-                let rank_stashed = incoming.iter().map(|p| p.inbound.stashed_bytes()).sum();
+                let rank_stashed = || incoming.iter().map(|p| p.inbound.stashed_bytes()).sum();
                 if incoming[peer].inbound.holds_back(peer, tag, Some((len & !CMA_FLAG) as usize), ops, done, rank_stashed) {
                     // Left in the ring (header read) until there is room:
                     // the sender waits for ring space.

@@ -27,7 +27,6 @@ use crate::tensor::DeviceKind;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Instant;
 
 /// A group's progress thread for one posting transport: it drives the
 /// transport while background ops posted to it are unfinished.
@@ -188,7 +187,7 @@ impl GroupCore {
         }
         let host = job.route.0 == DeviceKind::Cpu;
         let bools = if host { bool_outputs(&mut job.op) } else { Vec::new() };
-        let deadline = Instant::now() + opts.timeout.unwrap_or(self.options.timeout);
+        let deadline = crate::deadline::after(opts.timeout.unwrap_or(self.options.timeout));
         let any = job.op.receives_from_any();
         if any && !backend.receives_from_any() {
             let e = Error::unsupported(format!("backend {} cannot receive from any rank", backend.name()));

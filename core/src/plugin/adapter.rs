@@ -40,7 +40,7 @@ impl PluginFactory {
 }
 
 /// A NUL-terminated message from a C buffer.
-fn message(buf: &[c_char]) -> String {
+pub(crate) fn message(buf: &[c_char]) -> String {
     let bytes: Vec<u8> = buf.iter().take_while(|c| **c != 0).map(|c| *c as u8).collect();
     String::from_utf8_lossy(&bytes).into_owned()
 }
@@ -49,7 +49,7 @@ fn ms(d: Duration) -> i64 {
     d.as_millis().min(i64::MAX as u128) as i64
 }
 
-fn error_of(status: abi::Status, msg: String, peer: i32) -> Error {
+pub(crate) fn error_of(status: abi::Status, msg: String, peer: i32) -> Error {
     match status {
         abi::ERR_TIMEOUT => Error::timeout(msg),
         abi::ERR_PEER_LOST if peer >= 0 => Error::peer_lost(peer as usize, msg),

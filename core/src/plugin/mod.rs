@@ -10,7 +10,7 @@
 //! - Libraries are opened with `RTLD_NOW | RTLD_LOCAL` and never unloaded.
 
 pub mod abi;
-mod adapter;
+pub(crate) mod adapter;
 mod host;
 
 pub use adapter::{PluginBackend, PluginFactory};
@@ -122,6 +122,29 @@ pub fn open(path: &Path) -> Result<PluginFactory> {
             None => Error::invalid(format!("{shown} is not a weft plugin: it exports no weft_backend_v{ABI_VERSION} symbol")),
         });
     };
+    // SAFETY: the exported table, in a library kept loaded with the factory.
+    let Described { table, name, devices, layouts } = unsafe { describe(ptr, &shown)? };
+    Ok(PluginFactory { table, name, path: shown, devices, layouts, _lib: Arc::new(lib) })
+}
+
+/// What a plugin's table says, checked.
+pub(crate) struct Described {
+    table: BackendV1,
+    name: String,
+    devices: Vec<DeviceKind>,
+    layouts: Vec<Layout>,
+}
+
+/// Check and copy the table a plugin exports (`shown`: its file, for
+/// errors): its size and version header, its required entries, its name,
+/// devices and layouts.
+///
+/// # Safety
+/// `ptr` points to at least the two u32s of the header and as many bytes
+/// as the header's size says (at most `size_of::<BackendV1>()` are read),
+/// and a non-null `name` in it to a NUL-terminated string; all of it stays
+/// valid while the result is used.
+pub(crate) unsafe fn describe(ptr: *const BackendV1, shown: &str) -> Result<Described> {
     // Read the size/version header first, then only as many bytes as the
     // plugin says its table has; missing trailing fields stay zero (null).
     // SAFETY: every table starts with two u32s; the library stays loaded.
@@ -183,5 +206,5 @@ pub fn open(path: &Path) -> Result<PluginFactory> {
         .filter(|(b, _)| table.layouts & b != 0)
         .map(|(_, l)| l)
         .collect();
-    Ok(PluginFactory { table, name, path: shown, devices, layouts, _lib: Arc::new(lib) })
+    Ok(Described { table, name, devices, layouts })
 }

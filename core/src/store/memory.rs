@@ -68,7 +68,7 @@ impl MemoryStore {
         gone: Option<&dyn Fn() -> bool>,
         mut ready: impl FnMut(&HashMap<String, Vec<u8>>) -> Option<T>,
     ) -> Result<T> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::deadline::after(timeout);
         let mut st = self.lock();
         if let Some(v) = ready(&st.map) {
             return Ok(v);
@@ -83,11 +83,11 @@ impl MemoryStore {
             if now >= deadline {
                 break Err(Error::timeout(format!("store: {} not set within {timeout:?}", missing(&st.map, keys))));
             }
-            let slice = if gone.is_some() { (deadline - now).min(GONE_CHECK) } else { deadline - now };
-            st = cv.wait_timeout(st, slice).unwrap_or_else(|p| p.into_inner()).0;
             if gone.is_some_and(|g| g()) {
                 break Err(Error::aborted("the waiting client went away"));
             }
+            let slice = if gone.is_some() { (deadline - now).min(GONE_CHECK) } else { deadline - now };
+            st = cv.wait_timeout(st, slice).unwrap_or_else(|p| p.into_inner()).0;
         };
         st.watch(keys, &cv, false);
         outcome
@@ -192,6 +192,10 @@ mod tests {
         s.add("b", 1).unwrap();
         waiter.join().unwrap().unwrap();
         assert!(s.lock().watchers.is_empty());
+        // A wait of any length (a client may ask for u64::MAX ms) for a
+        // client that has left ends at once.
+        let e = s.get_unless_gone("never", Duration::MAX, &|| true).unwrap_err();
+        assert_eq!(e.kind(), &crate::ErrorKind::Aborted, "{e}");
         // A timed-out waiter leaves no watcher behind either.
         assert!(s.get("never", Duration::from_millis(10)).is_err());
         assert!(s.lock().watchers.is_empty());

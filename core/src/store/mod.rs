@@ -8,9 +8,10 @@
 mod file;
 mod memory;
 mod prefix;
+pub(crate) mod session;
 mod tcp_client;
 mod tcp_server;
-mod wire;
+pub(crate) mod wire;
 
 pub use file::FileStore;
 pub use memory::MemoryStore;

@@ -1,6 +1,6 @@
 //! The TcpStore client.
 
-use super::tcp_server::{CLIENT_PROOF, SERVER_PROOF};
+use super::session::{CLIENT_PROOF, SERVER_PROOF};
 use super::wire::{read_frame, write_frame, Decoder, Request, Status};
 use super::{Store, TcpStoreServer};
 use crate::auth::{self, Key};
@@ -89,7 +89,7 @@ impl TcpStore {
     }
 
     fn connect_one(&self) -> Result<TcpStream> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = crate::deadline::after(self.timeout);
         let mut delay = Duration::from_millis(10);
         let stream = loop {
             match TcpStream::connect_timeout(&self.addr, Duration::from_secs(2)) {

@@ -20,10 +20,10 @@
 //! disconnected; every other client keeps being served.
 
 use super::memory::MemoryStore;
+use super::session::{Answer, Session};
 use super::wire::{write_frame, Encoder, Request, Status, MAX_FRAME};
-use super::Store;
-use crate::auth::{self, Key};
-use crate::error::{Error, ErrorKind, Result};
+use crate::auth::Key;
+use crate::error::{Error, Result};
 use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -39,10 +39,6 @@ pub const FRAMES_BUDGET: usize = 256 << 20;
 /// With a key: longest a client may take to prove it holds it, from
 /// connecting (a stranger cannot hold a client slot longer).
 pub const AUTH_TIME: Duration = Duration::from_secs(10);
-
-/// The label of the server's proof, then the client's ([`Key::prove`]).
-pub(super) const SERVER_PROOF: &str = "weft store server";
-pub(super) const CLIENT_PROOF: &str = "weft store client";
 
 /// The server's limits (the constants above, smaller in tests).
 #[derive(Clone, Copy, Debug)]
@@ -172,11 +168,10 @@ fn serve_client(mut conn: TcpStream, shared: &Shared) {
     let _ = conn.set_nodelay(true);
     let _ = conn.set_write_timeout(Some(shared.limits.frame_time));
     let peer = conn.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-    let mut challenge: Option<([u8; auth::NONCE], Vec<u8>)> = None;
-    let mut trusted = shared.key.is_none();
+    let mut session = Session::new(shared.key.as_ref(), &shared.state);
     let auth_by = Instant::now() + shared.limits.auth_time;
     loop {
-        let body = match read_frame_bounded(&mut conn, shared, (!trusted).then_some(auth_by)) {
+        let body = match read_frame_bounded(&mut conn, shared, (!session.trusted()).then_some(auth_by)) {
             Ok(Some(b)) => b,
             Ok(None) => return,
             Err(e) => return reject(&mut conn, &peer, e),
@@ -186,42 +181,14 @@ fn serve_client(mut conn: TcpStream, shared: &Shared) {
             Err(e) => return reject(&mut conn, &peer, e),
         };
         drop(body);
-        // Authentication first, when the store has a key.
-        let req = match (req, &shared.key, trusted) {
-            (Request::Hello { nonce: theirs }, Some(key), false) if challenge.is_none() && theirs.len() == auth::NONCE => {
-                let Ok(mine) = auth::nonce() else { return reject(&mut conn, &peer, Error::backend("no randomness")) };
-                let proof = key.prove(SERVER_PROOF, &[&theirs, &mine]);
-                let reply = Encoder::default().u8(Status::Ok as u8).bytes(&mine).bytes(&proof).0;
-                challenge = Some((mine, theirs));
+        match session.answer(req, &|| client_gone(&conn)) {
+            Answer::Reply(reply) => {
                 if write_frame(&mut conn, &reply).is_err() {
                     return;
                 }
-                continue;
             }
-            (Request::Proof { proof }, Some(key), false) => match challenge.take() {
-                Some((mine, theirs)) if key.verify(CLIENT_PROOF, &[&mine, &theirs], &proof) => {
-                    trusted = true;
-                    if write_frame(&mut conn, &Encoder::default().u8(Status::Ok as u8).0).is_err() {
-                        return;
-                    }
-                    continue;
-                }
-                _ => return reject(&mut conn, &peer, Error::backend("authentication failed")),
-            },
-            (Request::Hello { .. }, None, _) => {
-                return reject(&mut conn, &peer, Error::backend("this store has no key, but the client has one (WEFT_AUTH_KEY)"))
-            }
-            (_, Some(_), false) => return reject(&mut conn, &peer, Error::backend("this store requires a key (WEFT_AUTH_KEY)")),
-            (req, ..) => req,
-        };
-        let reply = match execute(&shared.state, req, &conn) {
-            Ok(body) => body,
-            Err(e) if e.kind() == &ErrorKind::Aborted => return,
-            Err(e) if e.kind() == &ErrorKind::Timeout => Encoder::default().u8(Status::Timeout as u8).bytes(e.message().as_bytes()).0,
-            Err(e) => Encoder::default().u8(Status::Error as u8).bytes(e.message().as_bytes()).0,
-        };
-        if write_frame(&mut conn, &reply).is_err() {
-            return;
+            Answer::Refuse(e) => return reject(&mut conn, &peer, e),
+            Answer::Gone => return,
         }
     }
 }
@@ -369,32 +336,6 @@ fn client_gone(conn: &TcpStream) -> bool {
     };
     let _ = conn.set_nonblocking(false);
     gone
-}
-
-fn refs(keys: &[String]) -> Vec<&str> {
-    keys.iter().map(String::as_str).collect()
-}
-
-fn execute(s: &MemoryStore, req: Request, conn: &TcpStream) -> Result<Vec<u8>> {
-    let ok = Encoder::default().u8(Status::Ok as u8);
-    Ok(match req {
-        Request::Set { key, value } => {
-            s.set(&key, &value)?;
-            ok
-        }
-        Request::Get { key, timeout } => ok.bytes(&s.get_unless_gone(&key, timeout, &|| client_gone(conn))?),
-        Request::Add { key, delta } => ok.u64(s.add(&key, delta)? as u64),
-        Request::CompareSet { key, expected, desired } => ok.bytes(&s.compare_set(&key, &expected, &desired)?),
-        Request::Wait { keys, timeout } => {
-            s.wait_unless_gone(&refs(&keys), timeout, &|| client_gone(conn))?;
-            ok
-        }
-        Request::Check { keys } => ok.u8(s.check(&refs(&keys))? as u8),
-        Request::Delete { key } => ok.u8(s.delete(&key)? as u8),
-        Request::NumKeys => ok.u64(s.num_keys()?),
-        Request::Hello { .. } | Request::Proof { .. } => return Err(Error::invalid("already authenticated")),
-    }
-    .0)
 }
 
 #[cfg(test)]
