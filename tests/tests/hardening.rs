@@ -25,16 +25,12 @@ fn a_flooded_rank_keeps_at_most_its_budget_and_still_receives_everything() {
 
 #[test]
 fn killing_any_rank_at_any_moment_of_shm_setup_leaves_nothing_behind() {
-    use std::process::{Command, Stdio};
-    // One rank (each in turn) is killed 0-12 ms after it starts (a whole run takes about 15 ms here), which
-    // spreads the kills over the store rendezvous, the segment's creation
-    // and opening, and the first ops; the others are killed 0-10 ms later,
-    // as a launcher tears a failed job down.
-    let mut in_setup = 0;
-    for trial in 0..60u64 {
+    use std::process::{Child, Command, Stdio};
+    // Three ranks of `ops` on shm, and the store they use.
+    let world = || -> (weft::store::TcpStoreServer, Vec<Child>) {
         let server = weft::store::TcpStoreServer::start(([127, 0, 0, 1], 0).into()).expect("store server");
         let port = server.local_addr().port().to_string();
-        let mut ranks: Vec<_> = (0..3)
+        let ranks = (0..3)
             .map(|r| {
                 let vars = weft_tests::procs::torchrun_vars(r, 3, &port, &[("WEFT_AGENT_STORE", "1".into())]);
                 Command::new(WORKER)
@@ -48,10 +44,26 @@ fn killing_any_rank_at_any_moment_of_shm_setup_leaves_nothing_behind() {
                     .expect("spawn rank")
             })
             .collect();
+        (server, ranks)
+    };
+    // How long a whole run takes here.
+    let start = std::time::Instant::now();
+    let (_store, ranks) = world();
+    for mut r in ranks {
+        assert!(r.wait().expect("wait").success());
+    }
+    let run = start.elapsed().as_micros() as u64;
+    // One rank (each in turn) is killed at a moment spread over that time
+    // (the store rendezvous, the segment's creation and opening, the
+    // first ops), the others a little later, as a launcher tears a failed
+    // job down.
+    let mut in_setup = 0;
+    for trial in 0..60u64 {
+        let (_store, mut ranks) = world();
         let victim = (trial % 3) as usize;
-        std::thread::sleep(Duration::from_micros(trial * 211 % 12_000));
+        std::thread::sleep(Duration::from_micros(trial * run / 60));
         let _ = ranks[victim].kill();
-        std::thread::sleep(Duration::from_micros(trial * 7_919 % 10_000));
+        std::thread::sleep(Duration::from_micros(trial * 7_919 % (run / 2 + 1)));
         for r in ranks.iter_mut() {
             let _ = r.kill();
         }
@@ -59,7 +71,7 @@ fn killing_any_rank_at_any_moment_of_shm_setup_leaves_nothing_behind() {
         in_setup += usize::from(!ends[victim].success());
     }
     // (Most kills must have landed before the victim finished.)
-    assert!(in_setup >= 20, "only {in_setup} of 60 kills came before the victim's end");
+    assert!(in_setup >= 30, "only {in_setup} of 60 kills came before the victim's end (a run takes {run} us)");
     let left: Vec<String> = std::fs::read_dir("/dev/shm")
         .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("weft")).collect())
         .unwrap_or_default();
