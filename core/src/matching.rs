@@ -32,14 +32,15 @@ enum Stashed {
 }
 
 /// Environment variable: how many bytes of messages that come before their
-/// receive one rank keeps (a quarter of it per peer).
+/// receive one rank keeps, per group's transport (a quarter of it per
+/// peer).
 pub const ENV_EARLY_BYTES: &str = "WEFT_EARLY_BYTES";
 /// Default of [`ENV_EARLY_BYTES`]: 256 MiB per rank, 64 MiB per peer.
 pub const DEFAULT_EARLY_BYTES: usize = 256 << 20;
 /// Said of a receive that timed out while its peer's next frame was held
 /// back (see [`Inbound::holds_back`]): why its message may never have come.
-pub const HELD_BACK: &str = " (messages from that peer that no receive has taken yet fill this rank's budget for early messages, \
-                             WEFT_EARLY_BYTES, and the rest wait where they are)";
+pub const HELD_BACK: &str = " (messages that no receive has taken yet fill this rank's budget for early messages, \
+                             WEFT_EARLY_BYTES, and that peer's next one waits where it is)";
 
 /// What one stashed entry costs beyond its payload (map and queue slots,
 /// its header), so that floods of empty messages or announcements are
@@ -177,7 +178,10 @@ impl Inbound {
     /// `rank_stashed()` bytes already held from all peers, the rank's. The
     /// transport then leaves it unread and asks again when a receive is
     /// posted or the stash has drained; it never holds a peer's first
-    /// early message.
+    /// early message. A transport whose control messages travel in the
+    /// same stream must not hold back a peer whose control message this
+    /// rank waits for (see cpu-tcp's engine): holding it could deadlock a
+    /// correct program.
     pub fn holds_back(
         &self,
         peer: usize,

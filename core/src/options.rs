@@ -106,6 +106,6 @@ pub fn timeout_from_env() -> Result<Duration> {
             .ok()
             .filter(|s| *s > 0.0)
             .and_then(|s| Duration::try_from_secs_f64(s).ok())
-            .ok_or_else(|| Error::invalid(format!("{ENV_TIMEOUT}={v:?} is not a positive number of seconds"))),
+            .ok_or_else(|| Error::invalid(format!("{ENV_TIMEOUT}={v:?} is not a positive number of seconds the clock can hold"))),
     }
 }

@@ -24,6 +24,19 @@ fn a_flooded_rank_keeps_at_most_its_budget_and_still_receives_everything() {
 }
 
 #[test]
+fn a_long_send_waiting_for_its_go_ahead_behind_a_flood_still_completes() {
+    // 12.5 MiB of early messages against a 1 MiB per-peer budget, with
+    // cpu-tcp's go-ahead for a long message behind them (see the worker's
+    // `flood_then_long`): the budget must not deadlock a correct program.
+    for backend in ["cpu:cpu-tcp", "cpu:shm"] {
+        let env = [("WEFT_BACKEND", backend), ("WEFT_EARLY_BYTES", "4194304"), ("WEFT_TIMEOUT_SECONDS", "20")];
+        for (r, e) in run_world(WORKER, 2, &["flood_then_long"], &env, Duration::from_secs(60)).iter().enumerate() {
+            assert!(e.status.success(), "{backend} rank {r}: {:?}\n{}", e.status, e.output);
+        }
+    }
+}
+
+#[test]
 fn killing_any_rank_at_any_moment_of_shm_setup_leaves_nothing_behind() {
     use std::process::{Child, Command, Stdio};
     // Three ranks of `ops` on shm, and the store they use.

@@ -45,7 +45,8 @@ pub struct Peer {
     pub left: bool,
     /// A send stopped mid-frame: nothing more may be written.
     pub torn: bool,
-    /// The peer shut its side (seen while its frames were held back).
+    /// The peer shut its side or the connection broke (seen while its
+    /// frames were held back): they are read to the end from then on.
     hung_up: bool,
     /// Rendezvous control frames (whole headers) not yet written, and how
     /// many of their bytes are.
@@ -499,10 +500,8 @@ pub fn drive(me: usize, eng: &mut Engine, posting: &Posting, wake: &Wake, watch:
                 // once: watch it only once reading everything.
                 if p.holds() {
                     // Its next frame waits for room: only its hang-up
-                    // matters, and only until seen (its frames stay readable).
-                    if !p.hung_up {
-                        ev |= nix::poll::PollFlags::from_bits_retain(nix::libc::POLLRDHUP);
-                    }
+                    // matters (then its frames are read to the end).
+                    ev |= nix::poll::PollFlags::from_bits_retain(nix::libc::POLLRDHUP);
                 } else if eager || flags.hear[peer] || awaited(ops, done, peer) {
                     ev |= nix::poll::PollFlags::POLLIN;
                 }
@@ -523,10 +522,10 @@ pub fn drive(me: usize, eng: &mut Engine, posting: &Posting, wake: &Wake, watch:
         }
         wake.napping.store(false, Ordering::SeqCst);
         let woken = fds[0].revents().is_some_and(|r| r.contains(nix::poll::PollFlags::POLLIN));
-        let hung_up: SmallVec<[bool; 8]> = fds[1..]
-            .iter()
-            .map(|fd| fd.revents().is_some_and(|r| r.contains(nix::poll::PollFlags::from_bits_retain(nix::libc::POLLRDHUP))))
-            .collect();
+        // (A reset connection reports POLLHUP or POLLERR whatever was asked.)
+        let gone =
+            nix::poll::PollFlags::from_bits_retain(nix::libc::POLLRDHUP) | nix::poll::PollFlags::POLLHUP | nix::poll::PollFlags::POLLERR;
+        let hung_up: SmallVec<[bool; 8]> = fds[1..].iter().map(|fd| fd.revents().is_some_and(|r| r.intersects(gone))).collect();
         drop(fds);
         for (p, h) in eng.peers.iter_mut().flatten().zip(hung_up) {
             p.hung_up |= h;
@@ -629,7 +628,7 @@ fn pass(me: usize, eng: &mut Engine, flags: &mut Flags, eager: bool) -> Result<b
     // until stalled (see EAGER_AFTER).
     for peer in 0..w {
         if peers[peer].is_some() {
-            moved |= drain(me, peer, peers, ops, done, eager || flags.hear[peer])?;
+            moved |= drain(me, peer, peers, ops, done, eager || flags.hear[peer], flags.hear[peer])?;
         }
     }
     // Receives from a peer that has left can never complete.
@@ -655,7 +654,18 @@ fn awaited(ops: &[P2p<'_>], done: &[bool], peer: usize) -> bool {
 /// Read what `peer` has sent; true if any byte moved. Unless `eager`, stop
 /// at a frame boundary once no receive of `ops` awaits this peer: a frame
 /// left in the socket costs nothing, one read early is copied twice.
-fn drain(me: usize, peer: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>], done: &mut [bool], eager: bool) -> Result<bool> {
+///
+/// `urgent`: a send waits for this peer's Ready, so its frames are read
+/// past the budget for early messages (the Ready may stand behind them).
+fn drain(
+    me: usize,
+    peer: usize,
+    peers: &mut [Option<Peer>],
+    ops: &mut [P2p<'_>],
+    done: &mut [bool],
+    eager: bool,
+    urgent: bool,
+) -> Result<bool> {
     let mut moved = false;
     loop {
         let mut p = peers[peer].as_mut().expect("connected");
@@ -692,7 +702,10 @@ fn drain(me: usize, peer: usize, peers: &mut [Option<Peer>], ops: &mut [P2p<'_>]
                 let len = (h.kind == Kind::Data).then_some(h.len as usize);
                 let rank_stashed = || peers.iter().flatten().map(|q| q.inbound.stashed_bytes()).sum();
                 let q = peers[peer].as_ref().expect("connected");
-                if q.inbound.holds_back(peer, h.tag, len, ops, done, rank_stashed) {
+                // Never while a send waits for this peer's Ready, or once it
+                // has hung up: what stands behind the frame (a Ready, an
+                // abort report, the end of the stream) must be read.
+                if !urgent && !q.hung_up && q.inbound.holds_back(peer, h.tag, len, ops, done, rank_stashed) {
                     // Left in the socket (header read) until there is room.
                     return Ok(moved);
                 }

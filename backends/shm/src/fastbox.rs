@@ -131,12 +131,33 @@ pub struct Header {
     call: AtomicU64,
 }
 
-/// A rank's last op sent to the rings: its call number (published last)
-/// and description.
+/// A rank's last op sent to the rings: its call number and description,
+/// written as a sequence lock (the call is 0 while the description
+/// changes), so a reader never pairs one op's number with another's
+/// description.
 #[repr(C)]
 pub struct Marker {
     call: AtomicU64,
     what: AtomicU64,
+}
+
+impl Marker {
+    /// Publish op `call` described by `what`.
+    fn write(&self, call: u64, what: u64) {
+        self.call.store(0, Ordering::Relaxed);
+        crate::sync::fence(Ordering::Release);
+        self.what.store(what, Ordering::Relaxed);
+        // SeqCst, as a slot's publication (`wake_sleepers`).
+        self.call.store(call, Ordering::SeqCst);
+    }
+
+    /// The op published, if one is and it was not being rewritten.
+    fn read(&self) -> Option<(u64, u64)> {
+        let call = self.call.load(Ordering::Acquire);
+        let what = self.what.load(Ordering::Relaxed);
+        crate::sync::fence(Ordering::Acquire);
+        (call != 0 && self.call.load(Ordering::Relaxed) == call).then_some((call, what))
+    }
 }
 
 /// One rank's slot: header, then payload bytes.
@@ -241,6 +262,9 @@ pub struct Fastbox<B: Bytes = RawBytes> {
     next: AtomicU64,
     /// The next call's number (fast op or marked, see the module doc).
     calls: AtomicU64,
+    /// A peer took a call through the other path, or was at another call:
+    /// the ranks' numbers are out of step for good.
+    desynced: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the markers are atomics in the shared mapping (or leaked, in
@@ -261,7 +285,7 @@ impl Fastbox {
         let slots = (0..2 * size).map(|i| unsafe { Slot::at(base.add(i * SLOT)) }).collect();
         // SAFETY: the markers follow the slots, within `len`.
         let markers = (0..size).map(|r| unsafe { base.add(2 * size * SLOT + r * MARKER) } as *const Marker).collect();
-        Fastbox { rank, slots, markers, next: AtomicU64::new(1), calls: AtomicU64::new(1) }
+        Fastbox { rank, slots, markers, next: AtomicU64::new(1), calls: AtomicU64::new(1), desynced: Default::default() }
     }
 
     /// Bytes of segment for `size` ranks.
@@ -271,6 +295,12 @@ impl Fastbox {
 }
 
 impl<B: Bytes> Fastbox<B> {
+    /// Whether a mismatch left the ranks' call numbers out of step (a
+    /// mismatch of two fast calls does not: both go on in step).
+    pub fn desynced(&self) -> bool {
+        self.desynced.load(Ordering::Relaxed)
+    }
+
     /// This call's number. (A load and a store, not a locked increment:
     /// a group's collectives run one at a time, as the slots require.)
     fn next_call(&self) -> u64 {
@@ -289,10 +319,7 @@ impl<B: Bytes> Fastbox<B> {
     /// says so in this rank's marker.
     pub fn through_rings(&self, waiter: &dyn Waiter, kind: Kind, len: usize) {
         let call = self.next_call();
-        let m = self.marker(self.rank);
-        m.what.store(kind.describe(len.min(LEN as usize - 1)), Ordering::Relaxed);
-        // SeqCst, as a slot's publication (`wake_sleepers`).
-        m.call.store(call, Ordering::SeqCst);
+        self.marker(self.rank).write(call, kind.describe(len.min(LEN as usize - 1)));
         waiter.wake_sleepers();
     }
 
@@ -300,16 +327,14 @@ impl<B: Bytes> Fastbox<B> {
     /// took that call through the fast path, or called another op, is a
     /// mismatch (`InvalidArgument`).
     pub fn rings_mismatch(&self) -> Option<Error> {
-        let mine = self.marker(self.rank);
-        let call = mine.call.load(Ordering::Relaxed);
-        if call == 0 || call.wrapping_add(1) != self.calls.load(Ordering::Relaxed) {
+        // (Another thread may be starting the next call: then its turn.)
+        let (call, what) = self.marker(self.rank).read()?;
+        if call.wrapping_add(1) != self.calls.load(Ordering::Relaxed) {
             return None;
         }
-        let what = mine.what.load(Ordering::Relaxed);
         (0..self.size()).filter(|p| *p != self.rank).find_map(|p| {
             let fast = (0..2).find_map(|i| self.slots[2 * p + i].latest().filter(|(c, _)| *c == call));
-            let m = self.marker(p);
-            let marked = (m.call.load(Ordering::Acquire) == call).then(|| m.what.load(Ordering::Relaxed));
+            let marked = self.marker(p).read().filter(|(c, _)| *c == call).map(|(_, what)| what);
             let theirs = match (fast, marked) {
                 (Some((_, theirs)), _) => format!("{} (fast path)", explain(theirs)),
                 (None, Some(theirs)) if shared_part(theirs) != shared_part(what) => explain(theirs),
@@ -326,10 +351,11 @@ impl<B: Bytes> Fastbox<B> {
         let (round, call) = self.publish(waiter, kind, len, mine);
         let (k, what) = (round.k, kind.describe(len));
         for p in (0..self.size()).filter(|p| *p != self.rank) {
-            let marked = || self.marker(p).call.load(Ordering::Acquire) == call;
+            let marked = || self.marker(p).read().is_some_and(|(c, _)| c == call);
             waiter.wait_until(p, &|| explain(what), deadline, &|| round.slot(p).published(k).is_some() || marked())?;
             let Some(theirs) = round.slot(p).published(k) else {
-                let theirs = self.marker(p).what.load(Ordering::Relaxed);
+                self.desynced.store(true, Ordering::Relaxed);
+                let theirs = self.marker(p).read().map_or(0, |(_, what)| what);
                 return Err(Error::invalid(format!(
                     "mismatched collectives: this rank called {} (fast path), rank {p} {} (rings)",
                     explain(what),
@@ -338,6 +364,7 @@ impl<B: Bytes> Fastbox<B> {
             };
             let their_call = round.slot(p).header().call.load(Ordering::Relaxed);
             if their_call != call {
+                self.desynced.store(true, Ordering::Relaxed);
                 return Err(Error::invalid(format!(
                     "mismatched collectives: rank {p} called {} as another op than this rank's {} \
                      (calls that may take the fast path: its #{their_call}, this rank's #{call})",
@@ -567,7 +594,8 @@ mod loom_tests {
             let rank = move |r: usize, slots: Arc<Vec<(&'static Header, Cells)>>| {
                 let slots = slots.iter().map(|(h, c)| Slot { header: *h as *const Header, data: c.clone() }).collect();
                 let markers = markers.iter().map(|m| *m as *const Marker).collect();
-                let fb = Fastbox { rank: r, slots, markers, next: AtomicU64::new(1), calls: AtomicU64::new(1) };
+                let fb =
+                    Fastbox { rank: r, slots, markers, next: AtomicU64::new(1), calls: AtomicU64::new(1), desynced: Default::default() };
                 let mut sums = Vec::new();
                 for op in 0..3u8 {
                     let mut v = [10 * op + r as u8];

@@ -29,7 +29,12 @@ pub fn slots(data: &[u8]) {
     let size = 2 + byte(0) % 3;
     let len = Fastbox::len(size);
     // 64-byte aligned and zeroed, as a segment is.
-    let mut mem = vec![[0u64; 8]; len.div_ceil(64)];
+    #[derive(Clone, Copy)]
+    #[repr(align(64))]
+    struct Line {
+        _bytes: [u8; 64],
+    }
+    let mut mem = vec![Line { _bytes: [0; 64] }; len.div_ceil(64)];
     let base = mem.as_mut_ptr() as *mut u8;
     let fill = data.get(4..).unwrap_or_default();
     // SAFETY: `len` bytes of `mem`, written before any Fastbox reads them.

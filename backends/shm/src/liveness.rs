@@ -57,6 +57,12 @@ impl Liveness {
     }
 }
 
+/// Whether process `pid` is stopped (by a signal or a debugger): it will
+/// not finish what it was doing until it is resumed, if ever.
+pub(crate) fn stopped(pid: u32) -> bool {
+    matches!(proc_stat(pid), Some(('T' | 't', _)))
+}
+
 /// The state letter and start time of process `pid`, from
 /// `/proc/<pid>/stat`; None where it cannot be read (no procfs, or the
 /// process is gone, which `kill` reports).

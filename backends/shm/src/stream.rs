@@ -28,6 +28,11 @@ const STEAL: Duration = Duration::from_micros(50);
 /// gets to finish before they go back to the caller anyway (a running one
 /// needs well under a millisecond; a stopped one may never finish).
 const CANCEL_GRACE: Duration = Duration::from_millis(500);
+/// How much longer than its deadline a peer that is not stopped may take
+/// to finish writing into this rank's buffer (it is descheduled, not
+/// gone): handing the buffer back meanwhile would let it write there
+/// after the caller has it again.
+const RUNNING_GRACE: Duration = Duration::from_secs(10);
 
 /// One peer's state, kept across exchanges: what is arriving from it, and
 /// the single-copy state of what this rank sends it.
@@ -386,8 +391,11 @@ impl ShmBackend {
         let me = self.rank;
         let mut moved = false;
         let Engine { peers: incoming, table } = eng;
-        // How long a single-copy transfer may keep this pass waiting.
-        let until = table.next_deadline().unwrap_or_else(|| Instant::now() + NAP);
+        // How long a single-copy transfer may keep this pass waiting: the
+        // earliest deadline, but a grace at least (a batch past its
+        // deadline that has not expired yet must not fail a transfer of
+        // another that has only just begun).
+        let until = table.next_deadline().unwrap_or_else(Instant::now).max(Instant::now() + CANCEL_GRACE);
         let Table { ops, done, gathered, state, .. } = table;
         busy.fill(false);
         // Help copy single-copy sends only with nothing left to receive:
@@ -609,7 +617,8 @@ impl ShmBackend {
     }
 
     /// Wait until the sender of `seq` has pushed (or given up on) `theirs`
-    /// chunks, or `until`; only a dead or stopped sender takes long.
+    /// chunks, or `until` if the sender is stopped (one that runs gets
+    /// `RUNNING_GRACE` more); only a dead or stopped sender takes long.
     fn wait_pushed(&self, peer: usize, seq: u64, theirs: u64, until: Instant) -> Result<()> {
         let cell = self.cell(peer, self.rank);
         let start = Instant::now();
@@ -619,7 +628,7 @@ impl ShmBackend {
                 if let Some(e) = self.peer_problem(peer) {
                     return Err(self.fail(e));
                 }
-                if now >= until {
+                if now >= until && (now >= until + RUNNING_GRACE || crate::liveness::stopped(self.pid(peer))) {
                     // It may still write there later: this stream is done for.
                     return Err(self.fail(
                         Error::timeout(format!("shm: peer rank {peer} did not finish copying into this rank before the deadline"))

@@ -264,16 +264,19 @@ impl Backend for ShmBackend {
             self.fast.through_rings(self, kind, len);
             return None;
         }
+        // A mismatch that left the ranks' call numbers out of step (one
+        // took the rings) ends this transport, as the rings side finds too.
+        let fail_on_mismatch = |e: Error| if self.fast.desynced() { self.fail(e) } else { e };
         if let Op::AllToAll { inputs, outputs } = op {
             // Whether a rank's parts fit differs between ranks: every rank
             // takes the fast round, and all take the rings if one did not fit.
             return match self.check_failed().and_then(|()| self.fast_all_to_all(inputs, outputs, &ctx.deadline)) {
                 Ok(true) => Some(Ok(())),
                 Ok(false) => None,
-                Err(e) => Some(Err(e)),
+                Err(e) => Some(Err(fail_on_mismatch(e))),
             };
         }
-        Some(self.check_failed().and_then(|()| self.run_fast(op, &ctx.deadline)))
+        Some(self.check_failed().and_then(|()| self.run_fast(op, &ctx.deadline)).map_err(fail_on_mismatch))
     }
 
     fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {

@@ -308,6 +308,7 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             anyhow::ensure!(e.to_string().contains("rank(s) [0] called all_reduce"), "detail message: {e}");
         }
         "flood" => flood_scenario(&pg)?,
+        "flood_then_long" => flood_then_long_scenario(&pg)?,
         other => anyhow::bail!("unknown scenario {other:?}"),
     }
     Ok(())
@@ -554,6 +555,39 @@ fn flood_scenario(pg: &ProcessGroup) -> anyhow::Result<()> {
             std::thread::sleep(Duration::from_secs(3));
             pg.send(&[1u8; 8][..], 0, 8, &o)?.wait()?;
         }
+    }
+    pg.barrier(&o)?.wait()?;
+    Ok(())
+}
+
+/// Rank 1 sends rank 0 more small messages than rank 0's budget for early
+/// messages, then waits for a long message from rank 0, which rank 0 sends
+/// before it receives the small ones. A correct program: on cpu-tcp the
+/// go-ahead for the long message travels behind the small ones, so rank 0
+/// must read past its budget while its send waits for it.
+fn flood_then_long_scenario(pg: &ProcessGroup) -> anyhow::Result<()> {
+    let o = OpOptions::default();
+    let (count, size, long) = (200, 64 << 10, 2 << 20);
+    match pg.rank() {
+        0 => {
+            pg.send(&vec![5u8; long][..], 1, 8, &o)?.wait()?;
+            let mut m = vec![0u8; size];
+            for i in 0..count {
+                pg.recv(&mut m[..], 1, 7, &o)?.wait()?;
+                anyhow::ensure!(m.iter().all(|x| *x == i as u8), "message {i} arrived out of order or damaged");
+            }
+        }
+        1 => {
+            let data: Vec<u8> = (0..count).flat_map(|i| std::iter::repeat_n(i as u8, size)).collect();
+            let works = data.chunks(size).map(|m| pg.send(m, 0, 7, &o)).collect::<weft::Result<Vec<_>>>()?;
+            let mut got = vec![0u8; long];
+            pg.recv(&mut got[..], 0, 8, &o)?.wait()?;
+            anyhow::ensure!(got.iter().all(|x| *x == 5), "the long message arrived damaged");
+            for w in works {
+                w.wait()?;
+            }
+        }
+        _ => {}
     }
     pg.barrier(&o)?.wait()?;
     Ok(())
