@@ -538,14 +538,10 @@ fn flood_scenario(pg: &ProcessGroup) -> anyhow::Result<()> {
             println!("rank 0: peak RSS grew by {} KiB while flooded", grew >> 10);
             let budget: usize = std::env::var("WEFT_EARLY_BYTES")?.parse()?;
             anyhow::ensure!(grew < budget + (16 << 20), "peak RSS grew by {grew} bytes, over the {budget}-byte budget");
-            let mut m = vec![0u8; size];
-            for i in 0..count {
-                pg.recv(&mut m[..], 1, 7, &o)?.wait()?;
-                anyhow::ensure!(m.iter().all(|x| *x == i as u8), "message {i} arrived out of order or damaged");
-            }
+            receive_numbered(pg, count, size)?;
         }
         1 => {
-            let data: Vec<u8> = (0..count).flat_map(|i| std::iter::repeat_n(i as u8, size)).collect();
+            let data = numbered(count, size);
             let works = data.chunks(size).map(|m| pg.send(m, 0, 7, &o)).collect::<weft::Result<Vec<_>>>()?;
             for w in works {
                 w.wait()?;
@@ -571,14 +567,10 @@ fn flood_then_long_scenario(pg: &ProcessGroup) -> anyhow::Result<()> {
     match pg.rank() {
         0 => {
             pg.send(&vec![5u8; long][..], 1, 8, &o)?.wait()?;
-            let mut m = vec![0u8; size];
-            for i in 0..count {
-                pg.recv(&mut m[..], 1, 7, &o)?.wait()?;
-                anyhow::ensure!(m.iter().all(|x| *x == i as u8), "message {i} arrived out of order or damaged");
-            }
+            receive_numbered(pg, count, size)?;
         }
         1 => {
-            let data: Vec<u8> = (0..count).flat_map(|i| std::iter::repeat_n(i as u8, size)).collect();
+            let data = numbered(count, size);
             let works = data.chunks(size).map(|m| pg.send(m, 0, 7, &o)).collect::<weft::Result<Vec<_>>>()?;
             let mut got = vec![0u8; long];
             pg.recv(&mut got[..], 0, 8, &o)?.wait()?;
@@ -590,5 +582,21 @@ fn flood_then_long_scenario(pg: &ProcessGroup) -> anyhow::Result<()> {
         _ => {}
     }
     pg.barrier(&o)?.wait()?;
+    Ok(())
+}
+
+/// `count` messages of `size` bytes, message i all bytes i (mod 256), one
+/// after the other.
+fn numbered(count: usize, size: usize) -> Vec<u8> {
+    (0..count).flat_map(|i| std::iter::repeat_n(i as u8, size)).collect()
+}
+
+/// Receive [`numbered`] messages from rank 1 under tag 7, checking each.
+fn receive_numbered(pg: &ProcessGroup, count: usize, size: usize) -> anyhow::Result<()> {
+    let mut m = vec![0u8; size];
+    for i in 0..count {
+        pg.recv(&mut m[..], 1, 7, &OpOptions::default())?.wait()?;
+        anyhow::ensure!(m.iter().all(|x| *x == i as u8), "message {i} arrived out of order or damaged");
+    }
     Ok(())
 }
