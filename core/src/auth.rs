@@ -103,6 +103,14 @@ pub fn nonce() -> Result<[u8; NONCE]> {
     Ok(n)
 }
 
+/// A random 64-bit number from the kernel's random source (names and
+/// nonces that must not repeat between jobs).
+pub fn random_u64() -> Result<u64> {
+    let mut b = [0u8; 8];
+    random(&mut b)?;
+    Ok(u64::from_le_bytes(b))
+}
+
 /// Fill `buf` from the kernel's random source.
 fn random(buf: &mut [u8]) -> Result<()> {
     std::fs::File::open("/dev/urandom")

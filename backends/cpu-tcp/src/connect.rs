@@ -50,14 +50,6 @@ fn hello(from: usize, to: usize, nonce: u64, keyed: bool) -> [u8; HELLO] {
     b
 }
 
-/// A random 64-bit nonce (std's hasher keys are seeded from the OS).
-fn random_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(Instant::now().elapsed().as_nanos() ^ std::process::id() as u128);
-    h.finish()
-}
-
 /// Connect this rank to every other; `peers[r]` is the socket to rank r.
 /// With `key`, every connection is authenticated.
 pub fn mesh(store: &dyn Store, rank: usize, size: usize, ip: IpAddr, deadline: Instant, key: Option<&Key>) -> Result<Vec<Option<Socket>>> {
@@ -73,7 +65,7 @@ pub fn mesh(store: &dyn Store, rank: usize, size: usize, ip: IpAddr, deadline: I
     weft::log::debug(format_args!("cpu-tcp rank {rank} listening on {addr}"));
     store.set(&format!("addr/{rank}"), addr.to_string().as_bytes())?;
     let nonce = if rank == 0 {
-        let n = random_u64();
+        let n = auth::random_u64()?;
         store.set("nonce", &n.to_le_bytes())?;
         n
     } else {

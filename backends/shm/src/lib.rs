@@ -54,9 +54,10 @@ impl BackendFactory for ShmFactory {
         // A rank that cannot open it says so, and every rank fails setup.
         let (mut seg, cap) = if ctx.rank == 0 {
             let cap = transport::ring_cap(ctx.size, segment::available());
-            let tag = format!("{:x}", nonce());
-            match segment::Segment::create(&tag, transport::segment_len(ctx.size, cap)) {
-                Ok(seg) => {
+            let len = transport::segment_len(ctx.size, cap);
+            let made = weft::auth::random_u64().map(|n| format!("{n:x}")).and_then(|tag| Ok((segment::Segment::create(&tag, len)?, tag)));
+            match made {
+                Ok((seg, tag)) => {
                     let fd = seg.creator_fd().expect("the creator holds it");
                     ctx.store.set("layout", format!("{} {fd} {tag} {cap}", std::process::id()).as_bytes())?;
                     (seg, cap)
@@ -127,13 +128,6 @@ impl BackendFactory for ShmFactory {
         let budget = weft::matching::EarlyBudget::from_env()?;
         Ok(Arc::new(transport::ShmBackend::new(ctx.rank, ctx.size, seg, cap, cma, oversubscribed, budget)))
     }
-}
-
-fn nonce() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
-    h.finish()
 }
 
 static SHM: ShmFactory = ShmFactory;
