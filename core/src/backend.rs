@@ -392,7 +392,7 @@ pub struct BackendContext {
 impl BackendContext {
     /// The deadline for setup started now.
     pub fn setup_deadline(&self) -> Instant {
-        crate::deadline::after(self.timeout)
+        crate::deadline::instant_after(self.timeout)
     }
 }
 

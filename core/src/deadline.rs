@@ -30,13 +30,13 @@ impl Deadline {
 
     /// The instant (fixed by the first call).
     pub fn get(&self) -> Instant {
-        *self.at.get_or_init(|| after(self.timeout))
+        *self.at.get_or_init(|| instant_after(self.timeout))
     }
 }
 
 /// `timeout` from now; a timeout past what the clock can hold (a peer's
 /// `u64::MAX` milliseconds, `Duration::MAX`) is a century.
-pub(crate) fn after(timeout: Duration) -> Instant {
+pub(crate) fn instant_after(timeout: Duration) -> Instant {
     let now = Instant::now();
     now.checked_add(timeout).unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
 }

@@ -187,7 +187,7 @@ impl GroupCore {
         }
         let host = job.route.0 == DeviceKind::Cpu;
         let bools = if host { bool_outputs(&mut job.op) } else { Vec::new() };
-        let deadline = crate::deadline::after(opts.timeout.unwrap_or(self.options.timeout));
+        let deadline = crate::deadline::instant_after(opts.timeout.unwrap_or(self.options.timeout));
         let any = job.op.receives_from_any();
         if any && !backend.receives_from_any() {
             let e = Error::unsupported(format!("backend {} cannot receive from any rank", backend.name()));

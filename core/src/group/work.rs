@@ -199,7 +199,7 @@ impl<'t> Work<'t> {
     pub fn synchronize(&self) -> Result<()> {
         self.wait()?;
         match self.device() {
-            Some(d) => d.synchronize(crate::deadline::after(crate::options::timeout_from_env()?)),
+            Some(d) => d.synchronize(crate::deadline::instant_after(crate::options::timeout_from_env()?)),
             None => Ok(()),
         }
     }
@@ -207,7 +207,7 @@ impl<'t> Work<'t> {
     /// Block at most `timeout`: `Ok(true)` if the op finished successfully,
     /// `Ok(false)` if it is still running (it keeps running), `Err` if it failed.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<bool> {
-        match self.host_result(Some(crate::deadline::after(timeout))) {
+        match self.host_result(Some(crate::deadline::instant_after(timeout))) {
             None => Ok(false),
             Some(r) => self.order(r).map(|()| true),
         }

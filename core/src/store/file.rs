@@ -59,7 +59,7 @@ impl FileStore {
     }
 
     fn poll<T>(&self, timeout: Duration, what: &str, mut f: impl FnMut(&HashMap<String, Vec<u8>>) -> Option<T>) -> Result<T> {
-        let deadline = crate::deadline::after(timeout);
+        let deadline = crate::deadline::instant_after(timeout);
         let mut delay = Duration::from_millis(1);
         loop {
             if let Some(v) = self.locked(|m| Ok((f(m), vec![])))? {

@@ -68,7 +68,7 @@ impl MemoryStore {
         gone: Option<&dyn Fn() -> bool>,
         mut ready: impl FnMut(&HashMap<String, Vec<u8>>) -> Option<T>,
     ) -> Result<T> {
-        let deadline = crate::deadline::after(timeout);
+        let deadline = crate::deadline::instant_after(timeout);
         let mut st = self.lock();
         if let Some(v) = ready(&st.map) {
             return Ok(v);

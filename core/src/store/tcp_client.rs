@@ -89,7 +89,7 @@ impl TcpStore {
     }
 
     fn connect_one(&self) -> Result<TcpStream> {
-        let deadline = crate::deadline::after(self.timeout);
+        let deadline = crate::deadline::instant_after(self.timeout);
         let mut delay = Duration::from_millis(10);
         let stream = loop {
             match TcpStream::connect_timeout(&self.addr, Duration::from_secs(2)) {
