@@ -144,23 +144,20 @@ pub fn run_world_with(
         .collect()
 }
 
-/// weft shm segments in /dev/shm (`weft-<pid of rank 0>-<nonce>`, as
-/// versions before anonymous segments named them) whose creating process
-/// is gone: what a job left behind. Segments of live processes do not
-/// count. Today's segments have no name there, so there should be none.
-pub fn stale_shm_segments() -> Vec<String> {
-    let names: Vec<String> = std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("weft-")).collect()
-        })
-        .unwrap_or_default();
-    names
-        .into_iter()
-        .filter(|n| {
-            n.split('-')
-                .nth(1)
-                .and_then(|p| p.parse::<i32>().ok())
-                .is_some_and(|pid| nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_err())
-        })
-        .collect()
+/// Names in /dev/shm that weft made (`weft-...`, as versions before
+/// anonymous segments named theirs): today's segments have no name there,
+/// so any is one a job left behind.
+pub fn shm_segments() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("weft")).collect())
+        .unwrap_or_default()
+}
+
+/// A size field (`VmRSS`, `VmHWM`...) of `/proc/<pid>/status` (`None`:
+/// this process), in bytes.
+pub fn status_bytes(pid: Option<u32>, field: &str) -> Option<usize> {
+    let who = pid.map_or("self".to_string(), |p| p.to_string());
+    let status = std::fs::read_to_string(format!("/proc/{who}/status")).ok()?;
+    let kb = status.lines().find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?;
+    Some(kb.trim().trim_end_matches("kB").trim().parse::<usize>().ok()? << 10)
 }

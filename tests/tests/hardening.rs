@@ -85,10 +85,8 @@ fn killing_any_rank_at_any_moment_of_shm_setup_leaves_nothing_behind() {
     }
     // (Most kills must have landed before the victim finished.)
     assert!(in_setup >= 30, "only {in_setup} of 60 kills came before the victim's end (a run takes {run} us)");
-    let left: Vec<String> = std::fs::read_dir("/dev/shm")
-        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with("weft")).collect())
-        .unwrap_or_default();
-    assert!(weft_tests::procs::stale_shm_segments().is_empty() && left.is_empty(), "left in /dev/shm: {left:?}");
+    let left = weft_tests::procs::shm_segments();
+    assert!(left.is_empty(), "left in /dev/shm: {left:?}");
 }
 
 #[test]

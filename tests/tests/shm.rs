@@ -289,7 +289,7 @@ fn shm_a_dead_peer_left_unreaped_is_lost_not_waited_for() {
 /// No segment of these processes is left in /dev/shm.
 fn assert_all_clean(ends: &[weft_tests::procs::RankEnd]) {
     let _ = ends;
-    let stale = weft_tests::procs::stale_shm_segments();
+    let stale = weft_tests::procs::shm_segments();
     assert!(stale.is_empty(), "left in /dev/shm: {stale:?}");
 }
 

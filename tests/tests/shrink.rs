@@ -7,7 +7,7 @@
 
 use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;
-use weft_tests::procs::{run_on_hosts, run_world, stale_shm_segments, RankEnd};
+use weft_tests::procs::{run_on_hosts, run_world, shm_segments, RankEnd};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_weft-test-worker");
 
@@ -29,7 +29,7 @@ fn check(ends: &[RankEnd], victims: &[usize], what: &str) {
             assert!(e.output.contains(&format!("{survivors} survivors ok")), "{what}: rank {r}:\n{}", e.output);
         }
     }
-    let stale = stale_shm_segments();
+    let stale = shm_segments();
     assert!(stale.is_empty(), "{what}: left in /dev/shm: {stale:?}");
 }
 

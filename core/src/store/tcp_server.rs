@@ -221,6 +221,11 @@ impl Drop for InFlight<'_> {
 /// [`FRAME_TIME`] of its first byte (and, given `by`, all of it by then);
 /// `Ok(None)` on a clean end of stream before a frame starts.
 fn read_frame_bounded(conn: &mut TcpStream, shared: &Shared, by: Option<Instant>) -> Result<Option<Body>> {
+    let time = shared.limits.frame_time;
+    let timed_out = |what: &str| match by {
+        Some(by) if by <= Instant::now() => Error::backend(format!("not authenticated within {:?}", shared.limits.auth_time)),
+        _ => Error::backend(format!("store frame {what} did not arrive within {time:?}")),
+    };
     let mut len = [0u8; 4];
     let first = match by {
         None => {
@@ -232,18 +237,13 @@ fn read_frame_bounded(conn: &mut TcpStream, shared: &Shared, by: Option<Instant>
     match first {
         Ok(0) => return Ok(None),
         Ok(_) => {}
-        Err(e) if by.is_some() && matches!(e.kind(), std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock) => {
-            return Err(Error::backend(format!("not authenticated within {:?}", shared.limits.auth_time)))
-        }
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) if by.is_some() && matches!(e.kind(), std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock) => {
+            return Err(timed_out("start"))
+        }
         Err(e) => return Err(e.into()),
     }
-    let time = shared.limits.frame_time;
     let until = by.map_or(Instant::now() + time, |by| by.min(Instant::now() + time));
-    let timed_out = |what: &str| match by {
-        Some(by) if by <= Instant::now() => Error::backend(format!("not authenticated within {:?}", shared.limits.auth_time)),
-        _ => Error::backend(format!("store frame {what} did not arrive within {time:?}")),
-    };
     read_by(conn, &mut len[1..], until).map_err(|_| timed_out("length"))?;
     let n = u32::from_le_bytes(len) as usize;
     if n > MAX_FRAME {

@@ -45,10 +45,7 @@ fn main() -> anyhow::Result<()> {
     }
     let addr: SocketAddr = line.trim().parse()?;
     let pid = child.id();
-    let rss = || -> usize {
-        let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-        s.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok()).unwrap_or(0)
-    };
+    let rss = || weft_tests::procs::status_bytes(Some(pid), "VmRSS").unwrap_or(0) >> 10;
     let client = TcpStore::connect(&addr.ip().to_string(), addr.port(), Duration::from_secs(10))?;
     let rounds = |client: &TcpStore| -> anyhow::Result<f64> {
         let start = Instant::now();

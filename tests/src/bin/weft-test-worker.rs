@@ -517,9 +517,7 @@ const FLOOD: (usize, usize) = (4000, 64 << 10);
 
 /// Peak resident memory of this process so far (VmHWM), in bytes.
 fn peak_rss() -> anyhow::Result<usize> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    let kb = status.lines().find_map(|l| l.strip_prefix("VmHWM:")).ok_or_else(|| anyhow::anyhow!("no VmHWM"))?;
-    Ok(kb.trim().trim_end_matches("kB").trim().parse::<usize>()? << 10)
+    weft_tests::procs::status_bytes(None, "VmHWM").ok_or_else(|| anyhow::anyhow!("no VmHWM in /proc/self/status"))
 }
 
 /// Rank 1 sends rank 0 `FLOOD` messages at once while rank 0 waits 3 s
