@@ -51,8 +51,7 @@ impl BackendFactory for ShmFactory {
         weft::locality::check("shm", &*ctx.store, ctx.rank, ctx.size, ctx.timeout)?;
         // Rank 0 creates the segment (its ring size from the free space it
         // sees) and publishes how to open it: every rank uses that layout.
-        // A rank that cannot open it says so, and every rank fails setup.
-        let (mut seg, cap) = if ctx.rank == 0 {
+        let (seg, cap) = if ctx.rank == 0 {
             let cap = transport::ring_cap(ctx.size, segment::available());
             let len = transport::segment_len(ctx.size, cap);
             let made = weft::auth::random_u64().map(|n| format!("{n:x}")).and_then(|tag| Ok((segment::Segment::create(&tag, len)?, tag)));
@@ -60,7 +59,7 @@ impl BackendFactory for ShmFactory {
                 Ok((seg, tag)) => {
                     let fd = seg.creator_fd().expect("the creator holds it");
                     ctx.store.set("layout", format!("{} {fd} {tag} {cap}", std::process::id()).as_bytes())?;
-                    (seg, cap)
+                    (Ok(seg), cap)
                 }
                 Err(e) => {
                     ctx.store.set("layout", format!("failed {e}").as_bytes())?;
@@ -76,39 +75,13 @@ impl BackendFactory for ShmFactory {
             let fields: Vec<&str> = layout.split(' ').collect();
             let [pid, fd, tag, cap] = fields[..] else { return Err(bad()) };
             let (pid, fd, cap) = (pid.parse().map_err(|_| bad())?, fd.parse().map_err(|_| bad())?, cap.parse().map_err(|_| bad())?);
-            let seg = segment::Segment::open(pid, fd, tag, transport::segment_len(ctx.size, cap));
-            ctx.store.set(&format!("mapped/{}", ctx.rank), if seg.is_ok() { b"1" } else { b"0" })?;
-            (seg?, cap)
+            (segment::Segment::open(pid, fd, tag, transport::segment_len(ctx.size, cap)), cap)
         };
-        if ctx.rank == 0 {
-            // Every rank has its own descriptor (or gave up): close ours.
-            let opened = (1..ctx.size).try_for_each(|r| match &ctx.store.get(&format!("mapped/{r}"), left())?[..] {
-                b"1" => Ok(()),
-                _ => Err(Error::backend(format!("shm: rank {r} could not open the segment"))),
-            });
-            seg.close_fd();
-            if let Err(e) = opened {
-                // Everyone waiting below learns it at once.
-                let _ = ctx.store.add("ready", -(1 << 40));
-                return Err(e);
-            }
-        }
-        // Everyone waits until every rank has mapped the segment.
-        ctx.store.add("ready", 1)?;
-        let until = std::time::Instant::now() + left();
-        loop {
-            let ready = weft::store::Store::add(&*ctx.store, "ready", 0)?;
-            if ready < 0 {
-                return Err(Error::backend("shm: a rank could not open the segment"));
-            }
-            if ready >= ctx.size as i64 {
-                break;
-            }
-            if std::time::Instant::now() >= until {
-                return Err(Error::timeout("shm: ranks did not all map the segment"));
-            }
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
+        // Every rank has opened it, or all fail together, naming the first
+        // that could not; then rank 0 closes its descriptor (the mappings
+        // keep the memory).
+        let mut seg = weft::store::all_or_none(&*ctx.store, "opened", ctx.rank, ctx.size, left(), seg, "shm: opening the segment")?;
+        seg.close_fd();
         // Single-copy large messages as the group's copy costs say
         // (`cma::Policy::agreed`, alike on every rank), unless the hint
         // `shm_cma` (or WEFT_SHM_CMA) says `on` (from 32 KiB, every
