@@ -7,7 +7,8 @@
 //! table, and weft's own tests run it on every backend. [`run_on`] runs the
 //! same cases on device memory ([`cuda::placement`]). [`run_p2p`] adds
 //! the point-to-point patterns that need sends and receives to progress
-//! together (long messages in a ring, batches, sendrecv).
+//! together (long messages in a ring, batches, sendrecv), [`run_windows`]
+//! the one-sided window cases.
 
 #![warn(missing_docs)]
 
@@ -16,7 +17,9 @@ pub mod cuda;
 mod placement;
 pub mod reference;
 mod suite;
+mod windows;
 
 pub use buf::{assert_close, Buf};
 pub use placement::{Placement, SharedPlacement};
 pub use suite::{run, run_on, run_p2p, summary, Check};
+pub use windows::{byte as windows_byte, run_windows};

@@ -315,6 +315,9 @@ impl OpKind {
     }
     /// A readable description of a tag, for error messages.
     pub fn describe_tag(tag: u64) -> String {
+        if crate::tag::is_window(tag) {
+            return format!("window #{} channel {}", (tag >> 8) & ((1 << 54) - 1), tag & 0xff);
+        }
         if !crate::tag::is_collective(tag) {
             return format!("user tag {tag}");
         }
@@ -518,6 +521,15 @@ pub trait Backend: Send + Sync {
     /// over another reports that one's.
     fn step_bytes(&self) -> usize {
         64 << 10
+    }
+
+    /// This rank's side of a new window (`spec`), where the backend moves
+    /// one-sided bytes itself (shm: shared memory); `None` lets core build
+    /// it over [`Backend::post`]ed messages (`crate::window::over_p2p`).
+    /// Collective: every rank gets the same call, in the same order.
+    fn window(&self, spec: &crate::window::WindowSpec) -> Option<Result<Arc<dyn crate::window::WindowTransport>>> {
+        let _ = spec;
+        None
     }
 
     /// Close cleanly (peers learn this rank left on purpose). Called once,

@@ -45,6 +45,7 @@ pub mod store;
 pub mod stream;
 pub mod tag;
 mod tensor;
+pub mod window;
 
 pub use dtype::{DType, Element};
 pub use error::{Error, ErrorKind, Result};
@@ -53,6 +54,7 @@ pub use options::{timeout_from_env, GroupOptions, OpOptions, DEFAULT_TIMEOUT, EN
 pub use reduce_op::ReduceOp;
 pub use stream::StreamHandle;
 pub use tensor::{Device, DeviceKind, Layout, SparseCoo, SparseCooTensor, Tensor, TensorMut};
+pub use window::{AccessType, Window, WindowAttr, WindowMemory};
 
 /// Re-exported so backend crates register with the same `inventory`.
 pub use inventory;

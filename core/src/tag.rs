@@ -11,6 +11,8 @@
 //! user        : low 32 bits = the user's tag
 //! collective  : bits 58..63 op code, bit 57 combines, bit 56 fresh,
 //!               38..56 shape, 16..38 sequence number (mod 2^22), 0..16 step
+//! window      : bit 62 = 1 (bit 63 = 0), bits 8..62 the window's number
+//!               in the group, 0..8 the channel (see `crate::window`)
 //! ```
 //!
 //! The *shape* ([`crate::shape`]) packs what every rank must agree on about
@@ -50,6 +52,17 @@ const SEQ_MASK: u64 = (1 << 22) - 1;
 /// whose shape is `shape`.
 pub const fn collective(op: u8, seq: u64, shape: u32, step: u32) -> u64 {
     (1 << 63) | ((op as u64 & 0x1f) << 58) | ((shape as u64 & SHAPE_MASK) << 38) | ((seq & SEQ_MASK) << 16) | (step as u64 & 0xffff)
+}
+
+/// Tag of channel `channel` of the group's window number `id` (one-sided
+/// frames: never a user tag, which is below 2^31, nor a collective's).
+pub const fn window(id: u64, channel: u8) -> u64 {
+    (1 << 62) | ((id & ((1 << 54) - 1)) << 8) | channel as u64
+}
+
+/// Whether `tag` carries a window's frames.
+pub const fn is_window(tag: u64) -> bool {
+    tag >> 62 == 1
 }
 
 /// Whether `tag` belongs to a collective (else it is a user message).
@@ -109,6 +122,9 @@ mod tests {
         assert!(!conflicts(collective(1, 7, 0, 0), collective(1, 7, 0, 3)));
         assert!(!conflicts(user(1), collective(2, 0, 0, 1)));
         assert_eq!(op_code(collective(9, 1, 0, 1)), 9);
+        assert!(is_window(window(3, 1)) && !is_window(user(MAX_USER_TAG)) && !is_window(collective(31, SEQ_MASK, 0, 0xffff)));
+        assert!(!is_collective(window(u64::MAX, 255)));
+        assert_ne!(window(3, 1), window(4, 1));
     }
 
     #[test]

@@ -34,6 +34,15 @@ fn hierarchical_passes_conformance() {
 }
 
 #[test]
+fn hierarchical_windows_pass_their_cases() {
+    for hosts in [&["a", "a", "b"][..], &["a", "b", "b", "a"][..]] {
+        for (r, e) in on_hosts(hosts, "windows", Duration::from_secs(120)).iter().enumerate() {
+            assert!(e.status.success() && e.output.contains("hierarchical"), "hosts {hosts:?}, rank {r}:\n{}", e.output);
+        }
+    }
+}
+
+#[test]
 fn hierarchical_point_to_point_progresses_together() {
     for hosts in [&["a", "a", "b"][..], &["a", "a", "b", "b"][..], &["a", "b", "b", "a", "b"][..]] {
         for (r, e) in on_hosts(hosts, "p2p", Duration::from_secs(120)).iter().enumerate() {

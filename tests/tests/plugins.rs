@@ -40,6 +40,13 @@ fn c_plugin_passes_conformance_at_world_sizes_2_to_5() {
         conformance("c-uds", w);
         p2p("c-uds", w);
     }
+    // It runs batches one at a time (no WEFT_PLUGIN_CONCURRENT): a window,
+    // which needs the target's transport to progress on its own, is
+    // Unsupported on every rank, saying why.
+    for e in run_threads(2, options("c-uds"), |pg| pg.new_window(64).unwrap_err()) {
+        assert_eq!(e.kind(), &weft::ErrorKind::Unsupported, "{e}");
+        assert!(e.to_string().contains("c-uds cannot move bytes without the target"), "{e}");
+    }
 }
 
 #[test]
@@ -126,6 +133,11 @@ fn rust_sdk_builds_cpu_tcp_as_a_plugin_that_passes_conformance() {
     conformance("cpu-tcp-plugin", 3);
     for w in 2..=5 {
         p2p("cpu-tcp-plugin", w);
+    }
+    // Windows over its posted messages (the SDK sets WEFT_PLUGIN_CONCURRENT).
+    for (r, checks) in run_threads(3, options("cpu-tcp-plugin"), |pg| weft_conformance::run_windows(&pg, 1 << 20)).iter().enumerate() {
+        let (table, ok) = weft_conformance::summary(checks);
+        assert!(ok, "windows through cpu-tcp-plugin, rank {r}:\n{table}");
     }
     // Across processes, found through WEFT_PLUGIN_PATH (a file entry).
     let path = lib.to_str().unwrap();

@@ -14,6 +14,7 @@ mod segment;
 mod stream;
 mod sync;
 mod transport;
+mod window;
 
 use std::sync::Arc;
 use weft::backend::{Backend, BackendContext};
@@ -75,7 +76,7 @@ impl BackendFactory for ShmFactory {
             let fields: Vec<&str> = layout.split(' ').collect();
             let [pid, fd, tag, cap] = fields[..] else { return Err(bad()) };
             let (pid, fd, cap) = (pid.parse().map_err(|_| bad())?, fd.parse().map_err(|_| bad())?, cap.parse().map_err(|_| bad())?);
-            (segment::Segment::open(pid, fd, tag, transport::segment_len(ctx.size, cap)), cap)
+            (segment::Segment::open(0, pid, fd, tag, transport::segment_len(ctx.size, cap)), cap)
         };
         // Every rank has opened it, or all fail together, naming the first
         // that could not; then rank 0 closes its descriptor (the mappings
@@ -99,7 +100,8 @@ impl BackendFactory for ShmFactory {
         let cma = forced.unwrap_or(Some(agreed));
         let oversubscribed = cores::oversubscribed(&*ctx.store, ctx.rank, ctx.size, left())?;
         let budget = weft::matching::EarlyBudget::from_env()?;
-        Ok(Arc::new(transport::ShmBackend::new(ctx.rank, ctx.size, seg, cap, cma, oversubscribed, budget)))
+        let backend = transport::ShmBackend::new(ctx.rank, ctx.size, seg, cap, cma, oversubscribed, budget);
+        Ok(Arc::new_cyclic(|me| backend.knowing(me.clone())))
     }
 }
 

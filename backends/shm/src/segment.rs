@@ -1,5 +1,5 @@
-//! One shared-memory segment per group: an anonymous file (memfd) that
-//! rank 0 creates and every other rank opens through
+//! A shared-memory segment (the group's, a window's): an anonymous file
+//! (memfd) that one rank (rank 0, for the group's) creates and every other rank opens through
 //! `/proc/<pid>/fd/<n>` while rank 0 holds it open. It never has a name in
 //! /dev/shm, so no process killed at any moment of setup can leave one
 //! behind: the memory goes when the last process that maps it exits.
@@ -64,22 +64,22 @@ impl Segment {
         Ok(Segment { ptr, len, fd: Some(fd) })
     }
 
-    /// Open and map the segment labelled `tag` of `len` bytes that process
-    /// `pid` created and holds as its descriptor `fd`.
-    pub fn open(pid: u32, fd: i32, tag: &str, len: usize) -> Result<Segment> {
+    /// Open and map the segment labelled `tag` of `len` bytes that rank
+    /// `owner`'s process `pid` created and holds as its descriptor `fd`.
+    pub fn open(owner: usize, pid: u32, fd: i32, tag: &str, len: usize) -> Result<Segment> {
         let path = format!("/proc/{pid}/fd/{fd}");
         let file = nix::fcntl::open(path.as_str(), OFlag::O_RDWR | OFlag::O_CLOEXEC, Mode::empty()).map_err(|e| match e {
             nix::errno::Errno::ENOENT => {
-                Error::backend(format!("shm: rank 0 (pid {pid}) exited or closed the segment before this rank opened it"))
+                Error::backend(format!("shm: rank {owner} (pid {pid}) exited or closed the segment before this rank opened it"))
             }
-            e => Error::unsupported(format!("shm: cannot open rank 0's segment ({path}: {e})")),
+            e => Error::unsupported(format!("shm: cannot open rank {owner}'s segment ({path}: {e})")),
         })?;
         // What was opened: the name it was created with, and its size.
         let opened = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())).unwrap_or_default();
         let size = nix::sys::stat::fstat(&file).map(|st| st.st_size as usize).unwrap_or(0);
         if opened.to_string_lossy() != format!("/memfd:{} (deleted)", label(tag)) || size != len {
             return Err(Error::backend(format!(
-                "shm: {path} is not rank 0's segment ({} of {size} bytes, expected {} of {len})",
+                "shm: {path} is not rank {owner}'s segment ({} of {size} bytes, expected {} of {len})",
                 opened.display(),
                 label(tag)
             )));

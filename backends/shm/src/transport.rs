@@ -99,6 +99,8 @@ pub struct ShmBackend {
     pub(crate) l2: usize,
     /// Whether the peers' processes live (zombies and reused pids included).
     liveness: crate::liveness::Liveness,
+    /// This backend, for the windows it makes (which outlive a call).
+    me: std::sync::Weak<ShmBackend>,
 }
 
 impl ShmBackend {
@@ -140,6 +142,7 @@ impl ShmBackend {
             oversubscribed,
             l2: crate::cores::l2_bytes(),
             liveness: crate::liveness::Liveness::new(size),
+            me: std::sync::Weak::new(),
         };
         // The rings this rank writes or reads, at once rather than a page
         // fault at a time during its first transfers (the others' rings it
@@ -151,6 +154,11 @@ impl ShmBackend {
         }
         b.control(rank).pid.store(std::process::id(), Ordering::Release);
         b
+    }
+
+    /// The same backend, knowing the `Arc` it lives in (see `me`).
+    pub fn knowing(self, me: std::sync::Weak<ShmBackend>) -> Self {
+        ShmBackend { me, ..self }
     }
 
     fn control(&self, r: usize) -> &Control {
@@ -331,6 +339,12 @@ impl Backend for ShmBackend {
     /// 100-row tensors.
     fn step_bytes(&self) -> usize {
         16 << 10
+    }
+
+    /// Windows in shared memory (`window.rs`).
+    fn window(&self, spec: &weft::window::WindowSpec) -> Option<Result<Arc<dyn weft::window::WindowTransport>>> {
+        let me = self.me.upgrade()?;
+        Some(crate::window::ShmWindow::create(me, spec).map(|w| Arc::new(w) as Arc<dyn weft::window::WindowTransport>))
     }
 }
 

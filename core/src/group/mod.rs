@@ -10,6 +10,7 @@ mod shrink;
 mod work;
 
 pub use ops::{Collectives, Job, P2pOp};
+pub(crate) use p2p::Lane;
 pub use scope::{Scope, Unscoped};
 pub use shrink::ShrinkOptions;
 pub use work::Work;
@@ -59,6 +60,8 @@ pub(crate) struct GroupCore {
     /// The first failure after bytes may have moved (checked on every op).
     poisoned: OnceLock<Error>,
     splits: AtomicU64,
+    /// Windows created so far (numbered alike on every rank).
+    windows: AtomicU64,
     /// Shrinks and agreements run so far (numbered alike on survivors).
     surveys: AtomicU64,
     /// Whether this rank marked the group revoked in the store (`shrink.rs`).
@@ -173,6 +176,36 @@ impl ProcessGroup {
             }
         }
         Self::new(store, sub_rank, ranks.len(), c.options.clone())
+    }
+
+    /// What a new window on a `device` takes from this group: its number,
+    /// a store namespace, the device's backend and its progress thread.
+    pub(crate) fn window_parts(&self, device: crate::tensor::DeviceKind) -> Result<crate::window::WindowParts> {
+        let c = &self.core;
+        c.usable()?;
+        let id = c.windows.fetch_add(1, Ordering::Relaxed);
+        let backend = c.route((device, crate::tensor::Layout::Dense))?.clone();
+        let (core, lane_of) = (c.clone(), backend.clone());
+        let usable = c.clone();
+        Ok(crate::window::WindowParts {
+            id,
+            store: Arc::new(PrefixStore::new(format!("window{id}"), c.store.clone())),
+            backend,
+            lane: Box::new(move || core.lane(&lane_of)),
+            timeout: c.options.timeout,
+            usable: Box::new(move || usable.usable()),
+        })
+    }
+
+    /// Send `bytes` to `dst` under any `tag` (a forged window frame, a
+    /// collective's step out of turn): for tests of what a rank does with
+    /// what a misbehaving peer sends.
+    #[cfg(feature = "fuzzing")]
+    #[doc(hidden)]
+    pub fn forge_send(&self, bytes: &[u8], dst: usize, tag: u64) -> Result<()> {
+        let backend = self.core.route((crate::tensor::DeviceKind::Cpu, crate::tensor::Layout::Dense))?;
+        let mut ops = [crate::backend::P2p::Send { peer: dst, tag, data: bytes }];
+        backend.exchange(&mut ops, crate::deadline::instant_after(self.core.options.timeout))
     }
 
     /// End every in-flight op of this rank promptly with `Aborted`, and make

@@ -34,6 +34,10 @@ pub(crate) struct Lane {
     backend: Arc<dyn Backend>,
     /// Background ops posted and not yet finished.
     pending: AtomicUsize,
+    /// Open windows whose targets keep receives posted (`crate::window`):
+    /// the thread drives while any is open, but does not wait for them
+    /// to stop.
+    listeners: AtomicUsize,
     /// Threads waiting for one of them, which drive the transport
     /// themselves meanwhile (`drive_for`); the progress thread steps aside.
     waiting: AtomicUsize,
@@ -48,6 +52,7 @@ impl Lane {
         let lane = Arc::new(Lane {
             backend,
             pending: AtomicUsize::new(0),
+            listeners: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
             thread: Mutex::new(None),
@@ -64,9 +69,16 @@ impl Lane {
     }
 
     /// Whether the progress thread has nothing to do: no background op
-    /// pending, or a waiting thread drives the transport.
+    /// pending and no window listening, or a waiting thread drives the
+    /// transport.
     fn idle(&self) -> bool {
-        self.pending.load(Ordering::SeqCst) == 0 || self.waiting.load(Ordering::SeqCst) > 0
+        (self.pending.load(Ordering::SeqCst) == 0 && self.listeners.load(Ordering::SeqCst) == 0) || self.waiting.load(Ordering::SeqCst) > 0
+    }
+
+    /// Whether the thread should end: stopped, and no background op left
+    /// (windows still listening are not waited for).
+    fn finished(&self) -> bool {
+        self.shutdown.load(Ordering::SeqCst) && self.pending.load(Ordering::SeqCst) == 0
     }
 
     fn run(&self) {
@@ -76,10 +88,10 @@ impl Lane {
                 let _g =
                     self.wake.wait_while(g, |_| self.idle() && !self.shutdown.load(Ordering::SeqCst)).unwrap_or_else(|p| p.into_inner());
             }
-            if self.pending.load(Ordering::SeqCst) == 0 && self.shutdown.load(Ordering::SeqCst) {
+            if self.finished() {
                 return;
             }
-            self.backend.progress(&|| self.idle());
+            self.backend.progress(&|| self.idle() || self.finished());
         }
     }
 
@@ -94,6 +106,34 @@ impl Lane {
             drop(self.idle.lock().unwrap_or_else(|p| p.into_inner()));
             self.wake.notify_one();
         }
+    }
+
+    /// A window starts listening on this transport: drive it from now on.
+    pub(crate) fn listen(&self) {
+        self.listeners.fetch_add(1, Ordering::SeqCst);
+        self.kick();
+    }
+
+    /// A window stopped listening.
+    pub(crate) fn unlisten(&self) {
+        self.listeners.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Post a background batch and leave it to whoever drives the
+    /// transport (this thread does not take a turn: with a window open the
+    /// progress thread is always in the transport, and a turn would wait
+    /// for it).
+    pub(crate) fn post(self: &Arc<Self>, post: Post) {
+        self.begin();
+        let (me, done) = (self.clone(), post.done);
+        self.backend.post(Post {
+            done: Box::new(move |r| {
+                done(r);
+                me.end();
+            }),
+            ..post
+        });
+        self.kick();
     }
 
     /// One more background op is posted (see `kick`).
@@ -157,7 +197,7 @@ impl GroupCore {
     }
 
     /// This group's progress thread for `backend`, started on first use.
-    fn lane(&self, backend: &Arc<dyn Backend>) -> Arc<Lane> {
+    pub(crate) fn lane(&self, backend: &Arc<dyn Backend>) -> Arc<Lane> {
         let mut lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(l) = lanes.iter().find(|l| Arc::ptr_eq(&l.backend, backend)) {
             return l.clone();

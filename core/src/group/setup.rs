@@ -105,6 +105,7 @@ pub(super) fn create(store: Arc<dyn Store>, rank: usize, size: usize, options: G
         aborted: AtomicBool::new(false),
         poisoned: OnceLock::new(),
         splits: AtomicU64::new(0),
+        windows: AtomicU64::new(0),
         surveys: AtomicU64::new(0),
         revoked: AtomicBool::new(false),
         hasher: Default::default(),

@@ -150,6 +150,15 @@ impl<'t> Work<'t> {
         Work { handle: Handle::Pending(state), _borrow: PhantomData }
     }
 
+    /// The handle of an op that `run` starts and the [`crate::progress::Done`]
+    /// it is given finishes (errors passed through `name`).
+    pub(crate) fn completed_by(name: impl FnOnce(Error) -> Error + Send + 'static, run: impl FnOnce(crate::progress::Done)) -> Self {
+        let state = super::executor::new_state();
+        let mine = state.clone();
+        run(Box::new(move |r: Result<()>| mine.complete(r.map_err(name), None)));
+        Work::new(state)
+    }
+
     /// The handle of an op that has already run.
     pub(crate) fn done(result: Result<()>, device: Option<Arc<dyn DeviceCompletion>>) -> Self {
         Work { handle: Handle::Done { result, device, ordered: AtomicBool::new(false) }, _borrow: PhantomData }

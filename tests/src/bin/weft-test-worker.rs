@@ -176,6 +176,37 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             println!("rank {r}: {e}");
             anyhow::ensure!(e.kind() == &ErrorKind::PeerLost { rank: victim }, "expected PeerLost {{ rank: {victim} }}, got {e}");
         }
+        "window_sigkill" => {
+            // The last rank signals rank 0 every 10 ms, then is killed
+            // (SIGKILL) while rank 0 waits for its signals (a dead origin)
+            // and the others put 4 MiB into it and signal it in a loop (a
+            // dead target): each survivor gets PeerLost naming it.
+            let victim = w - 1;
+            let win = pg.new_window(4 << 20)?;
+            let e = if r == victim {
+                sigkill_self_after(Duration::from_millis(400));
+                loop {
+                    win.signal(0, &o)?.wait()?;
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            } else if r == 0 {
+                loop {
+                    if let Err(e) = win.wait_signal(victim, &o) {
+                        break e;
+                    }
+                }
+            } else {
+                let data = vec![r as u8; 4 << 20];
+                loop {
+                    if let Err(e) = win.put(&data[..], victim, 0, &o).and_then(|w| w.wait()).and_then(|()| win.signal(victim, &o)?.wait()) {
+                        break e;
+                    }
+                }
+            };
+            println!("rank {r}: {e}");
+            anyhow::ensure!(e.kind() == &ErrorKind::PeerLost { rank: victim }, "expected PeerLost {{ rank: {victim} }}, got {e}");
+            std::mem::forget(win);
+        }
         "default_timeout" => {
             // No per-op timeout: WEFT_TIMEOUT_SECONDS applies.
             if r == 1 {
@@ -290,6 +321,12 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             let (table, ok) = weft_conformance::summary(&checks);
             anyhow::ensure!(ok, "rank {r}:\n{table}");
             println!("rank {r}: {} p2p checks passed on {:?}", checks.len(), pg);
+        }
+        "windows" => {
+            let checks = weft_conformance::run_windows(&pg, 1 << 20);
+            let (table, ok) = weft_conformance::summary(&checks);
+            anyhow::ensure!(ok, "rank {r}:\n{table}");
+            println!("rank {r}: {} window checks passed on {:?}", checks.len(), pg);
         }
         "shrink" => shrink_scenario(pg)?,
         "conformance" => {

@@ -1,0 +1,435 @@
+//! One-sided communication: windows of registered memory that peers put
+//! into and get from without the target calling anything (TorchComm's
+//! window API, MPI's RMA).
+//!
+//! [`ProcessGroup::new_window`] registers `bytes` of memory on every rank
+//! (sizes may differ), collectively. Then any rank may
+//! [`put`](Window::put) bytes into a peer's memory, [`get`](Window::get)
+//! them back, and [`signal`](Window::signal) the peer once its puts should
+//! be seen: after [`wait_signal`](Window::wait_signal) returns on the
+//! target, the data of every put the origin issued before its signal is in
+//! the target's memory. Where memory is shared (shm),
+//! [`map_remote`](Window::map_remote) views a peer's memory directly.
+//!
+//! Where the checks and the dispatch live: this file checks every call
+//! (ranks, ranges, devices) before any byte moves and picks the
+//! implementation; a backend may provide one ([`Backend::window`], shm's
+//! shared segments), else [`over_p2p`] builds windows over the backend's
+//! posted point-to-point messages (cpu-tcp, hierarchical), whose frames
+//! [`frame`] describes and checks again on the target.
+
+pub mod frame;
+mod memory;
+pub(crate) mod over_p2p;
+
+pub use memory::WindowMemory;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::group::{Collectives, ProcessGroup, Work};
+use crate::options::OpOptions;
+use crate::progress::Done;
+use crate::store::Store;
+use crate::tensor::{Device, Tensor, TensorMut};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// How a peer's window memory can be reached (TorchComm's `get_attr`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AccessType {
+    /// This process maps the peer's memory: [`Window::map_remote`] works.
+    Unified,
+    /// Only puts and gets reach it.
+    Separate,
+}
+
+/// What [`Window::attr`] says about a peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WindowAttr {
+    /// Whether the peer's memory is mapped here.
+    pub access: AccessType,
+}
+
+/// What a backend is told when a window is created on its group.
+pub struct WindowSpec {
+    /// The window's number in the group (the same on every rank).
+    pub id: u64,
+    /// This rank.
+    pub rank: usize,
+    /// Group size.
+    pub size: usize,
+    /// Every rank's registered bytes.
+    pub sizes: Vec<usize>,
+    /// Where the registered bytes live (the same kind on every rank).
+    pub device: Device,
+    /// A store namespace private to this window.
+    pub store: Arc<dyn Store>,
+    /// When creation must have finished.
+    pub deadline: Instant,
+}
+
+/// Contiguous bytes a put reads or a get writes: host memory, or the
+/// window's device's memory (a device address).
+#[derive(Clone, Copy, Debug)]
+pub struct Span {
+    /// The first byte.
+    pub ptr: *mut u8,
+    /// How many.
+    pub len: usize,
+}
+
+impl Span {
+    /// The bytes of a host span.
+    ///
+    /// # Safety
+    /// The span is host memory, valid (and not written elsewhere) for 'a.
+    pub unsafe fn host<'a>(self) -> &'a mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+/// The call a put, get, signal or wait belongs to.
+#[derive(Clone, Copy, Debug)]
+pub struct RmaCall {
+    /// When it must be finished.
+    pub deadline: Instant,
+    /// Device windows: the caller's stream, the op is ordered on
+    /// (`None`: the device's default stream).
+    pub stream: Option<crate::stream::StreamHandle>,
+}
+
+/// One rank's side of a window, as a backend provides it (or
+/// [`over_p2p`] over point-to-point messages). Ranks and ranges are
+/// checked by [`Window`] before any call; spans are on the window's device.
+pub trait WindowTransport: Send + Sync {
+    /// This rank's registered bytes (valid as long as the transport).
+    fn local(&self) -> Span;
+
+    /// Write `src` at `offset` of rank `dst`'s memory (another rank);
+    /// `done` once `src` may be reused (device windows: once the copy is
+    /// queued on the call's stream, which orders any later use).
+    ///
+    /// # Safety
+    /// `src` stays valid until `done` has been called (and, on a device,
+    /// until its stream has run the copy).
+    unsafe fn put(&self, src: Span, dst: usize, offset: usize, call: &RmaCall, done: Done);
+
+    /// Read `dst.len` bytes at `offset` of rank `src`'s memory (another
+    /// rank) into `dst`; `done` once they are there (device windows: once
+    /// the copy is queued on the call's stream).
+    ///
+    /// # Safety
+    /// `dst` stays valid and untouched until `done` has been called (and,
+    /// on a device, until its stream has run the copy).
+    unsafe fn get(&self, dst: Span, src: usize, offset: usize, call: &RmaCall, done: Done);
+
+    /// Count one signal at `peer` (this rank too), seen there after every
+    /// earlier put from this rank to `peer`; `done` once sent.
+    fn signal(&self, peer: usize, call: &RmaCall, done: Done);
+
+    /// Wait until `count` signals from `peer` (this rank too) have arrived
+    /// that no earlier wait took, and take them (device windows: then order
+    /// the call's stream after the puts they cover).
+    fn wait_signal(&self, peer: usize, count: u64, call: &RmaCall) -> Result<()>;
+
+    /// Rank `rank`'s memory, where this process maps it.
+    fn remote(&self, rank: usize) -> Option<*mut u8>;
+
+    /// Collective teardown: returns once no peer will touch this rank's
+    /// memory any more, and this rank's puts and gets are over.
+    fn close(&self, deadline: Instant) -> Result<()>;
+}
+
+/// Registered memory on every rank of a group, reachable one-sidedly.
+///
+/// Offsets and lengths are in bytes. The memory a window registers is its
+/// own (zeroed at creation; shared memory on `shm`): read and write this
+/// rank's part through [`Window::local`]. Puts from peers land in it at
+/// any time: read what a peer put after its signal arrived
+/// ([`Window::wait_signal`]), as in MPI's RMA.
+///
+/// [`Window::deregister`] is collective; dropping a window does the same
+/// and only logs what failed.
+pub struct Window {
+    imp: Arc<dyn WindowTransport>,
+    rank: usize,
+    device: Device,
+    sizes: Vec<usize>,
+    timeout: std::time::Duration,
+    closed: AtomicBool,
+    /// The group's poisoned/aborted state.
+    usable: Box<dyn Fn() -> Result<()> + Send + Sync>,
+}
+
+impl ProcessGroup {
+    /// Create a window with `bytes` of memory on this rank (zeroed; each
+    /// rank may register a different size). Collective: every rank calls
+    /// it, in the same order relative to other windows and collectives.
+    ///
+    /// On shm the memory is shared (puts are one copy, peers' memory
+    /// can be mapped); elsewhere puts travel as messages that a progress
+    /// thread on the target writes into place.
+    pub fn new_window(&self, bytes: usize) -> Result<Window> {
+        self.new_window_on(bytes, Device::Cpu)
+    }
+
+    /// As [`ProcessGroup::new_window`], with the memory on `device` (every
+    /// rank passes the same kind): `cuda-device` maps peers' device memory
+    /// (CUDA IPC, ranks on one host), and puts and gets are device copies
+    /// ordered on the caller's stream.
+    pub fn new_window_on(&self, bytes: usize, device: Device) -> Result<Window> {
+        let name = "new_window";
+        let (rank, size) = (self.rank(), self.size());
+        let mut all = vec![0u64; size];
+        self.all_gather_single(&mut all[..], &[bytes as u64][..], &OpOptions::default())?.wait()?;
+        let sizes: Vec<usize> = all.iter().map(|&b| b as usize).collect();
+        let parts = self.window_parts(device.kind())?;
+        let spec = WindowSpec {
+            id: parts.id,
+            rank,
+            size,
+            sizes: sizes.clone(),
+            device,
+            store: parts.store,
+            deadline: crate::deadline::instant_after(parts.timeout),
+        };
+        let backend: &Arc<dyn Backend> = &parts.backend;
+        // The backend's own windows; where it has none, or cannot make one
+        // (on every rank alike), windows over its messages.
+        let imp: Arc<dyn WindowTransport> = match backend.window(&spec) {
+            Some(Ok(native)) => native,
+            Some(Err(e)) if !matches!(e.kind(), crate::ErrorKind::Unsupported) => return Err(e.with_op(name).with_rank(rank)),
+            native => {
+                if let Some(Err(e)) = native {
+                    crate::log::info(format_args!("window #{} on rank {rank}: over messages, since {e}", spec.id));
+                }
+                if device != Device::Cpu || !backend.posts() {
+                    let e = Error::unsupported(format!(
+                        "backend {} cannot move bytes without the target calling in: windows need a backend that posts \
+                         point-to-point ops (cpu-tcp, shm, hierarchical)",
+                        backend.name()
+                    ));
+                    return Err(e.with_op(name).with_rank(rank));
+                }
+                let made = over_p2p::P2pWindow::new(spec, backend.clone(), (parts.lane)());
+                Arc::new(made.map_err(|e| e.with_op(name).with_rank(rank))?)
+            }
+        };
+        Ok(Window { imp, rank, device, sizes, timeout: parts.timeout, closed: AtomicBool::new(false), usable: parts.usable })
+    }
+}
+
+/// What a window needs from its group (`group::window_parts`).
+pub(crate) struct WindowParts {
+    pub(crate) id: u64,
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) backend: Arc<dyn Backend>,
+    /// The group's progress thread for `backend` (started on first use).
+    pub(crate) lane: Box<dyn FnOnce() -> Arc<crate::group::Lane>>,
+    pub(crate) timeout: std::time::Duration,
+    pub(crate) usable: Box<dyn Fn() -> Result<()> + Send + Sync>,
+}
+
+impl Window {
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.sizes.len()
+    }
+    /// Bytes rank `rank` registered.
+    pub fn len_of(&self, rank: usize) -> usize {
+        self.sizes.get(rank).copied().unwrap_or(0)
+    }
+
+    /// Where the registered memory lives.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// This rank's registered memory.
+    pub fn local(&self) -> WindowMemory<'_> {
+        let Span { ptr, len } = self.imp.local();
+        // SAFETY: the transport keeps these bytes mapped as long as itself,
+        // which the view's borrow of `self` outlives.
+        unsafe { WindowMemory::new(ptr, len, self.device) }
+    }
+
+    /// How `peer`'s memory is reached from here.
+    pub fn attr(&self, peer: usize) -> Result<WindowAttr> {
+        self.peer("get_attr", peer)?;
+        let access = if peer == self.rank || self.imp.remote(peer).is_some() { AccessType::Unified } else { AccessType::Separate };
+        Ok(WindowAttr { access })
+    }
+
+    /// A direct view of `rank`'s registered memory, where this process
+    /// maps it (shm; this rank's own everywhere): `Unsupported` elsewhere.
+    pub fn map_remote(&self, rank: usize) -> Result<WindowMemory<'_>> {
+        self.peer("map_remote", rank)?;
+        if rank == self.rank {
+            return Ok(self.local());
+        }
+        match self.imp.remote(rank) {
+            // SAFETY: as in `local`: mapped as long as the transport.
+            Some(ptr) => Ok(unsafe { WindowMemory::new(ptr, self.sizes[rank], self.device) }),
+            None => Err(Error::unsupported(format!(
+                "map_remote: rank {rank}'s window memory is not mapped in this process (the backend reaches it by messages; \
+                 use put and get)"
+            ))
+            .with_op("map_remote")
+            .with_rank(self.rank)),
+        }
+    }
+
+    /// Write `src` at byte `offset` of rank `dst`'s memory, one-sidedly
+    /// (`dst` does not call anything). The [`Work`] finishes once `src`
+    /// may be reused; `dst` sees the bytes after a later
+    /// [`Window::signal`] to it arrived. Puts from one origin to one target
+    /// land in issue order. A range outside `dst`'s registered bytes is
+    /// `InvalidArgument` before any byte moves.
+    pub fn put<'t>(&self, src: impl Into<Tensor<'t>>, dst: usize, offset: usize, opts: &OpOptions) -> Result<Work<'t>> {
+        let src = src.into();
+        let name = "put";
+        let call = self.start(name, dst, src.device(), src.is_contiguous(), offset, src.nbytes(), opts)?;
+        let span = Span { ptr: src.as_ptr() as *mut u8, len: src.nbytes() };
+        if span.len == 0 {
+            return Ok(Work::done(Ok(()), None));
+        }
+        if dst == self.rank && self.device == Device::Cpu {
+            // SAFETY: a contiguous host tensor (checked), borrowed for 't.
+            return self.local().write(offset, unsafe { span.host() }).map(|()| Work::done(Ok(()), None));
+        }
+        // SAFETY: the Work borrows `src` for 't and waits for the put when
+        // dropped, so `src` outlives it.
+        Ok(self.track(name, |done| unsafe { self.imp.put(span, dst, offset, &call, done) }))
+    }
+
+    /// Read `dst`'s length in bytes at byte `offset` of rank `src`'s memory
+    /// into `dst`, one-sidedly. The [`Work`] finishes once they are in.
+    pub fn get<'t>(&self, dst: impl Into<TensorMut<'t>>, src: usize, offset: usize, opts: &OpOptions) -> Result<Work<'t>> {
+        let dst = dst.into();
+        let name = "get";
+        let call = self.start(name, src, dst.device(), dst.is_contiguous(), offset, dst.nbytes(), opts)?;
+        let span = Span { ptr: dst.as_ptr() as *mut u8, len: dst.nbytes() };
+        if span.len == 0 {
+            return Ok(Work::done(Ok(()), None));
+        }
+        if src == self.rank && self.device == Device::Cpu {
+            // SAFETY: a contiguous host tensor (checked), borrowed mutably for 't.
+            return self.local().read(offset, unsafe { span.host() }).map(|()| Work::done(Ok(()), None));
+        }
+        // SAFETY: as in `put`.
+        Ok(self.track(name, |done| unsafe { self.imp.get(span, src, offset, &call, done) }))
+    }
+
+    /// Tell `peer` that this rank's earlier puts to it are complete: once
+    /// `peer`'s [`Window::wait_signal`] for this rank returns, their bytes
+    /// are in its memory.
+    pub fn signal(&self, peer: usize, opts: &OpOptions) -> Result<Work<'static>> {
+        self.peer("signal", peer)?;
+        self.check_open("signal")?;
+        let call = self.call(opts);
+        Ok(self.track("signal", |done| self.imp.signal(peer, &call, done)))
+    }
+
+    /// Wait for a signal from `peer` (one that no earlier wait took).
+    pub fn wait_signal(&self, peer: usize, opts: &OpOptions) -> Result<()> {
+        self.wait_signals(peer, 1, opts)
+    }
+
+    /// Wait for `count` signals from `peer`; `Timeout` naming `peer` if
+    /// they have not all arrived by the op's deadline, `PeerLost` if it died.
+    pub fn wait_signals(&self, peer: usize, count: u64, opts: &OpOptions) -> Result<()> {
+        let name = "wait_signal";
+        self.peer(name, peer)?;
+        self.check_open(name)?;
+        self.imp.wait_signal(peer, count, &self.call(opts)).map_err(|e| e.with_op(name).with_rank(self.rank))
+    }
+
+    /// Collectively end the window: returns once every rank has stopped
+    /// using it (each rank's earlier puts have landed).
+    pub fn deregister(self) -> Result<()> {
+        self.close()
+    }
+
+    fn close(&self) -> Result<()> {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        self.imp.close(crate::deadline::instant_after(self.timeout)).map_err(|e| e.with_op("tensor_deregister").with_rank(self.rank))
+    }
+
+    fn call(&self, opts: &OpOptions) -> RmaCall {
+        let stream = if self.device == Device::Cpu { None } else { opts.stream.or_else(crate::stream::current_stream) };
+        RmaCall { deadline: crate::deadline::instant_after(opts.timeout.unwrap_or(self.timeout)), stream }
+    }
+
+    fn peer(&self, name: &'static str, peer: usize) -> Result<()> {
+        if peer >= self.size() {
+            let e = Error::invalid(format!("rank {peer} is out of range for a group of size {}", self.size()));
+            return Err(e.with_op(name).with_rank(self.rank));
+        }
+        Ok(())
+    }
+
+    fn check_open(&self, name: &'static str) -> Result<()> {
+        let r = if self.closed.load(Ordering::Acquire) { Err(Error::invalid("the window was deregistered")) } else { (self.usable)() };
+        r.map_err(|e| e.with_op(name).with_rank(self.rank))
+    }
+
+    /// The checks of a put or get of `len` bytes at `offset` of `peer`'s
+    /// memory, before any byte moves; the call it makes.
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        &self,
+        name: &'static str,
+        peer: usize,
+        device: Device,
+        contiguous: bool,
+        offset: usize,
+        len: usize,
+        opts: &OpOptions,
+    ) -> Result<RmaCall> {
+        self.peer(name, peer)?;
+        self.check_open(name)?;
+        let fail = |m: String| Err(Error::invalid(m).with_op(name).with_rank(self.rank));
+        if device != self.device {
+            return fail(format!("the window's memory is on {}, the tensor on {device}", self.device));
+        }
+        if !contiguous {
+            return fail("the tensor is not contiguous".into());
+        }
+        let theirs = self.sizes[peer];
+        if offset.checked_add(len).is_none_or(|end| end > theirs) {
+            return fail(format!("{len} bytes at offset {offset} lie outside rank {peer}'s {theirs} registered bytes"));
+        }
+        Ok(self.call(opts))
+    }
+
+    /// A [`Work`] for an op the transport finishes through `done`.
+    fn track<'t>(&self, name: &'static str, run: impl FnOnce(Done)) -> Work<'t> {
+        let rank = self.rank;
+        Work::completed_by(move |e: Error| e.with_op(name).with_rank(rank), run)
+    }
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        if let Err(e) = self.close() {
+            crate::log::info(format_args!("dropping a window on rank {}: {e}", self.rank));
+        }
+    }
+}
+
+impl std::fmt::Debug for Window {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Window(rank {} of {}, {:?} bytes on {})", self.rank, self.size(), self.sizes, self.device)
+    }
+}

@@ -1,0 +1,324 @@
+//! Windows over a backend's posted point-to-point messages: what cpu-tcp
+//! and hierarchical give, and any backend that posts.
+//!
+//! The target keeps one receive posted per peer for its next frame
+//! ([`super::frame`]). Whichever thread drives the transport completes it
+//! — the group's progress thread for the transport, which keeps driving
+//! while a window is open (so a target busy computing still takes puts),
+//! or a thread waiting in any op —, and the completion acts on the frame:
+//! an inline put is copied into place, a long put's bytes are received
+//! straight into the checked range, a signal is counted, a get is
+//! answered. Only then is the next receive for that peer posted, so one
+//! origin's frames act in issue order and a signal counts after the puts
+//! before it have landed.
+
+use super::frame::{Frame, CONTROL, DATA, FRAME_BYTES, INLINE, REPLY};
+use super::memory::Heap;
+use super::{RmaCall, Span, WindowSpec, WindowTransport};
+use crate::backend::{Backend, P2p};
+use crate::error::{Error, Result};
+use crate::group::Lane;
+use crate::progress::{Done, Post};
+use smallvec::SmallVec;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// A window of one rank over posted messages.
+pub(crate) struct P2pWindow {
+    service: Arc<Service>,
+    size: usize,
+}
+
+/// The target side: this rank's memory and what peers' frames did to it.
+struct Service {
+    id: u64,
+    rank: usize,
+    backend: Arc<dyn Backend>,
+    lane: Arc<Lane>,
+    heap: Heap,
+    origins: Mutex<Origins>,
+    changed: Condvar,
+}
+
+/// Per peer: signals arrived and taken, and whether it ended.
+struct Origins {
+    arrived: Vec<u64>,
+    taken: Vec<u64>,
+    /// `None` while it may send frames; `Some(None)` once it closed,
+    /// `Some(Some(e))` once its frames failed (the target stopped reading).
+    ended: Vec<Option<Option<Error>>>,
+    /// This rank's close frames sent (or failed).
+    closes_sent: usize,
+}
+
+/// A frame in a heap buffer of its own (its address stays put while a
+/// posted op borrows it).
+fn frame_buf(f: Frame, inline: &[u8]) -> Vec<u8> {
+    f.encode(inline).to_vec()
+}
+
+/// A posted op's view of bytes that something the op's completion owns
+/// keeps alive.
+///
+/// # Safety
+/// `ptr..ptr + len` stays valid, and unused elsewhere if written, until
+/// the op's completion has run.
+unsafe fn bytes<'a>(ptr: *mut u8, len: usize) -> &'a mut [u8] {
+    if len == 0 {
+        return &mut [];
+    }
+    // SAFETY: the caller's promise.
+    unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+}
+
+impl P2pWindow {
+    /// This rank's side of window `spec`, its frames moved by `backend`
+    /// (which posts) and driven by `lane`.
+    pub(crate) fn new(spec: WindowSpec, backend: Arc<dyn Backend>, lane: Arc<Lane>) -> Result<P2pWindow> {
+        let size = spec.size;
+        let service = Arc::new(Service {
+            id: spec.id,
+            rank: spec.rank,
+            backend,
+            lane,
+            heap: Heap::zeroed(spec.sizes[spec.rank])?,
+            origins: Mutex::new(Origins { arrived: vec![0; size], taken: vec![0; size], ended: vec![None; size], closes_sent: 0 }),
+            changed: Condvar::new(),
+        });
+        if size > 1 {
+            service.lane.listen();
+            for origin in (0..size).filter(|&p| p != spec.rank) {
+                service.listen(origin);
+            }
+        }
+        Ok(P2pWindow { service, size })
+    }
+
+    fn tag(&self, channel: u8) -> u64 {
+        crate::tag::window(self.service.id, channel)
+    }
+
+    /// Post `ops` as a background batch; `keep` (what they borrow) lives
+    /// until `done` has run.
+    ///
+    /// # Safety
+    /// Whatever `ops` borrow that `keep` does not own stays valid until
+    /// `done` has run.
+    unsafe fn post(&self, ops: &mut [P2p<'_>], keep: Vec<u8>, deadline: Instant, done: Done) {
+        let done: Done = Box::new(move |r| {
+            drop(keep);
+            done(r)
+        });
+        // SAFETY: the caller's promise, and `keep` moved into `done`.
+        self.service.lane.post(unsafe { Post::new(ops, &[], deadline, done) });
+    }
+}
+
+impl WindowTransport for P2pWindow {
+    fn local(&self) -> Span {
+        Span { ptr: self.service.heap.ptr(), len: self.service.heap.len() }
+    }
+
+    unsafe fn put(&self, src: Span, dst: usize, offset: usize, call: &RmaCall, done: Done) {
+        // SAFETY: host memory (windows over messages are on the host),
+        // valid until `done` (the caller's promise).
+        let src: &[u8] = unsafe { src.host() };
+        let (len, deadline) = (src.len(), call.deadline);
+        let mut frame = frame_buf(Frame::Put { offset: offset as u64, len: len as u64 }, if len <= INLINE { src } else { &[] });
+        // SAFETY: `frame` goes to `post`'s keep.
+        let mut ops: SmallVec<[P2p<'_>; 2]> =
+            smallvec::smallvec![P2p::Send { peer: dst, tag: self.tag(CONTROL), data: unsafe { bytes(frame.as_mut_ptr(), FRAME_BYTES) } }];
+        if len > INLINE {
+            ops.push(P2p::Send { peer: dst, tag: self.tag(DATA), data: src });
+        }
+        // SAFETY: `src` is valid until `done` (the caller's promise).
+        unsafe { self.post(&mut ops, frame, deadline, done) }
+    }
+
+    unsafe fn get(&self, dst: Span, src: usize, offset: usize, call: &RmaCall, done: Done) {
+        // SAFETY: as in `put`.
+        let (dst, deadline) = (unsafe { dst.host() }, call.deadline);
+        let mut frame = frame_buf(Frame::Get { offset: offset as u64, len: dst.len() as u64 }, &[]);
+        // The reply's receive is posted before the request goes out: gets
+        // from one rank to one target are answered, and matched, in order.
+        let mut ops = [
+            P2p::Recv { peer: src, tag: self.tag(REPLY), buf: dst },
+            // SAFETY: `frame` goes to `post`'s keep.
+            P2p::Send { peer: src, tag: self.tag(CONTROL), data: unsafe { bytes(frame.as_mut_ptr(), FRAME_BYTES) } },
+        ];
+        // SAFETY: `dst` is valid until `done` (the caller's promise).
+        unsafe { self.post(&mut ops, frame, deadline, done) }
+    }
+
+    fn signal(&self, peer: usize, call: &RmaCall, done: Done) {
+        let deadline = call.deadline;
+        if peer == self.service.rank {
+            self.service.origins.lock().unwrap_or_else(|p| p.into_inner()).arrived[peer] += 1;
+            return done(Ok(()));
+        }
+        let mut frame = frame_buf(Frame::Signal, &[]);
+        // SAFETY: `frame` goes to `post`'s keep.
+        let mut ops = [P2p::Send { peer, tag: self.tag(CONTROL), data: unsafe { bytes(frame.as_mut_ptr(), FRAME_BYTES) } }];
+        // SAFETY: the batch borrows only `frame`.
+        unsafe { self.post(&mut ops, frame, deadline, done) }
+    }
+
+    fn wait_signal(&self, peer: usize, count: u64, call: &RmaCall) -> Result<()> {
+        let deadline = call.deadline;
+        let s = &self.service;
+        let mut o = s.origins.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            let have = o.arrived[peer] - o.taken[peer];
+            if have >= count {
+                o.taken[peer] += count;
+                return Ok(());
+            }
+            match &o.ended[peer] {
+                Some(Some(e)) => return Err(e.clone()),
+                Some(None) => {
+                    return Err(Error::invalid(format!(
+                        "rank {peer} deregistered the window after {have} of the {count} signals waited for"
+                    )))
+                }
+                None => {}
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let e = Error::timeout(format!("window: {have} of {count} signals from rank {peer} arrived before the deadline"));
+                return Err(e.stalled_on(Some(peer)));
+            }
+            o = s.changed.wait_timeout(o, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    fn remote(&self, _rank: usize) -> Option<*mut u8> {
+        None
+    }
+
+    fn close(&self, deadline: Instant) -> Result<()> {
+        let s = &self.service;
+        if self.size == 1 {
+            return Ok(());
+        }
+        // Every peer learns that this rank sends nothing more (after its
+        // earlier frames); this rank waits for the same from every peer.
+        for peer in (0..self.size).filter(|&p| p != s.rank) {
+            let me = s.clone();
+            let mut frame = frame_buf(Frame::Close, &[]);
+            // SAFETY: `frame` goes to `post`'s keep.
+            let mut ops = [P2p::Send { peer, tag: self.tag(CONTROL), data: unsafe { bytes(frame.as_mut_ptr(), FRAME_BYTES) } }];
+            let done: Done = Box::new(move |r| {
+                let mut o = me.origins.lock().unwrap_or_else(|p| p.into_inner());
+                o.closes_sent += 1;
+                if let (Err(e), None) = (r, &o.ended[peer]) {
+                    o.ended[peer] = Some(Some(e));
+                }
+                drop(o);
+                me.changed.notify_all();
+            });
+            // SAFETY: the batch borrows only `frame`.
+            unsafe { self.post(&mut ops, frame, deadline, done) };
+        }
+        let mut o = s.origins.lock().unwrap_or_else(|p| p.into_inner());
+        let result = loop {
+            let open = (0..self.size).find(|&p| p != s.rank && o.ended[p].is_none());
+            if open.is_none() && o.closes_sent == self.size - 1 {
+                break match o.ended.iter().find_map(|e| e.as_ref().and_then(|e| e.clone())) {
+                    Some(e) => Err(e),
+                    None => Ok(()),
+                };
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let peer = open.unwrap_or(s.rank);
+                break Err(Error::timeout(format!("window: rank {peer} did not deregister it before the deadline")).stalled_on(Some(peer)));
+            }
+            o = s.changed.wait_timeout(o, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        };
+        drop(o);
+        s.lane.unlisten();
+        result
+    }
+}
+
+/// A posted receive's deadline for a frame that may never come.
+fn forever() -> Instant {
+    crate::deadline::instant_after(Duration::MAX)
+}
+
+impl Service {
+    /// Post the receive of `origin`'s next frame.
+    fn listen(self: &Arc<Self>, origin: usize) {
+        let mut frame = vec![0u8; FRAME_BYTES];
+        // SAFETY: `frame` moves into the completion, which runs last.
+        let mut ops =
+            [P2p::Recv { peer: origin, tag: crate::tag::window(self.id, CONTROL), buf: unsafe { bytes(frame.as_mut_ptr(), FRAME_BYTES) } }];
+        let me = self.clone();
+        let done: Done = Box::new(move |r| me.on_frame(origin, frame, r));
+        // SAFETY: as above.
+        self.backend.post(unsafe { Post::new(&mut ops, &[], forever(), done) });
+    }
+
+    /// `origin` stopped: it closed (`None`) or failed.
+    fn end(&self, origin: usize, why: Option<Error>) {
+        let mut o = self.origins.lock().unwrap_or_else(|p| p.into_inner());
+        if o.ended[origin].is_none() {
+            if let Some(e) = &why {
+                crate::log::info(format_args!("window #{} on rank {}: stopped reading rank {origin}: {e}", self.id, self.rank));
+            }
+            o.ended[origin] = Some(why);
+        }
+        drop(o);
+        self.changed.notify_all();
+    }
+
+    /// Act on a frame from `origin` (or on its receive's failure).
+    fn on_frame(self: &Arc<Self>, origin: usize, frame: Vec<u8>, r: Result<()>) {
+        let bytes_of = |f: &Vec<u8>| -> [u8; FRAME_BYTES] { f[..].try_into().expect("a frame buffer") };
+        let b = bytes_of(&frame);
+        let frame = match r.and_then(|()| Frame::decode(&b, origin, self.heap.len())) {
+            Ok(f) => f,
+            Err(e) => return self.end(origin, Some(e)),
+        };
+        match frame {
+            Frame::Put { offset, len } if len as usize <= INLINE => {
+                // SAFETY: inside the heap (checked by `decode`).
+                unsafe { std::ptr::copy_nonoverlapping(Frame::inline(&b).as_ptr(), self.heap.ptr().add(offset as usize), len as usize) };
+                self.listen(origin);
+            }
+            Frame::Put { offset, len } => {
+                // SAFETY: inside the heap (checked by `decode`), which the
+                // completion's `me` keeps alive.
+                let buf = unsafe { bytes(self.heap.ptr().add(offset as usize), len as usize) };
+                let mut ops = [P2p::Recv { peer: origin, tag: crate::tag::window(self.id, DATA), buf }];
+                let me = self.clone();
+                let done: Done = Box::new(move |r| match r {
+                    Ok(()) => me.listen(origin),
+                    Err(e) => me.end(origin, Some(e)),
+                });
+                // SAFETY: as above.
+                self.backend.post(unsafe { Post::new(&mut ops, &[], forever(), done) });
+            }
+            Frame::Signal => {
+                self.origins.lock().unwrap_or_else(|p| p.into_inner()).arrived[origin] += 1;
+                self.changed.notify_all();
+                self.listen(origin);
+            }
+            Frame::Get { offset, len } => {
+                // SAFETY: as for a long put.
+                let data = unsafe { bytes(self.heap.ptr().add(offset as usize), len as usize) };
+                let mut ops = [P2p::Send { peer: origin, tag: crate::tag::window(self.id, REPLY), data }];
+                let me = self.clone();
+                let done: Done = Box::new(move |r| {
+                    if let Err(e) = r {
+                        me.end(origin, Some(e));
+                    }
+                });
+                // SAFETY: as above.
+                self.backend.post(unsafe { Post::new(&mut ops, &[], forever(), done) });
+                self.listen(origin);
+            }
+            Frame::Close => self.end(origin, None),
+        }
+    }
+}
