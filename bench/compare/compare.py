@@ -66,7 +66,7 @@ def run_copy(a, size, weft):
 
 
 def run_gloo(a, size, out, weft):
-    ops = ",".join(o for o in a.ops.split(",") if o not in ("reduce_scatter", "scatter", "gather", "all_to_all_v", "sendrecv"))
+    ops = ",".join(o for o in a.ops.split(",") if o not in ("reduce_scatter", "scatter", "gather", "all_to_all_v", "sendrecv", "put"))
     with tempfile.TemporaryDirectory() as store:
         env = dict(os.environ, GLOO_STORE_DIR=store)
         text = sh([weft, "run", "-n", str(a.world), "--no-prefix", "--timeout", "600", "--",

@@ -1,6 +1,7 @@
 /* Open MPI anchor for weft's comparison harness: times MPI collectives the
  * way `weft bench` times its own (a barrier before each iteration, the
  * slowest rank's time per iteration, the median over iterations).
+ * `put` is MPI_Put closed by MPI_Win_fence (Open MPI's osc).
  * Usage: mpirun -np 2 [--mca btl tcp,self | vader,self] mpi_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP
  * Prints: "op bytes median_us" per size on rank 0. */
 #include <mpi.h>
@@ -58,6 +59,15 @@ static void sendrecv(size_t n, size_t p) { /* each rank to r+1, from r-1, at onc
                  MPI_STATUS_IGNORE);
 }
 static void barrier(size_t n, size_t p) { (void)n; (void)p; MPI_Barrier(MPI_COMM_WORLD); }
+/* One-sided, as weft's put: rank r puts N bytes into rank r+1's window,
+ * then every rank closes the epoch (MPI_Win_fence), after which the bytes
+ * are in place at the target. The window is allocated per size. */
+static MPI_Win win;
+static void put(size_t n, size_t p) {
+    (void)p;
+    if (rank + 1 < size) MPI_Put(A, (int)n, MPI_FLOAT, rank + 1, 0, (int)n, MPI_FLOAT, win);
+    MPI_Win_fence(0, win);
+}
 
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
@@ -75,7 +85,7 @@ int main(int argc, char **argv) {
     struct { const char *name; op_fn f; int full; } table[] = {
         {"all_reduce", all_reduce, 0}, {"all_gather", all_gather, 1}, {"reduce_scatter", reduce_scatter, 1},
         {"all_to_all", all_to_all, 1}, {"broadcast", broadcast, 0}, {"reduce", reduce, 0}, {"p2p", p2p, 0},
-        {"sendrecv", sendrecv, 0},
+        {"sendrecv", sendrecv, 0}, {"put", put, 0},
     };
     for (size_t bytes = minb; bytes <= maxb; bytes *= factor) {
         size_t n = bytes / 4 ? bytes / 4 : 1;
@@ -86,6 +96,11 @@ int main(int argc, char **argv) {
          * buffer calloc left untouched maps the shared zero page, which
          * single-copy reads serve from cache and which flatters the anchor. */
         for (size_t i = 0; i < (full > n ? full : n); i++) A[i] = (float)(rank + 1 + (int)(i % 7)), B[i] = -1.0f;
+        float *base = NULL;
+        if (want(ops, "put")) {
+            MPI_Win_allocate((MPI_Aint)(n * sizeof(float)), sizeof(float), MPI_INFO_NULL, MPI_COMM_WORLD, &base, &win);
+            MPI_Win_fence(0, win);
+        }
         for (size_t k = 0; k < sizeof table / sizeof *table; k++) {
             if (!want(ops, table[k].name)) continue;
             double us = timeit(table[k].f, n, part);
@@ -95,6 +110,7 @@ int main(int argc, char **argv) {
             double us = timeit(barrier, 0, 0);
             if (rank == 0) printf("barrier 0 %.3f\n", us);
         }
+        if (want(ops, "put")) MPI_Win_free(&win);
         free(A);
         free(B);
     }

@@ -17,8 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use weft::backend::Deadline;
-use weft::progress::Done;
-use weft::window::{RmaCall, Span, WindowSpec, WindowTransport};
+use weft::window::{Later, RmaCall, Span, WindowSpec, WindowTransport};
 use weft::{Error, Result};
 
 /// One origin's line in a target's segment.
@@ -120,6 +119,23 @@ impl ShmWindow {
     }
 }
 
+/// Copy `len` bytes from `src` to `dst`: weft's copy kernel (streaming
+/// stores for large copies), or a move where the two overlap (a caller's
+/// buffer that is itself window memory).
+///
+/// # Safety
+/// Both ranges are valid for `len` bytes.
+unsafe fn copy(dst: *mut u8, src: *const u8, len: usize) {
+    let (d, s) = (dst as usize, src as usize);
+    if d < s + len && s < d + len {
+        // SAFETY: the caller's promise.
+        return unsafe { std::ptr::copy(src, dst, len) };
+    }
+    // SAFETY: the caller's promise; the ranges do not overlap (checked).
+    let (dst, src) = unsafe { (std::slice::from_raw_parts_mut(dst, len), std::slice::from_raw_parts(src, len)) };
+    weft::kernels::copy(dst, src)
+}
+
 /// Puts this long check the target is alive first (a system call, which
 /// short ones skip: their signal checks).
 const CHECKED_PUT: usize = 64 << 10;
@@ -129,48 +145,48 @@ impl WindowTransport for ShmWindow {
         Span { ptr: self.data(self.rank), len: self.segs[self.rank].len() - header(self.segs.len()) }
     }
 
-    unsafe fn put(&self, src: Span, dst: usize, offset: usize, _: &RmaCall, done: Done) {
+    unsafe fn put(&self, src: Span, dst: usize, offset: usize, _: &RmaCall, _: Later<'_>) -> Option<Result<()>> {
         if src.len >= CHECKED_PUT {
             if let Err(e) = self.check(dst) {
-                return done(Err(e));
+                return Some(Err(e));
             }
         }
         // SAFETY: the range lies inside `dst`'s registered bytes (checked
-        // by the window); `src` is the caller's, which may only alias the
-        // mapping through an unsafe view (hence `copy`).
-        unsafe { std::ptr::copy(src.ptr, self.data(dst).add(offset), src.len) };
-        done(Ok(()))
+        // by the window); `src` is the caller's, valid for the call.
+        unsafe { copy(self.data(dst).add(offset), src.ptr, src.len) };
+        Some(Ok(()))
     }
 
-    unsafe fn get(&self, dst: Span, src: usize, offset: usize, _: &RmaCall, done: Done) {
+    unsafe fn get(&self, dst: Span, src: usize, offset: usize, _: &RmaCall, _: Later<'_>) -> Option<Result<()>> {
         if dst.len >= CHECKED_PUT {
             if let Err(e) = self.check(src) {
-                return done(Err(e));
+                return Some(Err(e));
             }
         }
         // SAFETY: as in `put`.
-        unsafe { std::ptr::copy(self.data(src).add(offset), dst.ptr, dst.len) };
-        done(Ok(()))
+        unsafe { copy(dst.ptr, self.data(src).add(offset), dst.len) };
+        Some(Ok(()))
     }
 
-    fn signal(&self, peer: usize, _: &RmaCall, done: Done) {
-        if let Err(e) = self.check(peer) {
-            return done(Err(e));
+    fn signal(&self, peer: usize, _: &RmaCall, _: Later<'_>) -> Option<Result<()>> {
+        // (No liveness check here: a signal is a store, as cheap as the
+        // put before it; waits and long puts find a dead peer.)
+        if let Err(e) = self.shm.check_failed() {
+            return Some(Err(e));
         }
         // Release: the puts before it are seen by whoever sees the count.
         self.line(peer, self.rank).signals.fetch_add(1, Ordering::SeqCst);
         self.shm.wake(peer);
-        done(Ok(()))
+        Some(Ok(()))
     }
 
     fn wait_signal(&self, peer: usize, count: u64, call: &RmaCall) -> Result<()> {
-        let deadline = call.deadline;
         let mut taken = self.taken[peer].lock().unwrap_or_else(|p| p.into_inner());
         let want = *taken + count;
         let signals = &self.line(self.rank, peer).signals;
         // Acquire (SeqCst): the puts before the peer's signal are in place.
         let what = || format!("{count} signal(s) of window (at {} of {want})", signals.load(Ordering::SeqCst));
-        self.wait(peer, &what, deadline, &|| signals.load(Ordering::SeqCst) >= want)?;
+        self.shm.wait_until(peer, &what, &call.deadline, &|| signals.load(Ordering::SeqCst) >= want)?;
         *taken = want;
         Ok(())
     }

@@ -29,7 +29,7 @@ use weft_cli::launcher;
 pub struct BenchArgs {
     /// Ops, comma-separated, or "all": all_reduce, all_gather, reduce_scatter,
     /// all_to_all, all_to_all_v, broadcast, reduce, gather, scatter, p2p, sendrecv,
-    /// barrier; and sparse_all_reduce (its own table; not part of "all").
+    /// put (one-sided: put, signal, wait_signal), barrier; and sparse_all_reduce (its own table; not part of "all").
     #[arg(long = "ops", default_value = "all")]
     ops: String,
     /// Smallest size in bytes per rank (suffixes K, M, G).
@@ -236,7 +236,7 @@ fn run_rank(a: &BenchArgs, plan: Plan) -> Result<i32> {
         let op_sizes = if *op == "barrier" { vec![0] } else { sizes.clone() };
         for &bytes in &op_sizes {
             bar.set_message(format!("{op} {bytes} B"));
-            let mut case = Case::new(op, dtype, redop, a.root, bytes, r, w, place.clone())?;
+            let mut case = Case::new(op, dtype, redop, a.root, bytes, &pg, place.clone())?;
             let row = measure(&pg, &mut case, op, a, &o)?;
             let row = Row {
                 backend: backend.clone(),

@@ -8,7 +8,7 @@ use weft_conformance::reference::{make, reduced_tensor};
 use weft_conformance::{Buf, SharedPlacement};
 
 /// The ops `weft bench` knows.
-pub const ALL: [&str; 12] = [
+pub const ALL: [&str; 13] = [
     "all_reduce",
     "all_gather",
     "reduce_scatter",
@@ -20,6 +20,7 @@ pub const ALL: [&str; 12] = [
     "scatter",
     "p2p",
     "sendrecv",
+    "put",
     "barrier",
 ];
 
@@ -47,6 +48,8 @@ pub struct Case {
     splits_out: Vec<usize>,
     /// Where the buffers live (host if `None`).
     place: Option<SharedPlacement>,
+    /// `put`: the window every rank registers `count` elements in.
+    window: Option<weft::Window>,
 }
 
 /// Period of the reference patterns (see weft_conformance::reference).
@@ -61,10 +64,10 @@ impl Case {
         redop: ReduceOp,
         root: usize,
         bytes: usize,
-        r: usize,
-        w: usize,
+        pg: &ProcessGroup,
         place: Option<SharedPlacement>,
     ) -> weft::Result<Case> {
+        let (r, w) = (pg.rank(), pg.size());
         let per = (bytes / dtype.size()).max(1);
         // Ops that split a buffer in W parts need a multiple of W elements.
         let count = match op {
@@ -77,7 +80,7 @@ impl Case {
             "all_gather" | "gather" => (Buf::from_bytes(dtype, &make(dtype, r, part)), Buf::zeros(dtype, count)),
             "reduce_scatter" => (Buf::from_bytes(dtype, &make(dtype, r, count)), Buf::zeros(dtype, part)),
             "scatter" => (Buf::from_bytes(dtype, &make(dtype, r, count)), Buf::zeros(dtype, part)),
-            "all_to_all" | "all_to_all_v" | "p2p" | "sendrecv" | "device_copy" => {
+            "all_to_all" | "all_to_all_v" | "p2p" | "sendrecv" | "device_copy" | "put" => {
                 (Buf::from_bytes(dtype, &make(dtype, r, count)), Buf::zeros(dtype, count))
             }
             _ => (Buf::from_bytes(dtype, &make(dtype, r, count)), Buf::zeros(dtype, 0)),
@@ -89,7 +92,8 @@ impl Case {
         };
         let output = if op == "all_to_all_v" { Buf::zeros(dtype, splits_out.iter().sum()) } else { output };
         let (input, output) = (input.place(place.as_ref())?, output.place(place.as_ref())?);
-        Ok(Case { op, dtype, redop, root, count, input, output, splits_in, splits_out, place })
+        let window = if op == "put" { Some(pg.new_window_on(count * dtype.size(), input.t().device())?) } else { None };
+        Ok(Case { op, dtype, redop, root, count, input, output, splits_in, splits_out, place, window })
     }
 
     /// Bytes per element.
@@ -137,6 +141,19 @@ impl Case {
                 }
                 Ok(())
             }
+            // Rank r puts into rank r+1's window and signals it; r+1 waits
+            // for the signal (TorchComm's PutBwBenchmark, as a chain).
+            "put" => {
+                let win = self.window.as_ref().expect("made for put");
+                if r + 1 < w {
+                    win.put(self.input.t(), r + 1, 0, o)?.synchronize()?;
+                    win.signal(r + 1, o)?.synchronize()?;
+                }
+                if r > 0 {
+                    win.wait_signal(r - 1, o)?;
+                }
+                Ok(())
+            }
             // Every rank sends to r+1 and receives from r-1 at once
             // (nccl-tests' sendrecv_perf).
             "sendrecv" if w > 1 => pg.sendrecv(self.input.t(), (r + 1) % w, self.output.tm(), (r + w - 1) % w, 0, o)?.synchronize(),
@@ -181,6 +198,14 @@ impl Case {
                 cmp(&output, &shifted)
             }
             "p2p" if r > 0 => cmp(&output, &pat(0)),
+            "put" if r > 0 => match &self.window {
+                Some(win) if win.device() == weft::Device::Cpu => {
+                    let mut got = vec![0u8; win.local().len()];
+                    win.local().read(0, &mut got)?;
+                    cmp(&got, &pat(r - 1))
+                }
+                _ => 0,
+            },
             "sendrecv" if w > 1 => cmp(&output, &pat((r + w - 1) % w)),
             "all_to_all" | "all_to_all_v" => {
                 // From each source s, its part for this rank: offset of r in s's splits.

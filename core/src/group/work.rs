@@ -150,13 +150,12 @@ impl<'t> Work<'t> {
         Work { handle: Handle::Pending(state), _borrow: PhantomData }
     }
 
-    /// The handle of an op that `run` starts and the [`crate::progress::Done`]
-    /// it is given finishes (errors passed through `name`).
-    pub(crate) fn completed_by(name: impl FnOnce(Error) -> Error + Send + 'static, run: impl FnOnce(crate::progress::Done)) -> Self {
+    /// The handle of an op that finishes later, and the completion that
+    /// finishes it (errors passed through `name`).
+    pub(crate) fn later(name: impl FnOnce(Error) -> Error + Send + 'static) -> (Self, crate::progress::Done) {
         let state = super::executor::new_state();
         let mine = state.clone();
-        run(Box::new(move |r: Result<()>| mine.complete(r.map_err(name), None)));
-        Work::new(state)
+        (Work::new(state), Box::new(move |r: Result<()>| mine.complete(r.map_err(name), None)))
     }
 
     /// The handle of an op that has already run.

@@ -94,14 +94,21 @@ impl Span {
 }
 
 /// The call a put, get, signal or wait belongs to.
-#[derive(Clone, Copy, Debug)]
+#[derive(Debug)]
 pub struct RmaCall {
-    /// When it must be finished.
-    pub deadline: Instant,
+    /// When it must be finished (read from the clock only when asked: a
+    /// put into shared memory never asks).
+    pub deadline: crate::backend::Deadline,
     /// Device windows: the caller's stream, the op is ordered on
     /// (`None`: the device's default stream).
     pub stream: Option<crate::stream::StreamHandle>,
 }
+
+/// How a put, get or signal that may finish later reports: it returns
+/// `Some(result)` if it finished on the calling thread, else it has taken
+/// a completion from its `Later` (once) and calls that when it finishes.
+/// (Shared memory finishes at once, and then no completion is made.)
+pub type Later<'a> = &'a mut dyn FnMut() -> Done;
 
 /// One rank's side of a window, as a backend provides it (or
 /// [`over_p2p`] over point-to-point messages). Ranks and ranges are
@@ -111,26 +118,27 @@ pub trait WindowTransport: Send + Sync {
     fn local(&self) -> Span;
 
     /// Write `src` at `offset` of rank `dst`'s memory (another rank);
-    /// `done` once `src` may be reused (device windows: once the copy is
-    /// queued on the call's stream, which orders any later use).
+    /// finished once `src` may be reused (device windows: once the copy is
+    /// queued on the call's stream, which orders any later use). See
+    /// [`Later`] for how it reports.
     ///
     /// # Safety
-    /// `src` stays valid until `done` has been called (and, on a device,
-    /// until its stream has run the copy).
-    unsafe fn put(&self, src: Span, dst: usize, offset: usize, call: &RmaCall, done: Done);
+    /// `src` stays valid until it has finished (and, on a device, until
+    /// its stream has run the copy).
+    unsafe fn put(&self, src: Span, dst: usize, offset: usize, call: &RmaCall, later: Later<'_>) -> Option<Result<()>>;
 
     /// Read `dst.len` bytes at `offset` of rank `src`'s memory (another
-    /// rank) into `dst`; `done` once they are there (device windows: once
-    /// the copy is queued on the call's stream).
+    /// rank) into `dst`; finished once they are there (device windows:
+    /// once the copy is queued on the call's stream).
     ///
     /// # Safety
-    /// `dst` stays valid and untouched until `done` has been called (and,
-    /// on a device, until its stream has run the copy).
-    unsafe fn get(&self, dst: Span, src: usize, offset: usize, call: &RmaCall, done: Done);
+    /// `dst` stays valid and untouched until it has finished (and, on a
+    /// device, until its stream has run the copy).
+    unsafe fn get(&self, dst: Span, src: usize, offset: usize, call: &RmaCall, later: Later<'_>) -> Option<Result<()>>;
 
     /// Count one signal at `peer` (this rank too), seen there after every
-    /// earlier put from this rank to `peer`; `done` once sent.
-    fn signal(&self, peer: usize, call: &RmaCall, done: Done);
+    /// earlier put from this rank to `peer`; finished once sent.
+    fn signal(&self, peer: usize, call: &RmaCall, later: Later<'_>) -> Option<Result<()>>;
 
     /// Wait until `count` signals from `peer` (this rank too) have arrived
     /// that no earlier wait took, and take them (device windows: then order
@@ -308,7 +316,7 @@ impl Window {
         }
         // SAFETY: the Work borrows `src` for 't and waits for the put when
         // dropped, so `src` outlives it.
-        Ok(self.track(name, |done| unsafe { self.imp.put(span, dst, offset, &call, done) }))
+        Ok(self.track(name, |later| unsafe { self.imp.put(span, dst, offset, &call, later) }))
     }
 
     /// Read `dst`'s length in bytes at byte `offset` of rank `src`'s memory
@@ -326,7 +334,7 @@ impl Window {
             return self.local().read(offset, unsafe { span.host() }).map(|()| Work::done(Ok(()), None));
         }
         // SAFETY: as in `put`.
-        Ok(self.track(name, |done| unsafe { self.imp.get(span, src, offset, &call, done) }))
+        Ok(self.track(name, |later| unsafe { self.imp.get(span, src, offset, &call, later) }))
     }
 
     /// Tell `peer` that this rank's earlier puts to it are complete: once
@@ -336,7 +344,7 @@ impl Window {
         self.peer("signal", peer)?;
         self.check_open("signal")?;
         let call = self.call(opts);
-        Ok(self.track("signal", |done| self.imp.signal(peer, &call, done)))
+        Ok(self.track("signal", |later| self.imp.signal(peer, &call, later)))
     }
 
     /// Wait for a signal from `peer` (one that no earlier wait took).
@@ -368,7 +376,7 @@ impl Window {
 
     fn call(&self, opts: &OpOptions) -> RmaCall {
         let stream = if self.device == Device::Cpu { None } else { opts.stream.or_else(crate::stream::current_stream) };
-        RmaCall { deadline: crate::deadline::instant_after(opts.timeout.unwrap_or(self.timeout)), stream }
+        RmaCall { deadline: crate::backend::Deadline::after(opts.timeout.unwrap_or(self.timeout)), stream }
     }
 
     fn peer(&self, name: &'static str, peer: usize) -> Result<()> {
@@ -413,10 +421,21 @@ impl Window {
         Ok(self.call(opts))
     }
 
-    /// A [`Work`] for an op the transport finishes through `done`.
-    fn track<'t>(&self, name: &'static str, run: impl FnOnce(Done)) -> Work<'t> {
+    /// A [`Work`] for an op that finishes now or later (see [`Later`]).
+    fn track<'t>(&self, name: &'static str, run: impl FnOnce(Later<'_>) -> Option<Result<()>>) -> Work<'t> {
         let rank = self.rank;
-        Work::completed_by(move |e: Error| e.with_op(name).with_rank(rank), run)
+        let tag = move |e: Error| e.with_op(name).with_rank(rank);
+        let mut pending = None;
+        let now = run(&mut || {
+            let (work, done) = Work::later(tag);
+            pending = Some(work);
+            done
+        });
+        match (now, pending) {
+            (Some(r), _) => Work::done(r.map_err(tag), None),
+            (None, Some(work)) => work,
+            (None, None) => Work::done(Err(tag(Error::backend("window: the transport neither finished nor deferred the op"))), None),
+        }
     }
 }
 

@@ -14,7 +14,7 @@
 
 use super::frame::{Frame, CONTROL, DATA, FRAME_BYTES, INLINE, REPLY};
 use super::memory::Heap;
-use super::{RmaCall, Span, WindowSpec, WindowTransport};
+use super::{Later, RmaCall, Span, WindowSpec, WindowTransport};
 use crate::backend::{Backend, P2p};
 use crate::error::{Error, Result};
 use crate::group::Lane;
@@ -38,7 +38,16 @@ struct Service {
     heap: Heap,
     origins: Mutex<Origins>,
     changed: Condvar,
+    /// The first failure of a put or signal that completed at once
+    /// (`EAGER`): later calls report it.
+    failed: std::sync::OnceLock<Error>,
 }
+
+/// Puts of at most this many bytes copy their source into the frame's
+/// buffer and complete at once, as signals do (MPI's local completion):
+/// the caller never waits for the progress thread to hand them over. A
+/// failure to send them fails the window's next call.
+const EAGER: usize = 64 << 10;
 
 /// Per peer: signals arrived and taken, and whether it ended.
 struct Origins {
@@ -84,6 +93,7 @@ impl P2pWindow {
             heap: Heap::zeroed(spec.sizes[spec.rank])?,
             origins: Mutex::new(Origins { arrived: vec![0; size], taken: vec![0; size], ended: vec![None; size], closes_sent: 0 }),
             changed: Condvar::new(),
+            failed: std::sync::OnceLock::new(),
         });
         if size > 1 {
             service.lane.listen();
@@ -112,6 +122,29 @@ impl P2pWindow {
         // SAFETY: the caller's promise, and `keep` moved into `done`.
         self.service.lane.post(unsafe { Post::new(ops, &[], deadline, done) });
     }
+
+    /// Post `ops`, which borrow only `keep`, finished at once for the
+    /// caller: a failure to send is kept for the next call (see `failed`).
+    fn post_eager(&self, ops: &mut [P2p<'_>], keep: Vec<u8>, deadline: Instant) -> Option<Result<()>> {
+        let me = self.service.clone();
+        let record: Done = Box::new(move |r| {
+            if let Err(e) = r {
+                let _ = me.failed.set(e);
+                me.changed.notify_all();
+            }
+        });
+        // SAFETY: `ops` borrow only `keep`, which `post` keeps.
+        unsafe { self.post(ops, keep, deadline, record) };
+        Some(Ok(()))
+    }
+
+    /// An earlier eager put or signal that failed.
+    fn failed(&self) -> Result<()> {
+        match self.service.failed.get() {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
 }
 
 impl WindowTransport for P2pWindow {
@@ -119,25 +152,42 @@ impl WindowTransport for P2pWindow {
         Span { ptr: self.service.heap.ptr(), len: self.service.heap.len() }
     }
 
-    unsafe fn put(&self, src: Span, dst: usize, offset: usize, call: &RmaCall, done: Done) {
+    unsafe fn put(&self, src: Span, dst: usize, offset: usize, call: &RmaCall, later: Later<'_>) -> Option<Result<()>> {
+        if let Err(e) = self.failed() {
+            return Some(Err(e));
+        }
         // SAFETY: host memory (windows over messages are on the host),
         // valid until `done` (the caller's promise).
         let src: &[u8] = unsafe { src.host() };
-        let (len, deadline) = (src.len(), call.deadline);
-        let mut frame = frame_buf(Frame::Put { offset: offset as u64, len: len as u64 }, if len <= INLINE { src } else { &[] });
-        // SAFETY: `frame` goes to `post`'s keep.
-        let mut ops: SmallVec<[P2p<'_>; 2]> =
-            smallvec::smallvec![P2p::Send { peer: dst, tag: self.tag(CONTROL), data: unsafe { bytes(frame.as_mut_ptr(), FRAME_BYTES) } }];
-        if len > INLINE {
-            ops.push(P2p::Send { peer: dst, tag: self.tag(DATA), data: src });
+        let (len, deadline) = (src.len(), call.deadline.get());
+        let frame = Frame::Put { offset: offset as u64, len: len as u64 }.encode(if len <= INLINE { src } else { &[] });
+        let mut keep = Vec::with_capacity(FRAME_BYTES + if len <= EAGER { len } else { 0 });
+        keep.extend_from_slice(&frame);
+        if len > INLINE && len <= EAGER {
+            keep.extend_from_slice(src);
         }
-        // SAFETY: `src` is valid until `done` (the caller's promise).
-        unsafe { self.post(&mut ops, frame, deadline, done) }
+        // SAFETY: `keep` goes to `post`'s keep.
+        let kept = unsafe { bytes(keep.as_mut_ptr(), keep.len()) };
+        let (frame, copied) = kept.split_at_mut(FRAME_BYTES);
+        let mut ops: SmallVec<[P2p<'_>; 2]> = smallvec::smallvec![P2p::Send { peer: dst, tag: self.tag(CONTROL), data: frame }];
+        if len > INLINE {
+            ops.push(P2p::Send { peer: dst, tag: self.tag(DATA), data: if len <= EAGER { copied } else { src } });
+        }
+        if len <= EAGER {
+            return self.post_eager(&mut ops, keep, deadline);
+        }
+        // SAFETY: `src` is valid until the completion runs (the caller's
+        // promise).
+        unsafe { self.post(&mut ops, keep, deadline, later()) };
+        None
     }
 
-    unsafe fn get(&self, dst: Span, src: usize, offset: usize, call: &RmaCall, done: Done) {
+    unsafe fn get(&self, dst: Span, src: usize, offset: usize, call: &RmaCall, later: Later<'_>) -> Option<Result<()>> {
+        if let Err(e) = self.failed() {
+            return Some(Err(e));
+        }
         // SAFETY: as in `put`.
-        let (dst, deadline) = (unsafe { dst.host() }, call.deadline);
+        let (dst, deadline) = (unsafe { dst.host() }, call.deadline.get());
         let mut frame = frame_buf(Frame::Get { offset: offset as u64, len: dst.len() as u64 }, &[]);
         // The reply's receive is posted before the request goes out: gets
         // from one rank to one target are answered, and matched, in order.
@@ -146,26 +196,32 @@ impl WindowTransport for P2pWindow {
             // SAFETY: `frame` goes to `post`'s keep.
             P2p::Send { peer: src, tag: self.tag(CONTROL), data: unsafe { bytes(frame.as_mut_ptr(), FRAME_BYTES) } },
         ];
-        // SAFETY: `dst` is valid until `done` (the caller's promise).
-        unsafe { self.post(&mut ops, frame, deadline, done) }
+        // SAFETY: `dst` is valid until the completion runs (the caller's
+        // promise).
+        unsafe { self.post(&mut ops, frame, deadline, later()) };
+        None
     }
 
-    fn signal(&self, peer: usize, call: &RmaCall, done: Done) {
-        let deadline = call.deadline;
+    fn signal(&self, peer: usize, call: &RmaCall, _: Later<'_>) -> Option<Result<()>> {
         if peer == self.service.rank {
             self.service.origins.lock().unwrap_or_else(|p| p.into_inner()).arrived[peer] += 1;
-            return done(Ok(()));
+            return Some(Ok(()));
+        }
+        if let Err(e) = self.failed() {
+            return Some(Err(e));
         }
         let mut frame = frame_buf(Frame::Signal, &[]);
-        // SAFETY: `frame` goes to `post`'s keep.
+        // SAFETY: `frame` goes to `post_eager`'s keep.
         let mut ops = [P2p::Send { peer, tag: self.tag(CONTROL), data: unsafe { bytes(frame.as_mut_ptr(), FRAME_BYTES) } }];
-        // SAFETY: the batch borrows only `frame`.
-        unsafe { self.post(&mut ops, frame, deadline, done) }
+        self.post_eager(&mut ops, frame, call.deadline.get())
     }
 
     fn wait_signal(&self, peer: usize, count: u64, call: &RmaCall) -> Result<()> {
-        let deadline = call.deadline;
+        let deadline = call.deadline.get();
         let s = &self.service;
+        // The progress thread drives the transport and wakes this one: a
+        // waiting thread that took the transport over instead measured
+        // 26 µs against 15 µs per 8-byte put and signal (2 cores).
         let mut o = s.origins.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             let have = o.arrived[peer] - o.taken[peer];
@@ -173,6 +229,7 @@ impl WindowTransport for P2pWindow {
                 o.taken[peer] += count;
                 return Ok(());
             }
+            self.failed()?;
             match &o.ended[peer] {
                 Some(Some(e)) => return Err(e.clone()),
                 Some(None) => {
