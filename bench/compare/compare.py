@@ -78,7 +78,11 @@ def run_mpi(a, size, out, btl):
     ops = ",".join(o for o in a.ops.split(",") if o not in ("scatter", "gather", "all_to_all_v"))
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(a.world), "--mca", "pml", "ob1", "--mca", "btl", btl]
     if btl.startswith("tcp"):
-        cmd += ["--mca", "btl_tcp_if_include", "lo"]
+        # One-sided ops as messages over TCP (osc pt2pt); Open MPI would
+        # otherwise pick shared memory (osc sm) for a window on one host.
+        cmd += ["--mca", "btl_tcp_if_include", "lo", "--mca", "osc", "pt2pt"]
+    else:
+        cmd += ["--mca", "osc", "sm"]
     return parse_lines(sh(cmd + [f"{out}/mpi_bench", ops, str(size), str(size), "2", str(a.iters), str(a.warmup)]))
 
 

@@ -184,6 +184,15 @@ impl PyGroup {
         Ok(sub.map(|pg| PyGroup { pg }))
     }
 
+    /// A window whose memory starts as a copy of `init` (a host tensor
+    /// the caller keeps alive for the call; collective: see
+    /// `ProcessGroup::new_window_from`).
+    fn new_window(&self, py: Python<'_>, init: Desc) -> PyResult<crate::window::PyWindow> {
+        // SAFETY: the caller holds the tensor for the duration of the call.
+        let init = unsafe { init.view() }?;
+        py.detach(|| self.pg.new_window_from(init)).map(crate::window::PyWindow::new).map_err(to_py)
+    }
+
     /// End every in-flight op with an error and fail later ones.
     fn abort(&self) {
         self.pg.abort();

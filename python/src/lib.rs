@@ -7,6 +7,7 @@ mod errors;
 mod group;
 mod store;
 mod tensor;
+mod window;
 mod work;
 
 use pyo3::prelude::*;
@@ -47,6 +48,7 @@ fn launch_ranks() -> PyResult<(usize, usize)> {
 fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<group::PyGroup>()?;
     m.add_class::<work::PyWork>()?;
+    m.add_class::<window::PyWindow>()?;
     m.add_function(wrap_pyfunction!(work::next_completed, m)?)?;
     m.add_function(wrap_pyfunction!(set_current_stream, m)?)?;
     m.add_function(wrap_pyfunction!(errors::set_error_types, m)?)?;

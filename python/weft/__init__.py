@@ -7,7 +7,8 @@ does too). Which weft backend runs inside comes from ``WEFT_BACKEND``
 options (``pg_options=weft.Options(backend="cpu-tcp")``).
 
 ``weft.new_comm`` is TorchComm's communicator API on weft: a TorchComm
-program runs on weft by importing ``weft`` instead of ``torchcomms``.
+program runs on weft by importing ``weft`` instead of ``torchcomms``,
+windows (``comm.new_window()``) included.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ._comm import Comm, new_comm
 from ._errors import WeftError, WeftPeerLostError, WeftStoreError, WeftTimeoutError, WeftValueError
 from ._reduce_op import ReduceOp
 from ._register import register
+from ._window import Window, WindowAccessType, WindowAttr
 
 register()
 
@@ -32,4 +34,7 @@ __all__ = [
     "WeftStoreError",
     "WeftTimeoutError",
     "WeftValueError",
+    "Window",
+    "WindowAccessType",
+    "WindowAttr",
 ]

@@ -21,6 +21,7 @@ import torch
 from . import _bootstrap, _errors, _weft
 from ._ops import Ops, reduce_name, split_elements
 from ._tensors import Staged
+from ._window import Window
 from ._work import Work, _seconds
 
 ENV_ABORT = "WEFT_ABORT_ON_ERROR"
@@ -203,6 +204,11 @@ class Comm:
             return None
         name = name or f"{self._name}.split{number}"
         return Comm(sub, backend=self._backend, device=self._device, name=name, timeout=self._timeout, abort=self._abort, store=self._store)
+
+    def new_window(self) -> Window:
+        """A window for one-sided puts (TorchComm's ``new_window``): register
+        a tensor with :meth:`Window.tensor_register` (collective) to use it."""
+        return Window(self)
 
     def finalize(self) -> None:
         """Shut the communicator down (collective): wait for this rank's

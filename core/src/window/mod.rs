@@ -161,8 +161,8 @@ pub trait WindowTransport: Send + Sync {
 /// any time: read what a peer put after its signal arrived
 /// ([`Window::wait_signal`]), as in MPI's RMA.
 ///
-/// [`Window::deregister`] is collective; dropping a window does the same
-/// and only logs what failed.
+/// [`Window::deregister`] is collective; dropping a window that was not
+/// deregistered does the same and only logs what failed.
 pub struct Window {
     imp: Arc<dyn WindowTransport>,
     rank: usize,
@@ -184,6 +184,19 @@ impl ProcessGroup {
     /// thread on the target writes into place.
     pub fn new_window(&self, bytes: usize) -> Result<Window> {
         self.new_window_on(bytes, Device::Cpu)
+    }
+
+    /// A window whose memory starts as a copy of `init` (host memory; its
+    /// size is this rank's registered size): TorchComm's
+    /// `tensor_register`. Collective; no rank returns before every rank's
+    /// memory holds its `init`, so no put can land before that copy.
+    pub fn new_window_from<'t>(&self, init: impl Into<Tensor<'t>>) -> Result<Window> {
+        let init = init.into();
+        let bytes = init.host_bytes().map_err(|e| e.with_op("new_window").with_rank(self.rank()))?;
+        let win = self.new_window(bytes.len())?;
+        win.local().write(0, bytes)?;
+        self.barrier(&OpOptions::default())?.wait()?;
+        Ok(win)
     }
 
     /// As [`ProcessGroup::new_window`], with the memory on `device` (every
@@ -362,12 +375,10 @@ impl Window {
     }
 
     /// Collectively end the window: returns once every rank has stopped
-    /// using it (each rank's earlier puts have landed).
-    pub fn deregister(self) -> Result<()> {
-        self.close()
-    }
-
-    fn close(&self) -> Result<()> {
+    /// using it (each rank's earlier puts have landed); later calls are
+    /// `InvalidArgument`. The memory stays readable through
+    /// [`Window::local`] until the window is dropped. Again: nothing.
+    pub fn deregister(&self) -> Result<()> {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
@@ -441,7 +452,7 @@ impl Window {
 
 impl Drop for Window {
     fn drop(&mut self) {
-        if let Err(e) = self.close() {
+        if let Err(e) = self.deregister() {
             crate::log::info(format_args!("dropping a window on rank {}: {e}", self.rank));
         }
     }
