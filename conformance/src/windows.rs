@@ -235,3 +235,42 @@ fn counted_signals(pg: &ProcessGroup, _: usize) -> Result<(), String> {
     pg.barrier(&o()).and_then(|w| w.wait()).map_err(e("barrier"))?;
     win.deregister().map_err(e("deregister"))
 }
+
+/// Window cases on device memory (`placement`'s device, its stream the
+/// caller's): puts of odd sizes at odd offsets then one signal, a get,
+/// every peer's memory mapped.
+pub fn run_windows_on(pg: &ProcessGroup, placement: crate::SharedPlacement) -> Vec<Check> {
+    let r = (|| -> Result<(), String> {
+        let (r, right, left) = neighbours(pg);
+        let o = OpOptions::default().stream(placement.stream());
+        let n = 3 << 20;
+        let win = pg.new_window_on(n + r, placement.device()).map_err(e("new_window_on"))?;
+        let theirs = win.len_of(right);
+        let src = crate::Buf::from_bytes(DType::U8, &pattern(r, 0, theirs)).place(Some(&placement)).map_err(e("upload"))?;
+        let whole = src.t();
+        for (at, len) in [(0, theirs), (theirs - 1, 1), (5, 77), (4096, 100_003)] {
+            let piece = whole.split(&[at, len, theirs - at - len]).map_err(e("split"))?.swap_remove(1);
+            win.put(piece, right, at, &o).and_then(|w| w.wait()).map_err(e(&format!("put of {len} B at {at}")))?;
+        }
+        win.signal(right, &o).and_then(|w| w.wait()).map_err(e("signal"))?;
+        win.wait_signal(left, &o).map_err(e("wait_signal"))?;
+        let mut got = vec![0u8; n + r];
+        placement.download(win.local().as_ptr() as u64, &mut got).map_err(e("download"))?;
+        first_difference(&got, &pattern(left, 0, n + r))?;
+        let mut back = crate::Buf::zeros(DType::U8, 1000).place(Some(&placement)).map_err(e("upload"))?;
+        win.get(back.tm(), right, 3, &o).and_then(|w| w.wait()).map_err(e("get"))?;
+        first_difference(&back.read().map_err(e("download"))?, &pattern(r, 3, 1000)).map_err(|m| format!("get: {m}"))?;
+        if win.attr(right).map_err(e("get_attr"))?.access != AccessType::Unified {
+            return Err("a peer's device memory is not mapped".into());
+        }
+        pg.barrier(&OpOptions::default()).and_then(|w| w.wait()).map_err(e("barrier"))?;
+        win.deregister().map_err(e("deregister"))
+    })();
+    vec![Check {
+        op: "window on a device: puts, signal, get",
+        dtype: DType::U8,
+        redop: None,
+        passed: r.is_ok(),
+        detail: r.err().unwrap_or_default(),
+    }]
+}

@@ -49,6 +49,22 @@ fn p2p(w: usize, spec: &str, hints: &[(&str, &str)]) {
     checked(w, spec, hints, |pg, place| weft_conformance::run_p2p(pg, Some(place), 16 << 20));
 }
 
+/// One-sided windows in device memory: cuda-device maps every rank's
+/// (threads of one process here; processes in `cuda_windows_across_processes`);
+/// cuda-host-staging has none and says so.
+#[test]
+fn cuda_windows_on_the_device() {
+    for w in 2..=3 {
+        checked(w, "cpu:shm,cuda:cuda-device", &[], weft_conformance::run_windows_on);
+        checked(w, "cpu:cpu-tcp,cuda:cuda-device", &[], weft_conformance::run_windows_on);
+    }
+    let _ = gpu();
+    for e in run_threads(2, options("cpu:shm,cuda:cuda-host-staging"), |pg| pg.new_window_on(64, Device::Cuda(0)).unwrap_err()) {
+        assert_eq!(e.kind(), &ErrorKind::Unsupported, "{e}");
+        assert!(e.to_string().contains("cuda-host-staging has no windows in cuda:0 memory"), "{e}");
+    }
+}
+
 #[test]
 fn cuda_point_to_point_progresses_together_through_both_backends() {
     for w in 2..=5 {

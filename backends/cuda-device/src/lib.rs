@@ -19,6 +19,7 @@ mod direct;
 mod peer_buffers;
 mod ring;
 mod setup;
+mod window;
 
 use setup::Ring;
 use std::sync::{Arc, Mutex};
@@ -214,6 +215,11 @@ impl Backend for DeviceBackend {
     }
     fn abort(&self, reason: &Error) {
         self.staging.cpu().abort(reason)
+    }
+    /// Windows in device memory, mapped by every rank (`window.rs`).
+    fn window(&self, spec: &weft::window::WindowSpec) -> Option<Result<Arc<dyn weft::window::WindowTransport>>> {
+        let gpu = self.staging.gpu();
+        Some(window::CudaWindow::create(gpu.clone(), spec).map(|w| Arc::new(w) as Arc<dyn weft::window::WindowTransport>))
     }
 }
 

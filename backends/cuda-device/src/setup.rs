@@ -309,27 +309,27 @@ impl Ring {
 /// longer, or is gone, does not hold this one up further).
 const CLOSE_WAIT: Duration = Duration::from_secs(10);
 
-impl Ring {
-    /// Say that this rank has closed what it opened of the others', and
-    /// wait until every rank in another process has said the same or
-    /// exited: CUDA leaves it undefined to free memory or destroy an event
-    /// that another process still has open.
-    fn await_peers_closed(&self) {
-        let key = |r: usize| format!("closed/{r}");
-        if self.others.is_empty() || self.store.set(&key(self.rank), b"1").is_err() {
-            return;
-        }
-        let deadline = Instant::now() + CLOSE_WAIT.min(self.timeout);
-        for &(peer, pid) in &self.others {
-            while let Err(e) = self.store.get(&key(peer), Duration::from_millis(50)) {
-                let waiting = e.kind() == &weft::ErrorKind::Timeout && Instant::now() < deadline;
-                if !waiting || first_gone(&[(peer, pid)]).is_some() {
-                    break;
-                }
+/// Say (in `store`) that rank `rank` has closed what it opened of the
+/// others', and wait until every rank of `others` (rank, pid: those in
+/// other processes) has said the same or exited: CUDA leaves it undefined
+/// to free memory or destroy an event that another process still has open.
+pub fn await_peers_closed(store: &dyn Store, rank: usize, others: &[(usize, u32)], timeout: Duration) {
+    let key = |r: usize| format!("closed/{r}");
+    if others.is_empty() || store.set(&key(rank), b"1").is_err() {
+        return;
+    }
+    let deadline = Instant::now() + CLOSE_WAIT.min(timeout);
+    for &(peer, pid) in others {
+        while let Err(e) = store.get(&key(peer), Duration::from_millis(50)) {
+            let waiting = e.kind() == &weft::ErrorKind::Timeout && Instant::now() < deadline;
+            if !waiting || first_gone(&[(peer, pid)]).is_some() {
+                break;
             }
         }
     }
+}
 
+impl Ring {
     /// Order `stream` after another rank's `event`: on the device, or
     /// (`host_wait`) by blocking this thread until it has completed or a
     /// rank's process is found gone (its events would never complete).
@@ -362,7 +362,7 @@ impl Drop for Ring {
             // its stream was drained.
             unsafe { g.ipc_close(mapped) };
         }
-        self.await_peers_closed();
+        await_peers_closed(&*self.store, self.rank, &self.others, self.timeout);
         for e in self.events().collect::<Vec<_>>() {
             g.destroy_event(e);
         }

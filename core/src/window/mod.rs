@@ -67,6 +67,9 @@ pub struct WindowSpec {
     pub store: Arc<dyn Store>,
     /// When creation must have finished.
     pub deadline: Instant,
+    /// Device windows: a host window of the same group (no memory) that
+    /// the backend counts signals through.
+    pub signals: Option<Arc<dyn WindowTransport>>,
 }
 
 /// Contiguous bytes a put reads or a get writes: host memory, or the
@@ -165,6 +168,8 @@ pub trait WindowTransport: Send + Sync {
 /// deregistered does the same and only logs what failed.
 pub struct Window {
     imp: Arc<dyn WindowTransport>,
+    /// Device windows: the host window their signals go through.
+    signals: Option<Box<Window>>,
     rank: usize,
     device: Device,
     sizes: Vec<usize>,
@@ -206,6 +211,12 @@ impl ProcessGroup {
     pub fn new_window_on(&self, bytes: usize, device: Device) -> Result<Window> {
         let name = "new_window";
         let (rank, size) = (self.rank(), self.size());
+        // A device window counts its signals through a host window of its
+        // own, made first (on every rank alike).
+        let signals = match device {
+            Device::Cpu => None,
+            Device::Cuda(_) => Some(Box::new(self.new_window(0)?)),
+        };
         let mut all = vec![0u64; size];
         self.all_gather_single(&mut all[..], &[bytes as u64][..], &OpOptions::default())?.wait()?;
         let sizes: Vec<usize> = all.iter().map(|&b| b as usize).collect();
@@ -218,6 +229,7 @@ impl ProcessGroup {
             device,
             store: parts.store,
             deadline: crate::deadline::instant_after(parts.timeout),
+            signals: signals.as_ref().map(|w| w.imp.clone()),
         };
         let backend: &Arc<dyn Backend> = &parts.backend;
         // The backend's own windows; where it has none, or cannot make one
@@ -229,7 +241,14 @@ impl ProcessGroup {
                 if let Some(Err(e)) = native {
                     crate::log::info(format_args!("window #{} on rank {rank}: over messages, since {e}", spec.id));
                 }
-                if device != Device::Cpu || !backend.posts() {
+                if device != Device::Cpu {
+                    let e = Error::unsupported(format!(
+                        "backend {} has no windows in {device} memory (cuda-device has them; cuda-host-staging and plugins do not)",
+                        backend.name()
+                    ));
+                    return Err(e.with_op(name).with_rank(rank));
+                }
+                if !backend.posts() {
                     let e = Error::unsupported(format!(
                         "backend {} cannot move bytes without the target calling in: windows need a backend that posts \
                          point-to-point ops (cpu-tcp, shm, hierarchical)",
@@ -241,7 +260,7 @@ impl ProcessGroup {
                 Arc::new(made.map_err(|e| e.with_op(name).with_rank(rank))?)
             }
         };
-        Ok(Window { imp, rank, device, sizes, timeout: parts.timeout, closed: AtomicBool::new(false), usable: parts.usable })
+        Ok(Window { imp, signals, rank, device, sizes, timeout: parts.timeout, closed: AtomicBool::new(false), usable: parts.usable })
     }
 }
 
@@ -382,7 +401,11 @@ impl Window {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
-        self.imp.close(crate::deadline::instant_after(self.timeout)).map_err(|e| e.with_op("tensor_deregister").with_rank(self.rank))
+        let closed = self.imp.close(crate::deadline::instant_after(self.timeout));
+        // A device window's signals window closes after it: collectively,
+        // so no rank frees its memory before every rank's copies drained.
+        let signals = self.signals.as_ref().map_or(Ok(()), |w| w.deregister());
+        closed.and(signals).map_err(|e| e.with_op("tensor_deregister").with_rank(self.rank))
     }
 
     fn call(&self, opts: &OpOptions) -> RmaCall {

@@ -243,7 +243,12 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             // CUDA tensors (the emulated GPU under WEFT_CUDA_EMULATION).
             let route = pg.backend_name((weft::DeviceKind::Cuda, weft::Layout::Dense)).unwrap_or_default();
             let cpu = pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense)).unwrap_or_default();
-            let checks = weft_conformance::run_on(&pg, 29, Some(weft_conformance::cuda::local_placement(r)?));
+            let place = weft_conformance::cuda::local_placement(r)?;
+            let mut checks = weft_conformance::run_on(&pg, 29, Some(place.clone()));
+            if route == "cuda-device" {
+                // Windows in device memory, mapped across the processes.
+                checks.extend(weft_conformance::run_windows_on(&pg, place));
+            }
             let (table, ok) = weft_conformance::summary(&checks);
             anyhow::ensure!(ok, "rank {r} on {route}:\n{table}");
             println!("rank {r}: cuda={route} cpu={cpu}: {} checks passed", checks.len());
