@@ -81,3 +81,20 @@ pub fn plugin_table(data: &[u8]) {
     let msg: Vec<std::ffi::c_char> = name.as_bytes_with_nul().iter().map(|b| *b as std::ffi::c_char).collect();
     let _ = crate::plugin::adapter::error_of(word(6) as i32, crate::plugin::adapter::message(&msg), word(7) as i32);
 }
+
+/// A window target's checks of what an origin sends ([`crate::window::frame`]):
+/// the first 8 bytes are the target's registered size, the rest frames.
+/// A frame that decodes lies inside that size and encodes back to itself.
+pub fn window_frames(data: &[u8]) {
+    use crate::window::frame::{Frame, FRAME_BYTES};
+    let Some((size, rest)) = data.split_first_chunk::<8>() else { return };
+    let local = u64::from_le_bytes(*size) as usize;
+    for chunk in rest.chunks_exact(FRAME_BYTES) {
+        let b: &[u8; FRAME_BYTES] = chunk.try_into().expect("a frame's bytes");
+        let Ok(frame) = Frame::decode(b, 1, local) else { continue };
+        if let Frame::Put { offset, len } | Frame::Get { offset, len } = frame {
+            assert!(offset.checked_add(len).is_some_and(|end| end <= local as u64), "a frame past the window's end decoded");
+        }
+        assert_eq!(&frame.encode(Frame::inline(b))[..], &b[..], "a decoded frame encodes back to itself");
+    }
+}

@@ -18,6 +18,7 @@ pub const TARGETS: &[Target] = &[
     Target { name: "cpu_tcp_frames", run: weft_cpu_tcp::fuzzing::frames },
     Target { name: "cpu_tcp_handshake", run: weft_cpu_tcp::fuzzing::handshake },
     Target { name: "shm_slots", run: weft_shm::fuzzing::slots },
+    Target { name: "window_frames", run: weft::fuzzing::window_frames },
 ];
 
 /// The target called `name`.

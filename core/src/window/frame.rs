@@ -1,4 +1,4 @@
-//! The frames of windows over point-to-point messages ([`super::over_p2p`]):
+//! The frames of windows over point-to-point messages (`over_p2p.rs`):
 //! their layout and the target's checks, with no I/O.
 //!
 //! An origin sends every frame for one target under the window's control
@@ -12,6 +12,9 @@
 //! 0..4  magic "WFRM"   4 kind   5 inline length   6..8 zero
 //! 8..16 offset (LE)    16..24 length (LE)          24..56 inline bytes
 //! ```
+//!
+//! Everything else is zero: a target refuses a frame with any other byte
+//! set, so that what decodes encodes back to the same bytes.
 
 use crate::error::{Error, Result};
 
@@ -98,8 +101,10 @@ impl Frame {
             k => return bad(format!("unknown kind {k}")),
         };
         let carries = matches!(frame, Frame::Put { len, .. } if len as usize <= INLINE);
-        if b[6..8] != [0, 0] || (carries && inline as u64 != len) || (!carries && inline != 0) {
-            return bad(format!("inconsistent fields (kind {}, inline {inline}, length {len})", b[4]));
+        let fields = matches!(frame, Frame::Put { .. } | Frame::Get { .. }) || (offset == 0 && len == 0);
+        let padding = b[6..8].iter().chain(&b[24 + inline.min(INLINE)..]).all(|x| *x == 0);
+        if !padding || !fields || (carries && inline as u64 != len) || (!carries && inline != 0) {
+            return bad(format!("inconsistent fields (kind {}, inline {inline}, offset {offset}, length {len})", b[4]));
         }
         if let Frame::Put { offset, len } | Frame::Get { offset, len } = frame {
             if offset.checked_add(len).is_none_or(|end| end > local as u64) {
@@ -171,5 +176,11 @@ mod tests {
         let mut b = Frame::Get { offset: 0, len: 64 }.encode(&[]);
         b[5] = 3;
         assert!(Frame::decode(&b, 0, local).is_err(), "a get carries nothing");
+        let mut b = Frame::Signal.encode(&[]);
+        b[9] = 1;
+        assert!(Frame::decode(&b, 0, local).is_err(), "a signal has no offset");
+        let mut b = Frame::Put { offset: 0, len: 2 }.encode(&[1, 2]);
+        b[26] = 7;
+        assert!(Frame::decode(&b, 0, local).is_err(), "bytes past the inline ones");
     }
 }

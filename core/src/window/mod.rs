@@ -14,7 +14,7 @@
 //! Where the checks and the dispatch live: this file checks every call
 //! (ranks, ranges, devices) before any byte moves and picks the
 //! implementation; a backend may provide one ([`Backend::window`], shm's
-//! shared segments), else [`over_p2p`] builds windows over the backend's
+//! shared segments), else `over_p2p` builds windows over the backend's
 //! posted point-to-point messages (cpu-tcp, hierarchical), whose frames
 //! [`frame`] describes and checks again on the target.
 
@@ -114,7 +114,7 @@ pub struct RmaCall {
 pub type Later<'a> = &'a mut dyn FnMut() -> Done;
 
 /// One rank's side of a window, as a backend provides it (or
-/// [`over_p2p`] over point-to-point messages). Ranks and ranges are
+/// `over_p2p` over point-to-point messages). Ranks and ranges are
 /// checked by [`Window`] before any call; spans are on the window's device.
 pub trait WindowTransport: Send + Sync {
     /// This rank's registered bytes (valid as long as the transport).
