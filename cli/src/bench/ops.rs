@@ -146,8 +146,11 @@ impl Case {
             "put" => {
                 let win = self.window.as_ref().expect("made for put");
                 if r + 1 < w {
-                    win.put(self.input.t(), r + 1, 0, o)?.synchronize()?;
+                    // The signal is ordered after the put whether or not the
+                    // put has finished locally (as MPI_Put before a fence).
+                    let put = win.put(self.input.t(), r + 1, 0, o)?;
                     win.signal(r + 1, o)?.synchronize()?;
+                    put.synchronize()?;
                 }
                 if r > 0 {
                     win.wait_signal(r - 1, o)?;
