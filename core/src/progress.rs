@@ -280,6 +280,11 @@ impl<S> Table<S> {
         self.batches.iter().find(|b| b.deadline <= now).map(|b| b.id)
     }
 
+    /// The batch op `i` belongs to.
+    pub fn batch(&self, i: usize) -> u64 {
+        self.batch_of[i]
+    }
+
     /// The unfinished ops of batch `id`.
     pub fn pending_of(&self, id: u64) -> Vec<usize> {
         (0..self.ops.len()).filter(|&i| self.batch_of[i] == id && !self.done[i]).collect()

@@ -161,3 +161,22 @@ fn forged_frames_are_refused_by_the_target() {
         });
     }
 }
+
+/// A window outliving its group (dropped after it): every later call
+/// fails at once and dropping the window does not wait for its timeout.
+#[test]
+fn a_window_outliving_its_group_fails_promptly() {
+    for spec in ["cpu-tcp", "shm"] {
+        run_threads(2, options(spec).timeout(Duration::from_secs(20)), move |pg| {
+            let win = pg.new_window(64).unwrap();
+            pg.barrier(&o()).unwrap().wait().unwrap();
+            drop(pg);
+            let start = Instant::now();
+            let put = win.put(&[1u8; 8][..], 0, 0, &o()).and_then(|w| w.wait());
+            let wait = win.wait_signal(1 - win.rank(), &o());
+            drop(win);
+            assert!(start.elapsed() < Duration::from_secs(10), "{spec}: {:?} (put: {put:?}, wait: {wait:?})", start.elapsed());
+            assert!(wait.is_err(), "{spec}: a wait for a signal nobody can send");
+        });
+    }
+}

@@ -299,6 +299,27 @@ impl Engine {
         posting.notify();
     }
 
+    /// Fail the batches with a receive from a peer that has left (cleanly:
+    /// its stream is sound, so only what waits for it fails; core decides
+    /// what that means for the group).
+    fn fail_departed(&mut self, posting: &Posting) {
+        let departed = |peers: &[Option<Peer>], op: &P2p<'_>| match op {
+            P2p::Recv { peer, .. } if *peer != ANY_SOURCE => {
+                peers[*peer].as_ref().is_some_and(|p| p.left && !p.inbound.in_frame()).then_some(*peer)
+            }
+            _ => None,
+        };
+        while let Some((i, peer)) = (0..self.table.len())
+            .find_map(|i| (!self.table.done[i]).then(|| departed(&self.peers, &self.table.ops[i])).flatten().map(|p| (i, p)))
+        {
+            let id = self.table.batch(i);
+            let pending = self.table.pending_of(id);
+            self.release(|j| pending.contains(&j));
+            self.table.withdraw(id, Error::peer_lost(peer, format!("peer rank {peer} left the group (its process group was closed)")));
+            posting.notify();
+        }
+    }
+
     /// Fail batches whose deadline has passed, naming what each still waits
     /// for; their ops leave the table.
     ///
@@ -471,6 +492,7 @@ pub fn drive(me: usize, eng: &mut Engine, posting: &Posting, wake: &Wake, watch:
         // (Also after no byte moved: a receive served early finishes its
         // batch at once.)
         eng.settle(posting);
+        eng.fail_departed(posting);
         now = Instant::now();
         if let Some(e) = eng.expire(now, posting) {
             let e = watch.failed(e);
@@ -629,18 +651,6 @@ fn pass(me: usize, eng: &mut Engine, flags: &mut Flags, eager: bool) -> Result<b
     for peer in 0..w {
         if peers[peer].is_some() {
             moved |= drain(me, peer, peers, ops, done, eager || flags.hear[peer], flags.hear[peer])?;
-        }
-    }
-    // Receives from a peer that has left can never complete.
-    for (i, op) in ops.iter().enumerate() {
-        if let P2p::Recv { peer, .. } = op {
-            if *peer == ANY_SOURCE {
-                continue;
-            }
-            let p = peers[*peer].as_ref().expect("connected");
-            if !done[i] && p.left && !p.inbound.in_frame() {
-                return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
-            }
         }
     }
     Ok(moved)

@@ -57,6 +57,8 @@ pub(crate) struct GroupCore {
     lanes: std::sync::Mutex<Vec<Arc<p2p::Lane>>>,
     debug_detail: bool,
     aborted: AtomicBool,
+    /// The `ProcessGroup` was dropped (what outlives it, a window, fails).
+    dropped: AtomicBool,
     /// The first failure after bytes may have moved (checked on every op).
     poisoned: OnceLock<Error>,
     splits: AtomicU64,
@@ -230,6 +232,7 @@ impl std::fmt::Debug for ProcessGroup {
 
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
+        self.core.dropped.store(true, Ordering::Release);
         self.core.exec.shutdown();
         for lane in self.core.lanes.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
             lane.stop();
@@ -281,6 +284,9 @@ impl GroupCore {
     }
 
     fn usable(&self) -> Result<()> {
+        if self.dropped.load(Ordering::Acquire) {
+            return Err(Error::aborted(format!("the process group was closed on rank {}", self.rank)));
+        }
         if self.aborted.load(Ordering::Acquire) {
             return Err(Error::aborted(format!("the group was aborted on rank {}", self.rank)));
         }

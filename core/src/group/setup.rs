@@ -103,6 +103,7 @@ pub(super) fn create(store: Arc<dyn Store>, rank: usize, size: usize, options: G
         exec: Arc::new(Executor::default()),
         lanes: Default::default(),
         aborted: AtomicBool::new(false),
+        dropped: AtomicBool::new(false),
         poisoned: OnceLock::new(),
         splits: AtomicU64::new(0),
         windows: AtomicU64::new(0),

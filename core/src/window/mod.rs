@@ -401,6 +401,8 @@ impl Window {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
+        // A group that was closed or failed: no peer will take part.
+        (self.usable)().map_err(|e| e.with_op("tensor_deregister").with_rank(self.rank))?;
         let closed = self.imp.close(crate::deadline::instant_after(self.timeout));
         // A device window's signals window closes after it: collectively,
         // so no rank frees its memory before every rank's copies drained.
