@@ -73,7 +73,7 @@ unsafe fn unbound<T: weft::Element>(v: &mut [T]) -> weft::TensorMut<'static> {
 /// and a collective in issue order with them.
 #[test]
 fn unscoped_ops_run_in_the_background() {
-    for spec in ["cpu-tcp", "shm"] {
+    for spec in ["cpu-tcp", "shm", "loopback"] {
         let out = run_threads(2, options(spec), |pg| {
             let (r, peer) = (pg.rank(), 1 - pg.rank());
             let mut data = vec![r as u8 + 1; 3 << 20];

@@ -206,7 +206,7 @@ fn same_bytes_other_dtype_sizes_or_reduce_op_are_named_on_both_ranks_without_deb
             "",
         ),
     ];
-    for spec in ["cpu-tcp", "shm"] {
+    for spec in ["cpu-tcp", "shm", "loopback"] {
         for (what, call, names) in cases {
             for (r, (e, took)) in mismatched(spec, call).into_iter().enumerate() {
                 // Caught as the first messages arrive (or, on shm, within a

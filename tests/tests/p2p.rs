@@ -60,7 +60,7 @@ fn ring_exchange_shm() {
 /// progress on both at once completes it.
 #[test]
 fn both_ranks_receive_first() {
-    for spec in ["cpu-tcp", "shm"] {
+    for spec in ["cpu-tcp", "shm", "loopback"] {
         run_threads(2, options(spec), move |pg| {
             let peer = 1 - pg.rank();
             let out = pattern(pg.rank(), peer, 3, 4 << 20);
@@ -92,7 +92,7 @@ fn shuffle<T>(v: &mut [T], mut seed: u64) {
 /// rendezvous threshold; then same-tag messages arrive in issue order.
 #[test]
 fn many_outstanding_in_shuffled_orders_and_same_tag_in_order() {
-    for spec in ["cpu-tcp", "shm"] {
+    for spec in ["cpu-tcp", "shm", "loopback"] {
         run_threads(2, options(spec), move |pg| {
             let (r, peer) = (pg.rank(), 1 - pg.rank());
             let size = |tag: u32| if tag.is_multiple_of(8) { (1 << 20) + 3 * tag as usize } else { 1 + 97 * tag as usize };
@@ -186,7 +186,7 @@ fn a_long_send_is_not_overtaken_by_a_later_one_of_its_tag() {
 /// send can finish: the receive must not wait for the send.
 #[test]
 fn a_receive_never_waits_for_an_earlier_unrelated_send() {
-    for spec in ["cpu-tcp", "shm"] {
+    for spec in ["cpu-tcp", "shm", "loopback"] {
         run_threads(2, options(spec), move |pg| {
             let big = vec![5u8; 8 << 20];
             let mut got = vec![0u8; 8 << 20];
@@ -239,7 +239,7 @@ fn p2p_and_collectives_overlap() {
 /// A batch posts its sends and receives as one unit with one Work.
 #[test]
 fn batched_p2p_and_sendrecv() {
-    for spec in ["cpu-tcp", "shm"] {
+    for spec in ["cpu-tcp", "shm", "loopback"] {
         run_threads(4, options(spec), move |pg| {
             let (r, w) = (pg.rank(), pg.size());
             let (next, prev) = ((r + 1) % w, (r + w - 1) % w);
@@ -295,7 +295,7 @@ fn bad_batches_are_invalid() {
 /// checked exactly.
 #[test]
 fn one_f_one_b_pipeline() {
-    for spec in ["cpu-tcp", "shm"] {
+    for spec in ["cpu-tcp", "shm", "loopback"] {
         run_threads(4, options(spec), move |pg| pipeline_1f1b(&pg, 8, (1 << 18) + 3));
     }
 }
@@ -392,7 +392,7 @@ fn a_batch_whose_peer_is_killed_fails_naming_it_within_10s() {
 /// with `PeerLost` naming it, within seconds.
 #[test]
 fn a_batch_whose_peer_dies_fails_naming_it() {
-    for spec in ["cpu-tcp", "shm"] {
+    for spec in ["cpu-tcp", "shm", "loopback"] {
         let out = run_threads(2, options(spec).timeout(Duration::from_secs(60)), move |pg| {
             if pg.rank() == 1 {
                 // Leave without ever sending: the group is abandoned.
@@ -416,7 +416,7 @@ fn a_batch_whose_peer_dies_fails_naming_it() {
 /// short messages, direct and in a scope; each Work names its sender.
 #[test]
 fn receive_from_any_rank_names_the_sender() {
-    for spec in ["cpu-tcp", "shm"] {
+    for spec in ["cpu-tcp", "shm", "loopback"] {
         run_threads(4, options(spec), move |pg| {
             let r = pg.rank();
             // Long enough for cpu-tcp's rendezvous on the second round.

@@ -36,7 +36,7 @@ fn window_cases_shm() {
 
 #[test]
 fn window_cases_with_64_mib() {
-    for spec in ["cpu-tcp", "shm"] {
+    for spec in ["cpu-tcp", "shm", "loopback"] {
         conformance(spec, 2, 64 << 20);
     }
 }
@@ -45,7 +45,7 @@ fn window_cases_with_64_mib() {
 /// make their own.
 #[test]
 fn windows_on_a_split_sub_group() {
-    for spec in ["cpu-tcp", "shm"] {
+    for spec in ["cpu-tcp", "shm", "loopback"] {
         run_threads(4, options(spec), move |pg| {
             let mine: Vec<usize> = if pg.rank() % 2 == 1 { vec![1, 3] } else { vec![0, 2] };
             let sub = pg.join_split(&mine).unwrap().expect("a member");
@@ -63,7 +63,7 @@ fn windows_on_a_split_sub_group() {
 #[test]
 fn a_target_busy_computing_takes_puts() {
     const BUSY: Duration = Duration::from_secs(2);
-    for spec in ["cpu-tcp", "shm"] {
+    for spec in ["cpu-tcp", "shm", "loopback"] {
         let ends = run_threads(2, options(spec), move |pg| {
             let n = 64 << 20;
             let win = pg.new_window(n).unwrap();
@@ -166,7 +166,7 @@ fn forged_frames_are_refused_by_the_target() {
 /// fails at once and dropping the window does not wait for its timeout.
 #[test]
 fn a_window_outliving_its_group_fails_promptly() {
-    for spec in ["cpu-tcp", "shm"] {
+    for spec in ["cpu-tcp", "shm", "loopback"] {
         run_threads(2, options(spec).timeout(Duration::from_secs(20)), move |pg| {
             let win = pg.new_window(64).unwrap();
             pg.barrier(&o()).unwrap().wait().unwrap();

@@ -9,6 +9,7 @@
 
 /// Make sure every enabled built-in backend is linked. Cheap; idempotent.
 pub fn link() {
+    weft_loopback::link();
     #[cfg(feature = "cpu-tcp")]
     weft_cpu_tcp::link();
     #[cfg(feature = "sparse")]
@@ -25,7 +26,7 @@ pub fn link() {
 
 /// Names of the built-in backends this build links.
 pub fn names() -> Vec<&'static str> {
-    let mut v = Vec::new();
+    let mut v = vec!["loopback"];
     if cfg!(feature = "cpu-tcp") {
         v.push("cpu-tcp");
     }
