@@ -8,7 +8,8 @@
 //! same cases on device memory ([`cuda::placement`]). [`run_p2p`] adds
 //! the point-to-point patterns that need sends and receives to progress
 //! together (long messages in a ring, batches, sendrecv), [`run_windows`]
-//! the one-sided window cases.
+//! the one-sided window cases. [`on_threads`] runs any of them on a world
+//! of threads: each backend crate's own `cargo test` does.
 
 #![warn(missing_docs)]
 
@@ -17,9 +18,11 @@ pub mod cuda;
 mod placement;
 pub mod reference;
 mod suite;
+mod threads;
 mod windows;
 
 pub use buf::{assert_close, Buf};
 pub use placement::{Placement, SharedPlacement};
 pub use suite::{run, run_on, run_p2p, summary, Check};
+pub use threads::on_threads;
 pub use windows::{byte as windows_byte, run_windows, run_windows_on};

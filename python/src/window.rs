@@ -14,32 +14,55 @@ use weft::{AccessType, OpOptions, Window};
 /// A window of a group (made by `Group.new_window`).
 #[pyclass(frozen, module = "weft._weft", name = "Window")]
 pub struct PyWindow {
-    win: Arc<Window>,
+    /// Taken only by `Drop`.
+    win: Option<Arc<Window>>,
 }
 
 impl PyWindow {
     /// Wrap a window.
     pub fn new(win: Window) -> PyWindow {
-        PyWindow { win: Arc::new(win) }
+        PyWindow { win: Some(Arc::new(win)) }
+    }
+
+    fn win(&self) -> &Window {
+        self.win.as_ref().expect("set until dropped")
     }
 }
 
-/// An op's options from a timeout in seconds.
-fn timed(timeout: Option<f64>) -> OpOptions {
-    OpOptions { timeout: timeout.filter(|t| *t > 0.0).map(Duration::from_secs_f64), ..OpOptions::default() }
+impl Drop for PyWindow {
+    /// A window never deregistered is deregistered here (collectively),
+    /// without the GIL: Python's other threads (ranks too) go on meanwhile.
+    fn drop(&mut self) {
+        if let Some(win) = self.win.take() {
+            Python::attach(|py| py.detach(move || drop(win)));
+        }
+    }
+}
+
+/// An op's options from a timeout in seconds (None or not positive: the
+/// group's).
+fn timed(timeout: Option<f64>) -> PyResult<OpOptions> {
+    let timeout = match timeout.filter(|t| *t > 0.0) {
+        None => None,
+        Some(t) => Some(
+            Duration::try_from_secs_f64(t)
+                .map_err(|_| pyo3::exceptions::PyValueError::new_err(format!("weft: timeout {t} is not a number of seconds")))?,
+        ),
+    };
+    Ok(OpOptions { timeout, ..OpOptions::default() })
 }
 
 #[pymethods]
 impl PyWindow {
     /// Bytes rank `rank` registered.
     fn len_of(&self, rank: usize) -> usize {
-        self.win.len_of(rank)
+        self.win().len_of(rank)
     }
 
     /// `(address, bytes)` of this rank's registered memory, valid while
     /// this object lives.
     fn local_address(&self) -> (usize, usize) {
-        let m = self.win.local();
+        let m = self.win().local();
         (m.as_ptr() as usize, m.len())
     }
 
@@ -47,13 +70,13 @@ impl PyWindow {
     /// (shared memory), valid while this object lives; raises
     /// `unsupported` where peers' memory is not mapped.
     fn remote_address(&self, rank: usize) -> PyResult<(usize, usize)> {
-        let m = self.win.map_remote(rank).map_err(to_py)?;
+        let m = self.win().map_remote(rank).map_err(to_py)?;
         Ok((m.as_ptr() as usize, m.len()))
     }
 
     /// `"unified"` (mapped here) or `"separate"` for `peer`.
     fn access(&self, peer: usize) -> PyResult<&'static str> {
-        Ok(match self.win.attr(peer).map_err(to_py)?.access {
+        Ok(match self.win().attr(peer).map_err(to_py)?.access {
             AccessType::Unified => "unified",
             AccessType::Separate => "separate",
         })
@@ -65,7 +88,7 @@ impl PyWindow {
     fn put(&self, t: Desc, dst: usize, offset: usize, keep: Py<PyAny>, timeout: Option<f64>) -> PyResult<PyWork> {
         // SAFETY: `keep` holds the tensor until the work has finished (the
         // PyWork keeps it, and parks it if dropped early).
-        let work = self.win.put(unsafe { t.view() }?, dst, offset, &timed(timeout)).map_err(to_py)?;
+        let work = self.win().put(unsafe { t.view() }?, dst, offset, &timed(timeout)?).map_err(to_py)?;
         Ok(PyWork::new(work, keep, None))
     }
 
@@ -73,25 +96,26 @@ impl PyWindow {
     #[pyo3(signature = (t, src, offset, keep, timeout = None))]
     fn get(&self, t: Desc, src: usize, offset: usize, keep: Py<PyAny>, timeout: Option<f64>) -> PyResult<PyWork> {
         // SAFETY: as in `put`.
-        let work = self.win.get(unsafe { t.view_mut() }?, src, offset, &timed(timeout)).map_err(to_py)?;
+        let work = self.win().get(unsafe { t.view_mut() }?, src, offset, &timed(timeout)?).map_err(to_py)?;
         Ok(PyWork::new(work, keep, None))
     }
 
     /// Signal `peer` (after this rank's earlier puts to it).
     #[pyo3(signature = (peer, keep, timeout = None))]
     fn signal(&self, peer: usize, keep: Py<PyAny>, timeout: Option<f64>) -> PyResult<PyWork> {
-        let work = self.win.signal(peer, &timed(timeout)).map_err(to_py)?;
+        let work = self.win().signal(peer, &timed(timeout)?).map_err(to_py)?;
         Ok(PyWork::new(work, keep, None))
     }
 
     /// Wait (the GIL released) for `count` signals from `peer`.
     #[pyo3(signature = (peer, count = 1, timeout = None))]
     fn wait_signal(&self, py: Python<'_>, peer: usize, count: u64, timeout: Option<f64>) -> PyResult<()> {
-        py.detach(|| self.win.wait_signals(peer, count, &timed(timeout))).map_err(to_py)
+        let opts = timed(timeout)?;
+        py.detach(|| self.win().wait_signals(peer, count, &opts)).map_err(to_py)
     }
 
     /// End the window (collective; the GIL released).
     fn deregister(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.win.deregister()).map_err(to_py)
+        py.detach(|| self.win().deregister()).map_err(to_py)
     }
 }

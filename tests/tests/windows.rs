@@ -180,3 +180,21 @@ fn a_window_outliving_its_group_fails_promptly() {
         });
     }
 }
+
+/// A wait for a signal from a peer that deregisters instead fails at once
+/// (not at its deadline), saying so.
+#[test]
+fn a_wait_on_a_peer_that_deregistered_fails_at_once() {
+    for spec in ["cpu-tcp", "shm", "loopback"] {
+        run_threads(2, options(spec), move |pg| {
+            let win = pg.new_window(64).unwrap();
+            if pg.rank() == 0 {
+                let start = Instant::now();
+                let e = win.wait_signal(1, &OpOptions::default().timeout(Duration::from_secs(20))).unwrap_err();
+                assert!(start.elapsed() < Duration::from_secs(10), "{spec}: {:?}", start.elapsed());
+                assert!(e.to_string().contains("deregistered"), "{spec}: {e}");
+            }
+            win.deregister().unwrap();
+        });
+    }
+}

@@ -169,6 +169,14 @@ impl WindowTransport for CudaWindow {
         Some(self.memory[rank] as *mut u8)
     }
 
+    /// An event after the copy on the caller's stream: the Work's device
+    /// side (dropping it waits for the copy, as for every device op).
+    fn queued(&self, call: &RmaCall) -> Result<Option<Arc<dyn weft::stream::DeviceCompletion>>> {
+        let stream = Self::stream(call);
+        let done = weft_cuda_runtime::StreamCompletion::record(self.gpu.clone(), self.device, stream, stream)?;
+        Ok(Some(Arc::new(done)))
+    }
+
     /// Drains this thread's current stream (puts and gets on other streams
     /// are the caller's to synchronize first); core then closes the host
     /// window, which every rank passes only once all have drained.

@@ -54,6 +54,7 @@ impl ShmWindow {
         let (rank, size) = (spec.rank, spec.size);
         let store = &*spec.store;
         let left = || spec.deadline.saturating_duration_since(Instant::now());
+        // (Sizes are at most `weft::window::MAX_BYTES`: no overflow.)
         let len = |r: usize| header(size) + spec.sizes[r];
         let mine = weft::auth::random_u64().and_then(|n| {
             let tag = format!("win{:x}", n);
@@ -183,10 +184,14 @@ impl WindowTransport for ShmWindow {
     fn wait_signal(&self, peer: usize, count: u64, call: &RmaCall) -> Result<()> {
         let mut taken = self.taken[peer].lock().unwrap_or_else(|p| p.into_inner());
         let want = *taken + count;
-        let signals = &self.line(self.rank, peer).signals;
+        let line = self.line(self.rank, peer);
         // Acquire (SeqCst): the puts before the peer's signal are in place.
-        let what = || format!("{count} signal(s) of window (at {} of {want})", signals.load(Ordering::SeqCst));
-        self.shm.wait_until(peer, &what, &call.deadline, &|| signals.load(Ordering::SeqCst) >= want)?;
+        let arrived = || line.signals.load(Ordering::SeqCst) >= want;
+        let what = || format!("{count} signal(s) of window (at {} of {want})", line.signals.load(Ordering::SeqCst));
+        self.shm.wait_until(peer, &what, &call.deadline, &|| arrived() || line.closed.load(Ordering::SeqCst) == 1)?;
+        if !arrived() {
+            return Err(Error::invalid(format!("rank {peer} deregistered the window before the signal waited for")));
+        }
         *taken = want;
         Ok(())
     }

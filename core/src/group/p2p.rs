@@ -124,6 +124,10 @@ impl Lane {
     /// progress thread is always in the transport, and a turn would wait
     /// for it).
     pub(crate) fn post(self: &Arc<Self>, post: Post) {
+        if self.shutdown.load(Ordering::SeqCst) {
+            // The group was closed: nothing drives this transport any more.
+            return (post.done)(Err(Error::aborted("the process group was closed")));
+        }
         self.begin();
         let (me, done) = (self.clone(), post.done);
         self.backend.post(Post {

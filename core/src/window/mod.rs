@@ -35,6 +35,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+/// The most bytes one rank may register (2^48: far above any memory, far
+/// below where a backend's arithmetic on it could overflow).
+pub const MAX_BYTES: usize = 1 << 48;
+
 /// How a peer's window memory can be reached (TorchComm's `get_attr`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AccessType {
@@ -151,6 +155,14 @@ pub trait WindowTransport: Send + Sync {
     /// Rank `rank`'s memory, where this process maps it.
     fn remote(&self, rank: usize) -> Option<*mut u8>;
 
+    /// Device windows: the device side of the put or get this thread just
+    /// queued on `call`'s stream, for its [`Work`] (which then waits for it
+    /// when dropped or synchronized). `None` for host windows.
+    fn queued(&self, call: &RmaCall) -> Result<Option<Arc<dyn crate::stream::DeviceCompletion>>> {
+        let _ = call;
+        Ok(None)
+    }
+
     /// Collective teardown: returns once no peer will touch this rank's
     /// memory any more, and this rank's puts and gets are over.
     fn close(&self, deadline: Instant) -> Result<()>;
@@ -220,6 +232,11 @@ impl ProcessGroup {
         let mut all = vec![0u64; size];
         self.all_gather_single(&mut all[..], &[bytes as u64][..], &OpOptions::default())?.wait()?;
         let sizes: Vec<usize> = all.iter().map(|&b| b as usize).collect();
+        // Room for a backend's own header above any size (no overflow).
+        if let Some(r) = sizes.iter().position(|&b| b > MAX_BYTES) {
+            let e = Error::invalid(format!("rank {r} registered {} bytes; a window holds at most {MAX_BYTES}", sizes[r]));
+            return Err(e.with_op(name).with_rank(rank));
+        }
         let parts = self.window_parts(device.kind())?;
         let spec = WindowSpec {
             id: parts.id,
@@ -348,7 +365,7 @@ impl Window {
         }
         // SAFETY: the Work borrows `src` for 't and waits for the put when
         // dropped, so `src` outlives it.
-        Ok(self.track(name, |later| unsafe { self.imp.put(span, dst, offset, &call, later) }))
+        Ok(self.track(name, &call, |later| unsafe { self.imp.put(span, dst, offset, &call, later) }))
     }
 
     /// Read `dst`'s length in bytes at byte `offset` of rank `src`'s memory
@@ -366,7 +383,7 @@ impl Window {
             return self.local().read(offset, unsafe { span.host() }).map(|()| Work::done(Ok(()), None));
         }
         // SAFETY: as in `put`.
-        Ok(self.track(name, |later| unsafe { self.imp.get(span, src, offset, &call, later) }))
+        Ok(self.track(name, &call, |later| unsafe { self.imp.get(span, src, offset, &call, later) }))
     }
 
     /// Tell `peer` that this rank's earlier puts to it are complete: once
@@ -376,7 +393,7 @@ impl Window {
         self.peer("signal", peer)?;
         self.check_open("signal")?;
         let call = self.call(opts);
-        Ok(self.track("signal", |later| self.imp.signal(peer, &call, later)))
+        Ok(self.track("signal", &call, |later| self.imp.signal(peer, &call, later)))
     }
 
     /// Wait for a signal from `peer` (one that no earlier wait took).
@@ -457,8 +474,9 @@ impl Window {
         Ok(self.call(opts))
     }
 
-    /// A [`Work`] for an op that finishes now or later (see [`Later`]).
-    fn track<'t>(&self, name: &'static str, run: impl FnOnce(Later<'_>) -> Option<Result<()>>) -> Work<'t> {
+    /// A [`Work`] for an op of `call` that finishes now or later (see
+    /// [`Later`]), with its device side where it has one.
+    fn track<'t>(&self, name: &'static str, call: &RmaCall, run: impl FnOnce(Later<'_>) -> Option<Result<()>>) -> Work<'t> {
         let rank = self.rank;
         let tag = move |e: Error| e.with_op(name).with_rank(rank);
         let mut pending = None;
@@ -468,6 +486,10 @@ impl Window {
             done
         });
         match (now, pending) {
+            (Some(Ok(())), _) => match self.imp.queued(call) {
+                Ok(device) => Work::done(Ok(()), device),
+                Err(e) => Work::done(Err(tag(e)), None),
+            },
             (Some(r), _) => Work::done(r.map_err(tag), None),
             (None, Some(work)) => work,
             (None, None) => Work::done(Err(tag(Error::backend("window: the transport neither finished nor deferred the op"))), None),

@@ -27,6 +27,17 @@ use std::time::{Duration, Instant};
 pub(crate) struct P2pWindow {
     service: Arc<Service>,
     size: usize,
+    /// The lane drives for this window (until `close`, or the drop of a
+    /// window that was never closed).
+    listening: std::sync::atomic::AtomicBool,
+}
+
+impl Drop for P2pWindow {
+    fn drop(&mut self) {
+        if self.listening.swap(false, std::sync::atomic::Ordering::AcqRel) {
+            self.service.lane.unlisten();
+        }
+    }
 }
 
 /// The target side: this rank's memory and what peers' frames did to it.
@@ -85,12 +96,16 @@ impl P2pWindow {
     /// (which posts) and driven by `lane`.
     pub(crate) fn new(spec: WindowSpec, backend: Arc<dyn Backend>, lane: Arc<Lane>) -> Result<P2pWindow> {
         let size = spec.size;
+        // Every rank has its memory, or all fail (before any frame is sent).
+        let left = spec.deadline.saturating_duration_since(Instant::now());
+        let heap = Heap::zeroed(spec.sizes[spec.rank]);
+        let heap = crate::store::all_or_none(&*spec.store, "allocated", spec.rank, size, left, heap, "window: allocating the memory")?;
         let service = Arc::new(Service {
             id: spec.id,
             rank: spec.rank,
             backend,
             lane,
-            heap: Heap::zeroed(spec.sizes[spec.rank])?,
+            heap,
             origins: Mutex::new(Origins { arrived: vec![0; size], taken: vec![0; size], ended: vec![None; size], closes_sent: 0 }),
             changed: Condvar::new(),
             failed: std::sync::OnceLock::new(),
@@ -101,7 +116,7 @@ impl P2pWindow {
                 service.listen(origin);
             }
         }
-        Ok(P2pWindow { service, size })
+        Ok(P2pWindow { service, size, listening: std::sync::atomic::AtomicBool::new(size > 1) })
     }
 
     fn tag(&self, channel: u8) -> u64 {
@@ -109,14 +124,19 @@ impl P2pWindow {
     }
 
     /// Post `ops` as a background batch; `keep` (what they borrow) lives
-    /// until `done` has run.
+    /// until `done` has run. A failure fails the window too (see `failed`):
+    /// a put or get given up half way leaves its frames out of step.
     ///
     /// # Safety
     /// Whatever `ops` borrow that `keep` does not own stays valid until
     /// `done` has run.
     unsafe fn post(&self, ops: &mut [P2p<'_>], keep: Vec<u8>, deadline: Instant, done: Done) {
+        let me = self.service.clone();
         let done: Done = Box::new(move |r| {
             drop(keep);
+            if let Err(e) = &r {
+                me.fail(e.clone());
+            }
             done(r)
         });
         // SAFETY: the caller's promise, and `keep` moved into `done`.
@@ -125,16 +145,12 @@ impl P2pWindow {
 
     /// Post `ops`, which borrow only `keep`, finished at once for the
     /// caller: a failure to send is kept for the next call (see `failed`).
-    fn post_eager(&self, ops: &mut [P2p<'_>], keep: Vec<u8>, deadline: Instant) -> Option<Result<()>> {
-        let me = self.service.clone();
-        let record: Done = Box::new(move |r| {
-            if let Err(e) = r {
-                let _ = me.failed.set(e);
-                me.changed.notify_all();
-            }
-        });
+    /// They never expire (their delivery is the transport's, as for any
+    /// send that completed locally): a signal after them can then never
+    /// reach the target while they did not.
+    fn post_eager(&self, ops: &mut [P2p<'_>], keep: Vec<u8>) -> Option<Result<()>> {
         // SAFETY: `ops` borrow only `keep`, which `post` keeps.
-        unsafe { self.post(ops, keep, deadline, record) };
+        unsafe { self.post(ops, keep, forever(), Box::new(|_| {})) };
         Some(Ok(()))
     }
 
@@ -174,7 +190,7 @@ impl WindowTransport for P2pWindow {
             ops.push(P2p::Send { peer: dst, tag: self.tag(DATA), data: if len <= EAGER { copied } else { src } });
         }
         if len <= EAGER {
-            return self.post_eager(&mut ops, keep, deadline);
+            return self.post_eager(&mut ops, keep);
         }
         // SAFETY: `src` is valid until the completion runs (the caller's
         // promise).
@@ -202,7 +218,7 @@ impl WindowTransport for P2pWindow {
         None
     }
 
-    fn signal(&self, peer: usize, call: &RmaCall, _: Later<'_>) -> Option<Result<()>> {
+    fn signal(&self, peer: usize, _: &RmaCall, _: Later<'_>) -> Option<Result<()>> {
         if peer == self.service.rank {
             self.service.origins.lock().unwrap_or_else(|p| p.into_inner()).arrived[peer] += 1;
             return Some(Ok(()));
@@ -213,7 +229,7 @@ impl WindowTransport for P2pWindow {
         let mut frame = frame_buf(Frame::Signal, &[]);
         // SAFETY: `frame` goes to `post_eager`'s keep.
         let mut ops = [P2p::Send { peer, tag: self.tag(CONTROL), data: unsafe { bytes(frame.as_mut_ptr(), FRAME_BYTES) } }];
-        self.post_eager(&mut ops, frame, call.deadline.get())
+        self.post_eager(&mut ops, frame)
     }
 
     fn wait_signal(&self, peer: usize, count: u64, call: &RmaCall) -> Result<()> {
@@ -280,6 +296,9 @@ impl WindowTransport for P2pWindow {
         let result = loop {
             let open = (0..self.size).find(|&p| p != s.rank && o.ended[p].is_none());
             if open.is_none() && o.closes_sent == self.size - 1 {
+                if let Some(e) = s.failed.get() {
+                    break Err(e.clone());
+                }
                 break match o.ended.iter().find_map(|e| e.as_ref().and_then(|e| e.clone())) {
                     Some(e) => Err(e),
                     None => Ok(()),
@@ -293,7 +312,9 @@ impl WindowTransport for P2pWindow {
             o = s.changed.wait_timeout(o, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
         };
         drop(o);
-        s.lane.unlisten();
+        if self.listening.swap(false, std::sync::atomic::Ordering::AcqRel) {
+            s.lane.unlisten();
+        }
         result
     }
 }
@@ -314,6 +335,15 @@ impl Service {
         let done: Done = Box::new(move |r| me.on_frame(origin, frame, r));
         // SAFETY: as above.
         self.backend.post(unsafe { Post::new(&mut ops, &[], forever(), done) });
+    }
+
+    /// The window failed (`e`, the first failure, is reported by every
+    /// later call): an op of this rank's was given up or failed.
+    fn fail(&self, e: Error) {
+        if self.failed.set(e).is_ok() {
+            let _g = self.origins.lock().unwrap_or_else(|p| p.into_inner());
+            self.changed.notify_all();
+        }
     }
 
     /// `origin` stopped: it closed (`None`) or failed.
@@ -366,14 +396,16 @@ impl Service {
                 let data = unsafe { bytes(self.heap.ptr().add(offset as usize), len as usize) };
                 let mut ops = [P2p::Send { peer: origin, tag: crate::tag::window(self.id, REPLY), data }];
                 let me = self.clone();
-                let done: Done = Box::new(move |r| {
-                    if let Err(e) = r {
-                        me.end(origin, Some(e));
-                    }
+                // The next frame only once the reply went: at most one
+                // reply per origin in flight, and a put after the get cannot
+                // change the bytes it returns. Through the lane, which keeps
+                // driving until it went (after a close too).
+                let done: Done = Box::new(move |r| match r {
+                    Ok(()) => me.listen(origin),
+                    Err(e) => me.end(origin, Some(e)),
                 });
                 // SAFETY: as above.
-                self.backend.post(unsafe { Post::new(&mut ops, &[], forever(), done) });
-                self.listen(origin);
+                self.lane.post(unsafe { Post::new(&mut ops, &[], forever(), done) });
             }
             Frame::Close => self.end(origin, None),
         }
