@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The CUDA backends on a real GPU: the CUDA tests (threads and processes),
+# The CUDA backends on a real GPU: the CUDA tests (threads and processes;
+# device windows included),
 # the conformance suite with 2 and 4 processes sharing the GPU on both CUDA
 # backends, and the all_reduce benchmark (cuda-device direct, its ring)
 # against the device-to-device copy bandwidth and the unpipelined
@@ -95,6 +96,10 @@ for mode in "${modes[@]}"; do
     echo quit | nvidia-cuda-mps-control
   fi
 done
+# One-sided windows in device memory: put + signal + wait_signal at 64 MiB
+# against a device copy of the same size.
+bench "put-2" --world 2 --device cuda -b 64M -e 64M --backend cpu:shm,cuda:cuda-device --ops device_copy,put -n 20 --time-per-size 3
+summary+=("W=2 put 64M: $(field put-2 put 7) us against a device copy's $(field put-2 device_copy 7) us")
 echo "== summary (targets: cuda-device >= 0.50 x device_copy; staging >= 1.5 x faster than whole)"
 printf '%s\n' "${summary[@]}"
 

@@ -257,6 +257,13 @@ pub fn run_windows_on(pg: &ProcessGroup, placement: crate::SharedPlacement) -> V
         let mut got = vec![0u8; n + r];
         placement.download(win.local().as_ptr() as u64, &mut got).map_err(e("download"))?;
         first_difference(&got, &pattern(left, 0, n + r))?;
+        // A window made from a device tensor holds its bytes everywhere.
+        let init = crate::Buf::from_bytes(DType::U8, &pattern(r, 0, 5000)).place(Some(&placement)).map_err(e("upload"))?;
+        let from = pg.new_window_from(init.t()).map_err(e("new_window_from"))?;
+        let mut first = vec![0u8; 5000];
+        placement.download(from.local().as_ptr() as u64, &mut first).map_err(e("download"))?;
+        first_difference(&first, &pattern(r, 0, 5000)).map_err(|m| format!("new_window_from: {m}"))?;
+        from.deregister().map_err(e("deregister"))?;
         let mut back = crate::Buf::zeros(DType::U8, 1000).place(Some(&placement)).map_err(e("upload"))?;
         win.get(back.tm(), right, 3, &o).and_then(|w| w.wait()).map_err(e("get"))?;
         first_difference(&back.read().map_err(e("download"))?, &pattern(r, 3, 1000)).map_err(|m| format!("get: {m}"))?;

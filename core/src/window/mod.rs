@@ -203,15 +203,16 @@ impl ProcessGroup {
         self.new_window_on(bytes, Device::Cpu)
     }
 
-    /// A window whose memory starts as a copy of `init` (host memory; its
-    /// size is this rank's registered size): TorchComm's
+    /// A window whose memory starts as a copy of `init` (on `init`'s
+    /// device; its size is this rank's registered size): TorchComm's
     /// `tensor_register`. Collective; no rank returns before every rank's
     /// memory holds its `init`, so no put can land before that copy.
     pub fn new_window_from<'t>(&self, init: impl Into<Tensor<'t>>) -> Result<Window> {
         let init = init.into();
-        let bytes = init.host_bytes().map_err(|e| e.with_op("new_window").with_rank(self.rank()))?;
-        let win = self.new_window(bytes.len())?;
-        win.local().write(0, bytes)?;
+        let win = self.new_window_on(init.nbytes(), init.device())?;
+        // A put to this rank: a copy (on the device, on the current stream,
+        // waited for here).
+        win.put(init, self.rank(), 0, &OpOptions::default())?.synchronize()?;
         self.barrier(&OpOptions::default())?.wait()?;
         Ok(win)
     }
