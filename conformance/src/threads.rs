@@ -33,3 +33,40 @@ pub fn on_threads(spec: &str, w: usize, suite: fn(&ProcessGroup) -> Vec<Check>) 
         }
     });
 }
+
+/// The conformance tests of one backend crate (its `tests/conformance.rs`):
+/// the suite at W = 1 to `max_w`, the point-to-point patterns and the
+/// window cases at W = 2 to `max_w`, on threads of the test, after `link`
+/// (the crate's registration).
+///
+/// ```ignore
+/// weft_conformance::backend_tests!("shm", weft_shm::link, 4);
+/// ```
+#[macro_export]
+macro_rules! backend_tests {
+    ($spec:expr, $link:path, $max_w:expr) => {
+        #[test]
+        fn passes_the_conformance_suite() {
+            $link();
+            for w in 1..=$max_w {
+                $crate::on_threads($spec, w, |pg| $crate::run(pg, 33));
+            }
+        }
+
+        #[test]
+        fn point_to_point_progresses_together() {
+            $link();
+            for w in 2..=$max_w {
+                $crate::on_threads($spec, w, |pg| $crate::run_p2p(pg, None, 16 << 20));
+            }
+        }
+
+        #[test]
+        fn windows_pass_their_cases() {
+            $link();
+            for w in 2..=$max_w {
+                $crate::on_threads($spec, w, |pg| $crate::run_windows(pg, 1 << 20));
+            }
+        }
+    };
+}

@@ -161,3 +161,18 @@ pub fn status_bytes(pid: Option<u32>, field: &str) -> Option<usize> {
     let kb = status.lines().find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?;
     Some(kb.trim().trim_end_matches("kB").trim().parse::<usize>().ok()? << 10)
 }
+
+/// Run `scenario` of `worker` on `n` processes of `backend`, where the last
+/// rank is killed (SIGKILL): it died by the signal, and every other rank
+/// succeeded (it checked its own error) within 10 s of the death.
+pub fn last_rank_killed_is_named_within_10s(worker: &str, scenario: &str, backend: &str, n: usize) {
+    use std::os::unix::process::ExitStatusExt;
+    let ends = run_world(worker, n, &[scenario], &[("WEFT_BACKEND", backend)], Duration::from_secs(90));
+    let victim = &ends[n - 1];
+    assert_eq!(victim.status.signal(), Some(9), "{backend}: the victim was killed: {}", victim.output);
+    for (r, e) in ends[..n - 1].iter().enumerate() {
+        assert!(e.status.success(), "{backend} rank {r}: {:?}\n{}", e.status, e.output);
+        let after = e.at.saturating_duration_since(victim.at);
+        assert!(after < Duration::from_secs(10), "{backend} rank {r} reported {after:?} after the kill");
+    }
+}

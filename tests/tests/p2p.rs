@@ -368,23 +368,8 @@ fn pipeline_1f1b(pg: &ProcessGroup, micro: usize, n: usize) {
 /// sockets and over shared memory.
 #[test]
 fn a_batch_whose_peer_is_killed_fails_naming_it_within_10s() {
-    use std::os::unix::process::ExitStatusExt;
     for backend in ["cpu-tcp", "shm"] {
-        let n = 3;
-        let ends = weft_tests::procs::run_world(
-            env!("CARGO_BIN_EXE_weft-test-worker"),
-            n,
-            &["sigkill_p2p_batch"],
-            &[("WEFT_BACKEND", backend)],
-            Duration::from_secs(90),
-        );
-        let victim = &ends[n - 1];
-        assert_eq!(victim.status.signal(), Some(9), "{backend}: the victim was killed: {}", victim.output);
-        for (r, e) in ends[..n - 1].iter().enumerate() {
-            assert!(e.status.success(), "{backend} rank {r}: {:?}\n{}", e.status, e.output);
-            let after = e.at.saturating_duration_since(victim.at);
-            assert!(after < Duration::from_secs(10), "{backend} rank {r} reported {after:?} after the kill");
-        }
+        weft_tests::procs::last_rank_killed_is_named_within_10s(env!("CARGO_BIN_EXE_weft-test-worker"), "sigkill_p2p_batch", backend, 3);
     }
 }
 

@@ -99,23 +99,8 @@ fn a_target_busy_computing_takes_puts() {
 /// sockets and over shared memory.
 #[test]
 fn a_window_peer_killed_mid_put_is_named_within_10s() {
-    use std::os::unix::process::ExitStatusExt;
     for backend in ["cpu-tcp", "shm"] {
-        let n = 3;
-        let ends = weft_tests::procs::run_world(
-            env!("CARGO_BIN_EXE_weft-test-worker"),
-            n,
-            &["window_sigkill"],
-            &[("WEFT_BACKEND", backend)],
-            Duration::from_secs(90),
-        );
-        let victim = &ends[n - 1];
-        assert_eq!(victim.status.signal(), Some(9), "{backend}: the victim was killed: {}", victim.output);
-        for (r, e) in ends[..n - 1].iter().enumerate() {
-            assert!(e.status.success(), "{backend} rank {r}: {:?}\n{}", e.status, e.output);
-            let after = e.at.saturating_duration_since(victim.at);
-            assert!(after < Duration::from_secs(10), "{backend} rank {r} reported {after:?} after the kill");
-        }
+        weft_tests::procs::last_rank_killed_is_named_within_10s(env!("CARGO_BIN_EXE_weft-test-worker"), "window_sigkill", backend, 3);
     }
 }
 

@@ -1,28 +1,4 @@
 //! The conformance suite, point-to-point patterns and windows on
-//! `loopback`, at W = 1 to 5 (ranks as threads of this test).
+//! `loopback`, at W up to 5 (ranks as threads of this test, handing messages between them).
 
-use weft_conformance::on_threads;
-
-#[test]
-fn passes_the_conformance_suite() {
-    weft_loopback::link();
-    for w in 1..=5 {
-        on_threads("loopback", w, |pg| weft_conformance::run(pg, 33));
-    }
-}
-
-#[test]
-fn point_to_point_progresses_together() {
-    weft_loopback::link();
-    for w in 2..=5 {
-        on_threads("loopback", w, |pg| weft_conformance::run_p2p(pg, None, 16 << 20));
-    }
-}
-
-#[test]
-fn windows_pass_their_cases() {
-    weft_loopback::link();
-    for w in 2..=4 {
-        on_threads("loopback", w, |pg| weft_conformance::run_windows(pg, 1 << 20));
-    }
-}
+weft_conformance::backend_tests!("loopback", weft_loopback::link, 5);

@@ -354,37 +354,72 @@ impl Window {
     /// `InvalidArgument` before any byte moves.
     pub fn put<'t>(&self, src: impl Into<Tensor<'t>>, dst: usize, offset: usize, opts: &OpOptions) -> Result<Work<'t>> {
         let src = src.into();
-        let name = "put";
-        let call = self.start(name, dst, src.device(), src.is_contiguous(), offset, src.nbytes(), opts)?;
         let span = Span { ptr: src.as_ptr() as *mut u8, len: src.nbytes() };
-        if span.len == 0 {
-            return Ok(Work::done(Ok(()), None));
-        }
-        if dst == self.rank && self.device == Device::Cpu {
-            // SAFETY: a contiguous host tensor (checked), borrowed for 't.
-            return self.local().write(offset, unsafe { span.host() }).map(|()| Work::done(Ok(()), None));
-        }
-        // SAFETY: the Work borrows `src` for 't and waits for the put when
-        // dropped, so `src` outlives it.
-        Ok(self.track(name, &call, |later| unsafe { self.imp.put(span, dst, offset, &call, later) }))
+        self.one_sided(
+            "put",
+            dst,
+            src.device(),
+            src.is_contiguous(),
+            span,
+            offset,
+            opts,
+            |mine, bytes| mine.write(offset, bytes),
+            |call, later| {
+                // SAFETY: the Work borrows `src` for 't and waits for the put
+                // when dropped, so `src` outlives it.
+                unsafe { self.imp.put(span, dst, offset, call, later) }
+            },
+        )
     }
 
     /// Read `dst`'s length in bytes at byte `offset` of rank `src`'s memory
     /// into `dst`, one-sidedly. The [`Work`] finishes once they are in.
     pub fn get<'t>(&self, dst: impl Into<TensorMut<'t>>, src: usize, offset: usize, opts: &OpOptions) -> Result<Work<'t>> {
         let dst = dst.into();
-        let name = "get";
-        let call = self.start(name, src, dst.device(), dst.is_contiguous(), offset, dst.nbytes(), opts)?;
         let span = Span { ptr: dst.as_ptr() as *mut u8, len: dst.nbytes() };
+        self.one_sided(
+            "get",
+            src,
+            dst.device(),
+            dst.is_contiguous(),
+            span,
+            offset,
+            opts,
+            |mine, bytes| mine.read(offset, bytes),
+            |call, later| {
+                // SAFETY: as in `put`.
+                unsafe { self.imp.get(span, src, offset, call, later) }
+            },
+        )
+    }
+
+    /// A put or get (`name`) of `span` (a tensor on `device`) at `offset` of
+    /// `peer`'s memory: checked, then nothing (no bytes), `here` (this
+    /// rank's own host memory, with the span's bytes) or `there` (the
+    /// transport).
+    #[allow(clippy::too_many_arguments)]
+    fn one_sided<'t>(
+        &self,
+        name: &'static str,
+        peer: usize,
+        device: Device,
+        contiguous: bool,
+        span: Span,
+        offset: usize,
+        opts: &OpOptions,
+        here: impl FnOnce(WindowMemory<'_>, &mut [u8]) -> Result<()>,
+        there: impl FnOnce(&RmaCall, Later<'_>) -> Option<Result<()>>,
+    ) -> Result<Work<'t>> {
+        let call = self.start(name, peer, device, contiguous, offset, span.len, opts)?;
         if span.len == 0 {
             return Ok(Work::done(Ok(()), None));
         }
-        if src == self.rank && self.device == Device::Cpu {
-            // SAFETY: a contiguous host tensor (checked), borrowed mutably for 't.
-            return self.local().read(offset, unsafe { span.host() }).map(|()| Work::done(Ok(()), None));
+        if peer == self.rank && self.device == Device::Cpu {
+            // SAFETY: the caller's contiguous host tensor (checked),
+            // borrowed (mutably, for a get) for 't.
+            return here(self.local(), unsafe { span.host() }).map(|()| Work::done(Ok(()), None));
         }
-        // SAFETY: as in `put`.
-        Ok(self.track(name, &call, |later| unsafe { self.imp.get(span, src, offset, &call, later) }))
+        Ok(self.track(name, &call, |later| there(&call, later)))
     }
 
     /// Tell `peer` that this rank's earlier puts to it are complete: once

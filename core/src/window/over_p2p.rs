@@ -346,6 +346,20 @@ impl Service {
         }
     }
 
+    /// Post `op` (a long put's bytes, a get's reply: it views the heap),
+    /// then read `origin`'s next frame once it is done. Through the lane,
+    /// which keeps driving until it is (after a close too).
+    fn then_listen(self: &Arc<Self>, origin: usize, op: P2p<'static>) {
+        let me = self.clone();
+        let done: Done = Box::new(move |r| match r {
+            Ok(()) => me.listen(origin),
+            Err(e) => me.end(origin, Some(e)),
+        });
+        let mut ops = [op];
+        // SAFETY: `op` views the heap, which `me` (in the completion) keeps.
+        self.lane.post(unsafe { Post::new(&mut ops, &[], forever(), done) });
+    }
+
     /// `origin` stopped: it closed (`None`) or failed.
     fn end(&self, origin: usize, why: Option<Error>) {
         let mut o = self.origins.lock().unwrap_or_else(|p| p.into_inner());
@@ -375,16 +389,9 @@ impl Service {
             }
             Frame::Put { offset, len } => {
                 // SAFETY: inside the heap (checked by `decode`), which the
-                // completion's `me` keeps alive.
+                // completion keeps alive.
                 let buf = unsafe { bytes(self.heap.ptr().add(offset as usize), len as usize) };
-                let mut ops = [P2p::Recv { peer: origin, tag: crate::tag::window(self.id, DATA), buf }];
-                let me = self.clone();
-                let done: Done = Box::new(move |r| match r {
-                    Ok(()) => me.listen(origin),
-                    Err(e) => me.end(origin, Some(e)),
-                });
-                // SAFETY: as above.
-                self.backend.post(unsafe { Post::new(&mut ops, &[], forever(), done) });
+                self.then_listen(origin, P2p::Recv { peer: origin, tag: crate::tag::window(self.id, DATA), buf });
             }
             Frame::Signal => {
                 self.origins.lock().unwrap_or_else(|p| p.into_inner()).arrived[origin] += 1;
@@ -392,20 +399,12 @@ impl Service {
                 self.listen(origin);
             }
             Frame::Get { offset, len } => {
-                // SAFETY: as for a long put.
+                // SAFETY: as for a long put. The next frame is read only
+                // once the reply went: at most one reply per origin in
+                // flight, and a put after the get cannot change the bytes it
+                // returns.
                 let data = unsafe { bytes(self.heap.ptr().add(offset as usize), len as usize) };
-                let mut ops = [P2p::Send { peer: origin, tag: crate::tag::window(self.id, REPLY), data }];
-                let me = self.clone();
-                // The next frame only once the reply went: at most one
-                // reply per origin in flight, and a put after the get cannot
-                // change the bytes it returns. Through the lane, which keeps
-                // driving until it went (after a close too).
-                let done: Done = Box::new(move |r| match r {
-                    Ok(()) => me.listen(origin),
-                    Err(e) => me.end(origin, Some(e)),
-                });
-                // SAFETY: as above.
-                self.lane.post(unsafe { Post::new(&mut ops, &[], forever(), done) });
+                self.then_listen(origin, P2p::Send { peer: origin, tag: crate::tag::window(self.id, REPLY), data });
             }
             Frame::Close => self.end(origin, None),
         }
