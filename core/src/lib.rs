@@ -17,7 +17,8 @@
 //!
 //! Where things live: the API in [`group`](ProcessGroup), backend selection
 //! in [`registry`], the generic algorithms in [`algorithms`], the
-//! transport interface in [`backend`], rendezvous in [`store`].
+//! transport interface in [`backend`], rendezvous in [`store`], one-sided
+//! windows in [`window`].
 
 #![warn(missing_docs)]
 
