@@ -16,10 +16,11 @@ pub enum ErrorKind {
         /// The rank (in the group the op ran on) that was lost.
         rank: usize,
     },
-    /// The caller passed something invalid: a size, dtype, root, split, tag...
+    /// The caller passed something invalid: a size, dtype, root, split,
+    /// tag, a reduce op on a dtype it does not apply to (BAND on floats)...
     InvalidArgument,
-    /// The request is valid but not supported here (no backend for a device,
-    /// an op a backend lacks, a reduce op on a dtype it does not apply to...).
+    /// The request is valid but not supported here (no backend for a
+    /// device, an op or a window a backend lacks...).
     Unsupported,
     /// The group (or the op) was aborted.
     Aborted,
@@ -61,6 +62,11 @@ impl Error {
     /// A [`ErrorKind::PeerLost`] error naming `rank`.
     pub fn peer_lost(rank: usize, message: impl Into<String>) -> Self {
         Self::new(ErrorKind::PeerLost { rank }, message)
+    }
+    /// The [`ErrorKind::PeerLost`] error of an op that needs `peer`, which
+    /// closed its group on purpose (every transport says it alike).
+    pub fn peer_left(peer: usize) -> Self {
+        Self::peer_lost(peer, format!("peer rank {peer} left the group (its process group was closed)"))
     }
     /// A [`ErrorKind::InvalidArgument`] error.
     pub fn invalid(message: impl Into<String>) -> Self {

@@ -256,7 +256,7 @@ impl Engine {
             match p.inbound.serve_early(me, *peer, *tag, buf)? {
                 Early::Served => done[i] = true,
                 _ if p.left => {
-                    return Err(Error::peer_lost(*peer, format!("peer rank {peer} left the group (its process group was closed)")));
+                    return Err(Error::peer_left(*peer));
                 }
                 _ if buf.len() > EAGER_LIMIT => p.queue_control(Kind::Ready, *tag, buf.len()),
                 _ => {}
@@ -315,7 +315,7 @@ impl Engine {
             let id = self.table.batch(i);
             let pending = self.table.pending_of(id);
             self.release(|j| pending.contains(&j));
-            self.table.withdraw(id, Error::peer_lost(peer, format!("peer rank {peer} left the group (its process group was closed)")));
+            self.table.withdraw(id, Error::peer_left(peer));
             posting.notify();
         }
     }
@@ -609,7 +609,7 @@ fn pass(me: usize, eng: &mut Engine, flags: &mut Flags, eager: bool) -> Result<b
         }
         let p = peers[peer].as_mut().expect("validated peers are connected");
         if p.left {
-            return Err(Error::peer_lost(peer, format!("peer rank {peer} left the group (its process group was closed)")));
+            return Err(Error::peer_left(peer));
         }
         let st = &mut state[i];
         if st.awaits_ready && !st.announced {

@@ -352,7 +352,7 @@ impl World {
                 weft::ErrorKind::PeerLost { rank } if *rank != peer => e.clone(),
                 _ => Error::peer_lost(peer, format!("peer rank {peer} aborted its group: {e}")),
             },
-            _ => Error::peer_lost(peer, format!("peer rank {peer} left the group (its process group was closed)")),
+            _ => Error::peer_left(peer),
         }
     }
 

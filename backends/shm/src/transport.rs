@@ -209,7 +209,7 @@ impl ShmBackend {
                     _ => Error::peer_lost(peer, format!("peer rank {peer} aborted its group")),
                 });
             }
-            CLOSED => return Some(Error::peer_lost(peer, format!("peer rank {peer} left the group (its process group was closed)"))),
+            CLOSED => return Some(Error::peer_left(peer)),
             _ => {}
         }
         match self.pid(peer) {

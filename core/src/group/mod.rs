@@ -247,19 +247,20 @@ impl<'t> Collectives<'t> for ProcessGroup {
     #[inline]
     fn submit(&self, mut job: Job<'t>, opts: &OpOptions) -> Result<Work<'t>> {
         let opts = job.options(opts);
+        let timeout = opts.timeout.unwrap_or(self.core.options.timeout);
         if let Some(backend) = self.core.posting_backend(&job) {
             if job.op.receives_from_any() {
-                return Ok(Work::new(self.core.post_and_wait(&backend, &mut job, &opts)));
+                return Ok(Work::new(self.core.post_and_wait(&backend, &mut job, &opts)).within(timeout));
             }
             // A point-to-point op on a transport that progresses everything
             // together takes no turn: it runs now, driving the transport (and
             // whatever else is posted there) until it is done.
             let (result, device) = self.core.run_job(&mut job, &opts, 0);
-            return Ok(Work::done(result, device));
+            return Ok(Work::done(result, device).within(timeout));
         }
         let ticket = self.core.exec.issue();
         let (result, device) = self.core.exec.run_inline(ticket, job.is_collective(), |seq| self.core.run_job(&mut job, &opts, seq));
-        Ok(Work::done(result, device))
+        Ok(Work::done(result, device).within(timeout))
     }
     fn group(&self) -> &ProcessGroup {
         self

@@ -137,6 +137,7 @@ impl GroupCore {
     ) -> Arc<WorkState> {
         let opts = job.options(opts).into_owned();
         let state = super::executor::new_state();
+        state.set_timeout(opts.timeout.unwrap_or(self.options.timeout));
         track(&state);
         if let Some(backend) = self.posting_backend(&job) {
             // SAFETY: the caller's promise.

@@ -36,6 +36,8 @@ pub(crate) struct WorkState {
     /// `MPI_Wait` makes progress) instead of sleeping until the group's
     /// progress thread has finished it and woken the waiter.
     driver: std::sync::OnceLock<Arc<super::p2p::Lane>>,
+    /// The op's timeout: how long settling waits for its device side.
+    timeout: std::sync::OnceLock<Duration>,
 }
 
 impl WorkState {
@@ -60,6 +62,11 @@ impl WorkState {
             self.done.notify_all();
         }
         wakers.into_iter().for_each(Waker::wake);
+    }
+
+    /// The op's timeout (see `timeout`).
+    pub(crate) fn set_timeout(&self, timeout: Duration) {
+        let _ = self.timeout.set(timeout);
     }
 
     /// Have waiters drive `lane`'s transport (see `driver`).
@@ -100,17 +107,24 @@ impl WorkState {
     /// What ending the borrow of the op's tensors needs (see [`settle`]).
     pub(crate) fn settle(&self) {
         let _ = self.wait_until(None);
-        settle(self.device().as_deref(), &self.ordered);
+        settle(self.device().as_deref(), &self.ordered, self.timeout.get().copied());
     }
+}
+
+/// How long to wait for an op's device side: its `timeout`, else
+/// `WEFT_TIMEOUT_SECONDS` (an op made before its group knew one).
+fn device_deadline(timeout: Option<Duration>) -> Instant {
+    let t = timeout.or_else(|| crate::options::timeout_from_env().ok()).unwrap_or(crate::options::DEFAULT_TIMEOUT);
+    crate::deadline::instant_after(t)
 }
 
 /// After the host side of an op: unless the caller's stream was ordered
 /// after the device side (the caller waited), block until the device side
-/// has finished, so the tensors' memory is free to reuse.
-fn settle(device: Option<&dyn DeviceCompletion>, ordered: &AtomicBool) {
+/// has finished (at most the op's `timeout`), so the tensors' memory is
+/// free to reuse.
+fn settle(device: Option<&dyn DeviceCompletion>, ordered: &AtomicBool, timeout: Option<Duration>) {
     if let (Some(d), false) = (device, ordered.load(Ordering::Acquire)) {
-        let deadline = Instant::now() + crate::options::timeout_from_env().unwrap_or(crate::options::DEFAULT_TIMEOUT);
-        if let Err(e) = d.synchronize(deadline) {
+        if let Err(e) = d.synchronize(device_deadline(timeout)) {
             crate::log::info(format_args!("a dropped device op did not finish: {e}"));
         }
     }
@@ -120,7 +134,7 @@ fn settle(device: Option<&dyn DeviceCompletion>, ordered: &AtomicBool) {
 enum Handle {
     /// An op that ran on the caller's thread: finished when the handle was
     /// made, so no shared state (and no lock) is needed.
-    Done { result: Result<()>, device: Option<Arc<dyn DeviceCompletion>>, ordered: AtomicBool },
+    Done { result: Result<()>, device: Option<Arc<dyn DeviceCompletion>>, ordered: AtomicBool, timeout: Option<Duration> },
     /// An op running in the background.
     Pending(Arc<WorkState>),
 }
@@ -160,7 +174,24 @@ impl<'t> Work<'t> {
 
     /// The handle of an op that has already run.
     pub(crate) fn done(result: Result<()>, device: Option<Arc<dyn DeviceCompletion>>) -> Self {
-        Work { handle: Handle::Done { result, device, ordered: AtomicBool::new(false) }, _borrow: PhantomData }
+        Work { handle: Handle::Done { result, device, ordered: AtomicBool::new(false), timeout: None }, _borrow: PhantomData }
+    }
+
+    /// The same handle, whose device side `synchronize` and dropping wait
+    /// for at most `timeout` (the op's).
+    pub(crate) fn within(mut self, timeout: Duration) -> Self {
+        match &mut self.handle {
+            Handle::Done { timeout: t, .. } => *t = Some(timeout),
+            Handle::Pending(s) => s.set_timeout(timeout),
+        }
+        self
+    }
+
+    fn timeout(&self) -> Option<Duration> {
+        match &self.handle {
+            Handle::Done { timeout, .. } => *timeout,
+            Handle::Pending(s) => s.timeout.get().copied(),
+        }
     }
 
     /// The host side's result, waiting for it until `deadline` (`None`:
@@ -202,12 +233,12 @@ impl<'t> Work<'t> {
     }
 
     /// As [`Work::wait`], then block the host until the device side has
-    /// finished too (at most `WEFT_TIMEOUT_SECONDS`). Same as `wait` for
-    /// host tensors.
+    /// finished too (at most the op's timeout, else the group's). Same as
+    /// `wait` for host tensors.
     pub fn synchronize(&self) -> Result<()> {
         self.wait()?;
         match self.device() {
-            Some(d) => d.synchronize(crate::deadline::instant_after(crate::options::timeout_from_env()?)),
+            Some(d) => d.synchronize(device_deadline(self.timeout())),
             None => Ok(()),
         }
     }
@@ -294,7 +325,7 @@ impl Drop for Work<'_> {
     fn drop(&mut self) {
         // The borrow of the tensors ends here: the op must not outlive it.
         match &self.handle {
-            Handle::Done { device, ordered, .. } => settle(device.as_deref(), ordered),
+            Handle::Done { device, ordered, timeout, .. } => settle(device.as_deref(), ordered, *timeout),
             Handle::Pending(s) => s.settle(),
         }
     }
@@ -303,5 +334,43 @@ impl Drop for Work<'_> {
 impl std::fmt::Debug for Work<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Work(completed={})", self.is_completed())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A device side that records the deadline it was waited with.
+    #[derive(Default)]
+    struct Recorded(Mutex<Option<Instant>>);
+
+    impl DeviceCompletion for Recorded {
+        fn order_caller_stream(&self) -> Result<()> {
+            Ok(())
+        }
+        fn is_complete(&self) -> Result<bool> {
+            Ok(true)
+        }
+        fn synchronize(&self, deadline: Instant) -> Result<()> {
+            *self.0.lock().unwrap() = Some(deadline);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn synchronize_and_drop_wait_for_the_device_side_by_the_ops_timeout() {
+        let device = Arc::new(Recorded::default());
+        let start = Instant::now();
+        let work = Work::done(Ok(()), Some(device.clone())).within(Duration::from_secs(7));
+        work.synchronize().unwrap();
+        let waited = device.0.lock().unwrap().take().expect("waited for") - start;
+        assert!(waited >= Duration::from_secs(7) && waited < Duration::from_secs(8), "{waited:?}");
+        // Dropped without waiting (the caller's stream never ordered after
+        // it): settling waits by the same timeout.
+        let work = Work::done(Ok(()), Some(device.clone())).within(Duration::from_secs(3));
+        drop(work);
+        let waited = device.0.lock().unwrap().take().expect("settled") - start;
+        assert!(waited >= Duration::from_secs(3) && waited < Duration::from_secs(4), "{waited:?}");
     }
 }

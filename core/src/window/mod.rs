@@ -106,6 +106,8 @@ pub struct RmaCall {
     /// When it must be finished (read from the clock only when asked: a
     /// put into shared memory never asks).
     pub deadline: crate::backend::Deadline,
+    /// Its timeout (what `deadline` counts).
+    pub timeout: std::time::Duration,
     /// Device windows: the caller's stream, the op is ordered on
     /// (`None`: the device's default stream).
     pub stream: Option<crate::stream::StreamHandle>,
@@ -465,7 +467,8 @@ impl Window {
 
     fn call(&self, opts: &OpOptions) -> RmaCall {
         let stream = if self.device == Device::Cpu { None } else { opts.stream.or_else(crate::stream::current_stream) };
-        RmaCall { deadline: crate::backend::Deadline::after(opts.timeout.unwrap_or(self.timeout)), stream }
+        let timeout = opts.timeout.unwrap_or(self.timeout);
+        RmaCall { deadline: crate::backend::Deadline::after(timeout), timeout, stream }
     }
 
     fn peer(&self, name: &'static str, peer: usize) -> Result<()> {
@@ -523,7 +526,7 @@ impl Window {
         });
         match (now, pending) {
             (Some(Ok(())), _) => match self.imp.queued(call) {
-                Ok(device) => Work::done(Ok(()), device),
+                Ok(device) => Work::done(Ok(()), device).within(call.timeout),
                 Err(e) => Work::done(Err(tag(e)), None),
             },
             (Some(r), _) => Work::done(r.map_err(tag), None),
