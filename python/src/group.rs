@@ -347,7 +347,7 @@ impl PyGroup {
         let slot: &'static mut SparseCoo = unsafe { &mut *(out.as_mut() as *mut SparseCoo) };
         // SAFETY: as `issue`.
         let u = unsafe { self.pg.unscoped() };
-        let work = u.all_reduce_sparse(input, slot, op, &call.options).map_err(to_py)?;
+        let work = u.all_reduce_sparse(slot, input, op, &call.options).map_err(to_py)?;
         Ok(PyWork::new(work, call.keep, Some(out)))
     }
 }

@@ -39,9 +39,16 @@ fn bad_local_input_is_rejected_before_any_byte_moves() {
         invalid(pg.all_gather(vec![(&mut f[..2]).into(), (&mut i1[..2]).into(), (&mut i2[..2]).into()], &other[..], &o()), "dtype");
         if pg.rank() == 0 {
             invalid(pg.gather(vec![], &small, 0, &o()), "one per rank");
-        } else {
-            invalid(pg.gather(vec![(&mut f[..2]).into()], &small, 0, &o()), "must be empty on non-root");
         }
+        // The list is read at the root only: other ranks may pass any list,
+        // which stays untouched.
+        let mine = [pg.rank() as f32 + 1.0; 2];
+        let (mut at_root, mut ignored) = ([[0f32; 2]; 3], [7f32; 2]);
+        let outs: Vec<TensorMut<'_>> =
+            if pg.rank() == 0 { at_root.iter_mut().map(|b| (&mut b[..]).into()).collect() } else { vec![(&mut ignored[..]).into()] };
+        pg.gather(outs, &mine[..], 0, &o()).unwrap().wait().unwrap();
+        assert_eq!(at_root, if pg.rank() == 0 { [[1.0; 2], [2.0; 2], [3.0; 2]] } else { [[0.0; 2]; 3] });
+        assert_eq!(ignored, [7.0; 2]);
         let raw = [0f32; 8];
         // SAFETY: dims (4,2) strides (1,4) reach offsets up to 3 + 4 = 7, inside the 8 elements.
         let strided =

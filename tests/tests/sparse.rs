@@ -123,7 +123,7 @@ fn run_case_on(
     let mut vdims = vec![nnz];
     vdims.extend_from_slice(&shape[sparse..]);
     let t = SparseCooTensor::new(idx.t().reshape(&[sparse, nnz]).unwrap(), vals.t().reshape(&vdims).unwrap(), shape.to_vec()).unwrap();
-    pg.all_reduce_sparse(t, out, op, &OpOptions::default().hint("sparse_algorithm", algo)).unwrap().wait().unwrap();
+    pg.all_reduce_sparse(out, t, op, &OpOptions::default().hint("sparse_algorithm", algo)).unwrap().wait().unwrap();
     let (want_idx, want_vals) = reference(shape, sparse, dtype, op, &inputs);
     let what = format!("{algo} w={w} shape={shape:?}/{sparse} {dtype} {op} {pattern:?}");
     assert_eq!(out.shape, shape, "{what}");
@@ -212,7 +212,7 @@ fn every_rank_gets_the_same_bits() {
                     .unwrap();
                     let mut out = SparseCoo::default();
                     let opts = OpOptions::default().hint("sparse_algorithm", algo);
-                    pg.all_reduce_sparse(t, &mut out, op, &opts).unwrap().wait().unwrap();
+                    pg.all_reduce_sparse(&mut out, t, op, &opts).unwrap().wait().unwrap();
                     out.values
                 });
                 assert!(results.iter().all(|v| *v == results[0]), "{algo} w={w} {op}: ranks differ: {results:?}");
@@ -248,7 +248,7 @@ fn sparse_errors_are_clear() {
         let t = SparseCooTensor::new(weft::Tensor::from_slice(&idx).reshape(&[1, 2]).unwrap(), weft::Tensor::from_slice(&vals), vec![n])
             .unwrap();
         let mut out = SparseCoo::default();
-        let r = pg.all_reduce_sparse(t.clone(), &mut out, ReduceOp::Product, &OpOptions::default());
+        let r = pg.all_reduce_sparse(&mut out, t.clone(), ReduceOp::Product, &OpOptions::default());
         assert_eq!(r.unwrap_err().kind(), &ErrorKind::InvalidArgument);
         // More dims than the header carries: refused on every rank before
         // anything is sent.
@@ -258,7 +258,7 @@ fn sparse_errors_are_clear() {
             [vec![8], vec![1; 32]].concat(),
         )
         .unwrap();
-        let e = pg.all_reduce_sparse(deep, &mut out, ReduceOp::Sum, &OpOptions::default()).and_then(|w| w.wait()).unwrap_err();
+        let e = pg.all_reduce_sparse(&mut out, deep, ReduceOp::Sum, &OpOptions::default()).and_then(|w| w.wait()).unwrap_err();
         assert!(e.kind() == &ErrorKind::InvalidArgument && e.to_string().contains("at most 32 dims"), "{e}");
         // Ranks that disagree on the op or the algorithm all fail, naming
         // both calls; the group goes on working.
@@ -267,7 +267,7 @@ fn sparse_errors_are_clear() {
         let call = |op: ReduceOp, algo: &str| {
             let opts = OpOptions::default().hint("sparse_algorithm", algo);
             let mut out = SparseCoo::default();
-            pg.all_reduce_sparse(same.clone(), &mut out, op, &opts).and_then(|w| w.wait()).map(|_| out)
+            pg.all_reduce_sparse(&mut out, same.clone(), op, &opts).and_then(|w| w.wait()).map(|_| out)
         };
         let mismatch = |op, algo, want: &[&str]| {
             let e = call(op, algo).unwrap_err();
@@ -288,7 +288,7 @@ fn sparse_errors_are_clear() {
         mismatch(ReduceOp::Sum, if rank == 1 { "bogus" } else { "auto" }, &["rank 1 with op sum and sparse_algorithm=(unknown)"]);
         mismatch(ReduceOp::Sum, "bogus", &["no algorithm \"bogus\""]);
         assert_eq!(call(ReduceOp::Max, "split").unwrap().values, [1f32, 2.0].iter().flat_map(|v| v.to_ne_bytes()).collect::<Vec<u8>>());
-        let result = pg.all_reduce_sparse(t, &mut out, ReduceOp::Sum, &OpOptions::default()).unwrap().wait();
+        let result = pg.all_reduce_sparse(&mut out, t, ReduceOp::Sum, &OpOptions::default()).unwrap().wait();
         result.unwrap_err()
     });
     for e in errors {

@@ -97,7 +97,7 @@ pub fn run(pg: &ProcessGroup, w: &Workload) -> Result<u64> {
         let opts: Vec<OpOptions> = ALGOS.iter().map(|a| OpOptions::default().hint("sparse_algorithm", *a)).collect();
         let mut outs: Vec<SparseCoo> = ALGOS.iter().map(|_| SparseCoo::default()).collect();
         for (opt, out) in opts.iter().zip(&mut outs) {
-            pg.all_reduce_sparse(make()?, out, ReduceOp::Sum, opt)?.wait()?;
+            pg.all_reduce_sparse(out, make()?, ReduceOp::Sum, opt)?.wait()?;
         }
         let mut t = vec![vec![0f64; w.iters]; ALGOS.len()];
         let dense = ALGOS.iter().position(|a| *a == "dense").expect("dense is timed");
@@ -107,7 +107,7 @@ pub fn run(pg: &ProcessGroup, w: &Workload) -> Result<u64> {
             let input = make()?;
             pg.barrier(&o)?.wait()?;
             let start = Instant::now();
-            pg.all_reduce_sparse(input, &mut outs[a], ReduceOp::Sum, &opts[a])?.wait()?;
+            pg.all_reduce_sparse(&mut outs[a], input, ReduceOp::Sum, &opts[a])?.wait()?;
             t[a][i] = start.elapsed().as_secs_f64() * 1e6;
             Ok(())
         };

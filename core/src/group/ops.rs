@@ -433,13 +433,13 @@ pub trait Collectives<'t>: sealed::Sealed {
         all_to_all_job(self, c, outputs, inputs, opts)
     }
 
-    /// At `root`, `outputs[i]` receives rank i's `input`; pass an empty
-    /// `outputs` on the other ranks.
+    /// At `root`, `outputs[i]` receives rank i's `input`; other ranks'
+    /// `outputs` are ignored (empty or not, as in MPI).
     fn gather(&self, outputs: Vec<TensorMut<'t>>, input: impl Into<Tensor<'t>>, root: usize, opts: &OpOptions) -> Result<Work<'t>> {
         let input = input.into();
         let c = check(self, "gather");
         c.rank_arg("root", root)?;
-        root_list(&c, root, "outputs", outputs.len())?;
+        let outputs = root_list(&c, root, "outputs", outputs)?;
         for (i, o) in outputs.iter().enumerate() {
             c.numel(format_args!("outputs[{i}]"), o.numel(), input.numel())?;
         }
@@ -448,13 +448,13 @@ pub trait Collectives<'t>: sealed::Sealed {
         self.submit(job(&c, OpKind::Gather, route, fp, Op::Gather { input, outputs, root }), opts)
     }
 
-    /// Every rank's `output` receives `root`'s `inputs[rank]`; pass an empty
-    /// `inputs` on the other ranks.
+    /// Every rank's `output` receives `root`'s `inputs[rank]`; other ranks'
+    /// `inputs` are ignored (empty or not, as in MPI).
     fn scatter(&self, output: impl Into<TensorMut<'t>>, inputs: Vec<Tensor<'t>>, root: usize, opts: &OpOptions) -> Result<Work<'t>> {
         let output = output.into();
         let c = check(self, "scatter");
         c.rank_arg("root", root)?;
-        root_list(&c, root, "inputs", inputs.len())?;
+        let inputs = root_list(&c, root, "inputs", inputs)?;
         for (i, t) in inputs.iter().enumerate() {
             c.numel(format_args!("inputs[{i}]"), t.numel(), output.numel())?;
         }
@@ -463,13 +463,13 @@ pub trait Collectives<'t>: sealed::Sealed {
         self.submit(job(&c, OpKind::Scatter, route, fp, Op::Scatter { inputs, output, root }), opts)
     }
 
-    /// Reduce every rank's sparse COO tensor (SUM, MIN or MAX over the union
-    /// of indices) into `output`: a new coalesced tensor, identical on every
-    /// rank. All ranks must pass the same shape, dtype, op and hint
+    /// Reduce every rank's sparse COO tensor `input` (SUM, MIN or MAX over
+    /// the union of indices) into `output` (first, as in every op): a new
+    /// coalesced tensor, identical on every rank. All ranks must pass the same shape, dtype, op and hint
     /// `sparse_algorithm=auto|allgather|recursive_doubling|split|dense` (which
     /// forces an algorithm); a mismatch is an error on every rank naming the
     /// ranks and both calls.
-    fn all_reduce_sparse(&self, input: SparseCooTensor<'t>, output: &'t mut SparseCoo, op: ReduceOp, opts: &OpOptions) -> Result<Work<'t>> {
+    fn all_reduce_sparse(&self, output: &'t mut SparseCoo, input: SparseCooTensor<'t>, op: ReduceOp, opts: &OpOptions) -> Result<Work<'t>> {
         let c = check(self, "all_reduce_sparse");
         if !matches!(op, ReduceOp::Sum | ReduceOp::Min | ReduceOp::Max) {
             return Err(c.fail(format!("sparse all_reduce supports sum, min and max, not {op}")));
@@ -522,14 +522,15 @@ fn user_tag(c: &Check, tag: u32) -> Result<()> {
     Ok(())
 }
 
-fn root_list(c: &Check, root: usize, what: &str, n: usize) -> Result<()> {
-    if c.rank == root {
-        c.list_len(what, n)
-    } else if n != 0 {
-        Err(c.fail(format!("{what} must be empty on non-root rank {} (root is {root}), got {n} tensors", c.rank)))
-    } else {
-        Ok(())
+/// A list that only `root` reads (gather's outputs, scatter's inputs): one
+/// tensor per rank there; elsewhere whatever the caller passes is left
+/// alone (MPI's rule), so every rank can run the same code.
+fn root_list<T>(c: &Check, root: usize, what: &str, list: Vec<T>) -> Result<Vec<T>> {
+    if c.rank != root {
+        return Ok(Vec::new());
     }
+    c.list_len(what, list.len())?;
+    Ok(list)
 }
 
 fn gather_job<'t, G: Collectives<'t> + ?Sized>(
