@@ -12,7 +12,6 @@ use crate::ring::{footprint, Ring};
 use crate::segment::Segment;
 use crate::stream::Engine;
 use linux_futex::{Futex, Shared};
-use smallvec::SmallVec;
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -418,16 +417,6 @@ fn fast_kind(op: &Op<'_>) -> Option<(crate::fastbox::Kind, usize)> {
     })
 }
 
-/// The bytes of a fast op's tensors (no heap allocation for up to 8).
-fn host_bytes<'t>(ts: &'t [Tensor<'_>]) -> Result<SmallVec<[&'t [u8]; 8]>> {
-    ts.iter().map(|t| t.host_bytes()).collect()
-}
-
-/// As [`host_bytes`], writable.
-fn host_bytes_mut<'t>(ts: &'t mut [TensorMut<'_>]) -> Result<SmallVec<[&'t mut [u8]; 8]>> {
-    ts.iter_mut().map(|t| t.host_bytes_mut()).collect()
-}
-
 impl ShmBackend {
     /// Run a fast-path op (`native_op` chose it).
     fn run_fast(&self, op: &mut Op<'_>, d: &Deadline) -> Result<()> {
@@ -438,10 +427,10 @@ impl ShmBackend {
                 fb.all_reduce(self, buf.host_bytes_mut()?, dtype, *op, d)
             }
             Op::Broadcast { buf, root } => fb.broadcast(self, buf.host_bytes_mut()?, *root, d),
-            Op::AllGather { input, outputs } => fb.all_gather(self, input.host_bytes()?, &mut host_bytes_mut(outputs)?, d),
+            Op::AllGather { input, outputs } => fb.all_gather(self, input.host_bytes()?, &mut TensorMut::host_bytes_of(outputs)?, d),
             Op::ReduceScatter { inputs, output, op } => {
                 let dtype = output.dtype();
-                fb.reduce_scatter(self, &host_bytes(inputs)?, output.host_bytes_mut()?, dtype, *op, d)
+                fb.reduce_scatter(self, &Tensor::host_bytes_of(inputs)?, output.host_bytes_mut()?, dtype, *op, d)
             }
             Op::Barrier => fb.barrier(self, d),
             _ => unreachable!("native_op sends only the ops above"),
@@ -451,7 +440,7 @@ impl ShmBackend {
     /// all_to_all through the fast path; `Ok(false)` if some rank's parts
     /// did not fit.
     fn fast_all_to_all(&self, inputs: &[Tensor<'_>], outputs: &mut [TensorMut<'_>], d: &Deadline) -> Result<bool> {
-        self.fast.all_to_all(self, &host_bytes(inputs)?, &mut host_bytes_mut(outputs)?, d)
+        self.fast.all_to_all(self, &Tensor::host_bytes_of(inputs)?, &mut TensorMut::host_bytes_of(outputs)?, d)
     }
 
     /// Sleep on this rank's doorbell unless `ready()`, for at most `NAP`

@@ -121,14 +121,6 @@ impl<'a> Comm<'a> {
     }
 }
 
-fn bytes_of<'t>(ts: &'t [Tensor<'_>]) -> Result<Vec<&'t [u8]>> {
-    ts.iter().map(|t| t.host_bytes()).collect()
-}
-
-fn bytes_of_mut<'t>(ts: &'t mut [TensorMut<'_>]) -> Result<Vec<&'t mut [u8]>> {
-    ts.iter_mut().map(|t| t.host_bytes_mut()).collect()
-}
-
 /// Run `op` with its generic algorithm. Host tensors only.
 pub fn run(backend: &dyn Backend, op: &mut Op<'_>, ctx: &OpContext) -> Result<()> {
     let c = Comm::new(backend, ctx);
@@ -154,14 +146,16 @@ pub fn run(backend: &dyn Backend, op: &mut Op<'_>, ctx: &OpContext) -> Result<()
                 _ => tree::reduce(&c, buf.host_bytes_mut()?, dtype, *op, *root),
             }
         }
-        Op::AllGather { input, outputs } => ring::all_gather(&c, input.host_bytes()?, &mut bytes_of_mut(outputs)?),
+        Op::AllGather { input, outputs } => ring::all_gather(&c, input.host_bytes()?, &mut TensorMut::host_bytes_of(outputs)?),
         Op::ReduceScatter { inputs, output, op } => {
             let dtype = output.dtype();
-            ring::reduce_scatter(&c, &bytes_of(inputs)?, output.host_bytes_mut()?, dtype, *op)
+            ring::reduce_scatter(&c, &Tensor::host_bytes_of(inputs)?, output.host_bytes_mut()?, dtype, *op)
         }
-        Op::AllToAll { inputs, outputs } => pairwise::all_to_all(&c, &bytes_of(inputs)?, &mut bytes_of_mut(outputs)?),
-        Op::Gather { input, outputs, root } => linear::gather(&c, input.host_bytes()?, &mut bytes_of_mut(outputs)?, *root),
-        Op::Scatter { inputs, output, root } => linear::scatter(&c, &bytes_of(inputs)?, output.host_bytes_mut()?, *root),
+        Op::AllToAll { inputs, outputs } => {
+            pairwise::all_to_all(&c, &Tensor::host_bytes_of(inputs)?, &mut TensorMut::host_bytes_of(outputs)?)
+        }
+        Op::Gather { input, outputs, root } => linear::gather(&c, input.host_bytes()?, &mut TensorMut::host_bytes_of(outputs)?, *root),
+        Op::Scatter { inputs, output, root } => linear::scatter(&c, &Tensor::host_bytes_of(inputs)?, output.host_bytes_mut()?, *root),
         Op::Barrier => barrier::dissemination(&c),
         Op::AllReduceSparse { input, output, op } => sparse::all_reduce(&c, input, output, *op),
         #[allow(unreachable_patterns)]

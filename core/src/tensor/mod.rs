@@ -182,6 +182,14 @@ unsafe impl Sync for TensorMut<'_> {}
 view_common!(Tensor);
 view_common!(TensorMut);
 
+impl Tensor<'_> {
+    /// [`Tensor::host_bytes`] of every view of a list (no heap allocation
+    /// for up to 8: the small-op paths use it).
+    pub fn host_bytes_of<'t>(ts: &'t [Tensor<'_>]) -> Result<smallvec::SmallVec<[&'t [u8]; 8]>> {
+        ts.iter().map(|t| t.host_bytes()).collect()
+    }
+}
+
 impl<'a> Tensor<'a> {
     /// A 1-D view of a host slice.
     pub fn from_slice<T: Element>(data: &'a [T]) -> Self {
@@ -266,6 +274,12 @@ impl<'a> TensorMut<'a> {
         self.check_host()?;
         // SAFETY: as for `host_bytes`, and `&mut self` makes the access unique.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.nbytes()) })
+    }
+
+    /// [`TensorMut::host_bytes_mut`] of every view of a list (no heap
+    /// allocation for up to 8: the small-op paths use it).
+    pub fn host_bytes_of<'t>(ts: &'t mut [TensorMut<'_>]) -> Result<smallvec::SmallVec<[&'t mut [u8]; 8]>> {
+        ts.iter_mut().map(|t| t.host_bytes_mut()).collect()
     }
 
     /// Reinterpret a contiguous host view as a mutable slice of `T`.
