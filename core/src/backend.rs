@@ -536,3 +536,41 @@ pub trait Backend: Send + Sync {
     /// when the group is dropped after its last op.
     fn shutdown(&self) {}
 }
+
+/// The transport methods of [`Backend`] for a backend that moves its bytes
+/// with another one (a wrapper: host staging, sparse): `exchange`,
+/// `exchange_gathered`, `progress`, `abort` and `step_bytes`, forwarded to
+/// `self.$inner()`, a method of the wrapper returning `&Arc<dyn Backend>`.
+/// Use inside its `impl Backend`:
+///
+/// ```ignore
+/// impl Backend for Staged {
+///     fn name(&self) -> &str { "staged" }
+///     weft::forward_transport!(cpu);
+/// }
+/// ```
+#[macro_export]
+macro_rules! forward_transport {
+    ($inner:ident) => {
+        fn exchange(&self, ops: &mut [$crate::backend::P2p<'_>], deadline: ::std::time::Instant) -> $crate::Result<()> {
+            self.$inner().exchange(ops, deadline)
+        }
+        fn exchange_gathered(
+            &self,
+            ops: &mut [$crate::backend::P2p<'_>],
+            gathered: &[$crate::backend::GatherSend<'_>],
+            deadline: ::std::time::Instant,
+        ) -> $crate::Result<()> {
+            self.$inner().exchange_gathered(ops, gathered, deadline)
+        }
+        fn progress(&self, until: &dyn Fn() -> bool) {
+            self.$inner().progress(until)
+        }
+        fn abort(&self, reason: &$crate::Error) {
+            self.$inner().abort(reason)
+        }
+        fn step_bytes(&self) -> usize {
+            self.$inner().step_bytes()
+        }
+    };
+}

@@ -24,7 +24,7 @@ mod window;
 use setup::Ring;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
-use weft::backend::{Backend, BackendContext, Op, OpContext, P2p};
+use weft::backend::{Backend, BackendContext, Op, OpContext};
 use weft::registry::{BackendFactory, StaticBackend};
 use weft::stream::DeviceCompletion;
 use weft::{Device, DeviceKind, Error, Layout, Result, StreamHandle};
@@ -173,6 +173,13 @@ impl DeviceCompletion for RingCompletion {
     }
 }
 
+impl DeviceBackend {
+    /// The CPU backend its host-side bytes go through.
+    fn cpu(&self) -> &Arc<dyn Backend> {
+        self.staging.cpu()
+    }
+}
+
 impl Drop for DeviceBackend {
     fn drop(&mut self) {
         let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
@@ -186,12 +193,7 @@ impl Backend for DeviceBackend {
     fn name(&self) -> &str {
         "cuda-device"
     }
-    fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
-        self.staging.cpu().exchange(ops, deadline)
-    }
-    fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[weft::backend::GatherSend<'_>], deadline: Instant) -> Result<()> {
-        self.staging.cpu().exchange_gathered(ops, gathered, deadline)
-    }
+    weft::forward_transport!(cpu);
     // Point-to-point ops go through the host, as in cuda-host-staging.
     fn posts_device(&self) -> bool {
         self.staging.cpu().posts()
@@ -199,9 +201,6 @@ impl Backend for DeviceBackend {
     unsafe fn post_device(&self, op: &mut Op<'_>, stream: Option<weft::StreamHandle>, deadline: Instant, done: weft::progress::Done) {
         // SAFETY: the caller's promise, passed on.
         unsafe { self.staging.post_p2p(op, stream, deadline, done) }
-    }
-    fn progress(&self, until: &dyn Fn() -> bool) {
-        self.staging.cpu().progress(until)
     }
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
         Some(match op {
@@ -212,9 +211,6 @@ impl Backend for DeviceBackend {
             },
             _ => self.staging.run(op, ctx),
         })
-    }
-    fn abort(&self, reason: &Error) {
-        self.staging.cpu().abort(reason)
     }
     /// Windows in device memory, mapped by every rank (`window.rs`).
     fn window(&self, spec: &weft::window::WindowSpec) -> Option<Result<Arc<dyn weft::window::WindowTransport>>> {

@@ -15,9 +15,9 @@ pub use pipeline::{Staging, DEFAULT_CHUNK_BYTES};
 
 use std::sync::Arc;
 use std::time::Instant;
-use weft::backend::{Backend, BackendContext, GatherSend, Op, OpContext, P2p};
+use weft::backend::{Backend, BackendContext, Op, OpContext};
 use weft::registry::{BackendFactory, StaticBackend};
-use weft::{DeviceKind, Error, Layout, Result};
+use weft::{DeviceKind, Layout, Result};
 
 /// The registration of `cuda-host-staging`.
 pub struct HostStaging;
@@ -51,12 +51,7 @@ impl Backend for HostStagingBackend {
     fn name(&self) -> &str {
         "cuda-host-staging"
     }
-    fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
-        self.staging.cpu().exchange(ops, deadline)
-    }
-    fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
-        self.staging.cpu().exchange_gathered(ops, gathered, deadline)
-    }
+    weft::forward_transport!(cpu);
     fn posts_device(&self) -> bool {
         self.staging.cpu().posts()
     }
@@ -64,17 +59,15 @@ impl Backend for HostStagingBackend {
         // SAFETY: the caller's promise, passed on.
         unsafe { self.staging.post_p2p(op, stream, deadline, done) }
     }
-    fn progress(&self, until: &dyn Fn() -> bool) {
-        self.staging.cpu().progress(until)
-    }
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
         Some(self.staging.run(op, ctx))
     }
-    fn abort(&self, reason: &Error) {
-        self.staging.cpu().abort(reason)
-    }
-    fn step_bytes(&self) -> usize {
-        self.staging.cpu().step_bytes()
+}
+
+impl HostStagingBackend {
+    /// The CPU backend its bytes go through.
+    fn cpu(&self) -> &Arc<dyn Backend> {
+        self.staging.cpu()
     }
 }
 

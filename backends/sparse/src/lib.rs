@@ -4,8 +4,7 @@
 #![warn(missing_docs)]
 
 use std::sync::Arc;
-use std::time::Instant;
-use weft::backend::{Backend, BackendContext, GatherSend, P2p};
+use weft::backend::{Backend, BackendContext};
 use weft::registry::{BackendFactory, StaticBackend};
 use weft::{DeviceKind, Error, Layout, Result};
 
@@ -41,17 +40,13 @@ impl Backend for SparseBackend {
     fn name(&self) -> &str {
         "sparse"
     }
-    fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
-        self.dense.exchange(ops, deadline)
-    }
-    fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
-        self.dense.exchange_gathered(ops, gathered, deadline)
-    }
-    fn abort(&self, reason: &Error) {
-        self.dense.abort(reason)
-    }
-    fn step_bytes(&self) -> usize {
-        self.dense.step_bytes()
+    weft::forward_transport!(dense);
+}
+
+impl SparseBackend {
+    /// The dense CPU backend its bytes go through.
+    fn dense(&self) -> &Arc<dyn Backend> {
+        &self.dense
     }
 }
 
