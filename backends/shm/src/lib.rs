@@ -5,13 +5,13 @@
 
 mod cma;
 mod cores;
+mod exchange;
 mod fastbox;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 mod liveness;
 mod ring;
 mod segment;
-mod stream;
 mod sync;
 mod transport;
 mod window;

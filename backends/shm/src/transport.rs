@@ -1,16 +1,16 @@
 //! The shm backend: the segment's layout (a control block per rank, a
 //! single-copy cell and a byte ring per ordered pair of ranks, fast-path
 //! slots), waiting, and peers' health. Small collectives go to the fast
-//! path (`fastbox.rs`), point-to-point exchanges to `stream.rs`; both run on
+//! path (`fastbox.rs`), point-to-point exchanges to `exchange.rs`; both run on
 //! the calling thread. A waiting rank spins briefly, then sleeps on its
 //! futex doorbell, which peers ring after writing to it or reading from
 //! it. Dead peers are found by pid while waiting.
 
 use crate::cma::Cell;
+use crate::exchange::Engine;
 use crate::fastbox::{Fastbox, Waiter, FASTBOX_BYTES};
 use crate::ring::{footprint, Ring};
 use crate::segment::Segment;
-use crate::stream::Engine;
 use linux_futex::{Futex, Shared};
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -94,7 +94,7 @@ pub struct ShmBackend {
     /// More ranks than cores: a waiting rank yields at once instead of
     /// spinning, since the peer it waits for may need its core.
     pub(crate) oversubscribed: bool,
-    /// One core's L2 cache, in bytes (`stream.rs` pushes messages that fit).
+    /// One core's L2 cache, in bytes (`exchange.rs` pushes messages that fit).
     pub(crate) l2: usize,
     /// Whether the peers' processes live (zombies and reused pids included).
     liveness: crate::liveness::Liveness,

@@ -5,7 +5,7 @@
 //! the time is about N/B plus W-2 segments to fill the pipe (NCCL's
 //! broadcast is such a chain).
 
-use super::ring::Segments;
+use super::pipeline::Segments;
 use super::Comm;
 use crate::backend::P2p;
 use crate::error::Result;

@@ -5,8 +5,8 @@
 //! 2·(p-1): the choice for medium messages. Ranks beyond the power of two
 //! fold in first ([`Fold`]).
 
-use super::recursive::Fold;
-use super::ring::{pipelined_step, Landing, Segments};
+use super::fold::Fold;
+use super::pipeline::{pipelined_step, Landing, Segments};
 use super::Comm;
 use crate::dtype::DType;
 use crate::error::Result;

@@ -14,14 +14,17 @@
 //! | barrier | dissemination | `barrier.rs` |
 //! | sparse all_reduce | all-gather, recursive doubling with merging, key-range split, or dense | `sparse/` |
 //!
-//! `select.rs` picks per op by size; the hint `algorithm=NAME` or
-//! `WEFT_ALGORITHM` forces one.
+//! Shared pieces: `pipeline.rs` (segments, a pipelined step, blocks of a
+//! buffer) and `fold.rs` (folding onto a power of two). `select.rs` picks
+//! per op by size; the hint `algorithm=NAME` or `WEFT_ALGORITHM` forces one.
 
 mod barrier;
 mod chain;
+mod fold;
 mod halving_doubling;
 mod linear;
 mod pairwise;
+mod pipeline;
 mod recursive;
 mod ring;
 pub mod select;

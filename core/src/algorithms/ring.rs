@@ -2,67 +2,12 @@
 //! sequence. Every rank sends to its right neighbour and receives from its
 //! left, W-1 steps each; blocks may have any size, zero included.
 
+use super::pipeline::{pipelined_step, split_blocks, Landing, Segments};
 use super::Comm;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::{finish, prescale, reduce_into, AlignedBuf, Scratch};
 use crate::reduce_op::ReduceOp;
-use std::ops::Range;
-
-/// Where a pipelined step lands what it receives.
-pub(super) enum Landing<'a> {
-    /// One segment of scratch, reused for every segment.
-    Scratch(&'a mut [u8]),
-    /// The whole incoming block, received in place.
-    InPlace(&'a mut [u8]),
-}
-
-/// How a ring step is cut: `count` segments of `bytes` each. Every rank
-/// derives it from the largest block, so sender and receiver agree on the
-/// number of messages even where block sizes differ.
-#[derive(Clone, Copy)]
-pub(super) struct Segments {
-    /// Bytes per segment (whole elements).
-    pub bytes: usize,
-    /// Segments per step.
-    pub count: usize,
-}
-
-impl Segments {
-    pub fn new(c: &Comm<'_>, largest_block: usize, esize: usize) -> Result<Segments> {
-        let bytes = super::select::segment_bytes(c.ctx(), esize)?;
-        Ok(Segments { bytes, count: largest_block.div_ceil(bytes) })
-    }
-    /// Segment `j` of a block of `len` bytes (empty past its end).
-    pub fn piece(&self, j: usize, len: usize) -> Range<usize> {
-        (j * self.bytes).min(len)..((j + 1) * self.bytes).min(len)
-    }
-}
-
-/// One ring step in segments: segment j of `send` goes right while segment
-/// j of the `rlen` incoming bytes comes from the left, and
-/// `combine(range, received)` runs on it while it is still in cache. The
-/// segments share the step's tag: a transport delivers one peer's messages
-/// in order.
-pub(super) fn pipelined_step(
-    c: &Comm<'_>,
-    step: u32,
-    (right, send): (usize, &[u8]),
-    (left, rlen, mut landing): (usize, usize, Landing<'_>),
-    seg: Segments,
-    mut combine: impl FnMut(Range<usize>, &mut [u8]),
-) -> Result<()> {
-    for j in 0..seg.count {
-        let rp = seg.piece(j, rlen);
-        let land = match &mut landing {
-            Landing::Scratch(t) => &mut t[..rp.len()],
-            Landing::InPlace(b) => &mut b[rp.clone()],
-        };
-        c.send_recv(step, right, &send[seg.piece(j, send.len())], left, land)?;
-        combine(rp, land);
-    }
-    Ok(())
-}
 
 /// Ring reduce-scatter over blocks given by `input(i)`: `out` gets the
 /// finished (`Avg` divided) reduction of block `rank`. Step k sends the
@@ -204,18 +149,6 @@ pub fn broadcast_scatter_allgather(c: &Comm<'_>, buf: &mut [u8], root: usize) ->
     }
     let mut blocks = split_blocks(buf, &bounds);
     all_gather_blocks(c, &mut blocks, None, 1)
-}
-
-/// `buf` cut at `bounds` (W+1 increasing offsets) into W disjoint blocks.
-pub(super) fn split_blocks<'b>(buf: &'b mut [u8], bounds: &[usize]) -> Vec<&'b mut [u8]> {
-    let mut blocks = Vec::with_capacity(bounds.len() - 1);
-    let mut rest = buf;
-    for pair in bounds.windows(2) {
-        let (head, tail) = rest.split_at_mut(pair[1] - pair[0]);
-        blocks.push(head);
-        rest = tail;
-    }
-    blocks
 }
 
 /// Reduce for large buffers: a ring reduce-scatter leaves block i reduced on

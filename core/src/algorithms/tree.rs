@@ -1,6 +1,6 @@
 //! Binomial trees rooted at any rank: broadcast and reduce in log2(W) rounds.
 
-use super::ring::Segments;
+use super::pipeline::Segments;
 use super::Comm;
 use crate::dtype::DType;
 use crate::error::Result;

@@ -3,8 +3,8 @@
 //! reduce-scatter over key ranges, then an all-gather of the shares).
 
 use super::coalesce::{distinct, merge_into, merge_k, recycle, reuse, Layout, Run, RunRef, Sorted, SortedRows};
-use crate::algorithms::recursive::Fold;
-use crate::algorithms::{linear, ring, Comm};
+use crate::algorithms::fold::Fold;
+use crate::algorithms::{linear, pipeline, ring, Comm};
 use crate::backend::{Gather, P2p};
 use crate::error::Result;
 use crate::kernels::Scratch;
@@ -27,8 +27,8 @@ pub fn allgather(c: &Comm<'_>, run: Run, nnz: &[usize], l: &Layout, op: ReduceOp
     let (keys_at, rows_at) = (offsets(nnz.iter().map(|n| n * 8)), offsets(nnz.iter().map(|n| n * l.row)));
     let mut keys = vec![0u8; keys_at[w]];
     let mut rows = Scratch::take(rows_at[w]);
-    ring::all_gather(&c.phase(2), &key_bytes(&run.keys), &mut ring::split_blocks(&mut keys, &keys_at))?;
-    ring::all_gather(&c.phase(3), &run.values, &mut ring::split_blocks(&mut rows, &rows_at))?;
+    ring::all_gather(&c.phase(2), &key_bytes(&run.keys), &mut pipeline::split_blocks(&mut keys, &keys_at))?;
+    ring::all_gather(&c.phase(3), &run.values, &mut pipeline::split_blocks(&mut rows, &rows_at))?;
     let keys = keys_of(&keys);
     let refs: Vec<RunRef<'_>> =
         (0..w).map(|i| RunRef::packed(&keys[keys_at[i] / 8..keys_at[i + 1] / 8], &rows[rows_at[i]..rows_at[i + 1]])).collect();
@@ -166,7 +166,7 @@ pub fn split(c: &Comm<'_>, input: &Sorted<'_>, l: &Layout, op: ReduceOp, bounds:
     let mut got_rows = Scratch::take(got_at[w]);
     let mut got_keys: Vec<Vec<u8>> = incoming.iter().map(|n| vec![0u8; n * 8]).collect();
     {
-        let gv = ring::split_blocks(&mut got_rows, &got_at);
+        let gv = pipeline::split_blocks(&mut got_rows, &got_at);
         let gk = got_keys.iter_mut().map(Vec::as_mut_slice).collect();
         let gathered = [rows_out.iter().map(|g| g as &dyn Gather).collect()];
         linear::exchange_all_gathered(
@@ -191,8 +191,8 @@ pub fn split(c: &Comm<'_>, input: &Sorted<'_>, l: &Layout, op: ReduceOp, bounds:
     let mut all_keys = vec![0u8; starts[w] * 8];
     let mut all_values = reuse(reused, starts[w] * l.row);
     {
-        let mut kb = ring::split_blocks(&mut all_keys, &bytes_at(8));
-        let mut vb = ring::split_blocks(&mut all_values, &bytes_at(l.row));
+        let mut kb = pipeline::split_blocks(&mut all_keys, &bytes_at(8));
+        let mut vb = pipeline::split_blocks(&mut all_values, &bytes_at(l.row));
         // This rank's share is sent from where it is merged; the exchange
         // leaves this rank's own blocks alone.
         let (own_keys, own_values) = (std::mem::take(&mut kb[r]), std::mem::take(&mut vb[r]));

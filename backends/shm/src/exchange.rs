@@ -37,7 +37,7 @@ const RUNNING_GRACE: Duration = Duration::from_secs(10);
 /// One peer's state, kept across exchanges: what is arriving from it, and
 /// the single-copy state of what this rank sends it.
 #[derive(Default)]
-pub(crate) struct PeerIn {
+pub(crate) struct Peer {
     hdr: [u8; HEADER + cma::DESCRIPTOR],
     hdr_got: usize,
     inbound: Inbound,
@@ -54,7 +54,7 @@ pub(crate) struct PeerIn {
     awaiting: Option<(cma::Offer, Instant)>,
 }
 
-impl PeerIn {
+impl Peer {
     /// The header bytes of the frame being read: a single-copy frame's
     /// descriptor follows its header.
     fn header_len(&self) -> usize {
@@ -114,14 +114,14 @@ pub(crate) struct OpState {
 /// a time (see `weft::progress`).
 #[derive(Default)]
 pub(crate) struct Engine {
-    pub(crate) peers: Vec<PeerIn>,
+    pub(crate) peers: Vec<Peer>,
     table: Table<OpState>,
 }
 
 impl Engine {
     /// Every peer's state, early messages kept within `budget`.
     pub(crate) fn new(size: usize, budget: EarlyBudget) -> Engine {
-        let peer = || PeerIn { inbound: Inbound::default().with_budget(budget), ..PeerIn::default() };
+        let peer = || Peer { inbound: Inbound::default().with_budget(budget), ..Peer::default() };
         Engine { peers: (0..size).map(|_| peer()).collect(), table: Table::default() }
     }
 }
@@ -496,7 +496,7 @@ impl ShmBackend {
         to: usize,
         tag: u64,
         data: &[u8],
-        peer: &mut PeerIn,
+        peer: &mut Peer,
         offer: &mut Option<cma::Offer>,
         first: bool,
         receiving: bool,
@@ -541,7 +541,7 @@ impl ShmBackend {
     /// Whether a single-copy transfer of this exchange needs this rank: a
     /// peer opened an offer this rank pushes, finished reading (or
     /// refused) one, or pushed one this rank waits for.
-    fn single_copy_moved(&self, table: &Table<OpState>, incoming: &[PeerIn]) -> bool {
+    fn single_copy_moved(&self, table: &Table<OpState>, incoming: &[Peer]) -> bool {
         let me = self.rank;
         let Table { ops, done, state, .. } = table;
         let mut open = (0..ops.len()).filter(|i| !done[*i]).filter_map(|i| state[i].offer.map(|o| (ops[i].peer(), o)));
@@ -558,7 +558,7 @@ impl ShmBackend {
     /// destination, or refuse it (the payload then follows inline). A pushed
     /// offer into a posted receive is only opened: the frame then waits for
     /// the sender (`collect_pushed`).
-    fn read_offer(&self, peer: usize, offer: cma::Offer, st: &mut PeerIn, ops: &mut [P2p<'_>], until: Instant) -> Result<()> {
+    fn read_offer(&self, peer: usize, offer: cma::Offer, st: &mut Peer, ops: &mut [P2p<'_>], until: Instant) -> Result<()> {
         let seq = offer.seq;
         let cell = self.cell(peer, self.rank);
         if !self.cma.load(Ordering::Relaxed) {
@@ -591,7 +591,7 @@ impl ShmBackend {
     /// The awaited pushed offer from `peer`: finished (true) once the sender
     /// has pushed it all, or, if the sender has claimed nothing for `STEAL`
     /// (it is not running), once this rank has pulled it instead.
-    fn collect_pushed(&self, peer: usize, st: &mut PeerIn, ops: &mut [P2p<'_>], until: Instant) -> Result<bool> {
+    fn collect_pushed(&self, peer: usize, st: &mut Peer, ops: &mut [P2p<'_>], until: Instant) -> Result<bool> {
         let Some((offer, since)) = st.awaiting else { return Ok(true) };
         let cell = self.cell(peer, self.rank);
         let count = cma::Chunks::of(st.inbound.payload(ops).len()).count();
@@ -606,7 +606,7 @@ impl ShmBackend {
     /// After a failure: stop the sender of an awaited offer (no more claims,
     /// wait for what it claimed) and refuse the rest, so the destination
     /// can go back to the caller. True if there was one.
-    fn cancel_awaiting(&self, peer: usize, st: &mut PeerIn, ops: &mut [P2p<'_>]) -> bool {
+    fn cancel_awaiting(&self, peer: usize, st: &mut Peer, ops: &mut [P2p<'_>]) -> bool {
         let Some((offer, _)) = st.awaiting.take() else { return false };
         let count = cma::Chunks::of(st.inbound.payload(ops).len()).count();
         let theirs = self.cell(peer, self.rank).close(offer.seq, count);
@@ -647,7 +647,7 @@ impl ShmBackend {
     /// Copy the opened offer into the frame's destination: the chunks
     /// nobody has claimed yet are pulled here, those the sender claimed are
     /// waited for; then DONE.
-    fn pull_offer(&self, peer: usize, offer: cma::Offer, st: &mut PeerIn, ops: &mut [P2p<'_>], until: Instant) -> Result<()> {
+    fn pull_offer(&self, peer: usize, offer: cma::Offer, st: &mut Peer, ops: &mut [P2p<'_>], until: Instant) -> Result<()> {
         let (addr, seq) = (offer.addr, offer.seq);
         let cell = self.cell(peer, self.rank);
         let dst = st.inbound.payload(ops);
@@ -709,7 +709,7 @@ impl ShmBackend {
     /// Sender of offer `seq` to `to`, while the receiver reads it: copy
     /// into the receiver's destination every chunk left (`all`: this rank
     /// pushes the offer) or the next one; true if it claimed any.
-    fn push(&self, to: usize, seq: u64, data: &[u8], all: bool, st: &mut PeerIn) -> bool {
+    fn push(&self, to: usize, seq: u64, data: &[u8], all: bool, st: &mut Peer) -> bool {
         if st.no_push {
             return false;
         }
@@ -736,7 +736,7 @@ impl ShmBackend {
 
     /// Read what `peer` has written to us; true if any byte moved.
     /// `until`: how long a single-copy transfer may keep it waiting.
-    fn drain(&self, peer: usize, ops: &mut [P2p<'_>], incoming: &mut [PeerIn], done: &mut [bool], until: Instant) -> Result<bool> {
+    fn drain(&self, peer: usize, ops: &mut [P2p<'_>], incoming: &mut [Peer], done: &mut [bool], until: Instant) -> Result<bool> {
         let ring = self.ring(peer, self.rank);
         let mut moved = false;
         loop {
