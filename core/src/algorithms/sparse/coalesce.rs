@@ -77,7 +77,7 @@ impl Run {
 
 /// Geometry shared by all ranks: how keys map to indices and rows to bytes.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Layout {
+pub struct Geometry {
     pub shape: Vec<usize>,
     pub sparse_dims: usize,
     pub dtype: DType,
@@ -87,8 +87,8 @@ pub struct Layout {
     pub rows: u64,
 }
 
-impl Layout {
-    pub fn of(t: &SparseCooTensor<'_>) -> Result<Layout> {
+impl Geometry {
+    pub fn of(t: &SparseCooTensor<'_>) -> Result<Geometry> {
         let sparse_dims = t.indices.dims()[0];
         let rows = t.shape[..sparse_dims]
             .iter()
@@ -96,7 +96,7 @@ impl Layout {
             .filter(|r| *r <= i64::MAX as u64)
             .ok_or_else(|| Error::invalid(format!("sparse dims {:?} have more than 2^63 positions", &t.shape[..sparse_dims])))?;
         let dense: usize = t.shape[sparse_dims..].iter().product();
-        Ok(Layout { shape: t.shape.clone(), sparse_dims, dtype: t.values.dtype(), row: dense * t.values.dtype().size(), rows })
+        Ok(Geometry { shape: t.shape.clone(), sparse_dims, dtype: t.values.dtype(), row: dense * t.values.dtype().size(), rows })
     }
 
     /// A count of distinct entries that rank `from` sent, checked against
@@ -246,7 +246,7 @@ thread_local! {
 
 /// Sort `t`'s entries by key and reduce duplicates with `op` (in entry
 /// order, so every rank's bits are reproducible).
-pub fn sort<'a>(t: &'a SparseCooTensor<'_>, l: &Layout, op: ReduceOp) -> Result<Sorted<'a>> {
+pub fn sort<'a>(t: &'a SparseCooTensor<'_>, l: &Geometry, op: ReduceOp) -> Result<Sorted<'a>> {
     let nnz = t.nnz();
     let idx: &[i64] = t.indices.as_slice()?;
     let input = t.values.host_bytes()?;
@@ -279,7 +279,7 @@ pub fn sort<'a>(t: &'a SparseCooTensor<'_>, l: &Layout, op: ReduceOp) -> Result<
 
 /// Call `each(key, entry)` for every entry's linear key, in entry order,
 /// checking every index against its dim; the largest key.
-fn keys(idx: &[i64], l: &Layout, nnz: usize, mut each: impl FnMut(u64, usize)) -> Result<u64> {
+fn keys(idx: &[i64], l: &Geometry, nnz: usize, mut each: impl FnMut(u64, usize)) -> Result<u64> {
     let bad = |k: usize, d: usize| {
         let i = idx[d * nnz + k];
         Error::invalid(format!("index {i} of entry {k} is out of range for sparse dim {d} of size {}", l.shape[d]))
@@ -319,7 +319,7 @@ fn keys(idx: &[i64], l: &Layout, nnz: usize, mut each: impl FnMut(u64, usize)) -
 /// already loading (they lie anywhere in the input). Reduced inside the
 /// first pass, each group waited for its rows: 407 -> 262 us at 55,000
 /// entries with 2,600 repeated keys.
-fn group<'a, E: Copy>(entries: &[E], decode: impl Fn(E) -> (i64, usize), input: &'a [u8], l: &Layout, op: ReduceOp) -> Sorted<'a> {
+fn group<'a, E: Copy>(entries: &[E], decode: impl Fn(E) -> (i64, usize), input: &'a [u8], l: &Geometry, op: ReduceOp) -> Sorted<'a> {
     let (nnz, row) = (entries.len(), l.row);
     let mut out = Sorted { keys: Vec::with_capacity(nnz), at: Vec::with_capacity(nnz), input, reduced: Vec::new(), row };
     let mut repeated = Vec::new();
@@ -470,12 +470,12 @@ pub fn reuse(mut buf: Vec<u8>, len: usize) -> Vec<u8> {
 /// indices, written into `indices` (a finished result's buffer: its pages
 /// are already there). The outermost index is what the inner dims leave, so
 /// one sparse dim needs no division at all.
-pub fn to_coo(run: Run, l: &Layout, mut indices: Vec<i64>) -> SparseCoo {
+pub fn to_coo(run: Run, l: &Geometry, mut indices: Vec<i64>) -> SparseCoo {
     let n = run.keys.len();
     indices.clear();
     indices.resize(l.sparse_dims * n, 0);
     for (k, key) in run.keys.iter().enumerate() {
-        // Keys lie in [0, rows), rows <= i64::MAX (`Layout::of`).
+        // Keys lie in [0, rows), rows <= i64::MAX (`Geometry::of`).
         let mut rem = *key as u64;
         for d in (1..l.sparse_dims).rev() {
             let extent = l.shape[d] as u64;
@@ -499,10 +499,10 @@ mod tests {
 
     #[test]
     fn keys_unravel_into_a_reused_buffer() {
-        let l = Layout { shape: vec![3, 4, 5], sparse_dims: 2, dtype: DType::I32, row: 20, rows: 12 };
+        let l = Geometry { shape: vec![3, 4, 5], sparse_dims: 2, dtype: DType::I32, row: 20, rows: 12 };
         let coo = to_coo(Run { keys: vec![0, 7, 11], values: vec![0; 60] }, &l, vec![-1; 50]);
         assert_eq!(coo.indices, vec![0, 1, 2, 0, 3, 3]);
-        let l1 = Layout { shape: vec![9, 5], sparse_dims: 1, ..l };
+        let l1 = Geometry { shape: vec![9, 5], sparse_dims: 1, ..l };
         assert_eq!(to_coo(Run { keys: vec![2, 8], values: vec![0; 40] }, &l1, Vec::new()).indices, vec![2, 8]);
     }
 
@@ -549,7 +549,7 @@ mod tests {
         use crate::tensor::Tensor;
         let (flat, vals, shape) = coo(idx, shape);
         let t = SparseCooTensor::new(Tensor::from_slice(&flat).reshape(&[idx.len(), idx[0].len()])?, Tensor::from_slice(&vals), shape)?;
-        let l = Layout::of(&t)?;
+        let l = Geometry::of(&t)?;
         let s = sort(&t, &l, ReduceOp::Sum)?;
         let rows = (0..s.keys.len()).map(|i| i32::from_ne_bytes(s.row(i).try_into().expect("4 bytes"))).collect();
         Ok((s.keys.clone(), rows))
@@ -591,7 +591,7 @@ mod tests {
             vec![25, 3],
         )
         .unwrap();
-        let l = Layout::of(&t).unwrap();
+        let l = Geometry::of(&t).unwrap();
         let s = sort(&t, &l, ReduceOp::Sum).unwrap();
         let range = 3..22;
         let packed: Vec<u8> = range.clone().flat_map(|i| s.row(i).to_vec()).collect();

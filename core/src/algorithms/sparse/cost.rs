@@ -10,7 +10,7 @@
 //! replaces the all-gather baseline only when it is clearly cheaper, so
 //! estimation error cannot make `auto` slower than the baseline.
 
-use super::coalesce::Layout;
+use super::coalesce::Geometry;
 
 /// A byte read by a merge, against a byte received.
 const MERGE: f64 = 0.25;
@@ -27,7 +27,7 @@ const MARGIN: f64 = 1.1;
 /// receiving `step_bytes` (the transport's [`Backend::step_bytes`]).
 ///
 /// [`Backend::step_bytes`]: crate::backend::Backend::step_bytes
-pub fn cheapest(world: usize, nnz: &[usize], union: f64, l: &Layout, step_bytes: usize) -> &'static str {
+pub fn cheapest(world: usize, nnz: &[usize], union: f64, l: &Geometry, step_bytes: usize) -> &'static str {
     if world <= 1 {
         // Nothing to exchange: recursive doubling's zero steps only
         // coalesce the input (the all-gather would copy it twice more).
@@ -89,8 +89,8 @@ mod tests {
     const SOCKET: usize = 64 << 10;
     const SHM: usize = 16 << 10;
 
-    fn table(rows: u64) -> Layout {
-        Layout { shape: vec![rows as usize, 64], sparse_dims: 1, dtype: DType::F32, row: 256, rows }
+    fn table(rows: u64) -> Geometry {
+        Geometry { shape: vec![rows as usize, 64], sparse_dims: 1, dtype: DType::F32, row: 256, rows }
     }
 
     #[test]
@@ -114,7 +114,7 @@ mod tests {
         // Nearly the whole table on every rank: with wide rows, moving keys
         // too costs little more than dense; with narrow rows, dense wins.
         assert_eq!(cheapest(4, &[90_000; 4], 99_000.0, &l, SOCKET), "split");
-        let narrow = Layout { shape: vec![100_000], sparse_dims: 1, dtype: DType::F32, row: 4, rows: 100_000 };
+        let narrow = Geometry { shape: vec![100_000], sparse_dims: 1, dtype: DType::F32, row: 4, rows: 100_000 };
         assert_eq!(cheapest(4, &[90_000; 4], 99_000.0, &narrow, SOCKET), "dense");
         // Little or no overlap at two ranks: the traffic is the baseline's,
         // but not its copies of every row (measured 1.2-1.4x faster).
@@ -122,7 +122,7 @@ mod tests {
         assert_ne!(cheapest(2, &[26_000; 2], 52_000.0, &l, SOCKET), "allgather");
         // Narrow rows, light overlap at four ranks: merging 4x the rows
         // costs the baseline more than split's extra steps.
-        let narrow_big = Layout { rows: 1_000_000, ..narrow.clone() };
+        let narrow_big = Geometry { rows: 1_000_000, ..narrow.clone() };
         assert_eq!(cheapest(4, &[52_500; 4], 139_000.0, &narrow_big, SOCKET), "split");
         // Two ranks, 1000 keys each, 1762 in all: split's four steps pay
         // off where a step is cheap (measured through shm: split 102-105

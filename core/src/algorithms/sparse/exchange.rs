@@ -2,7 +2,7 @@
 //! recursive doubling with a 2-way merge per step, and split (a sparse
 //! reduce-scatter over key ranges, then an all-gather of the shares).
 
-use super::coalesce::{distinct, merge_into, merge_k, recycle, reuse, Layout, Run, RunRef, Sorted, SortedRows};
+use super::coalesce::{distinct, merge_into, merge_k, recycle, reuse, Geometry, Run, RunRef, Sorted, SortedRows};
 use crate::algorithms::fold::Fold;
 use crate::algorithms::{linear, pipeline, ring, Comm};
 use crate::backend::{Gather, P2p};
@@ -22,7 +22,7 @@ fn keys_of(bytes: &[u8]) -> Vec<i64> {
 /// All-gather keys and values (counts known from the header), then merge
 /// (into `reused`, a finished result's buffer; `run`'s is recycled). Rows
 /// land in pooled scratch: no fresh pages to fault in on every call.
-pub fn allgather(c: &Comm<'_>, run: Run, nnz: &[usize], l: &Layout, op: ReduceOp, reused: Vec<u8>) -> Result<Run> {
+pub fn allgather(c: &Comm<'_>, run: Run, nnz: &[usize], l: &Geometry, op: ReduceOp, reused: Vec<u8>) -> Result<Run> {
     let w = c.size();
     let (keys_at, rows_at) = (offsets(nnz.iter().map(|n| n * 8)), offsets(nnz.iter().map(|n| n * l.row)));
     let mut keys = vec![0u8; keys_at[w]];
@@ -51,7 +51,7 @@ fn recv_run<B: DerefMut<Target = [u8]>>(
     c: &Comm<'_>,
     step: u32,
     peer: usize,
-    l: &Layout,
+    l: &Geometry,
     rows: impl FnOnce(usize) -> B,
 ) -> Result<(Vec<i64>, B)> {
     let mut n = [0u8; 8];
@@ -67,7 +67,7 @@ fn recv_run<B: DerefMut<Target = [u8]>>(
 
 /// Swap runs with `peer` (both send, both receive, as [`send_run`] and
 /// [`recv_run`] do); theirs arrives in pooled scratch.
-fn swap_run(c: &Comm<'_>, step: u32, peer: usize, run: &Run, l: &Layout) -> Result<(Vec<i64>, Scratch)> {
+fn swap_run(c: &Comm<'_>, step: u32, peer: usize, run: &Run, l: &Geometry) -> Result<(Vec<i64>, Scratch)> {
     let mut n = [0u8; 8];
     c.send_recv(step, peer, &(run.keys.len() as u64).to_le_bytes(), peer, &mut n)?;
     let theirs = l.entries(u64::from_le_bytes(n), peer)?;
@@ -88,7 +88,7 @@ fn swap_run(c: &Comm<'_>, step: u32, peer: usize, run: &Run, l: &Layout) -> Resu
 /// ([`Fold`], as the dense recursive doubling does). Each merge writes into
 /// the buffer the merge before it read (the first into `spare`); the buffer
 /// left over is recycled for the next op.
-pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp, mut spare: Vec<u8>) -> Result<Run> {
+pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Geometry, op: ReduceOp, mut spare: Vec<u8>) -> Result<Run> {
     const FOLD: u32 = 4000;
     // Both partners combine the two runs in the same order, the lower
     // rank's first (`mine_first` on that rank): where contributions meet,
@@ -143,7 +143,7 @@ pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Layout, op: ReduceOp, 
 /// twice on a rank.
 /// Each of the four exchanges (slice sizes, slices, share sizes, shares)
 /// talks to every peer at once: four steps whatever W.
-pub fn split(c: &Comm<'_>, input: &Sorted<'_>, l: &Layout, op: ReduceOp, bounds: &[i64], reused: Vec<u8>) -> Result<Run> {
+pub fn split(c: &Comm<'_>, input: &Sorted<'_>, l: &Geometry, op: ReduceOp, bounds: &[i64], reused: Vec<u8>) -> Result<Run> {
     let (w, r) = (c.size(), c.rank());
     debug_assert_eq!(bounds.len() + 1, w);
     // Slice i of the input: the keys rank i owns.
@@ -217,7 +217,7 @@ fn offsets(lens: impl Iterator<Item = usize>) -> Vec<usize> {
 
 /// Send `counts[i]` (8 bytes, entries) to every rank i at once; what each
 /// rank sent this one (0 from itself).
-fn exchange_counts(c: &Comm<'_>, counts: &[[u8; 8]], l: &Layout) -> Result<Vec<usize>> {
+fn exchange_counts(c: &Comm<'_>, counts: &[[u8; 8]], l: &Geometry) -> Result<Vec<usize>> {
     let mut incoming = vec![[0u8; 8]; counts.len()];
     linear::exchange_all(c, &[counts.iter().map(|x| &x[..]).collect()], &mut [incoming.iter_mut().map(|x| &mut x[..]).collect()])?;
     incoming[c.rank()] = [0; 8];

@@ -41,7 +41,7 @@ use super::Comm;
 use crate::error::{Error, Result};
 use crate::reduce_op::ReduceOp;
 use crate::tensor::{SparseCoo, SparseCooTensor};
-use coalesce::Layout;
+use coalesce::Geometry;
 
 /// Largest number of dims a sparse tensor may have (header slots).
 const MAX_DIMS: usize = 32;
@@ -66,7 +66,7 @@ pub fn all_reduce(c: &Comm<'_>, input: &SparseCooTensor<'_>, output: &mut Sparse
     // `ALGORITHMS.len()`), so every rank fails alike instead of waiting.
     let hint = c.ctx().hints.get("sparse_algorithm").map(String::as_str).unwrap_or("auto");
     let requested = ALGORITHMS.iter().position(|a| *a == hint).unwrap_or(ALGORITHMS.len());
-    let layout = Layout::of(input)?;
+    let layout = Geometry::of(input)?;
     let sorted = coalesce::sort(input, &layout, op)?;
     let plan = agree(&c.phase(0), &layout, &sorted.keys, op_code, requested)?;
     let algo = match ALGORITHMS.get(requested) {
@@ -123,7 +123,7 @@ impl Plan {
 /// All-gather every rank's header, sketch part and spaced keys (each only
 /// where the `requested` algorithm uses it); error if shapes, sparse dims,
 /// dtypes, ops or requested algorithms differ (naming the ranks).
-fn agree(c: &Comm<'_>, l: &Layout, keys: &[i64], op_code: usize, requested: usize) -> Result<Plan> {
+fn agree(c: &Comm<'_>, l: &Geometry, keys: &[i64], op_code: usize, requested: usize) -> Result<Plan> {
     let w = c.size();
     let (k, spaced_k) = (sketch::sketch_size(w), sketch::spaced_size(w));
     let (auto, split) = (ALGORITHMS.get(requested) == Some(&"auto"), ALGORITHMS.get(requested) == Some(&"split"));
