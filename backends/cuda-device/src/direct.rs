@@ -8,7 +8,7 @@
 //!   reduces its own block of all the buffers in one kernel and writes the
 //!   result into that block of every buffer: each input byte read once and
 //!   each output byte written once.
-//! - Small ops (up to `Ring::staged_max` bytes): mapping a buffer and
+//! - Small ops (up to `Peers::staged_max` bytes): mapping a buffer and
 //!   closing it again costs more than the op, and a mapping must not
 //!   outlive the op (its owner may free it then; CUDA leaves that
 //!   undefined). So each rank copies its input into its staging buffer,
@@ -43,7 +43,7 @@
 
 use crate::agree::{ranks_where, round, same_everywhere, Signature};
 use crate::peer_buffers::PeerBuffers;
-use crate::setup::Ring;
+use crate::setup::Peers;
 use weft::algorithms::Comm;
 use weft::backend::{Backend, OpContext};
 use weft::{Error, ReduceOp, Result, StreamHandle, TensorMut};
@@ -98,7 +98,7 @@ impl Offer {
 /// Map every rank's buffer (in-process ranks' as they are), and agree that
 /// every rank could: the base of each, or why not (alike on every rank).
 fn map_all(
-    ring: &Ring,
+    ring: &Peers,
     c: &Comm<'_>,
     offers: &[Offer],
     peers: &mut PeerBuffers<'_>,
@@ -132,7 +132,7 @@ fn map_all(
 /// cannot run here and the ring should; `Err` where `required` (the hint
 /// `cuda_algorithm=direct`) and it cannot.
 pub fn all_reduce(
-    ring: &Ring,
+    ring: &Peers,
     cpu: &dyn Backend,
     ctx: &OpContext,
     stream: StreamHandle,

@@ -21,7 +21,7 @@ mod ring;
 mod setup;
 mod window;
 
-use setup::Ring;
+use setup::Peers;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use weft::backend::{Backend, BackendContext, Op, OpContext};
@@ -55,7 +55,7 @@ impl BackendFactory for CudaDevice {
         let staging = Staging::for_group(&ctx, "cuda-device")?;
         let gpu = staging.gpu();
         weft::locality::check("cuda-device", &*ctx.store, ctx.rank, ctx.size, ctx.timeout)?;
-        let ring = Ring::connect(&ctx, gpu.clone())?;
+        let ring = Peers::connect(&ctx, gpu.clone())?;
         let stream = gpu.new_stream(ring.device)?;
         Ok(Arc::new(DeviceBackend { staging, ring: Mutex::new(ring), stream }))
     }
@@ -64,7 +64,7 @@ impl BackendFactory for CudaDevice {
 struct DeviceBackend {
     staging: Staging,
     /// One ring op at a time (ops of a group are serial anyway).
-    ring: Mutex<Ring>,
+    ring: Mutex<Peers>,
     stream: StreamHandle,
 }
 

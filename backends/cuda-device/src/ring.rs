@@ -15,7 +15,7 @@
 //!
 //! The "waits" are stream waits (the host never waits for the GPU), or,
 //! where a neighbour is another process on the same GPU, host waits
-//! (`Ring::host_wait`: a stream blocked on another process's event would
+//! (`Peers::host_wait`: a stream blocked on another process's event would
 //! hold the GPU's time slice).
 //!
 //! A wait on an IPC event waits for its latest record; the messages make
@@ -23,7 +23,7 @@
 //! "consumed" arrives). Each op drains its outstanding "consumed" messages,
 //! so the next op starts with every slot free.
 
-use crate::setup::{Ring, SLOTS};
+use crate::setup::{Peers, SLOTS};
 use std::time::Instant;
 use weft::algorithms::Comm;
 use weft::backend::{Backend, OpContext};
@@ -34,7 +34,7 @@ const CONSUMED: u32 = 2;
 
 /// One op's progress through the slots.
 struct Flow<'a> {
-    ring: &'a Ring,
+    ring: &'a Peers,
     comm: Comm<'a>,
     stream: StreamHandle,
     next: usize,
@@ -118,7 +118,7 @@ fn check(want: u64, got: [u8; 8], what: &str) -> Result<()> {
 /// In-place all-reduce of `buf` (on the ring's device), queued on `stream`;
 /// a `PremulSum` input is already scaled.
 pub fn all_reduce(
-    ring: &Ring,
+    ring: &Peers,
     cpu: &dyn Backend,
     ctx: &OpContext,
     stream: StreamHandle,

@@ -24,7 +24,7 @@ pub const SLOTS: usize = 4;
 /// 1.5 ms; with MPS 1.6, 0.93, 0.89, 0.88 ms).
 pub const DEFAULT_SLOT_BYTES: usize = 64 << 20;
 
-/// Default of `Ring::staged_max`. Staging copies each op in, and every
+/// Default of `Peers::staged_max`. Staging copies each op in, and every
 /// rank then reads all of every staging buffer ((3 + W) bytes of traffic
 /// per byte reduced, against 2 mapping the callers' buffers), but mapping
 /// and closing them costs about 130 µs per op (H100, 2 processes under
@@ -32,10 +32,10 @@ pub const DEFAULT_SLOT_BYTES: usize = 64 << 20;
 /// staged, 179 mapped; time-sliced 472 against 390).
 pub const DEFAULT_STAGED_MAX: usize = 16 << 20;
 
-/// What one rank of `cuda-device` holds: the ring's slots and events, the
+/// What one rank of `cuda-device` shares with its peers: the ring's slots and events, the
 /// direct all-reduce's staging buffer and events, and what it opened of
 /// the other ranks'.
-pub struct Ring {
+pub struct Peers {
     pub gpu: Arc<dyn Gpu>,
     pub device: usize,
     /// The group's store (this backend's namespace), this rank and the
@@ -81,7 +81,7 @@ pub struct Ring {
     /// dead one's event never finishes, and this names who died.
     pub others: Vec<(usize, u32)>,
     /// Wait for other ranks' events on the host instead of on the device
-    /// (see [`Ring::connect`]).
+    /// (see [`Peers::connect`]).
     pub host_wait: bool,
     /// Every rank uses this same GPU (its processes share it).
     pub one_gpu: bool,
@@ -141,7 +141,7 @@ pub fn first_gone(ranks: &[(usize, u32)]) -> Option<(usize, u32)> {
     ranks.iter().copied().find(|(_, pid)| !std::path::Path::new(&format!("/proc/{pid}")).exists())
 }
 
-impl Ring {
+impl Peers {
     /// Set up (collective). `Unsupported` on every rank if any rank failed.
     ///
     /// Waits on a neighbour's events happen on the host (hint
@@ -153,7 +153,7 @@ impl Ring {
     /// all_reduce, 32 MiB slots: 2.4 against 2.9 ms without MPS, 0.93
     /// against 1.15 ms with it). On the device otherwise: the host then
     /// never waits for the GPU.
-    pub fn connect(ctx: &BackendContext, gpu: Arc<dyn Gpu>) -> Result<Ring> {
+    pub fn connect(ctx: &BackendContext, gpu: Arc<dyn Gpu>) -> Result<Peers> {
         let (store, what) = (&*ctx.store, "cuda-device: CUDA IPC");
         let mut ring = weft::store::all_or_none(store, "export", ctx.rank, ctx.size, ctx.timeout, Self::export(ctx, &gpu), what)?;
         let opened = ring.open_peers(ctx);
@@ -162,7 +162,7 @@ impl Ring {
     }
 
     /// Allocate and export this rank's slots and events.
-    fn export(ctx: &BackendContext, gpu: &Arc<dyn Gpu>) -> Result<Ring> {
+    fn export(ctx: &BackendContext, gpu: &Arc<dyn Gpu>) -> Result<Peers> {
         let device = choose_device(ctx, &**gpu)?;
         let slot_bytes = match ctx.hints.get("cuda_slot_bytes") {
             None => DEFAULT_SLOT_BYTES,
@@ -187,7 +187,7 @@ impl Ring {
         let my_slots = gpu.alloc(device, slot_bytes * SLOTS)?;
         let stage = gpu.alloc(device, staged_max)?;
         let ev = || gpu.new_event(device, true);
-        let ring = Ring {
+        let ring = Peers {
             gpu: gpu.clone(),
             device,
             store: ctx.store.clone(),
@@ -329,7 +329,7 @@ pub fn await_peers_closed(store: &dyn Store, rank: usize, others: &[(usize, u32)
     }
 }
 
-impl Ring {
+impl Peers {
     /// Order `stream` after another rank's `event`: on the device, or
     /// (`host_wait`) by blocking this thread until it has completed or a
     /// rank's process is found gone (its events would never complete).
@@ -351,7 +351,7 @@ impl Ring {
     }
 }
 
-impl Drop for Ring {
+impl Drop for Peers {
     fn drop(&mut self) {
         let g = &self.gpu;
         for e in self.opened_events.drain(..) {
