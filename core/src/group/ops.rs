@@ -60,12 +60,12 @@ impl<'t> P2pOp<'t> {
     }
 }
 
-mod sealed {
+/// Only weft's issuers implement [`Collectives`] (each says so where it
+/// is defined: the group, a scope, `Unscoped`).
+pub(super) mod sealed {
     pub trait Sealed {}
 }
 impl sealed::Sealed for super::ProcessGroup {}
-impl sealed::Sealed for super::scope::Scope<'_, '_> {}
-impl sealed::Sealed for super::scope::Unscoped<'_> {}
 
 /// Checks shared by the ops; each error names the op and this rank.
 struct Check {

@@ -8,7 +8,7 @@
 //! tensors alive issue the same background ops without a scope
 //! ([`Unscoped`], an unsafe promise).
 
-use super::ops::{Collectives, Job};
+use super::ops::{sealed, Collectives, Job};
 use super::work::{Work, WorkState};
 use super::GroupCore;
 use super::ProcessGroup;
@@ -66,6 +66,9 @@ impl ProcessGroup {
         }
     }
 }
+
+impl sealed::Sealed for Scope<'_, '_> {}
+impl sealed::Sealed for Unscoped<'_> {}
 
 impl<'scope, 'env> Collectives<'scope> for Scope<'scope, 'env> {
     fn submit(&self, job: Job<'scope>, opts: &OpOptions) -> Result<Work<'scope>> {
