@@ -4,7 +4,7 @@ use crate::buf::Buf;
 use crate::placement::SharedPlacement;
 use crate::reference::{make, reduced_tensor};
 use weft::prelude::*;
-use weft::{DType, ReduceOp};
+use weft::{DType, ReduceOp, SparseCoo, SparseCooTensor};
 
 /// One case's outcome on this rank.
 #[derive(Clone, Debug)]
@@ -28,6 +28,9 @@ fn same(dtype: DType, op: Option<ReduceOp>, got: &[u8], want: &[u8]) -> bool {
 
 struct Runner<'g> {
     pg: &'g ProcessGroup,
+    /// The group the cases run on after a family failed somewhere (a fresh
+    /// one, split from the last: a failure may have poisoned that).
+    fresh: Option<ProcessGroup>,
     mk: Mk,
     checks: Vec<Check>,
     broken: Option<String>,
@@ -54,7 +57,37 @@ fn read_all(bufs: &[Buf]) -> weft::Result<Vec<u8>> {
     Ok(v)
 }
 
-impl Runner<'_> {
+impl<'g> Runner<'g> {
+    fn new(pg: &'g ProcessGroup, placement: Option<SharedPlacement>) -> Self {
+        Runner { pg, fresh: None, mk: Mk(placement), checks: Vec::new(), broken: None }
+    }
+
+    /// The group the next case runs on.
+    fn group(&self) -> &ProcessGroup {
+        self.fresh.as_ref().unwrap_or(self.pg)
+    }
+
+    /// The end of a family of cases (one op, every dtype): the ranks agree
+    /// whether any failed in it (through the store: that works on a failed
+    /// group), and if one did, all go on in a fresh group. So one failure
+    /// costs at most the rest of its family, never the later families.
+    fn end_family(&mut self) {
+        let mine = u64::from(self.broken.is_none());
+        let all_fine = self.group().agree(mine, &weft::ShrinkOptions::default()).map(|v| v == 1);
+        if all_fine.as_ref().is_ok_and(|fine| *fine) {
+            return;
+        }
+        let everyone: Vec<usize> = (0..self.group().size()).collect();
+        match self.group().split(&everyone) {
+            Ok(Some(g)) => {
+                self.fresh = Some(g);
+                self.broken = None;
+            }
+            Ok(None) => self.broken = Some("a fresh group left this rank out".into()),
+            Err(e) => self.broken = Some(format!("no fresh group after a failure: {e}")),
+        }
+    }
+
     /// Record a case: `body` runs the op and returns (got, want) bytes.
     fn case(
         &mut self,
@@ -64,9 +97,9 @@ impl Runner<'_> {
         body: impl FnOnce(&ProcessGroup, &Mk) -> weft::Result<(Vec<u8>, Vec<u8>)>,
     ) {
         let (passed, detail) = if let Some(b) = &self.broken {
-            (false, format!("skipped: group unusable after {b}"))
+            (false, format!("skipped: this family already failed ({b})"))
         } else {
-            match body(self.pg, &self.mk) {
+            match body(self.group(), &self.mk) {
                 Ok((got, want)) if same(dtype, redop, &got, &want) => (true, String::new()),
                 Ok((got, want)) => {
                     (false, format!("wrong result: got {:?}.. want {:?}..", &got[..got.len().min(16)], &want[..want.len().min(16)]))
@@ -110,98 +143,166 @@ fn on_stream_of(placement: Option<SharedPlacement>, f: impl FnOnce(Option<Shared
     checks
 }
 
+/// The families of cases, each one op over every dtype (or its own set):
+/// the unit [`Runner::end_family`] recovers at.
+type Family<'a> = Box<dyn Fn(&mut Runner<'_>, DType) + 'a>;
+
 fn cases(pg: &ProcessGroup, n: usize, placement: Option<SharedPlacement>) -> Vec<Check> {
     let (r, w) = (pg.rank(), pg.size());
     let o = OpOptions::default();
-    let mut t = Runner { pg, mk: Mk(placement), checks: Vec::new(), broken: None };
-    for d in DType::ALL {
-        let sz = d.size();
-        for op in ops_for(d) {
-            t.case("all_reduce", d, Some(op), |pg, m| {
-                let mut b = m.buf(d, &make(d, r, n))?;
-                pg.all_reduce(b.tm(), op, &o)?.wait()?;
-                Ok((b.read()?, reduced_tensor(d, op, w, n)))
-            });
-            t.case("reduce", d, Some(op), |pg, m| {
-                let root = w - 1;
-                let mut b = m.buf(d, &make(d, r, n))?;
-                pg.reduce(b.tm(), root, op, &o)?.wait()?;
-                Ok((b.read()?, if r == root { reduced_tensor(d, op, w, n) } else { make(d, r, n) }))
-            });
-            t.case("reduce_scatter_single", d, Some(op), |pg, m| {
-                let input = m.buf(d, &make(d, r, n * w))?;
+    let host = placement.is_none();
+    let sparse = host && pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::SparseCoo)).is_some();
+    let mut t = Runner::new(pg, placement);
+    let sum_for = |d: DType| if d == DType::Bool { ReduceOp::Bor } else { ReduceOp::Sum };
+    let families: Vec<Family<'_>> = vec![
+        Box::new(|t, d| {
+            for op in ops_for(d) {
+                t.case("all_reduce", d, Some(op), |pg, m| {
+                    let mut b = m.buf(d, &make(d, r, n))?;
+                    pg.all_reduce(b.tm(), op, &o)?.wait()?;
+                    Ok((b.read()?, reduced_tensor(d, op, w, n)))
+                });
+            }
+        }),
+        Box::new(|t, d| {
+            for op in ops_for(d) {
+                t.case("reduce", d, Some(op), |pg, m| {
+                    let root = w - 1;
+                    let mut b = m.buf(d, &make(d, r, n))?;
+                    pg.reduce(b.tm(), root, op, &o)?.wait()?;
+                    Ok((b.read()?, if r == root { reduced_tensor(d, op, w, n) } else { make(d, r, n) }))
+                });
+            }
+        }),
+        Box::new(|t, d| {
+            let sz = d.size();
+            for op in ops_for(d) {
+                t.case("reduce_scatter_single", d, Some(op), |pg, m| {
+                    let input = m.buf(d, &make(d, r, n * w))?;
+                    let mut out = m.zeros(d, n)?;
+                    pg.reduce_scatter_single(out.tm(), input.t(), op, &o)?.wait()?;
+                    Ok((out.read()?, reduced_tensor(d, op, w, n * w)[r * n * sz..(r + 1) * n * sz].to_vec()))
+                });
+            }
+        }),
+        Box::new(|t, d| {
+            let (sz, op) = (d.size(), sum_for(d));
+            t.case("reduce_scatter (list)", d, Some(op), |pg, m| {
+                let all = make(d, r, n * w);
+                let ins: Vec<Buf> = (0..w).map(|i| m.buf(d, &all[i * n * sz..(i + 1) * n * sz])).collect::<weft::Result<_>>()?;
                 let mut out = m.zeros(d, n)?;
-                pg.reduce_scatter_single(out.tm(), input.t(), op, &o)?.wait()?;
+                pg.reduce_scatter(out.tm(), ins.iter().map(Buf::t).collect(), op, &o)?.wait()?;
                 Ok((out.read()?, reduced_tensor(d, op, w, n * w)[r * n * sz..(r + 1) * n * sz].to_vec()))
             });
+        }),
+        Box::new(|t, d| {
+            let op = sum_for(d);
+            t.case("reduce_scatter_v", d, Some(op), |pg, m| {
+                let ins: Vec<Buf> = (0..w).map(|i| m.buf(d, &make(d, r, i % 3))).collect::<weft::Result<_>>()?;
+                let mut out = m.zeros(d, r % 3)?;
+                pg.reduce_scatter_v(out.tm(), ins.iter().map(Buf::t).collect(), op, &o)?.wait()?;
+                Ok((out.read()?, reduced_tensor(d, op, w, r % 3)))
+            });
+        }),
+        Box::new(|t, d| {
+            t.case("broadcast", d, None, |pg, m| {
+                let mut b = m.buf(d, &make(d, r, n))?;
+                pg.broadcast(b.tm(), w - 1, &o)?.wait()?;
+                Ok((b.read()?, make(d, w - 1, n)))
+            });
+        }),
+        Box::new(|t, d| {
+            t.case("all_gather_single", d, None, |pg, m| {
+                let input = m.buf(d, &make(d, r, n))?;
+                let mut out = m.zeros(d, n * w)?;
+                pg.all_gather_single(out.tm(), input.t(), &o)?.wait()?;
+                Ok((out.read()?, (0..w).flat_map(|i| make(d, i, n)).collect()))
+            });
+        }),
+        Box::new(|t, d| {
+            t.case("all_gather (list)", d, None, |pg, m| {
+                let input = m.buf(d, &make(d, r, n))?;
+                let mut outs: Vec<Buf> = (0..w).map(|_| m.zeros(d, n)).collect::<weft::Result<_>>()?;
+                pg.all_gather(outs.iter_mut().map(Buf::tm).collect(), input.t(), &o)?.wait()?;
+                Ok((read_all(&outs)?, (0..w).flat_map(|i| make(d, i, n)).collect()))
+            });
+        }),
+        Box::new(|t, d| {
+            t.case("all_gather_v", d, None, |pg, m| {
+                let input = m.buf(d, &make(d, r, r % 3))?;
+                let mut outs: Vec<Buf> = (0..w).map(|i| m.zeros(d, i % 3)).collect::<weft::Result<_>>()?;
+                pg.all_gather_v(outs.iter_mut().map(Buf::tm).collect(), input.t(), &o)?.wait()?;
+                Ok((read_all(&outs)?, (0..w).flat_map(|i| make(d, i, i % 3)).collect()))
+            });
+        }),
+        Box::new(|t, d| {
+            t.case("all_to_all_single", d, None, |pg, m| {
+                let input = m.buf(d, &(0..w).flat_map(|dst| make(d, 100 * r + dst, n)).collect::<Vec<u8>>())?;
+                let mut out = m.zeros(d, n * w)?;
+                pg.all_to_all_single(out.tm(), input.t(), &o)?.wait()?;
+                Ok((out.read()?, (0..w).flat_map(|src| make(d, 100 * src + r, n)).collect()))
+            });
+        }),
+        Box::new(|t, d| {
+            t.case("all_to_all (list)", d, None, |pg, m| {
+                let ins: Vec<Buf> = (0..w).map(|dst| m.buf(d, &make(d, 100 * r + dst, n))).collect::<weft::Result<_>>()?;
+                let mut outs: Vec<Buf> = (0..w).map(|_| m.zeros(d, n)).collect::<weft::Result<_>>()?;
+                pg.all_to_all(outs.iter_mut().map(Buf::tm).collect(), ins.iter().map(Buf::t).collect(), &o)?.wait()?;
+                Ok((read_all(&outs)?, (0..w).flat_map(|src| make(d, 100 * src + r, n)).collect()))
+            });
+        }),
+        Box::new(|t, d| {
+            t.case("all_to_all_v_single", d, None, |pg, m| {
+                let ins: Vec<usize> = (0..w).map(|dst| (r + dst) % 3).collect();
+                let outs: Vec<usize> = (0..w).map(|src| (src + r) % 3).collect();
+                let input = m.buf(d, &(0..w).flat_map(|dst| make(d, 100 * r + dst, ins[dst])).collect::<Vec<u8>>())?;
+                let mut out = m.zeros(d, outs.iter().sum())?;
+                pg.all_to_all_v_single(out.tm(), input.t(), &outs, &ins, &o)?.wait()?;
+                Ok((out.read()?, (0..w).flat_map(|src| make(d, 100 * src + r, outs[src])).collect()))
+            });
+        }),
+        Box::new(|t, d| {
+            t.case("gather", d, None, |pg, m| {
+                let input = m.buf(d, &make(d, r, n))?;
+                let mut outs: Vec<Buf> = if r == 0 { (0..w).map(|_| m.zeros(d, n)).collect::<weft::Result<_>>()? } else { vec![] };
+                pg.gather(outs.iter_mut().map(Buf::tm).collect(), input.t(), 0, &o)?.wait()?;
+                let want: Vec<u8> = if r == 0 { (0..w).flat_map(|i| make(d, i, n)).collect() } else { vec![] };
+                Ok((read_all(&outs)?, want))
+            });
+        }),
+        Box::new(|t, d| {
+            t.case("scatter", d, None, |pg, m| {
+                let ins: Vec<Buf> =
+                    if r == 0 { (0..w).map(|i| m.buf(d, &make(d, 10 + i, n))).collect::<weft::Result<_>>()? } else { vec![] };
+                let mut out = m.zeros(d, n)?;
+                pg.scatter(out.tm(), ins.iter().map(Buf::t).collect(), 0, &o)?.wait()?;
+                Ok((out.read()?, make(d, 10 + r, n)))
+            });
+        }),
+        Box::new(|t, d| {
+            t.case("send_recv", d, None, |pg, m| {
+                // A ring: send to the right, receive from the left, tags by dtype.
+                if w == 1 {
+                    return Ok((vec![], vec![]));
+                }
+                let tag = d as u32;
+                let input = m.buf(d, &make(d, r, n))?;
+                let mut out = m.zeros(d, n)?;
+                pg.scope(|s| -> weft::Result<()> {
+                    let a = s.send(input.t(), (r + 1) % w, tag, &o)?;
+                    let b = s.recv(out.tm(), (r + w - 1) % w, tag, &o)?;
+                    a.wait()?;
+                    b.wait()
+                })?;
+                Ok((out.read()?, make(d, (r + w - 1) % w, n)))
+            });
+        }),
+    ];
+    for family in &families {
+        for d in DType::ALL {
+            family(&mut t, d);
         }
-        let op = if d == DType::Bool { ReduceOp::Bor } else { ReduceOp::Sum };
-        t.case("reduce_scatter_v", d, Some(op), |pg, m| {
-            let ins: Vec<Buf> = (0..w).map(|i| m.buf(d, &make(d, r, i % 3))).collect::<weft::Result<_>>()?;
-            let mut out = m.zeros(d, r % 3)?;
-            pg.reduce_scatter_v(out.tm(), ins.iter().map(Buf::t).collect(), op, &o)?.wait()?;
-            Ok((out.read()?, reduced_tensor(d, op, w, r % 3)))
-        });
-        t.case("broadcast", d, None, |pg, m| {
-            let mut b = m.buf(d, &make(d, r, n))?;
-            pg.broadcast(b.tm(), w - 1, &o)?.wait()?;
-            Ok((b.read()?, make(d, w - 1, n)))
-        });
-        t.case("all_gather_single", d, None, |pg, m| {
-            let input = m.buf(d, &make(d, r, n))?;
-            let mut out = m.zeros(d, n * w)?;
-            pg.all_gather_single(out.tm(), input.t(), &o)?.wait()?;
-            Ok((out.read()?, (0..w).flat_map(|i| make(d, i, n)).collect()))
-        });
-        t.case("all_gather_v", d, None, |pg, m| {
-            let input = m.buf(d, &make(d, r, r % 3))?;
-            let mut outs: Vec<Buf> = (0..w).map(|i| m.zeros(d, i % 3)).collect::<weft::Result<_>>()?;
-            pg.all_gather_v(outs.iter_mut().map(Buf::tm).collect(), input.t(), &o)?.wait()?;
-            Ok((read_all(&outs)?, (0..w).flat_map(|i| make(d, i, i % 3)).collect()))
-        });
-        t.case("all_to_all_single", d, None, |pg, m| {
-            let input = m.buf(d, &(0..w).flat_map(|dst| make(d, 100 * r + dst, n)).collect::<Vec<u8>>())?;
-            let mut out = m.zeros(d, n * w)?;
-            pg.all_to_all_single(out.tm(), input.t(), &o)?.wait()?;
-            Ok((out.read()?, (0..w).flat_map(|src| make(d, 100 * src + r, n)).collect()))
-        });
-        t.case("all_to_all_v_single", d, None, |pg, m| {
-            let ins: Vec<usize> = (0..w).map(|dst| (r + dst) % 3).collect();
-            let outs: Vec<usize> = (0..w).map(|src| (src + r) % 3).collect();
-            let input = m.buf(d, &(0..w).flat_map(|dst| make(d, 100 * r + dst, ins[dst])).collect::<Vec<u8>>())?;
-            let mut out = m.zeros(d, outs.iter().sum())?;
-            pg.all_to_all_v_single(out.tm(), input.t(), &outs, &ins, &o)?.wait()?;
-            Ok((out.read()?, (0..w).flat_map(|src| make(d, 100 * src + r, outs[src])).collect()))
-        });
-        t.case("gather", d, None, |pg, m| {
-            let input = m.buf(d, &make(d, r, n))?;
-            let mut outs: Vec<Buf> = if r == 0 { (0..w).map(|_| m.zeros(d, n)).collect::<weft::Result<_>>()? } else { vec![] };
-            pg.gather(outs.iter_mut().map(Buf::tm).collect(), input.t(), 0, &o)?.wait()?;
-            let want: Vec<u8> = if r == 0 { (0..w).flat_map(|i| make(d, i, n)).collect() } else { vec![] };
-            Ok((read_all(&outs)?, want))
-        });
-        t.case("scatter", d, None, |pg, m| {
-            let ins: Vec<Buf> = if r == 0 { (0..w).map(|i| m.buf(d, &make(d, 10 + i, n))).collect::<weft::Result<_>>()? } else { vec![] };
-            let mut out = m.zeros(d, n)?;
-            pg.scatter(out.tm(), ins.iter().map(Buf::t).collect(), 0, &o)?.wait()?;
-            Ok((out.read()?, make(d, 10 + r, n)))
-        });
-        t.case("send_recv", d, None, |pg, m| {
-            // A ring: send to the right, receive from the left, tags by dtype.
-            if w == 1 {
-                return Ok((vec![], vec![]));
-            }
-            let tag = d as u32;
-            let input = m.buf(d, &make(d, r, n))?;
-            let mut out = m.zeros(d, n)?;
-            pg.scope(|s| -> weft::Result<()> {
-                let a = s.send(input.t(), (r + 1) % w, tag, &o)?;
-                let b = s.recv(out.tm(), (r + w - 1) % w, tag, &o)?;
-                a.wait()?;
-                b.wait()
-            })?;
-            Ok((out.read()?, make(d, (r + w - 1) % w, n)))
-        });
+        t.end_family();
     }
     // Values whose reduced bits depend on the order they combine in
     // (`order_sensitive`): every rank must still end with the same bits, so
@@ -216,11 +317,41 @@ fn cases(pg: &ProcessGroup, n: usize, placement: Option<SharedPlacement>) -> Vec
             Ok((all.read()?, b.read()?.repeat(w)))
         });
     }
+    t.end_family();
+    if sparse {
+        sparse_case(&mut t, &o);
+        t.end_family();
+    }
     t.case("barrier", DType::U8, None, |pg, _| {
         pg.barrier(&o)?.wait()?;
         Ok((vec![], vec![]))
     });
     t.checks
+}
+
+/// Sparse all-reduce (SUM of f32 rows; host memory, where the group has a
+/// sparse backend): rank r contributes rows r and 4W (three values each,
+/// all r + 1); the result has rows 0..W (from one rank each) and 4W (the
+/// sum over ranks), coalesced and sorted.
+fn sparse_case(t: &mut Runner<'_>, o: &OpOptions) {
+    let (r, w) = (t.group().rank(), t.group().size());
+    t.case("all_reduce_sparse", DType::F32, Some(ReduceOp::Sum), |pg, _| {
+        let last = 4 * w as i64;
+        let indices: Vec<i64> = vec![r as i64, last];
+        let values: Vec<f32> = vec![r as f32 + 1.0; 6];
+        let idx = Tensor::from(&indices[..]).reshape(&[1, 2])?;
+        let vals = Tensor::from(&values[..]).reshape(&[2, 3])?;
+        let input = SparseCooTensor::new(idx, vals, vec![4 * w + 1, 3])?;
+        let mut out = SparseCoo::default();
+        pg.all_reduce_sparse(&mut out, input, ReduceOp::Sum, o)?.wait()?;
+        let want_idx: Vec<i64> = (0..w as i64).chain([last]).collect();
+        if out.indices != want_idx {
+            return Err(weft::Error::backend(format!("indices {:?}, expected {want_idx:?}", out.indices)));
+        }
+        let mut want: Vec<f32> = (0..w).flat_map(|k| [k as f32 + 1.0; 3]).collect();
+        want.extend([(w * (w + 1) / 2) as f32; 3]);
+        Ok((out.values.clone(), want.iter().flat_map(|v| v.to_ne_bytes()).collect()))
+    });
 }
 
 /// Message sizes of [`run_p2p`]'s ring exchange and their case names:
@@ -247,7 +378,7 @@ fn p2p_cases(pg: &ProcessGroup, placement: Option<SharedPlacement>, max_bytes: u
     let (right, left) = ((r + 1) % w, (r + w - 1) % w);
     let o = OpOptions::default();
     let d = DType::U8;
-    let mut t = Runner { pg, mk: Mk(placement), checks: Vec::new(), broken: None };
+    let mut t = Runner::new(pg, placement);
     for (k, &(n, name)) in RING.iter().enumerate().filter(|(_, (n, _))| *n <= max_bytes) {
         let tag = 100 + k as u32;
         t.case(name, d, None, |pg, m| {

@@ -13,25 +13,37 @@ use weft::{GroupOptions, ProcessGroup};
 /// has a failing check. Each rank's group must be served by `spec` for
 /// dense CPU tensors.
 pub fn on_threads(spec: &str, w: usize, suite: fn(&ProcessGroup) -> Vec<Check>) {
-    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(60)));
     let opts = GroupOptions::default().backend(spec).timeout(Duration::from_secs(60));
+    for (rank, checks) in checks_on_threads(opts, w, |pg| {
+        let served = pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense));
+        assert_eq!(served.as_deref(), Some(spec), "{spec} rank {}: the group's backend", pg.rank());
+        suite(pg)
+    })
+    .iter()
+    .enumerate()
+    {
+        let (table, ok) = summary(checks);
+        assert!(ok, "{spec} W={w} rank {rank}:\n{table}");
+    }
+}
+
+/// `suite`'s checks on `w` ranks that are threads of this process, in
+/// groups made with `opts` over an in-process store, by rank (a rank that
+/// panics panics here).
+pub fn checks_on_threads(opts: GroupOptions, w: usize, suite: impl Fn(&ProcessGroup) -> Vec<Check> + Sync) -> Vec<Vec<Check>> {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(60)));
     std::thread::scope(|s| {
         let ranks: Vec<_> = (0..w)
             .map(|rank| {
-                let (store, opts) = (store.clone(), opts.clone());
+                let (store, opts, suite) = (store.clone(), opts.clone(), &suite);
                 s.spawn(move || {
-                    let pg = ProcessGroup::new(store, rank, w, opts).unwrap_or_else(|e| panic!("{spec} rank {rank}: {e}"));
-                    let served = pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense));
-                    assert_eq!(served.as_deref(), Some(spec), "{spec} rank {rank}: the group's backend");
+                    let pg = ProcessGroup::new(store, rank, w, opts).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
                     suite(&pg)
                 })
             })
             .collect();
-        for (rank, r) in ranks.into_iter().enumerate() {
-            let (table, ok) = summary(&r.join().unwrap_or_else(|_| panic!("{spec} W={w} rank {rank} panicked")));
-            assert!(ok, "{spec} W={w} rank {rank}:\n{table}");
-        }
-    });
+        ranks.into_iter().enumerate().map(|(rank, r)| r.join().unwrap_or_else(|_| panic!("W={w} rank {rank} panicked"))).collect()
+    })
 }
 
 /// The conformance tests of one backend crate (its `tests/conformance.rs`):
