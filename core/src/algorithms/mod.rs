@@ -10,7 +10,7 @@
 //! | broadcast | binomial tree (small), scatter + ring all-gather (medium), pipelined chain (large) | `tree.rs`, `ring.rs`, `chain.rs` |
 //! | reduce | binomial tree (small), ring reduce-scatter + gather (large) | `tree.rs`, `ring.rs` |
 //! | gather, scatter | root exchanges with every rank at once | `linear.rs` |
-//! | all_to_all(_v) | pairwise exchange | `pairwise.rs` |
+//! | all_to_all(_v) | everything at once (shared memory, or blocks up to 1 MiB), pairwise exchange (large blocks over sockets) | `pairwise.rs` |
 //! | barrier | dissemination | `barrier.rs` |
 //! | sparse all_reduce | all-gather, recursive doubling with merging, key-range split, or dense | `sparse/` |
 //!
@@ -155,7 +155,12 @@ pub fn run(backend: &dyn Backend, op: &mut Op<'_>, ctx: &OpContext) -> Result<()
             ring::reduce_scatter(&c, &Tensor::host_bytes_of(inputs)?, output.host_bytes_mut()?, dtype, *op)
         }
         Op::AllToAll { inputs, outputs } => {
-            pairwise::all_to_all(&c, &Tensor::host_bytes_of(inputs)?, &mut TensorMut::host_bytes_of(outputs)?)
+            let largest = inputs.iter().map(Tensor::nbytes).max().unwrap_or(0);
+            let (inputs, mut outputs) = (Tensor::host_bytes_of(inputs)?, TensorMut::host_bytes_of(outputs)?);
+            match select::pick(ctx, "all_to_all", largest, c.step_bytes())? {
+                "at_once" => pairwise::all_to_all_at_once(&c, &inputs, &mut outputs),
+                _ => pairwise::all_to_all(&c, &inputs, &mut outputs),
+            }
         }
         Op::Gather { input, outputs, root } => linear::gather(&c, input.host_bytes()?, &mut TensorMut::host_bytes_of(outputs)?, *root),
         Op::Scatter { inputs, output, root } => linear::scatter(&c, &Tensor::host_bytes_of(inputs)?, output.host_bytes_mut()?, *root),

@@ -1,10 +1,13 @@
-//! Pairwise exchange for all-to-all: in step s, send to rank+s and receive
-//! from rank-s, so every rank talks to one peer in each direction at a time.
+//! All-to-all, two ways: pairwise exchange (in step s, send to rank+s and
+//! receive from rank-s, one peer in each direction at a time), or every
+//! send and receive at once, for the transport to move in whatever order
+//! its peers allow (`select.rs` chooses).
 
 use super::Comm;
+use crate::backend::P2p;
 use crate::error::Result;
 
-/// `outputs[i]` receives rank i's `inputs[rank]`.
+/// `outputs[i]` receives rank i's `inputs[rank]`, pairwise.
 pub fn all_to_all(c: &Comm<'_>, inputs: &[&[u8]], outputs: &mut [&mut [u8]]) -> Result<()> {
     let (w, r) = (c.size(), c.rank());
     crate::kernels::copy(outputs[r], inputs[r]);
@@ -13,4 +16,21 @@ pub fn all_to_all(c: &Comm<'_>, inputs: &[&[u8]], outputs: &mut [&mut [u8]]) -> 
         c.send_recv(s as u32, to, inputs[to], from, outputs[from])?;
     }
     Ok(())
+}
+
+/// As [`all_to_all`], with every send and receive posted at once: no
+/// rank waits for one peer while another could be served (on more ranks
+/// than cores, the peer of a pairwise step is often not running).
+pub fn all_to_all_at_once(c: &Comm<'_>, inputs: &[&[u8]], outputs: &mut [&mut [u8]]) -> Result<()> {
+    let r = c.rank();
+    crate::kernels::copy(outputs[r], inputs[r]);
+    let tag = c.tag(1);
+    let mut ops: Vec<P2p<'_>> = Vec::with_capacity(2 * outputs.len());
+    for (from, buf) in outputs.iter_mut().enumerate().filter(|(from, _)| *from != r) {
+        ops.push(P2p::Recv { peer: from, tag, buf });
+    }
+    for (to, data) in inputs.iter().enumerate().filter(|(to, _)| *to != r) {
+        ops.push(P2p::Send { peer: to, tag, data });
+    }
+    c.exchange(&mut ops)
 }

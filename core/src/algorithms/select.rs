@@ -14,6 +14,7 @@ pub fn choices(op: &str) -> &'static [&'static str] {
         "all_reduce" => &["auto", "ring", "recursive_doubling", "halving_doubling"],
         "broadcast" => &["auto", "binomial", "scatter_allgather", "chain"],
         "reduce" => &["auto", "binomial", "reduce_scatter_gather"],
+        "all_to_all" => &["auto", "pairwise", "at_once"],
         _ => &["auto"],
     }
 }
@@ -58,6 +59,16 @@ pub fn pick(ctx: &OpContext, op: &'static str, bytes: usize, step_bytes: usize) 
         // Likewise a tree reduce moves the whole buffer log2(W) times.
         "reduce" if bytes >= 512 << 10 && ctx.size > 2 => "reduce_scatter_gather",
         "reduce" => "binomial",
+        // All-to-all (`bytes`: the largest block) posts every send and
+        // receive at once: no rank waits on one peer while another could be
+        // served. Measured with weft bench, shm, 64 MiB: W=4 24.0-27.8 ms
+        // pairwise against 18.2-19.0 ms at once, W=8 63 against 40 ms;
+        // W=4 1 MiB 96-99 against 82-83 µs; cpu-tcp W=4 1 MiB 475-484
+        // against 323-334 µs. Only large blocks over sockets went the other
+        // way (cpu-tcp W=4 64 MiB: 22.6-24.7 pairwise against 25.1-27.2 ms
+        // at once): there, one stream per direction at a time.
+        "all_to_all" if ctx.size > 2 && bytes > 1 << 20 && step_bytes > 16 << 10 => "pairwise",
+        "all_to_all" => "at_once",
         _ => "auto",
     })
 }

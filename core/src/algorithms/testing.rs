@@ -170,18 +170,20 @@ mod tests {
                     let e: Vec<i64> = (0..r + n).map(|i| (0..w).map(|s| data(s + r, r + n)[i]).sum()).collect();
                     assert_eq!(*o, e, "reduce_scatter_v w={w} r={r}");
                 }
-                // all_to_all with sizes depending on (src, dst)
-                let out = run_ranks(w, OpKind::AllToAll, |r, b, c| {
-                    let ins: Vec<Vec<i64>> = (0..w).map(|d| data(r * 10 + d, (r + d) % 3 + n)).collect();
-                    let mut outs: Vec<Vec<i64>> = (0..w).map(|s| vec![0; (s + r) % 3 + n]).collect();
-                    let iv = ins.iter().map(|v| Tensor::from_slice(v)).collect();
-                    let ov = outs.iter_mut().map(|v| TensorMut::from_slice(v)).collect();
-                    run(b, &mut Op::AllToAll { inputs: iv, outputs: ov }, c).unwrap();
-                    outs
-                });
-                for (r, outs) in out.iter().enumerate() {
-                    for (s, o) in outs.iter().enumerate() {
-                        assert_eq!(*o, data(s * 10 + r, (s + r) % 3 + n), "all_to_all w={w}");
+                // all_to_all with sizes depending on (src, dst), both ways
+                for algo in ["pairwise", "at_once"] {
+                    let out = run_ranks_with(w, OpKind::AllToAll, &[("algorithm", algo)], |r, b, c| {
+                        let ins: Vec<Vec<i64>> = (0..w).map(|d| data(r * 10 + d, (r + d) % 3 + n)).collect();
+                        let mut outs: Vec<Vec<i64>> = (0..w).map(|s| vec![0; (s + r) % 3 + n]).collect();
+                        let iv = ins.iter().map(|v| Tensor::from_slice(v)).collect();
+                        let ov = outs.iter_mut().map(|v| TensorMut::from_slice(v)).collect();
+                        run(b, &mut Op::AllToAll { inputs: iv, outputs: ov }, c).unwrap();
+                        outs
+                    });
+                    for (r, outs) in out.iter().enumerate() {
+                        for (s, o) in outs.iter().enumerate() {
+                            assert_eq!(*o, data(s * 10 + r, (s + r) % 3 + n), "all_to_all {algo} w={w}");
+                        }
                     }
                 }
                 let _ = run_ranks(w, OpKind::Barrier, |_, b, c| run(b, &mut Op::Barrier, c).unwrap());
