@@ -1,5 +1,6 @@
 //! Gather and scatter: the root posts all W-1 transfers in one batch; and
-//! the same one-batch exchange between every pair of ranks at once.
+//! the same one-batch exchange between every pair of ranks at once (an
+//! all-gather's too).
 
 use super::Comm;
 use crate::backend::{Gather, GatherSend, P2p};
@@ -33,6 +34,13 @@ pub fn scatter(c: &Comm<'_>, inputs: &[&[u8]], output: &mut [u8], root: usize) -
 
 /// Every rank exchanges with every other rank in one batch: for each part
 /// j (tagged as step j), rank i receives `sends[j][i]` from this rank and
+/// `outputs[i]` receives rank i's `input`: every send and receive at once.
+pub fn all_gather(c: &Comm<'_>, input: &[u8], outputs: &mut [&mut [u8]]) -> Result<()> {
+    crate::kernels::copy(outputs[c.rank()], input);
+    let mut recvs = [outputs.iter_mut().map(|o| &mut **o).collect::<Vec<&mut [u8]>>()];
+    exchange_all(c, &[vec![input; c.size()]], &mut recvs)
+}
+
 /// `recvs[j][i]` receives rank i's `sends[j][rank]`. This rank's own
 /// entries are left alone. One step instead of the W-1 steps of a ring or a
 /// pairwise exchange: for small, latency-bound messages, where the steps

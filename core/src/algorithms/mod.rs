@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | all_reduce | recursive doubling (small), halving-doubling (medium), pipelined ring reduce-scatter + all-gather (large) | `recursive.rs`, `halving_doubling.rs`, `ring.rs` |
 //! | reduce_scatter(_v) | ring | `ring.rs` |
-//! | all_gather(_v) | ring | `ring.rs` |
+//! | all_gather(_v) | ring; everything at once (large blocks through shared memory, more than two ranks) | `ring.rs`, `linear.rs` |
 //! | broadcast | binomial tree (small), scatter + ring all-gather (medium), pipelined chain (large) | `tree.rs`, `ring.rs`, `chain.rs` |
 //! | reduce | binomial tree (small), ring reduce-scatter + gather (large) | `tree.rs`, `ring.rs` |
 //! | gather, scatter | root exchanges with every rank at once | `linear.rs` |
@@ -149,7 +149,14 @@ pub fn run(backend: &dyn Backend, op: &mut Op<'_>, ctx: &OpContext) -> Result<()
                 _ => tree::reduce(&c, buf.host_bytes_mut()?, dtype, *op, *root),
             }
         }
-        Op::AllGather { input, outputs } => ring::all_gather(&c, input.host_bytes()?, &mut TensorMut::host_bytes_of(outputs)?),
+        Op::AllGather { input, outputs } => {
+            let largest = outputs.iter().map(TensorMut::nbytes).max().unwrap_or(0);
+            let (input, mut outputs) = (input.host_bytes()?, TensorMut::host_bytes_of(outputs)?);
+            match select::pick(ctx, "all_gather", largest, c.step_bytes())? {
+                "at_once" => linear::all_gather(&c, input, &mut outputs),
+                _ => ring::all_gather(&c, input, &mut outputs),
+            }
+        }
         Op::ReduceScatter { inputs, output, op } => {
             let dtype = output.dtype();
             ring::reduce_scatter(&c, &Tensor::host_bytes_of(inputs)?, output.host_bytes_mut()?, dtype, *op)

@@ -4,7 +4,6 @@
 //! its peers allow (`select.rs` chooses).
 
 use super::Comm;
-use crate::backend::P2p;
 use crate::error::Result;
 
 /// `outputs[i]` receives rank i's `inputs[rank]`, pairwise.
@@ -18,19 +17,13 @@ pub fn all_to_all(c: &Comm<'_>, inputs: &[&[u8]], outputs: &mut [&mut [u8]]) -> 
     Ok(())
 }
 
-/// As [`all_to_all`], with every send and receive posted at once: no
-/// rank waits for one peer while another could be served (on more ranks
-/// than cores, the peer of a pairwise step is often not running).
+/// As [`all_to_all`], with every send and receive posted at once
+/// ([`super::linear::exchange_all`]): no rank waits for one peer while
+/// another could be served (on more ranks than cores, the peer of a
+/// pairwise step is often not running).
 pub fn all_to_all_at_once(c: &Comm<'_>, inputs: &[&[u8]], outputs: &mut [&mut [u8]]) -> Result<()> {
     let r = c.rank();
     crate::kernels::copy(outputs[r], inputs[r]);
-    let tag = c.tag(1);
-    let mut ops: Vec<P2p<'_>> = Vec::with_capacity(2 * outputs.len());
-    for (from, buf) in outputs.iter_mut().enumerate().filter(|(from, _)| *from != r) {
-        ops.push(P2p::Recv { peer: from, tag, buf });
-    }
-    for (to, data) in inputs.iter().enumerate().filter(|(to, _)| *to != r) {
-        ops.push(P2p::Send { peer: to, tag, data });
-    }
-    c.exchange(&mut ops)
+    let mut recvs = [outputs.iter_mut().map(|o| &mut **o).collect::<Vec<&mut [u8]>>()];
+    super::linear::exchange_all(c, &[inputs.to_vec()], &mut recvs)
 }

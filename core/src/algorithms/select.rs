@@ -15,6 +15,7 @@ pub fn choices(op: &str) -> &'static [&'static str] {
         "broadcast" => &["auto", "binomial", "scatter_allgather", "chain"],
         "reduce" => &["auto", "binomial", "reduce_scatter_gather"],
         "all_to_all" => &["auto", "pairwise", "at_once"],
+        "all_gather" => &["auto", "ring", "at_once"],
         _ => &["auto"],
     }
 }
@@ -69,6 +70,13 @@ pub fn pick(ctx: &OpContext, op: &'static str, bytes: usize, step_bytes: usize) 
         // at once): there, one stream per direction at a time.
         "all_to_all" if ctx.size > 2 && bytes > 1 << 20 && step_bytes > 16 << 10 => "pairwise",
         "all_to_all" => "at_once",
+        // All-gather (`bytes`: the largest block) likewise, where the ring's
+        // W-1 steps each wait for a neighbour: through shared memory, with
+        // blocks from 8 MiB (shm, 64 MiB in all: W=4 20.5-20.8 ring against
+        // 16.9-18.3 ms at once, W=8 51-54 against 38 ms; 4 MiB blocks and
+        // sockets showed no clear winner, and the ring stays).
+        "all_gather" if ctx.size > 2 && bytes >= 8 << 20 && step_bytes <= 16 << 10 => "at_once",
+        "all_gather" => "ring",
         _ => "auto",
     })
 }

@@ -148,16 +148,18 @@ mod tests {
                         assert_eq!(*o, if r == root { sum.clone() } else { data(r, n) }, "reduce w={w} root={root}");
                     }
                 }
-                // uneven all_gather: rank r contributes r+n elements
-                let out = run_ranks(w, OpKind::AllGather, |r, b, c| {
-                    let input = data(r, r + n);
-                    let mut outs: Vec<Vec<i64>> = (0..w).map(|i| vec![0; i + n]).collect();
-                    let views = outs.iter_mut().map(|o| TensorMut::from_slice(o)).collect();
-                    run(b, &mut Op::AllGather { input: Tensor::from_slice(&input), outputs: views }, c).unwrap();
-                    outs
-                });
-                let expect: Vec<Vec<i64>> = (0..w).map(|i| data(i, i + n)).collect();
-                assert!(out.iter().all(|o| *o == expect), "all_gather_v w={w} n={n}");
+                // uneven all_gather: rank r contributes r+n elements (both ways)
+                for algo in ["ring", "at_once"] {
+                    let out = run_ranks_with(w, OpKind::AllGather, &[("algorithm", algo)], |r, b, c| {
+                        let input = data(r, r + n);
+                        let mut outs: Vec<Vec<i64>> = (0..w).map(|i| vec![0; i + n]).collect();
+                        let views = outs.iter_mut().map(|o| TensorMut::from_slice(o)).collect();
+                        run(b, &mut Op::AllGather { input: Tensor::from_slice(&input), outputs: views }, c).unwrap();
+                        outs
+                    });
+                    let expect: Vec<Vec<i64>> = (0..w).map(|i| data(i, i + n)).collect();
+                    assert!(out.iter().all(|o| *o == expect), "all_gather_v {algo} w={w} n={n}");
+                }
                 // reduce_scatter_v: block i has i+n elements
                 let out = run_ranks(w, OpKind::ReduceScatter, |r, b, c| {
                     let ins: Vec<Vec<i64>> = (0..w).map(|i| data(r + i, i + n)).collect();
