@@ -68,7 +68,8 @@ pub fn pick(ctx: &OpContext, op: &'static str, bytes: usize, step_bytes: usize) 
         // against 323-334 µs. Only large blocks over sockets went the other
         // way (cpu-tcp W=4 64 MiB: 22.6-24.7 pairwise against 25.1-27.2 ms
         // at once): there, one stream per direction at a time.
-        "all_to_all" if ctx.size > 2 && bytes > 1 << 20 && step_bytes > 16 << 10 => "pairwise",
+        // (Two ranks: one peer, so nothing to overlap; pairwise as before.)
+        "all_to_all" if ctx.size <= 2 || (bytes > 1 << 20 && step_bytes > 16 << 10) => "pairwise",
         "all_to_all" => "at_once",
         // All-gather (`bytes`: the largest block) likewise, where the ring's
         // W-1 steps each wait for a neighbour: through shared memory, with
