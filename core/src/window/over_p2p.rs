@@ -71,12 +71,6 @@ struct Origins {
     closes_sent: usize,
 }
 
-/// A frame in a heap buffer of its own (its address stays put while a
-/// posted op borrows it).
-fn frame_buf(f: Frame, inline: &[u8]) -> Vec<u8> {
-    f.encode(inline).to_vec()
-}
-
 /// A posted op's view of bytes that something the op's completion owns
 /// keeps alive.
 ///
@@ -121,6 +115,16 @@ impl P2pWindow {
 
     fn tag(&self, channel: u8) -> u64 {
         crate::tag::window(self.service.id, channel)
+    }
+
+    /// Frame `f` for `peer` in a heap buffer of its own, and its send on
+    /// the control channel, which views that buffer: pass the buffer as
+    /// the batch's `keep` (its address stays put when the `Vec` moves).
+    fn control_send(&self, peer: usize, f: Frame) -> (Vec<u8>, P2p<'static>) {
+        let mut frame = f.encode(&[]).to_vec();
+        // SAFETY: the caller keeps `frame` until the send's completion.
+        let data = unsafe { bytes(frame.as_mut_ptr(), FRAME_BYTES) };
+        (frame, P2p::Send { peer, tag: self.tag(CONTROL), data })
     }
 
     /// Post `ops` as a background batch; `keep` (what they borrow) lives
@@ -204,14 +208,10 @@ impl WindowTransport for P2pWindow {
         }
         // SAFETY: as in `put`.
         let (dst, deadline) = (unsafe { dst.host() }, call.deadline.get());
-        let mut frame = frame_buf(Frame::Get { offset: offset as u64, len: dst.len() as u64 }, &[]);
+        let (frame, request) = self.control_send(src, Frame::Get { offset: offset as u64, len: dst.len() as u64 });
         // The reply's receive is posted before the request goes out: gets
         // from one rank to one target are answered, and matched, in order.
-        let mut ops = [
-            P2p::Recv { peer: src, tag: self.tag(REPLY), buf: dst },
-            // SAFETY: `frame` goes to `post`'s keep.
-            P2p::Send { peer: src, tag: self.tag(CONTROL), data: unsafe { bytes(frame.as_mut_ptr(), FRAME_BYTES) } },
-        ];
+        let mut ops = [P2p::Recv { peer: src, tag: self.tag(REPLY), buf: dst }, request];
         // SAFETY: `dst` is valid until the completion runs (the caller's
         // promise).
         unsafe { self.post(&mut ops, frame, deadline, later()) };
@@ -226,10 +226,8 @@ impl WindowTransport for P2pWindow {
         if let Err(e) = self.failed() {
             return Some(Err(e));
         }
-        let mut frame = frame_buf(Frame::Signal, &[]);
-        // SAFETY: `frame` goes to `post_eager`'s keep.
-        let mut ops = [P2p::Send { peer, tag: self.tag(CONTROL), data: unsafe { bytes(frame.as_mut_ptr(), FRAME_BYTES) } }];
-        self.post_eager(&mut ops, frame)
+        let (frame, send) = self.control_send(peer, Frame::Signal);
+        self.post_eager(&mut [send], frame)
     }
 
     fn wait_signal(&self, peer: usize, count: u64, call: &RmaCall) -> Result<()> {
@@ -277,9 +275,7 @@ impl WindowTransport for P2pWindow {
         // earlier frames); this rank waits for the same from every peer.
         for peer in (0..self.size).filter(|&p| p != s.rank) {
             let me = s.clone();
-            let mut frame = frame_buf(Frame::Close, &[]);
-            // SAFETY: `frame` goes to `post`'s keep.
-            let mut ops = [P2p::Send { peer, tag: self.tag(CONTROL), data: unsafe { bytes(frame.as_mut_ptr(), FRAME_BYTES) } }];
+            let (frame, send) = self.control_send(peer, Frame::Close);
             let done: Done = Box::new(move |r| {
                 let mut o = me.origins.lock().unwrap_or_else(|p| p.into_inner());
                 o.closes_sent += 1;
@@ -290,7 +286,7 @@ impl WindowTransport for P2pWindow {
                 me.changed.notify_all();
             });
             // SAFETY: the batch borrows only `frame`.
-            unsafe { self.post(&mut ops, frame, deadline, done) };
+            unsafe { self.post(&mut [send], frame, deadline, done) };
         }
         let mut o = s.origins.lock().unwrap_or_else(|p| p.into_inner());
         let result = loop {
@@ -375,8 +371,7 @@ impl Service {
 
     /// Act on a frame from `origin` (or on its receive's failure).
     fn on_frame(self: &Arc<Self>, origin: usize, frame: Vec<u8>, r: Result<()>) {
-        let bytes_of = |f: &Vec<u8>| -> [u8; FRAME_BYTES] { f[..].try_into().expect("a frame buffer") };
-        let b = bytes_of(&frame);
+        let b: [u8; FRAME_BYTES] = frame[..].try_into().expect("a frame buffer");
         let frame = match r.and_then(|()| Frame::decode(&b, origin, self.heap.len())) {
             Ok(f) => f,
             Err(e) => return self.end(origin, Some(e)),
