@@ -2,7 +2,9 @@
 # The CUDA backends on a real GPU: the CUDA tests (threads and processes;
 # device windows included),
 # the conformance suite with 2 and 4 processes sharing the GPU on both CUDA
-# backends, and the all_reduce benchmark (cuda-device direct, its ring)
+# backends, the Python package's CUDA tests (CUDA tensors through
+# torch.distributed, device windows through TorchComm's API) where python3
+# has torch, and the all_reduce benchmark (cuda-device direct, its ring)
 # against the device-to-device copy bandwidth and the unpipelined
 # (Gloo-style) staging. Run on a machine with
 # an NVIDIA GPU, its driver and NVRTC: `bash scripts/gpu-tests.sh`.
@@ -10,6 +12,9 @@
 # Without a Rust toolchain there: pack the binaries with scripts/gpu-pack.sh
 # on any x86-64 Linux machine, carry .gpu/, and run
 # `WEFT_PREBUILT=.gpu bash scripts/gpu-tests.sh`.
+#
+# GPU_WORLDS (default "2 4") picks the benchmark's world sizes, GPU_MPS=0
+# skips the second round of benchmarks under MPS.
 #
 # Every step runs under `timeout`; a failing step is reported and the rest
 # still run; the exit status is non-zero if any step failed.
@@ -37,6 +42,7 @@ nvidia-smi || { echo "no GPU here (nvidia-smi failed)"; exit 1; }
 if [[ -n ${WEFT_PREBUILT:-} ]]; then
   mkdir -p target/release
   cp "$WEFT_PREBUILT/weft" "$WEFT_PREBUILT/weft-test-worker" target/release/
+  cp "$WEFT_PREBUILT/_weft.abi3.so" python/weft/
   export WEFT_TEST_WORKER=$PWD/target/release/weft-test-worker
   cuda_tests=("$WEFT_PREBUILT/cuda-test" --test-threads=1)
 else
@@ -47,6 +53,14 @@ weft=target/release/weft
 "$weft" info
 
 step "CUDA tests on the real GPU" env WEFT_TEST_REAL_GPU=1 "${cuda_tests[@]}"
+
+# The package as built here (prebuilt) or installed.
+if [[ -f python/weft/_weft.abi3.so ]] || python3 -c 'import weft' 2>/dev/null; then
+  step "Python: CUDA tensors and device windows" env PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" \
+    python3 -m pytest -q -p no:cacheprovider python/tests/test_cuda.py python/tests/test_window.py
+else
+  echo "== Python: skipped (no weft package here; pip install ./python, or pack it with scripts/gpu-pack.sh)"
+fi
 
 for n in 2 4; do
   for be in cuda-device cuda-host-staging; do
@@ -71,7 +85,7 @@ size=${GPU_BENCH_SIZE:-256M}
 # Processes sharing a GPU time-slice it unless MPS merges their contexts:
 # measure both where MPS is there (started here, stopped at the end).
 modes=(plain)
-if command -v nvidia-cuda-mps-control >/dev/null && ! pgrep -x nvidia-cuda-mps >/dev/null; then
+if [[ ${GPU_MPS:-1} != 0 ]] && command -v nvidia-cuda-mps-control >/dev/null && ! pgrep -x nvidia-cuda-mps >/dev/null; then
   modes+=(mps)
 fi
 summary=()
@@ -79,7 +93,7 @@ for mode in "${modes[@]}"; do
   if [[ $mode == mps ]]; then
     nvidia-cuda-mps-control -d && sleep 1
   fi
-  for n in 2 4; do
+  for n in ${GPU_WORLDS:-2 4}; do
     common=(--world "$n" --device cuda -b "$size" -e "$size")
     bench "$mode-$n-device" "${common[@]}" --backend cpu:shm,cuda:cuda-device --ops device_copy,all_reduce -n 20 --time-per-size 3
     bench "$mode-$n-ring" "${common[@]}" --backend cpu:shm,cuda:cuda-device --hint cuda_algorithm=ring --ops all_reduce -n 20 --time-per-size 3

@@ -184,8 +184,8 @@ impl PyGroup {
         Ok(sub.map(|pg| PyGroup { pg }))
     }
 
-    /// A window whose memory starts as a copy of `init` (a host tensor
-    /// the caller keeps alive for the call; collective: see
+    /// A window whose memory starts as a copy of `init` (a host or CUDA
+    /// tensor the caller keeps alive for the call; collective: see
     /// `ProcessGroup::new_window_from`).
     fn new_window(&self, py: Python<'_>, init: Desc) -> PyResult<crate::window::PyWindow> {
         // SAFETY: the caller holds the tensor for the duration of the call.

@@ -59,15 +59,16 @@ impl PyWindow {
         self.win().len_of(rank)
     }
 
-    /// `(address, bytes)` of this rank's registered memory, valid while
-    /// this object lives.
+    /// `(address, bytes)` of this rank's registered memory (a device
+    /// address for a CUDA window), valid while this object lives.
     fn local_address(&self) -> (usize, usize) {
         let m = self.win().local();
         (m.as_ptr() as usize, m.len())
     }
 
     /// `(address, bytes)` of rank `rank`'s registered memory mapped here
-    /// (shared memory), valid while this object lives; raises
+    /// (shared memory; device memory through CUDA IPC), valid while this
+    /// object lives; raises
     /// `unsupported` where peers' memory is not mapped.
     fn remote_address(&self, rank: usize) -> PyResult<(usize, usize)> {
         let m = self.win().map_remote(rank).map_err(to_py)?;
