@@ -57,6 +57,14 @@ pub const MIN_BYTES: usize = 32 << 10;
 /// Bytes of the descriptor after the frame header: address, sequence.
 pub const DESCRIPTOR: usize = 16;
 
+/// The kernel copy's cost (times `memcpy`) above which the group takes
+/// [`Policy::SLOW`]. Between the machines measured: AMD Zen 3 under KVM
+/// (2.7-4x), where the ring wins; the 16-core Firecracker host of an H100
+/// (1.8-2.1x from run to run), where single-copy wins (cuda-host-staging's
+/// 256 MiB all_reduce, W=2: 48-58 ms against 76-90). A threshold of 2.0
+/// flipped that host's policy from run to run.
+const SLOW_ABOVE: f64 = 2.5;
+
 /// Which messages go single-copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Policy {
@@ -93,10 +101,10 @@ impl Policy {
     }
 
     /// The policy for a kernel copy that costs `ratio` times `memcpy`
-    /// ([`Policy::SLOW`] from twice; `None`: the kernel refuses, and peers'
-    /// refusals route around it).
+    /// ([`Policy::SLOW`] above [`SLOW_ABOVE`]; `None`: the kernel refuses,
+    /// and peers' refusals route around it).
     fn for_cost(ratio: Option<f64>) -> Policy {
-        if ratio.is_some_and(|r| r > 2.0) {
+        if ratio.is_some_and(|r| r > SLOW_ABOVE) {
             Policy::SLOW
         } else {
             Policy::FAST
@@ -432,7 +440,7 @@ mod tests {
     #[test]
     fn ranks_that_measure_differently_agree_on_one_policy() {
         let store = weft::store::MemoryStore::new(Duration::from_secs(5));
-        let costs = [Some(1.5), Some(3.3), None];
+        let costs = [Some(1.5), Some(3.7), None];
         let agreed: Vec<Option<f64>> = std::thread::scope(|s| {
             let handles: Vec<_> = costs
                 .iter()
@@ -445,9 +453,10 @@ mod tests {
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
         // The mean of the two that measured; the rank the kernel refuses does not count.
-        assert!(agreed.iter().all(|m| (m.unwrap() - 2.4).abs() < 1e-9), "{agreed:?}");
+        assert!(agreed.iter().all(|m| (m.unwrap() - 2.6).abs() < 1e-9), "{agreed:?}");
         assert_eq!(Policy::for_cost(agreed[0]), Policy::SLOW);
         assert_eq!(Policy::for_cost(Some(1.5)), Policy::FAST);
+        assert_eq!(Policy::for_cost(Some(2.1)), Policy::FAST);
         assert_eq!(Policy::for_cost(None), Policy::FAST);
         // Garbage in the store is an error naming the rank, not a guess.
         let store = weft::store::MemoryStore::new(Duration::from_secs(5));
