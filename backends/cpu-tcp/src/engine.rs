@@ -4,22 +4,21 @@
 //! blocking and reads whatever every peer has sent (into posted receives,
 //! or a stash for messages that come early), so two ranks sending to each
 //! other never block each other, and no helper thread hands messages over.
-//! Long messages go by rendezvous (see `wire.rs`): their data is written
-//! only into a receive the peer has posted; a send waiting for that never
-//! holds up another send to the same peer with another tag.
+//!
+//! What the bytes mean is `protocol.rs`; this file is the loop over the
+//! sockets: non-blocking reads and writes, spinning, and poll().
 
-use crate::wire::{Header, Kind, EAGER_LIMIT, HEADER, MAX_ABORT};
-use smallvec::{smallvec, SmallVec};
+use crate::protocol::{self, Flags, Got, Protocol, Watch, Wire};
+use smallvec::SmallVec;
 use socket2::Socket;
-use std::collections::HashMap;
 use std::io::{ErrorKind as IoKind, IoSlice, Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-use weft::backend::{OpKind, P2p, ANY_SOURCE};
-use weft::matching::{self, Early, EarlyBudget, Inbound};
-use weft::progress::{Post, Posting, Table};
+use weft::backend::P2p;
+use weft::matching::EarlyBudget;
+use weft::progress::Posting;
 use weft::{Error, Result};
 
 /// Spin this long without progress before blocking in poll().
@@ -35,95 +34,6 @@ const EAGER_AFTER: Duration = Duration::from_millis(20);
 /// Block at most this long per poll() (to re-check aborts).
 const NAP: Duration = Duration::from_millis(100);
 
-/// One connection's state.
-pub struct Peer {
-    pub sock: Socket,
-    hdr: [u8; HEADER],
-    hdr_got: usize,
-    inbound: Inbound,
-    /// The peer said goodbye (or its stream ended cleanly after one).
-    pub left: bool,
-    /// A send stopped mid-frame: nothing more may be written.
-    pub torn: bool,
-    /// The peer shut its side or the connection broke (seen while its
-    /// frames were held back): they are read to the end from then on.
-    hung_up: bool,
-    /// Rendezvous control frames (whole headers) not yet written, and how
-    /// many of their bytes are.
-    ctl: Vec<u8>,
-    ctl_sent: usize,
-    /// Ready frames received per tag and not yet used by a send.
-    ready: HashMap<u64, usize>,
-}
-
-/// Most Ready frames kept for sends not yet posted: a correct peer sends
-/// one per long send this rank announced.
-const MAX_READY: usize = 1 << 16;
-
-impl Peer {
-    /// A connection whose early messages are kept within `budget`.
-    pub fn new(sock: Socket, budget: EarlyBudget) -> Peer {
-        Peer {
-            sock,
-            hdr: [0; HEADER],
-            hdr_got: 0,
-            inbound: Inbound::with_early_limit(EAGER_LIMIT).with_budget(budget),
-            left: false,
-            torn: false,
-            hung_up: false,
-            ctl: Vec::new(),
-            ctl_sent: 0,
-            ready: HashMap::new(),
-        }
-    }
-
-    fn queue_control(&mut self, kind: Kind, tag: u64, len: usize) {
-        self.ctl.extend_from_slice(&Header { kind, tag, len: len as u64 }.encode());
-    }
-
-    /// Write queued control frames as far as the socket takes them; true if
-    /// any byte moved.
-    fn flush_control(&mut self, peer: usize) -> Result<bool> {
-        if self.ctl.is_empty() {
-            return Ok(false);
-        }
-        let n = send_now(&self.sock, &[IoSlice::new(&self.ctl[self.ctl_sent..])], peer)?;
-        self.ctl_sent += n;
-        if self.ctl_sent == self.ctl.len() {
-            self.ctl.clear();
-            self.ctl_sent = 0;
-        }
-        Ok(n > 0)
-    }
-
-    /// A whole frame header is read but its frame waits in the socket:
-    /// stashing it would pass the budget for early messages.
-    pub fn holds(&self) -> bool {
-        self.hdr_got == HEADER
-    }
-
-    /// Use one Ready of `tag`, if the peer has sent one.
-    fn take_ready(&mut self, tag: u64) -> bool {
-        match self.ready.get_mut(&tag) {
-            Some(n) => {
-                *n -= 1;
-                if *n == 0 {
-                    self.ready.remove(&tag);
-                }
-                true
-            }
-            None => false,
-        }
-    }
-}
-
-/// How a read attempt ended.
-enum Got {
-    Some(usize),
-    None,
-    Eof,
-}
-
 fn read_some(sock: &Socket, buf: &mut [u8], peer: usize) -> Result<Got> {
     if buf.is_empty() {
         return Ok(Got::Some(0));
@@ -136,17 +46,6 @@ fn read_some(sock: &Socket, buf: &mut [u8], peer: usize) -> Result<Got> {
     }
 }
 
-/// Write as much of `parts` (header then payload, from offset `sent`) as
-/// the socket takes now; the new offset.
-pub fn write_some(sock: &Socket, hdr: &[u8; HEADER], data: &[u8], sent: usize, peer: usize) -> Result<usize> {
-    let parts = if sent < HEADER {
-        [IoSlice::new(&hdr[sent..]), IoSlice::new(data)]
-    } else {
-        [IoSlice::new(&data[sent - HEADER..]), IoSlice::new(&[])]
-    };
-    Ok(sent + send_now(sock, &parts, peer)?)
-}
-
 /// Write what the socket takes now, without blocking; the bytes written.
 fn send_now(sock: &Socket, parts: &[IoSlice<'_>], peer: usize) -> Result<usize> {
     let flags = (nix::sys::socket::MsgFlags::MSG_NOSIGNAL | nix::sys::socket::MsgFlags::MSG_DONTWAIT).bits();
@@ -157,230 +56,39 @@ fn send_now(sock: &Socket, parts: &[IoSlice<'_>], peer: usize) -> Result<usize> 
     }
 }
 
-/// What the engine needs from its owner on each turn.
-pub trait Watch {
-    /// An error that ends every posted op now (abort, group failure).
-    fn stop(&self) -> Option<Error>;
-    /// What a failure of the connections becomes (the root cause, and the
-    /// transport marked failed where it cannot be used again).
-    fn failed(&self, e: Error) -> Error;
+/// The connections' sockets (`socks[r]`: to rank r), the protocol's wire.
+pub struct Sockets {
+    /// `socks[r]`: the socket to rank r.
+    pub socks: Vec<Option<Socket>>,
 }
 
-/// The engine's state for one posted op.
-pub struct OpState {
-    /// Bytes of a send written (header included).
-    sent: usize,
-    /// A long send waits for the receiver's Ready.
-    awaits_ready: bool,
-    /// A long send has announced itself. Only once every earlier send of
-    /// its tag to its peer is out: the receiver checks an announcement
-    /// against the receive that message will fill.
-    announced: bool,
-    /// A send's frame header.
-    header: [u8; HEADER],
+impl Wire for Sockets {
+    fn send(&mut self, peer: usize, parts: &[IoSlice<'_>]) -> Result<usize> {
+        send_now(self.socks[peer].as_ref().expect("a connected peer"), parts, peer)
+    }
+    fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<Got> {
+        read_some(self.socks[peer].as_ref().expect("a connected peer"), buf, peer)
+    }
 }
 
-/// The connections and every posted op, driven by one thread at a time.
+/// The protocol and its sockets, driven by one thread at a time.
 pub struct Engine {
-    /// `peers[r]`: the connection to rank r.
-    pub peers: Vec<Option<Peer>>,
-    table: Table<OpState>,
+    /// What the bytes mean, and every posted op.
+    pub protocol: Protocol,
+    /// Where they go.
+    pub sockets: Sockets,
 }
 
 impl Engine {
-    /// An engine over connected peers.
-    pub fn new(peers: Vec<Option<Peer>>) -> Engine {
-        Engine { peers, table: Table::default() }
-    }
-
-    /// Why a batch over `peers` cannot run: a peer without a connection
-    /// (the batch alone fails), or a broken stream (the transport has).
-    fn refuse<'o>(&self, me: usize, mut peers: impl Iterator<Item = &'o P2p<'o>>, watch: &dyn Watch) -> Option<Error> {
-        peers.find_map(|op| match self.peers.get(op.peer()) {
-            None if matches!(op, P2p::Recv { peer: ANY_SOURCE, .. }) => None,
-            Some(Some(p)) if p.torn => Some(watch.failed(Error::backend(format!("the stream to peer rank {} is broken", op.peer())))),
-            Some(Some(_)) => None,
-            _ => Some(Error::invalid(format!("cpu-tcp: rank {me} has no connection to peer rank {}", op.peer()))),
-        })
-    }
-
-    /// The state of a new op.
-    fn state_of(op: &P2p<'_>) -> OpState {
-        match op {
-            P2p::Send { tag, data, .. } => OpState {
-                sent: 0,
-                awaits_ready: data.len() > EAGER_LIMIT,
-                announced: false,
-                header: Header { kind: Kind::Data, tag: *tag, len: data.len() as u64 }.encode(),
-            },
-            P2p::Recv { .. } => OpState { sent: 0, awaits_ready: false, announced: false, header: [0; HEADER] },
-        }
-    }
-
-    /// Take a posted batch into the table (see `start`). A batch naming a
-    /// peer without a connection fails alone.
-    fn absorb(&mut self, me: usize, post: Post, watch: &dyn Watch, posting: &Posting) -> Result<()> {
-        if let Some(e) = self.refuse(me, post.ops.iter(), watch) {
-            (post.done)(Err(e));
-            posting.notify();
-            return Ok(());
-        }
-        let first = self.table.len();
-        self.table.add(post, |op, _| Self::state_of(op));
-        self.start(me, first)
-    }
-
-    /// The ops from `first` on are new: receives are served by messages
-    /// that came early, and a long receive tells its sender it is ready (a
-    /// long send announces itself when its turn comes, in `pass`).
-    fn start(&mut self, me: usize, first: usize) -> Result<()> {
-        let Table { ops, done, .. } = &mut self.table;
-        for (i, op) in ops.iter_mut().enumerate().skip(first) {
-            let P2p::Recv { peer, tag, buf } = op else { continue };
-            if *peer == ANY_SOURCE {
-                // The first peer with something for this tag; else the
-                // first message or announcement that comes (`drain`).
-                for (q, p) in self.peers.iter_mut().enumerate() {
-                    let Some(p) = p else { continue };
-                    match p.inbound.serve_early(me, q, *tag, buf)? {
-                        Early::Served => done[i] = true,
-                        Early::Announced => p.queue_control(Kind::Ready, *tag, buf.len()),
-                        Early::Nothing => continue,
-                    }
-                    *peer = q;
-                    break;
-                }
-                continue;
-            }
-            let p = self.peers[*peer].as_mut().expect("checked by refuse");
-            match p.inbound.serve_early(me, *peer, *tag, buf)? {
-                Early::Served => done[i] = true,
-                _ if p.left => {
-                    return Err(Error::peer_left(*peer));
-                }
-                _ if buf.len() > EAGER_LIMIT => p.queue_control(Kind::Ready, *tag, buf.len()),
-                _ => {}
-            }
-        }
-        Ok(())
-    }
-
-    /// Let go of the buffers of the ops `which` picks: a frame arriving
-    /// into one of their receives continues into a stashed copy, and a
-    /// stream with half a send of theirs on the wire is torn.
-    fn release(&mut self, which: impl Fn(usize) -> bool) {
-        let Table { ops, state, done, .. } = &self.table;
-        for p in self.peers.iter_mut().flatten() {
-            p.inbound.detach_where(ops, &which);
-        }
-        for (i, op) in ops.iter().enumerate() {
-            if let P2p::Send { peer, data, .. } = op {
-                if which(i) && !done[i] && state[i].sent > 0 && state[i].sent < HEADER + data.len() {
-                    if let Some(p) = self.peers[*peer].as_mut() {
-                        p.torn = true;
-                    }
-                }
-            }
-        }
+    /// An engine over connected sockets (non-blocking); early messages are
+    /// kept within `budget`.
+    pub fn new(socks: Vec<Option<Socket>>, budget: EarlyBudget) -> Engine {
+        Engine { protocol: Protocol::new(socks.iter().map(Option::is_some), budget), sockets: Sockets { socks } }
     }
 
     /// Everything fails with `e`: posted ops and those still to be taken.
     pub fn fail_all(&mut self, e: &Error, posting: &Posting) {
-        self.release(|_| true);
-        // Half a control frame on the wire: that stream cannot be used
-        // again. Control frames not yet written go with the ops.
-        for p in self.peers.iter_mut().flatten() {
-            p.torn |= p.ctl_sent % HEADER != 0;
-            p.ctl.clear();
-            p.ctl_sent = 0;
-        }
-        self.table.fail_all(e);
-        posting.fail_new(e);
-        posting.notify();
-    }
-
-    /// Fail the batches with a receive from a peer that has left (cleanly:
-    /// its stream is sound, so only what waits for it fails; core decides
-    /// what that means for the group).
-    fn fail_departed(&mut self, posting: &Posting) {
-        let departed = |peers: &[Option<Peer>], op: &P2p<'_>| match op {
-            P2p::Recv { peer, .. } if *peer != ANY_SOURCE => {
-                peers[*peer].as_ref().is_some_and(|p| p.left && !p.inbound.in_frame()).then_some(*peer)
-            }
-            _ => None,
-        };
-        while let Some((i, peer)) = (0..self.table.len())
-            .find_map(|i| (!self.table.done[i]).then(|| departed(&self.peers, &self.table.ops[i])).flatten().map(|p| (i, p)))
-        {
-            let id = self.table.batch(i);
-            let pending = self.table.pending_of(id);
-            self.release(|j| pending.contains(&j));
-            self.table.withdraw(id, Error::peer_left(peer));
-            posting.notify();
-        }
-    }
-
-    /// Fail batches whose deadline has passed, naming what each still waits
-    /// for; their ops leave the table.
-    ///
-    /// A batch that gives up with half a frame on the wire leaves that
-    /// stream unusable: then the error that fails every other op.
-    fn expire(&mut self, now: Instant, posting: &Posting) -> Option<Error> {
-        // (Usually none has expired: nothing to do.)
-        self.table.expired(now)?;
-        let mut torn = None;
-        while let Some(id) = self.table.expired(now) {
-            let pending = self.table.pending_of(id);
-            let Table { ops, state, .. } = &self.table;
-            torn = torn.or_else(|| {
-                pending.iter().find_map(|&i| match &ops[i] {
-                    P2p::Send { peer, data, .. } if state[i].sent > 0 && state[i].sent < HEADER + data.len() => Some(*peer),
-                    _ => None,
-                })
-            });
-            let what: Vec<String> = pending
-                .iter()
-                .map(|&i| match &ops[i] {
-                    P2p::Send { peer, tag, data } if state[i].awaits_ready => format!(
-                        "peer rank {peer} never posted the receive for {} ({} bytes to send)",
-                        OpKind::describe_tag(*tag),
-                        data.len()
-                    ),
-                    P2p::Send { peer, tag, .. } => format!("sending to peer rank {peer} ({})", OpKind::describe_tag(*tag)),
-                    P2p::Recv { peer: ANY_SOURCE, tag, buf } => {
-                        format!("no message from any rank for {} ({} bytes expected)", OpKind::describe_tag(*tag), buf.len())
-                    }
-                    P2p::Recv { peer, tag, buf } => format!(
-                        "no message from peer rank {peer} for {} ({} bytes expected){}",
-                        OpKind::describe_tag(*tag),
-                        buf.len(),
-                        if self.peers[*peer].as_ref().is_some_and(Peer::holds) { matching::HELD_BACK } else { "" }
-                    ),
-                })
-                .collect();
-            let stalled = weft::backend::first_named_peer(ops, &pending);
-            self.release(|i| pending.contains(&i));
-            self.table.withdraw(id, Error::timeout(format!("{} before the deadline", what.join("; "))).stalled_on(stalled));
-            posting.notify();
-        }
-        self.settle(posting);
-        torn.map(|peer| Error::backend(format!("the stream to peer rank {peer} is broken: a send timed out half written")))
-    }
-
-    /// Finished batches report (and threads waiting for them wake);
-    /// finished ops leave the table.
-    fn settle(&mut self, posting: &Posting) {
-        if self.table.is_idle() {
-            return;
-        }
-        if self.table.settle() {
-            posting.notify();
-        }
-        if let Some(map) = self.table.compact() {
-            for p in self.peers.iter_mut().flatten() {
-                p.inbound.remap(&map);
-            }
-        }
+        self.protocol.fail_all(e, posting);
     }
 }
 
@@ -435,88 +143,53 @@ pub fn exchange(
     ops: &mut [P2p<'_>],
     deadline: Instant,
 ) -> Result<()> {
-    if let Err(e) = posting.take(|post| eng.absorb(me, post, watch, posting)) {
-        let e = watch.failed(e);
-        eng.fail_all(&e, posting);
-        return Err(e);
-    }
-    if let Some(e) = eng.refuse(me, ops.iter(), watch) {
-        return Err(e);
-    }
-    let first = eng.table.len();
     // SAFETY: this returns only once the batch's outcome is in, and its ops
-    // have then left the table (`settle`, `expire` and `fail_all` remove
-    // finished ops).
-    unsafe { eng.table.add_local(ops, &[], deadline, |op, _| Engine::state_of(op)) };
-    if let Err(e) = eng.start(me, first) {
-        let e = watch.failed(e);
-        eng.fail_all(&e, posting);
-    } else {
+    // have then left the table (`take_local`).
+    if unsafe { eng.protocol.add_local(me, ops, deadline, posting, watch)? } {
         drive(me, eng, posting, wake, watch, true, &|| false);
     }
-    eng.table.take_local().unwrap_or_else(|| Err(Error::backend("cpu-tcp: an exchange ended without an outcome")))
+    eng.protocol.table.take_local().unwrap_or_else(|| Err(Error::backend("cpu-tcp: an exchange ended without an outcome")))
 }
 
 /// Drive every posted op (taking new batches from `posting` as they come)
 /// until `until()` holds, or with `local`, until the driving thread's own
 /// batch has finished; `wake` rouses it from poll() when a batch is posted.
 pub fn drive(me: usize, eng: &mut Engine, posting: &Posting, wake: &Wake, watch: &dyn Watch, local: bool, until: &dyn Fn() -> bool) {
-    let w = eng.peers.len();
+    let Engine { protocol: proto, sockets } = eng;
+    let w = proto.peers.len();
     let mut idle_since = Instant::now();
     // The clock once per turn: the last turn's reading decides eagerness.
     let mut now = idle_since;
-    let mut flags = Flags { busy: smallvec![false; w], hear: smallvec![false; w] };
+    let mut flags = Flags::new(w);
     loop {
         if let Some(e) = watch.stop() {
-            eng.fail_all(&e, posting);
+            proto.fail_all(&e, posting);
             return;
-        }
-        let mut moved = false;
-        match posting.take(|post| eng.absorb(me, post, watch, posting)) {
-            Ok(took) => moved |= took,
-            Err(e) => {
-                let e = watch.failed(e);
-                eng.fail_all(&e, posting);
-                return;
-            }
         }
         let eager = now.duration_since(idle_since) >= EAGER_AFTER;
-        match pass(me, eng, &mut flags, eager) {
-            Ok(m) => moved |= m,
-            Err(e) => {
-                let e = watch.failed(e);
-                eng.fail_all(&e, posting);
-                return;
-            }
-        }
-        // (Also after no byte moved: a receive served early finishes its
-        // batch at once.)
-        eng.settle(posting);
-        eng.fail_departed(posting);
+        let Ok(moved) = proto.step(me, sockets, &mut flags, eager, posting, watch) else { return };
         now = Instant::now();
-        if let Some(e) = eng.expire(now, posting) {
-            let e = watch.failed(e);
-            eng.fail_all(&e, posting);
+        if proto.expire_at(now, posting, watch).is_err() {
             return;
         }
-        if (local && eng.table.local_done()) || until() {
+        if (local && proto.table.local_done()) || until() {
             return;
         }
         if moved {
             idle_since = now;
             continue;
         }
-        if now.duration_since(idle_since) < SPIN && !eng.table.all_done() {
+        if now.duration_since(idle_since) < SPIN && !proto.table.all_done() {
             std::thread::yield_now();
             continue;
         }
         // Block until a socket is readable (or writable, for a pending
         // send), a batch is posted, or a deadline comes.
-        let Table { ops, done, .. } = &eng.table;
+        let weft::progress::Table { ops, done, .. } = &proto.table;
         let mut fds: Vec<nix::poll::PollFd<'_>> = Vec::with_capacity(w + 1);
         fds.push(nix::poll::PollFd::new(wake.rx.as_fd(), nix::poll::PollFlags::POLLIN));
-        for (peer, p) in eng.peers.iter().enumerate() {
-            if let Some(p) = p {
+        for (peer, (p, sock)) in proto.peers.iter().zip(&sockets.socks).enumerate() {
+            if let (Some(p), Some(sock)) = (p, sock) {
                 let mut ev = nix::poll::PollFlags::empty();
                 // A peer with unread frames nobody awaits would wake poll() at
                 // once: watch it only once reading everything.
@@ -524,18 +197,18 @@ pub fn drive(me: usize, eng: &mut Engine, posting: &Posting, wake: &Wake, watch:
                     // Its next frame waits for room: only its hang-up
                     // matters (then its frames are read to the end).
                     ev |= nix::poll::PollFlags::from_bits_retain(nix::libc::POLLRDHUP);
-                } else if eager || flags.hear[peer] || awaited(ops, done, peer) {
+                } else if eager || flags.hear[peer] || protocol::awaited(ops, done, peer) {
                     ev |= nix::poll::PollFlags::POLLIN;
                 }
                 if flags.busy[peer] {
                     ev |= nix::poll::PollFlags::POLLOUT;
                 }
-                fds.push(nix::poll::PollFd::new(p.sock.as_fd(), ev));
+                fds.push(nix::poll::PollFd::new(sock.as_fd(), ev));
             }
         }
         // Wake by the time reading everything starts, then every NAP.
-        let nap = if eager || eng.table.all_done() { NAP } else { EAGER_AFTER.saturating_sub(now.duration_since(idle_since)) };
-        let deadline = eng.table.next_deadline().unwrap_or(now + NAP);
+        let nap = if eager || proto.table.all_done() { NAP } else { EAGER_AFTER.saturating_sub(now.duration_since(idle_since)) };
+        let deadline = proto.table.next_deadline().unwrap_or(now + NAP);
         let wait = nap.min(deadline.saturating_duration_since(now)).max(Duration::from_millis(1));
         let ms = nix::poll::PollTimeout::try_from(wait.as_millis() as u32).unwrap_or(nix::poll::PollTimeout::MAX);
         wake.napping.store(true, Ordering::SeqCst);
@@ -549,231 +222,13 @@ pub fn drive(me: usize, eng: &mut Engine, posting: &Posting, wake: &Wake, watch:
             nix::poll::PollFlags::from_bits_retain(nix::libc::POLLRDHUP) | nix::poll::PollFlags::POLLHUP | nix::poll::PollFlags::POLLERR;
         let hung_up: SmallVec<[bool; 8]> = fds[1..].iter().map(|fd| fd.revents().is_some_and(|r| r.intersects(gone))).collect();
         drop(fds);
-        for (p, h) in eng.peers.iter_mut().flatten().zip(hung_up) {
-            p.hung_up |= h;
+        for (p, h) in proto.peers.iter_mut().flatten().zip(hung_up) {
+            if h {
+                p.hang_up();
+            }
         }
         if woken {
             wake.drain();
-        }
-    }
-}
-
-/// Per peer, from the last pass: something waits to be written (watch
-/// for POLLOUT); a send waits for the peer's Ready (read it).
-struct Flags {
-    busy: SmallVec<[bool; 8]>,
-    hear: SmallVec<[bool; 8]>,
-}
-
-/// One turn over every posted op: sends go out as far as the sockets take
-/// them, then receives read what has come. True if any byte moved.
-fn pass(me: usize, eng: &mut Engine, flags: &mut Flags, eager: bool) -> Result<bool> {
-    let w = eng.peers.len();
-    let mut moved = false;
-    let Engine { peers, table } = eng;
-    let Table { ops, done, state, .. } = table;
-    // Per peer: the send with half a frame on the wire (it must finish
-    // before any other frame), and whether this pass wrote all it could.
-    let mut mid: SmallVec<[Option<usize>; 8]> = smallvec![None; w];
-    for (i, op) in ops.iter().enumerate() {
-        if let P2p::Send { peer, .. } = op {
-            if !done[i] && state[i].sent > 0 {
-                mid[*peer] = Some(i);
-            }
-        }
-    }
-    flags.busy.fill(false);
-    flags.hear.fill(false);
-    let mut stopped: SmallVec<[bool; 8]> = smallvec![false; w];
-    // Tags of unfinished sends this pass passes over (waiting for Ready, or
-    // behind another frame), per peer: a later send of the same tag must
-    // not overtake them (the receiver matches in stream order).
-    let mut held: SmallVec<[(usize, u64); 8]> = SmallVec::new();
-    for (peer, p) in peers.iter_mut().enumerate() {
-        let Some(p) = p else { continue };
-        // Control frames go between data frames.
-        if mid[peer].is_none() {
-            moved |= p.flush_control(peer)?;
-            flags.busy[peer] = !p.ctl.is_empty();
-        }
-    }
-    for i in 0..ops.len() {
-        let P2p::Send { peer, tag, data } = &ops[i] else { continue };
-        let (peer, tag) = (*peer, *tag);
-        if done[i] {
-            continue;
-        }
-        if stopped[peer] || mid[peer].is_some_and(|m| m != i) || held.contains(&(peer, tag)) {
-            held.push((peer, tag));
-            continue;
-        }
-        let p = peers[peer].as_mut().expect("validated peers are connected");
-        if p.left {
-            return Err(Error::peer_left(peer));
-        }
-        let st = &mut state[i];
-        if st.awaits_ready && !st.announced {
-            // First of its tag to this peer still unfinished, at a frame
-            // boundary: announce it now.
-            p.queue_control(Kind::Announce, tag, data.len());
-            st.announced = true;
-            moved |= p.flush_control(peer)?;
-        }
-        if st.awaits_ready && p.take_ready(tag) {
-            st.awaits_ready = false;
-        }
-        if st.awaits_ready {
-            // Later sends to this peer go ahead of it (another tag's Ready
-            // may come first): only a frame begun blocks the stream.
-            held.push((peer, tag));
-            flags.hear[peer] = true;
-            continue;
-        }
-        if st.sent == 0 && !p.ctl.is_empty() {
-            stopped[peer] = true;
-            held.push((peer, tag));
-            continue;
-        }
-        let before = st.sent;
-        st.sent = write_some(&p.sock, &st.header, data, st.sent, peer)?;
-        moved |= st.sent != before;
-        if st.sent < HEADER + data.len() {
-            stopped[peer] = true;
-            flags.busy[peer] = true;
-            held.push((peer, tag));
-            continue;
-        }
-        done[i] = true;
-        mid[peer] = None;
-    }
-    // Receives: from the peers a receive awaits, only as far as needed,
-    // until stalled (see EAGER_AFTER).
-    for peer in 0..w {
-        if peers[peer].is_some() {
-            moved |= drain(me, peer, peers, ops, done, eager || flags.hear[peer], flags.hear[peer])?;
-        }
-    }
-    Ok(moved)
-}
-
-/// Whether a receive of `ops` still waits for `peer`.
-fn awaited(ops: &[P2p<'_>], done: &[bool], peer: usize) -> bool {
-    ops.iter().zip(done).any(|(op, d)| !d && matches!(op, P2p::Recv { peer: q, .. } if *q == peer || *q == ANY_SOURCE))
-}
-
-/// Read what `peer` has sent; true if any byte moved. Unless `eager`, stop
-/// at a frame boundary once no receive of `ops` awaits this peer: a frame
-/// left in the socket costs nothing, one read early is copied twice.
-///
-/// `urgent`: a send waits for this peer's Ready, so its frames are read
-/// past the budget for early messages (the Ready may stand behind them).
-fn drain(
-    me: usize,
-    peer: usize,
-    peers: &mut [Option<Peer>],
-    ops: &mut [P2p<'_>],
-    done: &mut [bool],
-    eager: bool,
-    urgent: bool,
-) -> Result<bool> {
-    let mut moved = false;
-    loop {
-        let mut p = peers[peer].as_mut().expect("connected");
-        if !p.inbound.in_frame() {
-            if p.left {
-                return Ok(moved);
-            }
-            if !eager && p.hdr_got == 0 && !awaited(ops, done, peer) {
-                return Ok(moved);
-            }
-            if !p.holds() {
-                match read_some(&p.sock, &mut p.hdr[p.hdr_got..], peer)? {
-                    Got::None => return Ok(moved),
-                    Got::Eof if p.hdr_got == 0 => {
-                        return Err(Error::peer_lost(
-                            peer,
-                            format!(
-                                "connection to peer rank {peer} closed without a goodbye: the process exited, crashed or aborted its group"
-                            ),
-                        ))
-                    }
-                    Got::Eof => {
-                        return Err(Error::peer_lost(peer, format!("connection to peer rank {peer} closed in the middle of a frame")))
-                    }
-                    Got::Some(k) => p.hdr_got += k,
-                }
-                moved = true;
-                if p.hdr_got < HEADER {
-                    continue;
-                }
-            }
-            let h = Header::decode(&p.hdr, peer)?;
-            if matches!(h.kind, Kind::Data | Kind::Announce) {
-                let len = (h.kind == Kind::Data).then_some(h.len as usize);
-                let rank_stashed = || peers.iter().flatten().map(|q| q.inbound.stashed_bytes()).sum();
-                let q = peers[peer].as_ref().expect("connected");
-                // Never while a send waits for this peer's Ready, or once it
-                // has hung up: what stands behind the frame (a Ready, an
-                // abort report, the end of the stream) must be read.
-                if !urgent && !q.hung_up && q.inbound.holds_back(peer, h.tag, len, ops, done, rank_stashed) {
-                    // Left in the socket (header read) until there is room.
-                    return Ok(moved);
-                }
-                p = peers[peer].as_mut().expect("connected");
-            }
-            p.hdr_got = 0;
-            match h.kind {
-                Kind::Goodbye => {
-                    p.left = true;
-                    return Ok(true);
-                }
-                Kind::Abort => p.inbound.begin_control((h.len as usize).min(MAX_ABORT as usize)),
-                Kind::Data => {
-                    if let Some(i) = p.inbound.begin(me, peer, h.tag, h.len as usize, ops, done)? {
-                        matching::bind(ops, i, peer);
-                    }
-                }
-                Kind::Announce => {
-                    // A receive from any rank takes this message: tell
-                    // this sender to go.
-                    if let Some(i) = p.inbound.announce(me, peer, h.tag, h.len as usize, ops, done)? {
-                        if matching::bind(ops, i, peer) {
-                            p.queue_control(Kind::Ready, h.tag, h.len as usize);
-                        }
-                    }
-                    continue;
-                }
-                Kind::Ready if p.ready.len() >= MAX_READY && !p.ready.contains_key(&h.tag) => {
-                    return Err(Error::backend(format!("peer rank {peer} sent more than {MAX_READY} unrequested Ready frames")));
-                }
-                Kind::Ready => {
-                    *p.ready.entry(h.tag).or_default() += 1;
-                    continue;
-                }
-            }
-        }
-        let dst = p.inbound.payload(ops);
-        if !dst.is_empty() {
-            match read_some(&p.sock, dst, peer)? {
-                Got::None => return Ok(moved),
-                Got::Eof => return Err(Error::peer_lost(peer, format!("connection to peer rank {peer} closed in the middle of a frame"))),
-                Got::Some(k) => {
-                    p.inbound.advance(k);
-                    moved = true;
-                }
-            }
-        }
-        if let Some(payload) = p.inbound.finish(me, peer, ops, done)? {
-            // An abort report: the rank to blame, then why.
-            let blame = payload.get(..4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize).unwrap_or(peer);
-            let why = String::from_utf8_lossy(payload.get(4..).unwrap_or_default()).into_owned();
-            return Err(if blame == me {
-                // It gave up waiting for this rank (or reports our own
-                // failure back): it is gone all the same.
-                Error::peer_lost(peer, format!("{why} (reported by rank {peer}, which left)"))
-            } else {
-                Error::peer_lost(blame, format!("{why} (reported by rank {peer})"))
-            });
         }
     }
 }

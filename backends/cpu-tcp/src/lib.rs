@@ -11,6 +11,9 @@ mod connect;
 mod engine;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
+mod protocol;
+#[cfg(test)]
+mod sim;
 mod transport;
 mod tune;
 mod wire;

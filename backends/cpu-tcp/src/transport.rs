@@ -1,8 +1,10 @@
 //! The cpu-tcp backend: one TCP connection per peer, driven by whichever
-//! thread runs the op (see `engine.rs`). Bytes touch the wire only in the
-//! engine and here (goodbye, abort and shutdown).
+//! thread runs the op (see `engine.rs`; what the bytes mean is
+//! `protocol.rs`). Bytes touch the wire only in the engine and here
+//! (goodbye, abort and shutdown).
 
-use crate::engine::{self, Engine, Peer, Wake, Watch};
+use crate::engine::{self, Engine, Wake};
+use crate::protocol::{self, Watch};
 use crate::wire::{Header, Kind, MAX_ABORT};
 use socket2::Socket;
 use std::io::Read;
@@ -84,25 +86,20 @@ impl TcpBackend {
     pub fn start(rank: usize, peers: Vec<Option<Socket>>, store: Arc<dyn Store>) -> Result<Self> {
         let budget = weft::matching::EarlyBudget::from_env()?;
         let mut handles = Vec::with_capacity(peers.len());
-        let mut conns = Vec::with_capacity(peers.len());
-        for sock in peers {
+        for sock in &peers {
             match sock {
                 Some(s) => {
                     s.set_nonblocking(true)?;
                     handles.push(Some(s.try_clone()?));
-                    conns.push(Some(Peer::new(s, budget)));
                 }
-                None => {
-                    handles.push(None);
-                    conns.push(None);
-                }
+                None => handles.push(None),
             }
         }
         let wake = Wake::new()?;
         Ok(TcpBackend {
             rank,
             store,
-            engine: Mutex::new(Engine::new(conns)),
+            engine: Mutex::new(Engine::new(peers, budget)),
             posting: Arc::default(),
             wake,
             handles,
@@ -149,17 +146,18 @@ impl TcpBackend {
     }
 
     /// Write one small control frame to every peer still there (best effort, brief).
-    fn tell_all(peers: &mut [Option<Peer>], header: Header, payload: &[u8]) {
+    fn tell_all(eng: &mut Engine, header: Header, payload: &[u8]) {
         let hdr = header.encode();
         let until = Instant::now() + Duration::from_millis(200);
-        for (r, p) in peers.iter_mut().enumerate() {
+        let Engine { protocol, sockets } = eng;
+        for (r, p) in protocol.peers.iter_mut().enumerate() {
             let Some(p) = p else { continue };
             if p.torn || p.left {
                 continue;
             }
             let mut sent = 0;
             while sent < hdr.len() + payload.len() && Instant::now() < until {
-                match engine::write_some(&p.sock, &hdr, payload, sent, r) {
+                match protocol::write_frame(sockets, r, &hdr, payload, sent) {
                     Ok(s) if s == sent => std::thread::yield_now(),
                     Ok(s) => sent = s,
                     Err(_) => break,
@@ -213,7 +211,7 @@ impl Backend for TcpBackend {
             let mut payload = (blame as u32).to_le_bytes().to_vec();
             payload.extend_from_slice(why.as_bytes());
             payload.truncate(MAX_ABORT as usize);
-            Self::tell_all(&mut eng.peers, Header { kind: Kind::Abort, tag: 0, len: payload.len() as u64 }, &payload);
+            Self::tell_all(&mut eng, Header { kind: Kind::Abort, tag: 0, len: payload.len() as u64 }, &payload);
         }
         self.close(Shutdown::Both);
         self.wake.wake_now();
@@ -221,17 +219,16 @@ impl Backend for TcpBackend {
 
     fn shutdown(&self) {
         let mut eng = self.lock();
-        let peers = &mut eng.peers;
-        Self::tell_all(peers, Header { kind: Kind::Goodbye, tag: 0, len: 0 }, &[]);
+        Self::tell_all(&mut eng, Header { kind: Kind::Goodbye, tag: 0, len: 0 }, &[]);
         self.close(Shutdown::Write);
         // Drain until each peer closes too (or goes quiet), so that unread
         // bytes never turn our close into a reset that loses what we sent.
         let until = Instant::now() + CLOSE_GRACE;
         let mut buf = vec![0u8; 1 << 16];
-        for p in peers.iter_mut().flatten() {
+        for sock in eng.sockets.socks.iter().flatten() {
             let mut quiet_since = Instant::now();
             while Instant::now() < until && quiet_since.elapsed() < QUIET {
-                match (&p.sock).read(&mut buf) {
+                match (&*sock).read(&mut buf) {
                     Ok(0) => break,
                     Ok(_) => quiet_since = Instant::now(),
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(1)),
