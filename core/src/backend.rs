@@ -355,6 +355,13 @@ pub struct OpContext {
     pub deadline: Deadline,
     /// The op's hints merged over the group's.
     pub hints: HashMap<String, String>,
+    /// The algorithm the op was told to use (its hint `algorithm`, else the
+    /// group's, else `WEFT_ALGORITHM`'s entry for its family), checked when
+    /// it was issued against what runs it ([`crate::algorithms::select`]);
+    /// `None`: the backend's fast paths and core's choice by size decide.
+    /// A backend's native path steps aside for a name it does not offer
+    /// ([`Backend::native_algorithms`]).
+    pub algorithm: Option<&'static str>,
     /// Device ops: the caller's stream, captured at issue (`None`: the
     /// device's default stream).
     pub stream: Option<crate::stream::StreamHandle>,
@@ -514,6 +521,15 @@ pub trait Backend: Send + Sync {
     /// the error that poisoned the group); must return promptly.
     fn abort(&self, reason: &Error);
 
+    /// Algorithms this backend runs natively for the op family `family`
+    /// (`"all_reduce"`, ...; see [`crate::algorithms::select::family`]),
+    /// beyond core's generic ones: names an `algorithm` hint may give
+    /// (hierarchical's `"hierarchical"` all_reduce).
+    fn native_algorithms(&self, family: &str) -> &'static [&'static str] {
+        let _ = family;
+        &[]
+    }
+
     /// About how many bytes a rank receives in the time one more message
     /// step costs on this transport (its latency times its bandwidth).
     /// Algorithm choices that trade steps for bytes (the sparse `auto`)
@@ -539,7 +555,7 @@ pub trait Backend: Send + Sync {
 
 /// The transport methods of [`Backend`] for a backend that moves its bytes
 /// with another one (a wrapper: host staging, sparse): `exchange`,
-/// `exchange_gathered`, `progress`, `abort` and `step_bytes`, forwarded to
+/// `exchange_gathered`, `progress`, `abort`, `step_bytes` and `native_algorithms`, forwarded to
 /// `self.$inner()`, a method of the wrapper returning `&Arc<dyn Backend>`.
 /// Use inside its `impl Backend`:
 ///
@@ -571,6 +587,9 @@ macro_rules! forward_transport {
         }
         fn step_bytes(&self) -> usize {
             self.$inner().step_bytes()
+        }
+        fn native_algorithms(&self, family: &str) -> &'static [&'static str] {
+            self.$inner().native_algorithms(family)
         }
     };
 }

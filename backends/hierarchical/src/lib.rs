@@ -93,6 +93,9 @@ pub(crate) struct SubGroup {
 /// Where an aborting rank records the group rank it blames: sub-transports
 /// can only name ranks of their own sub-group.
 const ROOT_CAUSE: &str = "root_cause";
+/// This backend's two-level all_reduce, as the hint `algorithm` names it
+/// (the default; naming another runs core's algorithm over the flat group).
+const ALGORITHM: &str = "hierarchical";
 
 impl SubGroup {
     fn create(ctx: &BackendContext, backend: &str, scope: &str, ranks: &[usize]) -> Result<SubGroup> {
@@ -124,8 +127,8 @@ impl SubGroup {
         let mut sub = OpContext { rank: self.rank, size: self.ranks.len(), seq, ..ctx.clone() };
         // `algorithm=hierarchical` chose this backend's path; the steps
         // inside pick their own algorithms.
-        if sub.hints.get("algorithm").is_some_and(|a| a == "hierarchical") {
-            sub.hints.remove("algorithm");
+        if sub.algorithm == Some(ALGORITHM) {
+            sub.algorithm = None;
         }
         weft::algorithms::run(&*self.backend, op, &sub).map_err(|e| self.translate(e))
     }
@@ -214,9 +217,16 @@ impl Backend for HierBackend {
     fn progress(&self, until: &dyn Fn() -> bool) {
         self.flat.backend.progress(until)
     }
+    fn native_algorithms(&self, family: &str) -> &'static [&'static str] {
+        if family == "all_reduce" {
+            &[ALGORITHM]
+        } else {
+            &[]
+        }
+    }
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
         match op {
-            Op::AllReduce { buf, op } if ctx.hints.get("algorithm").is_none_or(|a| a == "hierarchical") => {
+            Op::AllReduce { buf, op } if ctx.algorithm.is_none_or(|a| a == ALGORITHM) => {
                 Some(all_reduce::run(&self.local, &self.inter, buf, *op, ctx))
             }
             _ => None,

@@ -256,12 +256,13 @@ impl Backend for ShmBackend {
     /// all_reduce, broadcast, all_gather and reduce_scatter of at most
     /// `FASTBOX_BYTES` (all ranks' parts together), barrier, and
     /// all_to_all where every rank's parts fit, through the fast path (hint
-    /// `shm_fastbox=off`: through the rings).
+    /// `shm_fastbox=off`, or an algorithm the op was told to use: through
+    /// the rings, with that algorithm).
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
         let (kind, len) = fast_kind(op)?;
         // (`is_empty` first: no hashing on the common path.)
         let off = match (!ctx.hints.is_empty()).then(|| ctx.hints.get("shm_fastbox")).flatten().map(String::as_str) {
-            None | Some("on") => false,
+            None | Some("on") => ctx.algorithm.is_some(),
             Some("off") => true,
             Some(v) => return Some(Err(Error::invalid(format!("hint shm_fastbox={v:?}: use on or off")))),
         };

@@ -1,12 +1,92 @@
-//! Choosing an algorithm per op: by message size and world size, unless the
-//! op's hint `algorithm=NAME` or the group's `WEFT_ALGORITHM`
-//! (`"all_reduce=ring,broadcast=binomial"`) names one.
+//! Choosing an algorithm per op, in one place. When an op is issued,
+//! [`forced`] settles the name it was told to use, if any: its hint
+//! `algorithm=NAME`, else the group's hint, else the group's
+//! `WEFT_ALGORITHM` entry for its family (`"all_reduce=ring,broadcast=binomial"`,
+//! read once when the group is made, [`Setting`]), checked against core's
+//! algorithms and the serving backend's own ([`Backend::native_algorithms`]).
+//! The op carries it in [`OpContext::algorithm`]: a backend's fast path
+//! steps aside for a name it does not offer (shm's fast path for small ops,
+//! hierarchical's two-level all_reduce unless it is named), and [`pick`]
+//! runs the name or, with none, chooses by message size and world size.
+//! (cuda-device's all_reduce on the device is chosen by its own hint,
+//! `cuda_algorithm`; `algorithm` names the host algorithm of what it
+//! stages through host memory.)
+//!
+//! [`Backend::native_algorithms`]: crate::backend::Backend::native_algorithms
 
-use crate::backend::OpContext;
+use crate::backend::{Op, OpContext};
 use crate::error::{Error, Result};
 
 /// Environment variable with `op=algorithm` pairs for the whole group.
 pub const ENV_ALGORITHM: &str = "WEFT_ALGORITHM";
+
+/// The op families an algorithm is chosen for.
+pub const FAMILIES: [&str; 5] = ["all_reduce", "broadcast", "reduce", "all_to_all", "all_gather"];
+
+/// The family `op` belongs to, if an algorithm is chosen for it (other
+/// ops have one way to run, and ignore an `algorithm` hint).
+pub fn family(op: &Op<'_>) -> Option<&'static str> {
+    Some(match op {
+        Op::AllReduce { .. } => "all_reduce",
+        Op::Broadcast { .. } => "broadcast",
+        Op::Reduce { .. } => "reduce",
+        Op::AllToAll { .. } => "all_to_all",
+        Op::AllGather { .. } => "all_gather",
+        _ => return None,
+    })
+}
+
+/// A group's algorithm setting: its hint `algorithm` (every family) and
+/// `WEFT_ALGORITHM`'s entries (per family), parsed once.
+#[derive(Clone, Debug, Default)]
+pub struct Setting {
+    every: Option<String>,
+    per_family: Vec<(&'static str, String)>,
+}
+
+impl Setting {
+    /// The setting from a group hint `algorithm` and a `WEFT_ALGORITHM`
+    /// value; a malformed entry or an unknown family is an error naming it.
+    pub fn new(hint: Option<&str>, env: Option<&str>) -> Result<Setting> {
+        let mut per_family = Vec::new();
+        for entry in env.unwrap_or("").split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let bad = |why: String| Error::invalid(format!("{ENV_ALGORITHM}: entry {entry:?} {why}"));
+            let (op, name) = entry.split_once('=').ok_or_else(|| bad("is not op=algorithm".into()))?;
+            let family = FAMILIES
+                .iter()
+                .find(|f| **f == op.trim())
+                .ok_or_else(|| bad(format!("names no op with a choice of algorithm ({})", FAMILIES.join(", "))))?;
+            per_family.push((*family, name.trim().to_string()));
+        }
+        Ok(Setting { every: hint.map(str::to_string), per_family })
+    }
+
+    /// The setting from the group's hints and the environment.
+    pub fn from_env(hints: &std::collections::HashMap<String, String>) -> Result<Setting> {
+        Setting::new(hints.get("algorithm").map(String::as_str), std::env::var(ENV_ALGORITHM).ok().as_deref())
+    }
+
+    fn for_family(&self, family: &str) -> Option<&str> {
+        self.every.as_deref().or_else(|| self.per_family.iter().find(|(f, _)| *f == family).map(|(_, n)| n.as_str()))
+    }
+}
+
+/// The algorithm an op of `family` is told to use: `hint` (the op's own
+/// `algorithm` hint), else the group's `setting`; checked against core's
+/// algorithms and `natives` (the serving backend's). `None`: none named,
+/// or `"auto"`.
+pub fn forced(family: &str, hint: Option<&str>, setting: &Setting, natives: &'static [&'static str]) -> Result<Option<&'static str>> {
+    let Some(name) = hint.or_else(|| setting.for_family(family)) else { return Ok(None) };
+    let list = choices(family);
+    match list.iter().chain(natives).find(|c| **c == name) {
+        Some(&"auto") => Ok(None),
+        Some(c) => Ok(Some(*c)),
+        None => {
+            let all: Vec<&str> = list.iter().chain(natives).copied().collect();
+            Err(Error::invalid(format!("{family} has no algorithm {name:?} (choices: {})", all.join(", "))))
+        }
+    }
+}
 
 /// The algorithm names each op accepts, the default first.
 pub fn choices(op: &str) -> &'static [&'static str] {
@@ -22,19 +102,16 @@ pub fn choices(op: &str) -> &'static [&'static str] {
 
 /// The algorithm `op` should use for `bytes` bytes, on a transport where a
 /// message step costs about as much as `step_bytes` bytes
-/// ([`Backend::step_bytes`](crate::backend::Backend::step_bytes)).
+/// ([`Backend::step_bytes`](crate::backend::Backend::step_bytes)): the one
+/// the op was told to use ([`OpContext::algorithm`]), else a choice by size.
 pub fn pick(ctx: &OpContext, op: &'static str, bytes: usize, step_bytes: usize) -> Result<&'static str> {
-    let forced = ctx.hints.get("algorithm").cloned().or_else(|| from_env(op));
-    let list = choices(op);
-    let name = match forced {
-        Some(n) => *list
-            .iter()
-            .find(|c| **c == n)
-            .ok_or_else(|| Error::invalid(format!("{op} has no algorithm {n:?} (choices: {})", list.join(", "))))?,
-        None => "auto",
-    };
-    if name != "auto" {
-        return Ok(name);
+    if let Some(name) = ctx.algorithm {
+        // Checked at issue; a backend's own name reaches here only if that
+        // backend declined the op.
+        return match choices(op).iter().find(|c| **c == name) {
+            Some(c) => Ok(*c),
+            None => Err(Error::invalid(format!("{op}: algorithm {name:?} is not one of core's ({})", choices(op).join(", ")))),
+        };
     }
     Ok(match op {
         // Few, latency-bound steps for messages no larger than what a step
@@ -82,13 +159,6 @@ pub fn pick(ctx: &OpContext, op: &'static str, bytes: usize, step_bytes: usize) 
     })
 }
 
-fn from_env(op: &str) -> Option<String> {
-    // Read once: this runs on every op.
-    static SETTING: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    let v = SETTING.get_or_init(|| std::env::var(ENV_ALGORITHM).ok()).as_ref()?;
-    v.split(',').filter_map(|p| p.split_once('=')).find(|(k, _)| k.trim() == op).map(|(_, a)| a.trim().to_string())
-}
-
 /// Default bytes per pipelined segment of a ring step: small enough that a
 /// received segment is still in the L2 cache when it is reduced (measured
 /// on 64 MiB all_reduce, W=2: 256 KiB beat 64 KiB, 1 MiB and unsegmented).
@@ -106,4 +176,41 @@ pub fn segment_bytes(ctx: &OpContext, esize: usize) -> Result<usize> {
             .ok_or_else(|| Error::invalid(format!("hint segment_bytes={v:?} is not a positive byte count")))?,
     };
     Ok((bytes / esize).max(1) * esize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_op_hint_beats_the_groups_hint_which_beats_the_environment() {
+        let env = Setting::new(None, Some(" all_reduce = ring , broadcast=chain")).unwrap();
+        assert_eq!(forced("all_reduce", None, &env, &[]).unwrap(), Some("ring"));
+        assert_eq!(forced("broadcast", None, &env, &[]).unwrap(), Some("chain"));
+        assert_eq!(forced("reduce", None, &env, &[]).unwrap(), None);
+        assert_eq!(forced("all_reduce", Some("recursive_doubling"), &env, &[]).unwrap(), Some("recursive_doubling"));
+        assert_eq!(forced("all_reduce", Some("auto"), &env, &[]).unwrap(), None);
+        let group = Setting::new(Some("halving_doubling"), Some("all_reduce=ring")).unwrap();
+        assert_eq!(forced("all_reduce", None, &group, &[]).unwrap(), Some("halving_doubling"));
+    }
+
+    #[test]
+    fn unknown_names_are_invalid_arguments_listing_the_choices() {
+        let e = forced("all_reduce", Some("butterfly"), &Setting::default(), &[]).unwrap_err();
+        assert_eq!(e.kind(), &crate::ErrorKind::InvalidArgument);
+        assert!(e.to_string().contains("no algorithm \"butterfly\" (choices: auto, ring, recursive_doubling, halving_doubling)"), "{e}");
+        // A backend's own name is a choice where that backend serves the op.
+        assert_eq!(forced("all_reduce", Some("hierarchical"), &Setting::default(), &["hierarchical"]).unwrap(), Some("hierarchical"));
+        let e = forced("all_reduce", Some("hierarchical"), &Setting::default(), &[]).unwrap_err();
+        assert!(e.to_string().contains("hierarchical"), "{e}");
+    }
+
+    #[test]
+    fn a_malformed_environment_is_an_error_naming_the_entry() {
+        for (text, says) in [("all_reduce", "is not op=algorithm"), ("allreduce=ring", "names no op"), ("barrier=ring", "names no op")] {
+            let e = Setting::new(None, Some(text)).unwrap_err();
+            assert!(e.to_string().contains(ENV_ALGORITHM) && e.to_string().contains(says), "{text}: {e}");
+        }
+        assert!(Setting::new(None, Some("")).is_ok());
+    }
 }

@@ -1,6 +1,7 @@
 //! The process group: rank, size, ops, sub-groups, abort, shrinking after a death.
 
 mod debug;
+mod decide;
 mod executor;
 mod ops;
 mod p2p;
@@ -71,6 +72,8 @@ pub(crate) struct GroupCore {
     /// Hashes every op's hint map: seeded once, so an op without hints
     /// makes its empty map without reading the per-thread seed.
     hasher: std::collections::hash_map::RandomState,
+    /// The group's algorithm setting (hint `algorithm`, `WEFT_ALGORITHM`).
+    algorithms: crate::algorithms::select::Setting,
 }
 
 impl ProcessGroup {
@@ -246,6 +249,7 @@ impl Drop for ProcessGroup {
 impl<'t> Collectives<'t> for ProcessGroup {
     #[inline]
     fn submit(&self, mut job: Job<'t>, opts: &OpOptions) -> Result<Work<'t>> {
+        self.core.decide(&mut job, opts)?;
         let opts = job.options(opts);
         let timeout = opts.timeout.unwrap_or(self.core.options.timeout);
         if let Some(backend) = self.core.posting_backend(&job) {
@@ -338,7 +342,8 @@ impl GroupCore {
     }
 
     fn run_job_inner(&self, job: &mut Job<'_>, opts: &OpOptions, seq: u64, completion: &CompletionSlot) -> Result<()> {
-        let Job { name, kind, route, fingerprint, op } = job;
+        let Job { name, kind, route, fingerprint, op, algorithm } = job;
+        let algorithm = *algorithm;
         let (name, kind, route) = (*name, *kind, *route);
         let result = (|| {
             self.usable()?;
@@ -363,6 +368,7 @@ impl GroupCore {
                 shape: crate::shape::of(op),
                 deadline: Deadline::after(opts.timeout.unwrap_or(self.options.timeout)),
                 hints,
+                algorithm,
                 stream: opts.stream,
                 completion: completion.clone(),
             };

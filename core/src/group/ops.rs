@@ -24,6 +24,8 @@ pub struct Job<'t> {
     pub(crate) route: Route,
     pub(crate) fingerprint: Option<Fingerprint>,
     pub(crate) op: Op<'t>,
+    /// The algorithm it was told to use, once `GroupCore::decide` settled it.
+    pub(crate) algorithm: Option<&'static str>,
 }
 
 /// One send or receive of a [`Collectives::batch_p2p`].
@@ -499,7 +501,7 @@ fn check<'t, G: Collectives<'t> + ?Sized>(g: &G, name: &'static str) -> Check {
 }
 
 fn job<'t>(c: &Check, kind: OpKind, route: Route, fingerprint: Option<Fingerprint>, op: Op<'t>) -> Job<'t> {
-    Job { name: c.name, kind, route, fingerprint, op }
+    Job { name: c.name, kind, route, fingerprint, op, algorithm: None }
 }
 
 impl Job<'_> {

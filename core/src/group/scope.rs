@@ -71,7 +71,8 @@ impl sealed::Sealed for Scope<'_, '_> {}
 impl sealed::Sealed for Unscoped<'_> {}
 
 impl<'scope, 'env> Collectives<'scope> for Scope<'scope, 'env> {
-    fn submit(&self, job: Job<'scope>, opts: &OpOptions) -> Result<Work<'scope>> {
+    fn submit(&self, mut job: Job<'scope>, opts: &OpOptions) -> Result<Work<'scope>> {
+        self.group.core.decide(&mut job, opts)?;
         // SAFETY: only the lifetime changes. The job borrows tensors for
         // 'scope; `ProcessGroup::scope` waits for the state (completed after
         // the job has run and been dropped) before 'scope can end, whatever
@@ -115,7 +116,8 @@ impl ProcessGroup {
 }
 
 impl Collectives<'static> for Unscoped<'_> {
-    fn submit(&self, job: Job<'static>, opts: &OpOptions) -> Result<Work<'static>> {
+    fn submit(&self, mut job: Job<'static>, opts: &OpOptions) -> Result<Work<'static>> {
+        self.group.core.decide(&mut job, opts)?;
         // SAFETY: the promise made to `ProcessGroup::unscoped`.
         Ok(Work::new(unsafe { self.group.core.submit_background(job, opts, |_| ()) }))
     }

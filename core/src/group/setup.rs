@@ -23,6 +23,8 @@ pub(super) fn create(store: Arc<dyn Store>, rank: usize, size: usize, options: G
     let store: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("weft/group{n}"), store));
 
     let plan = registry::plan(&options.backend).map_err(fail)?;
+    // (Before anything connects: a malformed WEFT_ALGORITHM fails every rank alike.)
+    let algorithms = crate::algorithms::select::Setting::from_env(&options.hints).map_err(fail)?;
     // Probe once; the availability of each candidate is part of what ranks agree on.
     let mut probes: HashMap<String, std::result::Result<(), String>> = HashMap::new();
     let mut agreed = String::new();
@@ -110,6 +112,7 @@ pub(super) fn create(store: Arc<dyn Store>, rank: usize, size: usize, options: G
         surveys: AtomicU64::new(0),
         revoked: AtomicBool::new(false),
         hasher: Default::default(),
+        algorithms,
     })
 }
 
