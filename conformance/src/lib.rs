@@ -4,7 +4,10 @@
 //! each result with a reference computed without weft ([`reference`](mod@reference)). It
 //! returns one [`Check`] per case, so a backend author can see exactly what
 //! fails: `weft conformance --backend NAME_OR_PATH -n 4` prints them as a
-//! table, and weft's own tests run it on every backend. [`run_on`] runs the
+//! table, and weft's own tests run it on every backend. Its cases come in
+//! independent families ([`Family`]: one op form over every dtype and
+//! reduce op, or one special case); [`run_family`] runs one alone, and a
+//! failure in one never skips the others. [`run_on`] runs the
 //! same cases on device memory ([`cuda::placement`]). [`run_p2p`] adds
 //! the point-to-point patterns that need sends and receives to progress
 //! together (long messages in a ring, batches, sendrecv), [`run_windows`]
@@ -23,6 +26,6 @@ mod windows;
 
 pub use buf::{assert_close, Buf};
 pub use placement::{Placement, SharedPlacement};
-pub use suite::{run, run_on, run_p2p, summary, Check};
+pub use suite::{run, run_family, run_on, run_p2p, summary, Check, Family};
 pub use threads::{checks_on_threads, on_threads};
 pub use windows::{byte as windows_byte, run_windows, run_windows_on};

@@ -143,19 +143,104 @@ fn on_stream_of(placement: Option<SharedPlacement>, f: impl FnOnce(Option<Shared
     checks
 }
 
-/// The families of cases, each one op over every dtype (or its own set):
-/// the unit [`Runner::end_family`] recovers at.
-type Family<'a> = Box<dyn Fn(&mut Runner<'_>, DType) + 'a>;
+/// A family of cases: one op (or one form of an op) over every dtype and
+/// reduce op it takes, or one special case. [`run`] runs them all, in
+/// [`Family::ALL`]'s order; [`run_family`] runs one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// all_reduce, every dtype and reduce op.
+    AllReduce,
+    /// reduce to the last rank, every dtype and reduce op.
+    Reduce,
+    /// reduce_scatter_single, every dtype and reduce op.
+    ReduceScatterSingle,
+    /// reduce_scatter of a list.
+    ReduceScatterList,
+    /// reduce_scatter_v (uneven parts).
+    ReduceScatterV,
+    /// broadcast from the last rank.
+    Broadcast,
+    /// all_gather_single.
+    AllGatherSingle,
+    /// all_gather into a list.
+    AllGatherList,
+    /// all_gather_v (uneven parts).
+    AllGatherV,
+    /// all_to_all_single.
+    AllToAllSingle,
+    /// all_to_all of lists.
+    AllToAllList,
+    /// all_to_all_v_single (uneven splits).
+    AllToAllV,
+    /// gather to rank 0.
+    Gather,
+    /// scatter from rank 0.
+    Scatter,
+    /// A ring of sends and receives in a scope.
+    SendRecv,
+    /// all_reduce of values whose reduced bits depend on the order they
+    /// combine in: every rank must still end with the same bits.
+    AllReduceBitsAlike,
+    /// Sparse all_reduce, where the group has a backend for sparse host
+    /// tensors (else no case).
+    AllReduceSparse,
+    /// barrier.
+    Barrier,
+}
+
+impl Family {
+    /// Every family, in the order [`run`] runs them.
+    pub const ALL: [Family; 18] = [
+        Family::AllReduce,
+        Family::Reduce,
+        Family::ReduceScatterSingle,
+        Family::ReduceScatterList,
+        Family::ReduceScatterV,
+        Family::Broadcast,
+        Family::AllGatherSingle,
+        Family::AllGatherList,
+        Family::AllGatherV,
+        Family::AllToAllSingle,
+        Family::AllToAllList,
+        Family::AllToAllV,
+        Family::Gather,
+        Family::Scatter,
+        Family::SendRecv,
+        Family::AllReduceBitsAlike,
+        Family::AllReduceSparse,
+        Family::Barrier,
+    ];
+}
+
+/// Run one family of cases on `pg` (collective), with `n` elements per
+/// basic tensor and tensors on `placement`'s device (the host if `None`);
+/// this rank's results. Families are independent: each can run alone, in
+/// any order.
+pub fn run_family(pg: &ProcessGroup, family: Family, n: usize, placement: Option<SharedPlacement>) -> Vec<Check> {
+    on_stream_of(placement, |placement| {
+        let mut t = Runner::new(pg, placement);
+        family_cases(&mut t, family, n);
+        t.checks
+    })
+}
 
 fn cases(pg: &ProcessGroup, n: usize, placement: Option<SharedPlacement>) -> Vec<Check> {
-    let (r, w) = (pg.rank(), pg.size());
-    let o = OpOptions::default();
-    let host = placement.is_none();
-    let sparse = host && pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::SparseCoo)).is_some();
     let mut t = Runner::new(pg, placement);
+    for family in Family::ALL {
+        family_cases(&mut t, family, n);
+        // One failure costs at most the rest of its family.
+        t.end_family();
+    }
+    t.checks
+}
+
+/// `family`'s cases, on the group `t` runs on.
+fn family_cases(t: &mut Runner<'_>, family: Family, n: usize) {
+    let (r, w) = (t.group().rank(), t.group().size());
+    let o = OpOptions::default();
     let sum_for = |d: DType| if d == DType::Bool { ReduceOp::Bor } else { ReduceOp::Sum };
-    let families: Vec<Family<'_>> = vec![
-        Box::new(|t, d| {
+    let each: &dyn Fn(&mut Runner<'_>, DType) = match family {
+        Family::AllReduce => &|t, d| {
             for op in ops_for(d) {
                 t.case("all_reduce", d, Some(op), |pg, m| {
                     let mut b = m.buf(d, &make(d, r, n))?;
@@ -163,8 +248,8 @@ fn cases(pg: &ProcessGroup, n: usize, placement: Option<SharedPlacement>) -> Vec
                     Ok((b.read()?, reduced_tensor(d, op, w, n)))
                 });
             }
-        }),
-        Box::new(|t, d| {
+        },
+        Family::Reduce => &|t, d| {
             for op in ops_for(d) {
                 t.case("reduce", d, Some(op), |pg, m| {
                     let root = w - 1;
@@ -173,8 +258,8 @@ fn cases(pg: &ProcessGroup, n: usize, placement: Option<SharedPlacement>) -> Vec
                     Ok((b.read()?, if r == root { reduced_tensor(d, op, w, n) } else { make(d, r, n) }))
                 });
             }
-        }),
-        Box::new(|t, d| {
+        },
+        Family::ReduceScatterSingle => &|t, d| {
             let sz = d.size();
             for op in ops_for(d) {
                 t.case("reduce_scatter_single", d, Some(op), |pg, m| {
@@ -184,8 +269,8 @@ fn cases(pg: &ProcessGroup, n: usize, placement: Option<SharedPlacement>) -> Vec
                     Ok((out.read()?, reduced_tensor(d, op, w, n * w)[r * n * sz..(r + 1) * n * sz].to_vec()))
                 });
             }
-        }),
-        Box::new(|t, d| {
+        },
+        Family::ReduceScatterList => &|t, d| {
             let (sz, op) = (d.size(), sum_for(d));
             t.case("reduce_scatter (list)", d, Some(op), |pg, m| {
                 let all = make(d, r, n * w);
@@ -194,8 +279,8 @@ fn cases(pg: &ProcessGroup, n: usize, placement: Option<SharedPlacement>) -> Vec
                 pg.reduce_scatter(out.tm(), ins.iter().map(Buf::t).collect(), op, &o)?.wait()?;
                 Ok((out.read()?, reduced_tensor(d, op, w, n * w)[r * n * sz..(r + 1) * n * sz].to_vec()))
             });
-        }),
-        Box::new(|t, d| {
+        },
+        Family::ReduceScatterV => &|t, d| {
             let op = sum_for(d);
             t.case("reduce_scatter_v", d, Some(op), |pg, m| {
                 let ins: Vec<Buf> = (0..w).map(|i| m.buf(d, &make(d, r, i % 3))).collect::<weft::Result<_>>()?;
@@ -203,55 +288,55 @@ fn cases(pg: &ProcessGroup, n: usize, placement: Option<SharedPlacement>) -> Vec
                 pg.reduce_scatter_v(out.tm(), ins.iter().map(Buf::t).collect(), op, &o)?.wait()?;
                 Ok((out.read()?, reduced_tensor(d, op, w, r % 3)))
             });
-        }),
-        Box::new(|t, d| {
+        },
+        Family::Broadcast => &|t, d| {
             t.case("broadcast", d, None, |pg, m| {
                 let mut b = m.buf(d, &make(d, r, n))?;
                 pg.broadcast(b.tm(), w - 1, &o)?.wait()?;
                 Ok((b.read()?, make(d, w - 1, n)))
             });
-        }),
-        Box::new(|t, d| {
+        },
+        Family::AllGatherSingle => &|t, d| {
             t.case("all_gather_single", d, None, |pg, m| {
                 let input = m.buf(d, &make(d, r, n))?;
                 let mut out = m.zeros(d, n * w)?;
                 pg.all_gather_single(out.tm(), input.t(), &o)?.wait()?;
                 Ok((out.read()?, (0..w).flat_map(|i| make(d, i, n)).collect()))
             });
-        }),
-        Box::new(|t, d| {
+        },
+        Family::AllGatherList => &|t, d| {
             t.case("all_gather (list)", d, None, |pg, m| {
                 let input = m.buf(d, &make(d, r, n))?;
                 let mut outs: Vec<Buf> = (0..w).map(|_| m.zeros(d, n)).collect::<weft::Result<_>>()?;
                 pg.all_gather(outs.iter_mut().map(Buf::tm).collect(), input.t(), &o)?.wait()?;
                 Ok((read_all(&outs)?, (0..w).flat_map(|i| make(d, i, n)).collect()))
             });
-        }),
-        Box::new(|t, d| {
+        },
+        Family::AllGatherV => &|t, d| {
             t.case("all_gather_v", d, None, |pg, m| {
                 let input = m.buf(d, &make(d, r, r % 3))?;
                 let mut outs: Vec<Buf> = (0..w).map(|i| m.zeros(d, i % 3)).collect::<weft::Result<_>>()?;
                 pg.all_gather_v(outs.iter_mut().map(Buf::tm).collect(), input.t(), &o)?.wait()?;
                 Ok((read_all(&outs)?, (0..w).flat_map(|i| make(d, i, i % 3)).collect()))
             });
-        }),
-        Box::new(|t, d| {
+        },
+        Family::AllToAllSingle => &|t, d| {
             t.case("all_to_all_single", d, None, |pg, m| {
                 let input = m.buf(d, &(0..w).flat_map(|dst| make(d, 100 * r + dst, n)).collect::<Vec<u8>>())?;
                 let mut out = m.zeros(d, n * w)?;
                 pg.all_to_all_single(out.tm(), input.t(), &o)?.wait()?;
                 Ok((out.read()?, (0..w).flat_map(|src| make(d, 100 * src + r, n)).collect()))
             });
-        }),
-        Box::new(|t, d| {
+        },
+        Family::AllToAllList => &|t, d| {
             t.case("all_to_all (list)", d, None, |pg, m| {
                 let ins: Vec<Buf> = (0..w).map(|dst| m.buf(d, &make(d, 100 * r + dst, n))).collect::<weft::Result<_>>()?;
                 let mut outs: Vec<Buf> = (0..w).map(|_| m.zeros(d, n)).collect::<weft::Result<_>>()?;
                 pg.all_to_all(outs.iter_mut().map(Buf::tm).collect(), ins.iter().map(Buf::t).collect(), &o)?.wait()?;
                 Ok((read_all(&outs)?, (0..w).flat_map(|src| make(d, 100 * src + r, n)).collect()))
             });
-        }),
-        Box::new(|t, d| {
+        },
+        Family::AllToAllV => &|t, d| {
             t.case("all_to_all_v_single", d, None, |pg, m| {
                 let ins: Vec<usize> = (0..w).map(|dst| (r + dst) % 3).collect();
                 let outs: Vec<usize> = (0..w).map(|src| (src + r) % 3).collect();
@@ -260,8 +345,8 @@ fn cases(pg: &ProcessGroup, n: usize, placement: Option<SharedPlacement>) -> Vec
                 pg.all_to_all_v_single(out.tm(), input.t(), &outs, &ins, &o)?.wait()?;
                 Ok((out.read()?, (0..w).flat_map(|src| make(d, 100 * src + r, outs[src])).collect()))
             });
-        }),
-        Box::new(|t, d| {
+        },
+        Family::Gather => &|t, d| {
             t.case("gather", d, None, |pg, m| {
                 let input = m.buf(d, &make(d, r, n))?;
                 let mut outs: Vec<Buf> = if r == 0 { (0..w).map(|_| m.zeros(d, n)).collect::<weft::Result<_>>()? } else { vec![] };
@@ -269,8 +354,8 @@ fn cases(pg: &ProcessGroup, n: usize, placement: Option<SharedPlacement>) -> Vec
                 let want: Vec<u8> = if r == 0 { (0..w).flat_map(|i| make(d, i, n)).collect() } else { vec![] };
                 Ok((read_all(&outs)?, want))
             });
-        }),
-        Box::new(|t, d| {
+        },
+        Family::Scatter => &|t, d| {
             t.case("scatter", d, None, |pg, m| {
                 let ins: Vec<Buf> =
                     if r == 0 { (0..w).map(|i| m.buf(d, &make(d, 10 + i, n))).collect::<weft::Result<_>>()? } else { vec![] };
@@ -278,8 +363,8 @@ fn cases(pg: &ProcessGroup, n: usize, placement: Option<SharedPlacement>) -> Vec
                 pg.scatter(out.tm(), ins.iter().map(Buf::t).collect(), 0, &o)?.wait()?;
                 Ok((out.read()?, make(d, 10 + r, n)))
             });
-        }),
-        Box::new(|t, d| {
+        },
+        Family::SendRecv => &|t, d| {
             t.case("send_recv", d, None, |pg, m| {
                 // A ring: send to the right, receive from the left, tags by dtype.
                 if w == 1 {
@@ -296,37 +381,39 @@ fn cases(pg: &ProcessGroup, n: usize, placement: Option<SharedPlacement>) -> Vec
                 })?;
                 Ok((out.read()?, make(d, (r + w - 1) % w, n)))
             });
-        }),
-    ];
-    for family in &families {
-        for d in DType::ALL {
-            family(&mut t, d);
+        },
+        Family::AllReduceBitsAlike => {
+            // Each rank gathers everyone's result to compare the bits.
+            for op in [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max] {
+                t.case("all_reduce (bits alike on every rank)", DType::F32, Some(op), |pg, m| {
+                    let v = crate::reference::order_sensitive(r, n);
+                    let mut b = m.buf(DType::F32, &v.into_iter().flat_map(f32::to_ne_bytes).collect::<Vec<u8>>())?;
+                    pg.all_reduce(b.tm(), op, &o)?.wait()?;
+                    let mut all = m.zeros(DType::F32, n * w)?;
+                    pg.all_gather_single(all.tm(), b.t(), &o)?.wait()?;
+                    Ok((all.read()?, b.read()?.repeat(w)))
+                });
+            }
+            return;
         }
-        t.end_family();
+        Family::AllReduceSparse => {
+            let sparse = t.mk.0.is_none() && t.group().backend_name((weft::DeviceKind::Cpu, weft::Layout::SparseCoo)).is_some();
+            if sparse {
+                sparse_case(t, &o);
+            }
+            return;
+        }
+        Family::Barrier => {
+            t.case("barrier", DType::U8, None, |pg, _| {
+                pg.barrier(&o)?.wait()?;
+                Ok((vec![], vec![]))
+            });
+            return;
+        }
+    };
+    for d in DType::ALL {
+        each(t, d);
     }
-    // Values whose reduced bits depend on the order they combine in
-    // (`order_sensitive`): every rank must still end with the same bits, so
-    // each gathers everyone's result.
-    for op in [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max] {
-        t.case("all_reduce (bits alike on every rank)", DType::F32, Some(op), |pg, m| {
-            let v = crate::reference::order_sensitive(r, n);
-            let mut b = m.buf(DType::F32, &v.into_iter().flat_map(f32::to_ne_bytes).collect::<Vec<u8>>())?;
-            pg.all_reduce(b.tm(), op, &o)?.wait()?;
-            let mut all = m.zeros(DType::F32, n * w)?;
-            pg.all_gather_single(all.tm(), b.t(), &o)?.wait()?;
-            Ok((all.read()?, b.read()?.repeat(w)))
-        });
-    }
-    t.end_family();
-    if sparse {
-        sparse_case(&mut t, &o);
-        t.end_family();
-    }
-    t.case("barrier", DType::U8, None, |pg, _| {
-        pg.barrier(&o)?.wait()?;
-        Ok((vec![], vec![]))
-    });
-    t.checks
 }
 
 /// Sparse all-reduce (SUM of f32 rows; host memory, where the group has a

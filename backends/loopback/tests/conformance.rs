@@ -35,3 +35,20 @@ fn a_failing_family_does_not_skip_the_others() {
         assert!(checks.iter().any(|c| c.op == "barrier" && c.passed), "the last case ran");
     }
 }
+
+/// Each family runs alone and in any order (here backwards), with as many
+/// cases as the whole suite has.
+#[test]
+fn every_family_runs_alone() {
+    weft_loopback::link();
+    let opts = weft::GroupOptions::default().backend("loopback").timeout(std::time::Duration::from_secs(30));
+    let whole = weft_conformance::checks_on_threads(opts.clone(), 3, |pg| weft_conformance::run(pg, 5));
+    let alone = weft_conformance::checks_on_threads(opts, 3, |pg| {
+        weft_conformance::Family::ALL.iter().rev().flat_map(|f| weft_conformance::run_family(pg, *f, 5, None)).collect()
+    });
+    for (rank, checks) in alone.iter().enumerate() {
+        let (table, ok) = weft_conformance::summary(checks);
+        assert!(ok, "rank {rank}:\n{table}");
+        assert_eq!(checks.len(), whole[rank].len(), "rank {rank}");
+    }
+}
