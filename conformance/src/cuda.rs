@@ -1,15 +1,15 @@
-//! The suite on CUDA memory, through `weft-cuda-runtime` (a real GPU, or
+//! The suite on CUDA memory, through `weft-cuda-driver` (a real GPU, or
 //! the emulation under `WEFT_CUDA_EMULATION`).
 
 use crate::placement::{Placement, SharedPlacement};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weft::{Device, Error, StreamHandle};
-use weft_cuda_runtime::{synchronize_stream, Gpu};
+use weft_cuda_driver::{synchronize_stream, Gpu};
 
 /// CUDA device `ordinal` with a stream of its own as the caller's stream.
 pub fn placement(ordinal: usize) -> weft::Result<SharedPlacement> {
-    let gpu = weft_cuda_runtime::gpu().map_err(Error::unsupported)?;
+    let gpu = weft_cuda_driver::gpu().map_err(Error::unsupported)?;
     let stream = gpu.new_stream(ordinal)?;
     Ok(Arc::new(CudaPlacement { gpu, ordinal, stream }))
 }
@@ -17,7 +17,7 @@ pub fn placement(ordinal: usize) -> weft::Result<SharedPlacement> {
 /// The device a launcher's local rank uses: `LOCAL_RANK` (else `rank`)
 /// modulo the device count.
 pub fn local_placement(rank: usize) -> weft::Result<SharedPlacement> {
-    let gpu = weft_cuda_runtime::gpu().map_err(Error::unsupported)?;
+    let gpu = weft_cuda_driver::gpu().map_err(Error::unsupported)?;
     let local: usize = std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(rank);
     placement(local % gpu.device_count().max(1))
 }

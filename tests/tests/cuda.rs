@@ -7,16 +7,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weft::prelude::*;
 use weft::{DType, Device, DeviceKind, ErrorKind, Layout, StreamHandle};
-use weft_cuda_runtime::{synchronize_stream, Gpu};
+use weft_cuda_driver::{synchronize_stream, Gpu};
 use weft_tests::procs::{run_world, run_world_on_free_port, torchrun_vars};
 use weft_tests::{options, run_threads};
 
 /// The emulated GPU, unless `WEFT_TEST_REAL_GPU=1` asks for the real one.
 fn gpu() -> Arc<dyn Gpu> {
     if std::env::var("WEFT_TEST_REAL_GPU").as_deref() != Ok("1") {
-        weft_cuda_runtime::emulate(1).unwrap();
+        weft_cuda_driver::emulate(1).unwrap();
     }
-    weft_cuda_runtime::gpu().unwrap()
+    weft_cuda_driver::gpu().unwrap()
 }
 
 /// Run `suite` on `w` ranks of `spec` (with group `hints`) on the emulated
@@ -231,7 +231,7 @@ fn ops_are_ordered_after_the_callers_stream_and_wait_orders_it_back() {
     let g = gpu();
     for spec in ["cpu:shm,cuda:cuda-host-staging", "cpu:shm,cuda:cuda-device"] {
         let results = run_threads(2, options(spec), move |pg| {
-            let g = weft_cuda_runtime::gpu().unwrap();
+            let g = weft_cuda_driver::gpu().unwrap();
             let stream = g.new_stream(0).unwrap();
             // A large upload still in flight on the caller's stream when the op
             // is issued; the op must see its data, not zeros.
@@ -239,7 +239,7 @@ fn ops_are_ordered_after_the_callers_stream_and_wait_orders_it_back() {
             let data = vec![pg.rank() as f32 + 1.0; n];
             let addr = upload(&*g, stream, &data);
             // SAFETY: n f32 of device memory, freed below after the stream's work.
-            let t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, DType::F32, 0, &[n]) }.unwrap();
+            let t = unsafe { weft_cuda_driver::tensor_mut_from_raw(addr, DType::F32, 0, &[n]) }.unwrap();
             let work = pg.all_reduce(t, ReduceOp::Sum, &OpOptions::default().stream(stream)).unwrap();
             work.wait().unwrap();
             // Ordered after the op by `wait`, without the host blocking for it.
@@ -260,7 +260,7 @@ fn ops_are_ordered_after_the_callers_stream_and_wait_orders_it_back() {
 fn dropping_an_unwaited_work_blocks_until_the_device_side_is_done() {
     let _ = gpu();
     run_threads(2, options("cpu:cpu-tcp,cuda:cuda-host-staging"), |pg| {
-        let g = weft_cuda_runtime::gpu().unwrap();
+        let g = weft_cuda_driver::gpu().unwrap();
         let stream = g.new_stream(0).unwrap();
         let n = 1 << 20;
         let data = vec![1f32; n];
@@ -268,7 +268,7 @@ fn dropping_an_unwaited_work_blocks_until_the_device_side_is_done() {
         weft::stream::set_current_stream(Some(stream));
         {
             // SAFETY: n f32 of device memory.
-            let t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, DType::F32, 0, &[n]) }.unwrap();
+            let t = unsafe { weft_cuda_driver::tensor_mut_from_raw(addr, DType::F32, 0, &[n]) }.unwrap();
             let _work = pg.all_reduce(t, ReduceOp::Avg, &OpOptions::default()).unwrap();
         }
         weft::stream::set_current_stream(None);
@@ -287,10 +287,10 @@ fn cuda_errors_are_typed_and_nothing_hangs() {
     let g = gpu();
     // No CUDA backend in the group: a clear Unsupported error.
     let results = run_threads(2, options("cpu:cpu-tcp"), |pg| {
-        let g = weft_cuda_runtime::gpu().unwrap();
+        let g = weft_cuda_driver::gpu().unwrap();
         let addr = g.alloc(0, 64).unwrap();
         // SAFETY: 16 f32 of device memory.
-        let t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, DType::F32, 0, &[16]) }.unwrap();
+        let t = unsafe { weft_cuda_driver::tensor_mut_from_raw(addr, DType::F32, 0, &[16]) }.unwrap();
         let e = pg.all_reduce(t, ReduceOp::Sum, &OpOptions::default()).unwrap().wait().unwrap_err();
         // SAFETY: unused now.
         unsafe { g.free(addr) };
@@ -303,10 +303,10 @@ fn cuda_errors_are_typed_and_nothing_hangs() {
     // Mixed devices in one op: rejected before anything moves.
     run_threads(1, options("cpu:cpu-tcp,cuda:cuda-host-staging"), |pg| {
         assert_eq!(pg.backend_name((DeviceKind::Cuda, Layout::Dense)).as_deref(), Some("cuda-host-staging"));
-        let g = weft_cuda_runtime::gpu().unwrap();
+        let g = weft_cuda_driver::gpu().unwrap();
         let addr = g.alloc(0, 64).unwrap();
         // SAFETY: 16 f32 of device memory.
-        let input = unsafe { weft_cuda_runtime::tensor_from_raw(addr, DType::F32, 0, &[16]) }.unwrap();
+        let input = unsafe { weft_cuda_driver::tensor_from_raw(addr, DType::F32, 0, &[16]) }.unwrap();
         let mut host = [0f32; 16];
         let e = pg.all_gather_single(&mut host[..], input, &OpOptions::default()).unwrap_err();
         assert_eq!(e.kind(), &ErrorKind::InvalidArgument, "{e}");
@@ -320,10 +320,10 @@ fn cuda_errors_are_typed_and_nothing_hangs() {
             std::thread::sleep(Duration::from_secs(2));
             return;
         }
-        let g = weft_cuda_runtime::gpu().unwrap();
+        let g = weft_cuda_driver::gpu().unwrap();
         let addr = g.alloc(0, 64).unwrap();
         // SAFETY: 16 f32 of device memory.
-        let t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, DType::F32, 0, &[16]) }.unwrap();
+        let t = unsafe { weft_cuda_driver::tensor_mut_from_raw(addr, DType::F32, 0, &[16]) }.unwrap();
         let start = Instant::now();
         let e = pg.all_reduce(t, ReduceOp::Sum, &OpOptions::default().timeout(Duration::from_millis(500))).unwrap().wait().unwrap_err();
         assert_eq!(e.kind(), &ErrorKind::Timeout, "{e}");
@@ -339,13 +339,13 @@ fn cuda_errors_are_typed_and_nothing_hangs() {
             .hint("cuda_slot_bytes", "256")
             .hint("cuda_direct_staged_bytes", staged);
         let results = run_threads(2, opts, |pg| {
-            let g = weft_cuda_runtime::gpu().unwrap();
+            let g = weft_cuda_driver::gpu().unwrap();
             let stream = g.new_stream(0).unwrap();
             let n = if pg.rank() == 0 { 1000 } else { 1100 };
             // A guard of 64 floats after rank 0's tensor.
             let addr = upload(&*g, stream, &vec![1f32; n + 64]);
             // SAFETY: n f32 of device memory.
-            let t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, DType::F32, 0, &[n]) }.unwrap();
+            let t = unsafe { weft_cuda_driver::tensor_mut_from_raw(addr, DType::F32, 0, &[n]) }.unwrap();
             let o = OpOptions::default().stream(stream).timeout(Duration::from_secs(5));
             let e = pg.all_reduce(t, ReduceOp::Sum, &o).and_then(|w| w.synchronize()).unwrap_err();
             let guard = download(&*g, stream, addr + 4 * n as u64, 64);
@@ -370,10 +370,10 @@ fn cuda_errors_are_typed_and_nothing_hangs() {
     assert!(e.to_string().contains("hint cuda_direct_staged_bytes=\"lots\""), "{e}");
     // A bad algorithm hint fails the op, saying the choices.
     run_threads(1, options("cpu:shm,cuda:cuda-device"), |pg| {
-        let g = weft_cuda_runtime::gpu().unwrap();
+        let g = weft_cuda_driver::gpu().unwrap();
         let addr = g.alloc(0, 64).unwrap();
         // SAFETY: 16 f32 of device memory.
-        let t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, DType::F32, 0, &[16]) }.unwrap();
+        let t = unsafe { weft_cuda_driver::tensor_mut_from_raw(addr, DType::F32, 0, &[16]) }.unwrap();
         let o = OpOptions::default().hint("cuda_algorithm", "fastest");
         let e = pg.all_reduce(t, ReduceOp::Sum, &o).and_then(|w| w.wait()).unwrap_err();
         assert_eq!(e.kind(), &ErrorKind::InvalidArgument, "{e}");

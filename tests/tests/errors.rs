@@ -61,7 +61,7 @@ fn bad_local_input_is_rejected_before_any_byte_moves() {
 
 #[test]
 fn cuda_tensors_without_a_cuda_backend_get_an_error_naming_why() {
-    if weft_cuda_runtime::gpu().is_ok() {
+    if weft_cuda_driver::gpu().is_ok() {
         return; // a GPU (or the emulation) is here: tests/tests/cuda.rs covers it
     }
     run_threads(2, options("auto"), |pg| {

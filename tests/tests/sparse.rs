@@ -223,7 +223,7 @@ fn every_rank_gets_the_same_bits() {
 
 #[test]
 fn cuda_sparse_tensors_are_reduced_through_host_staging() {
-    weft_cuda_runtime::emulate(1).unwrap();
+    weft_cuda_driver::emulate(1).unwrap();
     for w in [1, 2, 3] {
         run_threads(w, options("cpu:cpu-tcp,cuda:cuda-host-staging"), |pg| {
             assert_eq!(pg.backend_name((weft::DeviceKind::Cuda, weft::Layout::SparseCoo)).as_deref(), Some("cuda-host-staging"));

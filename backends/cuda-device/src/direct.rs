@@ -47,7 +47,7 @@ use crate::setup::Peers;
 use weft::algorithms::Comm;
 use weft::backend::{Backend, OpContext};
 use weft::{Error, ReduceOp, Result, StreamHandle, TensorMut};
-use weft_cuda_runtime::{DevicePtr, MAX_REDUCE_ALL};
+use weft_cuda_driver::{DevicePtr, MAX_REDUCE_ALL};
 
 /// One rank's round-1 record: whether it stages the op, whether its buffer
 /// could be exported, what it reduces, and where its buffer is.

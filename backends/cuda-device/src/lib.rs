@@ -28,8 +28,8 @@ use weft::backend::{Backend, BackendContext, Op, OpContext};
 use weft::registry::{BackendFactory, StaticBackend};
 use weft::stream::DeviceCompletion;
 use weft::{Device, DeviceKind, Error, Layout, Result, StreamHandle};
+use weft_cuda_driver::{order_after, synchronize_stream, StreamCompletion};
 use weft_cuda_host_staging::Staging;
-use weft_cuda_runtime::{order_after, synchronize_stream, StreamCompletion};
 
 /// The registration of `cuda-device`.
 pub struct CudaDevice;
@@ -49,7 +49,7 @@ impl BackendFactory for CudaDevice {
         20
     }
     fn probe(&self) -> std::result::Result<(), String> {
-        weft_cuda_runtime::gpu().map(|_| ())
+        weft_cuda_driver::gpu().map(|_| ())
     }
     fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
         let staging = Staging::for_group(&ctx, "cuda-device")?;

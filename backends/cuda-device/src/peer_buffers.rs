@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 use weft::{Result, StreamHandle};
-use weft_cuda_runtime::{synchronize_stream, DevicePtr, Gpu};
+use weft_cuda_driver::{synchronize_stream, DevicePtr, Gpu};
 
 /// Mappings opened for one op, closed by [`PeerBuffers::close`] or on drop.
 pub struct PeerBuffers<'a> {

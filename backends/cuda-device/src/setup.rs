@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use weft::backend::BackendContext;
 use weft::store::Store;
 use weft::{Error, Result, StreamHandle};
-use weft_cuda_runtime::{synchronize_event_checked, DevicePtr, Event, Gpu};
+use weft_cuda_driver::{synchronize_event_checked, DevicePtr, Event, Gpu};
 
 /// How long a host wait spins before it sleeps: a piece takes up to a few
 /// hundred µs, and a sleeping waiter wakes up to 100 µs late (H100, MPS,

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use weft::window::{Later, RmaCall, Span, WindowSpec, WindowTransport};
 use weft::{Device, Error, Result, StreamHandle};
-use weft_cuda_runtime::{synchronize_stream, DevicePtr, Event, Gpu};
+use weft_cuda_driver::{synchronize_stream, DevicePtr, Event, Gpu};
 
 /// This rank's side of a device window.
 pub(crate) struct CudaWindow {
@@ -173,7 +173,7 @@ impl WindowTransport for CudaWindow {
     /// side (dropping it waits for the copy, as for every device op).
     fn queued(&self, call: &RmaCall) -> Result<Option<Arc<dyn weft::stream::DeviceCompletion>>> {
         let stream = Self::stream(call);
-        let done = weft_cuda_runtime::StreamCompletion::record(self.gpu.clone(), self.device, stream, stream)?;
+        let done = weft_cuda_driver::StreamCompletion::record(self.gpu.clone(), self.device, stream, stream)?;
         Ok(Some(Arc::new(done)))
     }
 

@@ -36,7 +36,7 @@ impl BackendFactory for HostStaging {
         10
     }
     fn probe(&self) -> std::result::Result<(), String> {
-        weft_cuda_runtime::gpu().map(|_| ())
+        weft_cuda_driver::gpu().map(|_| ())
     }
     fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
         Ok(Arc::new(HostStagingBackend { staging: Staging::for_group(&ctx, "cuda-host-staging")? }))

@@ -12,7 +12,7 @@ use std::time::Instant;
 use weft::backend::{Op, P2p};
 use weft::progress::{Done, Post};
 use weft::{Result, StreamHandle};
-use weft_cuda_runtime::synchronize_stream;
+use weft_cuda_driver::synchronize_stream;
 
 /// A posted op's device tensors, their device and copy stream, and host
 /// memory for each (holding what is sent).
@@ -26,7 +26,7 @@ struct Staged {
 /// Per device: a stream for the copies of posted ops, and an event that
 /// orders it after the caller's stream.
 #[derive(Default)]
-pub(crate) struct P2pStreams(std::sync::Mutex<HashMap<usize, (StreamHandle, weft_cuda_runtime::Event)>>);
+pub(crate) struct P2pStreams(std::sync::Mutex<HashMap<usize, (StreamHandle, weft_cuda_driver::Event)>>);
 
 impl Staging {
     /// The copy stream of `device` for posted ops, made after `caller`'s
@@ -121,7 +121,7 @@ fn peer_tag(op: &Op<'_>) -> (usize, u64) {
 
 /// Copy what the receives got to the device, and wait for it.
 fn upload(
-    g: &dyn weft_cuda_runtime::Gpu,
+    g: &dyn weft_cuda_driver::Gpu,
     device: usize,
     stream: StreamHandle,
     parts: &[Part],

@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use weft::backend::{Backend, Op, OpContext};
 use weft::{Error, Result, StreamHandle};
-use weft_cuda_runtime::{synchronize_event, synchronize_stream, Event, Gpu, PinnedPool, StreamCompletion};
+use weft_cuda_driver::{synchronize_event, synchronize_stream, Event, Gpu, PinnedPool, StreamCompletion};
 
 /// Pinned slots in flight per op.
 const SLOTS: usize = 3;
@@ -62,7 +62,7 @@ impl Staging {
     /// Staging for a group being created by backend `who`: this process's
     /// GPU and the group's CPU backend, or `Unsupported` saying which is missing.
     pub fn for_group(ctx: &weft::backend::BackendContext, who: &str) -> Result<Staging> {
-        let gpu = weft_cuda_runtime::gpu().map_err(Error::unsupported)?;
+        let gpu = weft_cuda_driver::gpu().map_err(Error::unsupported)?;
         let cpu = ctx
             .cpu_backend
             .clone()

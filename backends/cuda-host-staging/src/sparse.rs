@@ -5,7 +5,7 @@
 use crate::pipeline::Staging;
 use weft::backend::{Op, OpContext};
 use weft::{Device, Error, Result, SparseCooTensor, Tensor};
-use weft_cuda_runtime::{order_after, synchronize_stream};
+use weft_cuda_driver::{order_after, synchronize_stream};
 
 /// Host copies (8-byte aligned) of device tensors, taken after the work
 /// already on the caller's stream.

@@ -258,7 +258,7 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             // export: cuda-device's direct all-reduce cannot map it, so every
             // rank runs the ring instead, or, where the direct algorithm is
             // required, fails saying whose buffer it was.
-            let g = weft_cuda_runtime::gpu().map_err(anyhow::Error::msg)?;
+            let g = weft_cuda_driver::gpu().map_err(anyhow::Error::msg)?;
             let stream = g.new_stream(0)?;
             let n = 100_003;
             let data: Vec<f32> = (0..n).map(|i| (i % 13) as f32 + r as f32).collect();
@@ -270,11 +270,11 @@ fn run(scenario: &str) -> anyhow::Result<()> {
                 // SAFETY: `data` and `out` outlive the stream synchronisations
                 // below; `addr` holds `bytes` until the process exits.
                 unsafe { g.copy_htod(stream, addr, data.as_ptr() as *const u8, bytes)? };
-                let t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, weft::DType::F32, 0, &[n]) }?;
+                let t = unsafe { weft_cuda_driver::tensor_mut_from_raw(addr, weft::DType::F32, 0, &[n]) }?;
                 let done = pg.all_reduce(t, ReduceOp::Sum, &o.clone().stream(stream).hint("cuda_algorithm", hint))?.synchronize();
                 // SAFETY: as above.
                 unsafe { g.copy_dtoh(stream, out.as_mut_ptr() as *mut u8, addr, bytes)? };
-                weft_cuda_runtime::synchronize_stream(&*g, 0, stream, deadline(), "download")?;
+                weft_cuda_driver::synchronize_stream(&*g, 0, stream, deadline(), "download")?;
                 done?;
                 Ok(out)
             };
@@ -289,10 +289,10 @@ fn run(scenario: &str) -> anyhow::Result<()> {
         "cuda_staging_disagrees" => {
             // The ranks were given different cuda_direct_staged_bytes: a
             // clear error on every rank, not a timeout.
-            let g = weft_cuda_runtime::gpu().map_err(anyhow::Error::msg)?;
+            let g = weft_cuda_driver::gpu().map_err(anyhow::Error::msg)?;
             let addr = g.alloc(0, 4096)?;
             // SAFETY: 1024 f32 of device memory, alive until the process exits.
-            let t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, weft::DType::F32, 0, &[1024]) }?;
+            let t = unsafe { weft_cuda_driver::tensor_mut_from_raw(addr, weft::DType::F32, 0, &[1024]) }?;
             let o = o.clone().hint("cuda_algorithm", "direct").timeout(Duration::from_secs(20));
             let e = pg.all_reduce(t, ReduceOp::Sum, &o)?.synchronize().err().ok_or_else(|| anyhow::anyhow!("no error"))?;
             anyhow::ensure!(e.kind() == &ErrorKind::InvalidArgument && e.to_string().contains("cuda_direct_staged_bytes"), "rank {r}: {e}");
@@ -305,11 +305,11 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             if r == victim {
                 sigkill_self_after(Duration::from_millis(300));
             }
-            let g = weft_cuda_runtime::gpu().map_err(anyhow::Error::msg)?;
+            let g = weft_cuda_driver::gpu().map_err(anyhow::Error::msg)?;
             let n = 4 << 20;
             let addr = g.alloc(0, n * 4)?;
             // SAFETY: n f32 of device memory, alive until the process exits.
-            let mut t = unsafe { weft_cuda_runtime::tensor_mut_from_raw(addr, weft::DType::F32, 0, &[n]) }?;
+            let mut t = unsafe { weft_cuda_driver::tensor_mut_from_raw(addr, weft::DType::F32, 0, &[n]) }?;
             loop {
                 if let Err(e) = pg.all_reduce(t.reborrow(), ReduceOp::Sum, &o)?.synchronize() {
                     println!("rank {r}: {e}");
