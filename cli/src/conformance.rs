@@ -12,7 +12,7 @@ pub fn main(nproc: usize, backend: &str, count: usize, device: &str) -> Result<i
         return launcher::relaunch_local(nproc, args.iter().map(|a| a.to_string()).collect(), Some(Duration::from_secs(600)));
     }
     // A path loads that plugin; a name must be registered (built-in or on WEFT_PLUGIN_PATH).
-    let name = if backend.contains('/') || backend.ends_with(".so") { weft::plugin::load(backend)? } else { backend.to_string() };
+    let name = if backend.contains('/') || backend.ends_with(".so") { weft::registry::load_plugin(backend)? } else { backend.to_string() };
     let pg = ProcessGroup::from_env(GroupOptions::from_env()?.backend(name.as_str()).timeout(Duration::from_secs(60)))?;
     let place = match device {
         "cpu" => None,

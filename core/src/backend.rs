@@ -11,7 +11,7 @@ pub use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use crate::reduce_op::ReduceOp;
 use crate::store::Store;
-use crate::tensor::{SparseCoo, SparseCooTensor, Tensor, TensorMut};
+use crate::tensor::{DeviceKind, Layout, SparseCoo, SparseCooTensor, Tensor, TensorMut};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -379,6 +379,31 @@ impl OpContext {
     pub fn remaining(&self) -> Duration {
         self.deadline.get().saturating_duration_since(Instant::now())
     }
+}
+
+/// A backend the registry can create ([`crate::registry`]).
+pub trait BackendFactory: Send + Sync {
+    /// Unique name (`"cpu-tcp"`).
+    fn name(&self) -> &str;
+    /// Device kinds it handles.
+    fn devices(&self) -> &[DeviceKind];
+    /// Layouts it handles.
+    fn layouts(&self) -> &[Layout];
+    /// Rank in `auto` (higher first; built-in cpu-tcp is 10).
+    fn priority(&self) -> i32 {
+        0
+    }
+    /// `Err(why)` when it cannot work on this machine (default: usable).
+    fn probe(&self) -> std::result::Result<(), String> {
+        Ok(())
+    }
+    /// Where it comes from (`"built-in"` or a plugin file).
+    fn origin(&self) -> String {
+        "built-in".into()
+    }
+    /// Create an instance for one group (collective: every rank calls it).
+    /// An `Unsupported` error lets `auto` fall back to the next candidate.
+    fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>>;
 }
 
 /// What a backend is given when a group creates it.

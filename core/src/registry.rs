@@ -1,8 +1,10 @@
 //! Which backends exist, and which one handles which tensors.
 //!
 //! Built-in backends register statically with [`inventory`] (see
-//! [`StaticBackend`]); others (plugins) with [`register`]. A spec chooses
-//! among them per device:
+//! [`StaticBackend`]); others with [`register`], plugins with
+//! [`load_plugin`] or through `WEFT_PLUGIN_PATH` (read the first time the
+//! registry is used; [`crate::plugin`] opens and checks the libraries). A
+//! spec chooses among them per device:
 //!
 //! - `"auto"`: for every (device, layout), the available backend with the
 //!   highest priority, falling back down the list;
@@ -13,35 +15,12 @@
 //! `weft-builtin` facade crate (and call `weft_builtin::link()`) to be sure
 //! every built-in backend is present.
 
+pub use crate::backend::BackendFactory;
 use crate::backend::{Backend, BackendContext};
 use crate::error::{Error, Result};
 use crate::tensor::{DeviceKind, Layout};
-use std::sync::{Arc, OnceLock, RwLock};
-
-/// A backend the registry can create.
-pub trait BackendFactory: Send + Sync {
-    /// Unique name (`"cpu-tcp"`).
-    fn name(&self) -> &str;
-    /// Device kinds it handles.
-    fn devices(&self) -> &[DeviceKind];
-    /// Layouts it handles.
-    fn layouts(&self) -> &[Layout];
-    /// Rank in `auto` (higher first; built-in cpu-tcp is 10).
-    fn priority(&self) -> i32 {
-        0
-    }
-    /// `Err(why)` when it cannot work on this machine (default: usable).
-    fn probe(&self) -> std::result::Result<(), String> {
-        Ok(())
-    }
-    /// Where it comes from (`"built-in"` or a plugin file).
-    fn origin(&self) -> String {
-        "built-in".into()
-    }
-    /// Create an instance for one group (collective: every rank calls it).
-    /// An `Unsupported` error lets `auto` fall back to the next candidate.
-    fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>>;
-}
+use std::path::Path;
+use std::sync::{Arc, Mutex, Once, OnceLock, RwLock};
 
 /// A static registration: `inventory::submit! { StaticBackend(&MY_FACTORY) }`.
 pub struct StaticBackend(pub &'static dyn BackendFactory);
@@ -100,10 +79,44 @@ pub fn register(factory: Arc<dyn BackendFactory>) -> Result<()> {
     Ok(())
 }
 
+/// Failures met while loading `WEFT_PLUGIN_PATH`'s plugins.
+static PLUGIN_ERRORS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Load the plugin at `path`, register its backend, and return its name.
+pub fn load_plugin(path: impl AsRef<Path>) -> Result<String> {
+    let factory = crate::plugin::open(path.as_ref())?;
+    let name = factory.name().to_string();
+    register(Arc::new(factory))?;
+    Ok(name)
+}
+
+/// Failures met while loading `WEFT_PLUGIN_PATH` (empty when unset).
+pub fn plugin_errors() -> Vec<String> {
+    PLUGIN_ERRORS.lock().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
+/// Register `WEFT_PLUGIN_PATH`'s plugins, once; every failure is kept.
+fn load_env_plugins_once() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let mut errors = Vec::new();
+        for (file, opened) in crate::plugin::from_env(&mut errors) {
+            match opened.and_then(|f| register(Arc::new(f))) {
+                Ok(()) => crate::log::debug(format_args!("loaded plugin {}", file.display())),
+                Err(e) => errors.push(e.to_string()),
+            }
+        }
+        for e in &errors {
+            crate::log::info(format_args!("{e}"));
+        }
+        PLUGIN_ERRORS.lock().unwrap_or_else(|p| p.into_inner()).extend(errors);
+    });
+}
+
 /// Every registered backend, highest priority first (plugins on
 /// `WEFT_PLUGIN_PATH` are loaded the first time this is called).
 pub fn backends() -> Vec<Arc<dyn BackendFactory>> {
-    crate::plugin::load_env_once();
+    load_env_plugins_once();
     let mut v = registry().read().unwrap_or_else(|p| p.into_inner()).clone();
     v.sort_by(|a, b| b.priority().cmp(&a.priority()).then_with(|| a.name().cmp(b.name())));
     v
@@ -137,7 +150,7 @@ pub fn plan(spec: &str) -> Result<Plan> {
     let regs = backends();
     let names = || {
         let mut s = regs.iter().map(|f| f.name().to_string()).collect::<Vec<_>>().join(", ");
-        let failed = crate::plugin::load_errors();
+        let failed = plugin_errors();
         if !failed.is_empty() {
             s += &format!("; plugins that failed to load: {}", failed.join("; "));
         }
@@ -231,6 +244,6 @@ pub fn describe() -> Vec<String> {
             )
         })
         .collect();
-    lines.extend(crate::plugin::load_errors().into_iter().map(|e| format!("failed plugin: {e}")));
+    lines.extend(plugin_errors().into_iter().map(|e| format!("failed plugin: {e}")));
     lines
 }

@@ -31,9 +31,9 @@ fn p2p(spec: &str, w: usize) {
 fn c_plugin_passes_conformance_at_world_sizes_2_to_5() {
     let dir = scratch("c-uds");
     let lib = c_uds(&dir, "libweft-backend-c-uds.so", &[]);
-    assert_eq!(weft::plugin::load(&lib).unwrap(), "c-uds");
+    assert_eq!(weft::registry::load_plugin(&lib).unwrap(), "c-uds");
     // Loading another library with the same backend name is refused.
-    let e = weft::plugin::load(&lib).unwrap_err();
+    let e = weft::registry::load_plugin(&lib).unwrap_err();
     assert!(e.to_string().contains("already registered"), "{e}");
     assert!(weft::registry::describe().iter().any(|l| l.contains("c-uds") && l.contains("ABI v1")));
     for w in 2..=5 {
@@ -89,15 +89,15 @@ fn misbehaving_plugins_give_precise_errors() {
     ];
     for (name, text, needle) in cases {
         let lib = cc_text(&dir, name, &text, &[]);
-        let e = weft::plugin::load(&lib).unwrap_err();
+        let e = weft::registry::load_plugin(&lib).unwrap_err();
         assert!(e.to_string().contains(needle) && e.to_string().contains(lib.to_str().unwrap()), "{name}: {e}");
     }
-    let e = weft::plugin::load(dir.join("libweft-backend-missing.so")).unwrap_err();
+    let e = weft::registry::load_plugin(dir.join("libweft-backend-missing.so")).unwrap_err();
     assert!(e.to_string().contains("does not exist"), "{e}");
 
     // An init failure is a group-creation error naming the plugin, file and message.
     let lib = cc_text(&dir, "initfail", &table("weft_backend_v1", "initfail", "1", "sizeof(weft_backend_v1_t)"), &[]);
-    assert_eq!(weft::plugin::load(&lib).unwrap(), "initfail");
+    assert_eq!(weft::registry::load_plugin(&lib).unwrap(), "initfail");
     let store: std::sync::Arc<dyn weft::store::Store> = std::sync::Arc::new(weft::store::MemoryStore::new(Duration::from_secs(5)));
     let e = ProcessGroup::new(store, 0, 1, options("initfail")).unwrap_err();
     let m = e.to_string();
@@ -108,7 +108,7 @@ fn misbehaving_plugins_give_precise_errors() {
 fn an_op_failing_on_one_rank_is_an_error_there_and_never_a_hang_elsewhere() {
     let dir = scratch("opfail");
     let lib = c_uds(&dir, "libweft-backend-c-uds-failing.so", &["WEFT_UDS_TEST_FAIL_RANK=1", "WEFT_UDS_NAME=\"c-uds-failing\""]);
-    assert_eq!(weft::plugin::load(&lib).unwrap(), "c-uds-failing");
+    assert_eq!(weft::registry::load_plugin(&lib).unwrap(), "c-uds-failing");
     let start = std::time::Instant::now();
     let errors = run_threads(3, options("c-uds-failing"), |pg| {
         let mut v = vec![1f32; 64];
@@ -129,7 +129,7 @@ fn an_op_failing_on_one_rank_is_an_error_there_and_never_a_hang_elsewhere() {
 #[test]
 fn rust_sdk_builds_cpu_tcp_as_a_plugin_that_passes_conformance() {
     let lib = example_lib("cpu_tcp_plugin");
-    assert_eq!(weft::plugin::load(&lib).unwrap(), "cpu-tcp-plugin");
+    assert_eq!(weft::registry::load_plugin(&lib).unwrap(), "cpu-tcp-plugin");
     conformance("cpu-tcp-plugin", 3);
     for w in 2..=5 {
         p2p("cpu-tcp-plugin", w);
@@ -184,7 +184,7 @@ fn plugin_path_directories_resolve_names_to_libweft_backend_files() {
 #[test]
 fn a_panicking_rust_plugin_reports_an_error_and_the_host_survives() {
     let lib = example_lib("panicking_plugin");
-    assert_eq!(weft::plugin::load(&lib).unwrap(), "panicking");
+    assert_eq!(weft::registry::load_plugin(&lib).unwrap(), "panicking");
     let store: std::sync::Arc<dyn weft::store::Store> = std::sync::Arc::new(weft::store::MemoryStore::new(Duration::from_secs(5)));
     let e = ProcessGroup::new(store, 0, 1, options("panicking").hint("panic_in", "init")).unwrap_err();
     assert!(e.to_string().contains("init panicked: deliberate panic in init"), "{e}");

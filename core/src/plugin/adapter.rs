@@ -3,10 +3,10 @@
 
 use super::abi::{self, BackendV1, InitV1, P2pV1};
 use super::host::{self, HostState};
+use crate::backend::BackendFactory;
 use crate::backend::{Backend, BackendContext, Op, OpContext, P2p};
 use crate::error::{Error, Result};
 use crate::progress::{Done, Post};
-use crate::registry::BackendFactory;
 use crate::tensor::{Device, DeviceKind, Layout};
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::sync::Arc;

@@ -1,12 +1,14 @@
 //! Third-party backends loaded from shared libraries through a small,
 //! versioned C ABI (`core/include/weft_plugin.h`).
 //!
-//! - [`load`] loads one plugin by path and registers it.
+//! - [`open`] loads and checks one plugin (it does not register it:
+//!   [`crate::registry::load_plugin`] does both).
 //! - `WEFT_PLUGIN_PATH` (`:`-separated directories and/or files) is read
 //!   once, the first time the registry is used: every file listed and every
-//!   `libweft-backend-*.so` in a listed directory is loaded. Nothing is
-//!   printed when it is unset; every failure is kept ([`load_errors`]) and
-//!   shown by `weft info` and by errors about unknown backends.
+//!   `libweft-backend-*.so` in a listed directory is loaded and registered
+//!   there. Nothing is printed when it is unset; every failure is kept
+//!   ([`crate::registry::plugin_errors`]) and shown by `weft info` and by
+//!   errors about unknown backends.
 //! - Libraries are opened with `RTLD_NOW | RTLD_LOCAL` and never unloaded.
 
 pub mod abi;
@@ -21,7 +23,7 @@ use crate::tensor::{DeviceKind, Layout};
 use abi::BackendV1;
 use std::ffi::CStr;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, Once};
+use std::sync::Arc;
 
 /// Environment variable listing plugin directories and files.
 pub const ENV_PLUGIN_PATH: &str = "WEFT_PLUGIN_PATH";
@@ -30,66 +32,44 @@ pub const ABI_VERSION: u32 = abi::ABI_VERSION;
 /// File-name prefix of plugins found in a directory.
 pub const FILE_PREFIX: &str = "libweft-backend-";
 
-static ERRORS: Mutex<Vec<String>> = Mutex::new(Vec::new());
-
-/// Load the plugin at `path`, register its backend, and return its name.
-pub fn load(path: impl AsRef<Path>) -> Result<String> {
-    let factory = open(path.as_ref())?;
-    let name = factory.name.clone();
-    crate::registry::register(Arc::new(factory))?;
-    Ok(name)
-}
-
-/// Failures met while loading `WEFT_PLUGIN_PATH` (empty when unset).
-pub fn load_errors() -> Vec<String> {
-    ERRORS.lock().unwrap_or_else(|p| p.into_inner()).clone()
-}
-
-/// Load `WEFT_PLUGIN_PATH` once; called by the registry.
-pub(crate) fn load_env_once() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        let Ok(paths) = std::env::var(ENV_PLUGIN_PATH) else { return };
-        let mut errors = Vec::new();
-        for entry in paths.split(':').filter(|e| !e.is_empty()) {
-            let p = Path::new(entry);
-            let files: Vec<(PathBuf, Option<String>)> = if p.is_dir() {
-                let mut v: Vec<(PathBuf, Option<String>)> = std::fs::read_dir(p)
-                    .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).collect::<Vec<_>>())
-                    .unwrap_or_default()
-                    .into_iter()
-                    .filter_map(|f| {
-                        let n = f.file_name()?.to_str()?.to_string();
-                        let name = n.strip_prefix(FILE_PREFIX)?.strip_suffix(".so")?.to_string();
-                        Some((f, Some(name)))
-                    })
-                    .collect();
-                v.sort();
-                v
-            } else if p.exists() {
-                vec![(p.to_path_buf(), None)]
-            } else {
-                errors.push(format!("{ENV_PLUGIN_PATH} entry {entry} does not exist"));
-                continue;
-            };
-            for (file, expected) in files {
-                let r = open(&file).and_then(|f| match &expected {
-                    Some(n) if *n != f.name => {
-                        Err(Error::invalid(format!("{} exports backend {:?}, but its file name says {n:?}", file.display(), f.name)))
-                    }
-                    _ => Ok(f),
-                });
-                match r.and_then(|f| crate::registry::register(Arc::new(f))) {
-                    Ok(()) => crate::log::debug(format_args!("loaded plugin {}", file.display())),
-                    Err(e) => errors.push(e.to_string()),
+/// The plugins `WEFT_PLUGIN_PATH` lists (none when unset): each file
+/// found, opened and checked (a file in a listed directory must export the
+/// backend its name says). What cannot even be listed goes to `errors`.
+pub(crate) fn from_env(errors: &mut Vec<String>) -> Vec<(PathBuf, Result<PluginFactory>)> {
+    let Ok(paths) = std::env::var(ENV_PLUGIN_PATH) else { return Vec::new() };
+    let mut found = Vec::new();
+    for entry in paths.split(':').filter(|e| !e.is_empty()) {
+        let p = Path::new(entry);
+        let files: Vec<(PathBuf, Option<String>)> = if p.is_dir() {
+            let mut v: Vec<(PathBuf, Option<String>)> = std::fs::read_dir(p)
+                .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).collect::<Vec<_>>())
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(|f| {
+                    let n = f.file_name()?.to_str()?.to_string();
+                    let name = n.strip_prefix(FILE_PREFIX)?.strip_suffix(".so")?.to_string();
+                    Some((f, Some(name)))
+                })
+                .collect();
+            v.sort();
+            v
+        } else if p.exists() {
+            vec![(p.to_path_buf(), None)]
+        } else {
+            errors.push(format!("{ENV_PLUGIN_PATH} entry {entry} does not exist"));
+            continue;
+        };
+        for (file, expected) in files {
+            let opened = open(&file).and_then(|f| match &expected {
+                Some(n) if *n != f.name => {
+                    Err(Error::invalid(format!("{} exports backend {:?}, but its file name says {n:?}", file.display(), f.name)))
                 }
-            }
+                _ => Ok(f),
+            });
+            found.push((file, opened));
         }
-        for e in &errors {
-            crate::log::info(format_args!("{e}"));
-        }
-        ERRORS.lock().unwrap_or_else(|p| p.into_inner()).extend(errors);
-    });
+    }
+    found
 }
 
 /// Open and validate a plugin without registering it.
