@@ -473,9 +473,7 @@ pub trait Collectives<'t>: sealed::Sealed {
     /// ranks and both calls.
     fn all_reduce_sparse(&self, output: &'t mut SparseCoo, input: SparseCooTensor<'t>, op: ReduceOp, opts: &OpOptions) -> Result<Work<'t>> {
         let c = check(self, "all_reduce_sparse");
-        if !matches!(op, ReduceOp::Sum | ReduceOp::Min | ReduceOp::Max) {
-            return Err(c.fail(format!("sparse all_reduce supports sum, min and max, not {op}")));
-        }
+        crate::algorithms::sparse::op_code(op).map_err(|e| c.fail(e.message().to_string()))?;
         let dtype = input.values.dtype();
         c.reduce_op(op, dtype)?;
         if !input.indices.is_contiguous() || !input.values.is_contiguous() {

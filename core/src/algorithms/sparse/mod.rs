@@ -54,11 +54,15 @@ const ALGORITHMS: [&str; 5] = ["auto", "allgather", "recursive_doubling", "split
 /// The ops a sparse all-reduce supports, in header code order.
 const OPS: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max];
 
+/// `op`'s code in the header: the one check of a sparse all-reduce's op
+/// (the group's, when the op is issued, and here).
+pub(crate) fn op_code(op: ReduceOp) -> Result<usize> {
+    OPS.iter().position(|o| *o == op).ok_or_else(|| Error::invalid(format!("sparse all_reduce supports sum, min and max, not {op}")))
+}
+
 /// The sparse all-reduce of `input` into `output`.
 pub fn all_reduce(c: &Comm<'_>, input: &SparseCooTensor<'_>, output: &mut SparseCoo, op: ReduceOp) -> Result<()> {
-    let Some(op_code) = OPS.iter().position(|o| *o == op) else {
-        return Err(Error::invalid(format!("sparse all_reduce supports sum, min and max, not {op}")));
-    };
+    let op_code = op_code(op)?;
     if input.shape.len() > MAX_DIMS {
         return Err(Error::invalid(format!("sparse tensors have at most {MAX_DIMS} dims, got {}", input.shape.len())));
     }
