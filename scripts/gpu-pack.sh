@@ -8,17 +8,25 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -q -p weft-cli -p weft-tests
-test_bin=$(cargo test --release -q -p weft-tests --test cuda --no-run --message-format=json \
-  | python3 -c 'import json,sys
+# The CUDA test binaries: tests/tests/cuda.rs and each CUDA backend
+# crate's conformance tests, as NAME PATH lines.
+bins=$(cargo test --release -q -p weft-tests -p weft-cuda-device -p weft-cuda-host-staging --test cuda --test conformance --no-run \
+  --message-format=json | python3 -c 'import json,sys
+names = {"tests/tests/cuda.rs": "cuda-test", "cuda-device/tests/conformance.rs": "cuda-device-conformance",
+         "cuda-host-staging/tests/conformance.rs": "cuda-host-staging-conformance"}
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "cuda" and m.get("executable"):
-        print(m["executable"])')
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        for suffix, name in names.items():
+            if m["target"]["src_path"].endswith("/" + suffix):
+                print(name, m["executable"])')
 mkdir -p .gpu
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo '/.gpu/' >>.git/info/exclude; }
 strip -o .gpu/weft target/release/weft
 strip -o .gpu/weft-test-worker target/release/weft-test-worker
-strip -o .gpu/cuda-test "$test_bin"
+while read -r name path; do
+  strip -o ".gpu/$name" "$path"
+done <<<"$bins"
 wheels=$(mktemp -d)
 (cd python && "${MATURIN:-maturin}" build --release -q -o "$wheels")
 python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract("weft/_weft.abi3.so", sys.argv[2])' "$wheels"/weft-*.whl "$wheels"

@@ -44,10 +44,12 @@ if [[ -n ${WEFT_PREBUILT:-} ]]; then
   cp "$WEFT_PREBUILT/weft" "$WEFT_PREBUILT/weft-test-worker" target/release/
   cp "$WEFT_PREBUILT/_weft.abi3.so" python/weft/
   export WEFT_TEST_WORKER=$PWD/target/release/weft-test-worker
-  cuda_tests=("$WEFT_PREBUILT/cuda-test" --test-threads=1)
+  cuda_tests=(bash -c 'for t in "$0"/cuda-test "$0"/cuda-device-conformance "$0"/cuda-host-staging-conformance; do
+    "$t" --test-threads=1 || exit 1; done' "$WEFT_PREBUILT")
 else
   cargo build --release -q -p weft-cli -p weft-tests || exit 1
-  cuda_tests=(cargo test --release -q -p weft-tests --test cuda -- --test-threads=1)
+  cuda_tests=(cargo test --release -q -p weft-tests -p weft-cuda-device -p weft-cuda-host-staging --test cuda --test conformance
+    -- --test-threads=1)
 fi
 weft=target/release/weft
 "$weft" info

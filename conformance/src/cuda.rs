@@ -2,10 +2,32 @@
 //! the emulation under `WEFT_CUDA_EMULATION`).
 
 use crate::placement::{Placement, SharedPlacement};
+use crate::{checks_on_threads, summary, Check};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use weft::{Device, Error, StreamHandle};
+use weft::{Device, Error, GroupOptions, ProcessGroup, StreamHandle};
 use weft_cuda_driver::{synchronize_stream, Gpu};
+
+/// Run `suite` on `w` ranks that are threads of this process, in a group
+/// of backend `spec` (`"cpu:NAME,cuda:NAME"`, linked) with group `hints`,
+/// every tensor in the memory of CUDA device 0 (a stream of each rank's
+/// own); panics with the failing checks' table if any rank has one. The GPU
+/// is weft's emulated one unless `WEFT_TEST_REAL_GPU=1`: a CUDA backend's
+/// conformance tests run in CI and, unchanged, on a real GPU.
+pub fn on_threads(spec: &str, hints: &[(&str, &str)], w: usize, suite: fn(&ProcessGroup, SharedPlacement) -> Vec<Check>) {
+    if std::env::var("WEFT_TEST_REAL_GPU").as_deref() != Ok("1") {
+        weft_cuda_driver::emulate(1).expect("the emulated GPU");
+    }
+    let mut opts = GroupOptions::default().backend(spec).timeout(Duration::from_secs(60));
+    for (k, v) in hints {
+        opts = opts.hint(*k, *v);
+    }
+    let results = checks_on_threads(opts, w, |pg| suite(pg, placement(0).expect("CUDA device 0")));
+    for (rank, checks) in results.iter().enumerate() {
+        let (table, ok) = summary(checks);
+        assert!(ok, "{spec} {hints:?} W={w}, rank {rank}:\n{table}");
+    }
+}
 
 /// CUDA device `ordinal` with a stream of its own as the caller's stream.
 pub fn placement(ordinal: usize) -> weft::Result<SharedPlacement> {

@@ -20,28 +20,16 @@ fn gpu() -> Arc<dyn Gpu> {
 }
 
 /// Run `suite` on `w` ranks of `spec` (with group `hints`) on the emulated
-/// GPU; every check must pass on every rank.
+/// GPU (or the real one, `WEFT_TEST_REAL_GPU=1`); every check must pass on
+/// every rank.
 fn checked(
     w: usize,
     spec: &str,
     hints: &[(&str, &str)],
     suite: fn(&ProcessGroup, weft_conformance::SharedPlacement) -> Vec<weft_conformance::Check>,
 ) {
-    let _ = gpu();
-    let mut opts = options(spec);
-    for (k, v) in hints {
-        opts = opts.hint(*k, *v);
-    }
-    let label = format!("{spec} {hints:?} W={w}");
-    let results = run_threads(w, opts, move |pg| suite(&pg, weft_conformance::cuda::placement(0).unwrap()));
-    for (r, checks) in results.iter().enumerate() {
-        let (table, ok) = weft_conformance::summary(checks);
-        assert!(ok, "{label}, rank {r}:\n{table}");
-    }
-}
-
-fn conformance(w: usize, spec: &str, hints: &[(&str, &str)]) {
-    checked(w, spec, hints, |pg, place| weft_conformance::run_on(pg, 37, Some(place)));
+    weft_builtin::link();
+    weft_conformance::cuda::on_threads(spec, hints, w, suite);
 }
 
 /// The ring exchange and batches on the emulated GPU through a CUDA backend.
@@ -71,46 +59,6 @@ fn cuda_point_to_point_progresses_together_through_both_backends() {
         p2p(w, "cpu:cpu-tcp,cuda:cuda-host-staging", &[]);
         p2p(w, "cpu:shm,cuda:cuda-device", &[]);
     }
-}
-
-#[test]
-fn host_staging_passes_conformance_pipelined_over_cpu_tcp() {
-    for w in 1..=4 {
-        // 64-byte chunks: every op is cut into many chunks through 3 slots.
-        conformance(w, "cpu:cpu-tcp,cuda:cuda-host-staging", &[("staging_chunk_bytes", "64")]);
-    }
-}
-
-#[test]
-fn host_staging_passes_conformance_over_shm_whole_and_default() {
-    for w in [2, 3] {
-        conformance(w, "cpu:shm,cuda:cuda-host-staging", &[("staging", "whole")]);
-        conformance(w, "cpu:shm,cuda:cuda-host-staging", &[]);
-    }
-}
-
-#[test]
-fn cuda_device_ring_passes_conformance_with_in_process_peers() {
-    for w in 1..=4 {
-        // 64-byte slots: every block is many pieces cycling through the slots.
-        conformance(w, "cpu:shm,cuda:cuda-device", &[("cuda_slot_bytes", "64"), ("cuda_algorithm", "ring")]);
-    }
-    // Neighbours' events waited for on the host (the default only for
-    // other processes on the same GPU, as in the test below).
-    conformance(3, "cpu:shm,cuda:cuda-device", &[("cuda_slot_bytes", "64"), ("cuda_wait", "host"), ("cuda_algorithm", "ring")]);
-}
-
-#[test]
-fn cuda_device_direct_passes_conformance_with_in_process_peers() {
-    // W=1 has nothing to map: the ring's no-op serves, also where direct is asked for.
-    conformance(1, "cpu:shm,cuda:cuda-device", &[("cuda_algorithm", "direct")]);
-    for w in 2..=5 {
-        // Staged through the staging buffers (small ops), and not.
-        conformance(w, "cpu:shm,cuda:cuda-device", &[("cuda_algorithm", "direct")]);
-        conformance(w, "cpu:shm,cuda:cuda-device", &[("cuda_algorithm", "direct"), ("cuda_direct_staged_bytes", "0")]);
-    }
-    conformance(3, "cpu:shm,cuda:cuda-device", &[("cuda_wait", "host"), ("cuda_algorithm", "direct")]);
-    conformance(3, "cpu:cpu-tcp,cuda:auto", &[]);
 }
 
 /// What the worker processes need to find a GPU: the emulation, unless
