@@ -14,7 +14,7 @@
 //!
 //! [`Backend::native_algorithms`]: crate::backend::Backend::native_algorithms
 
-use crate::backend::{Op, OpContext};
+use crate::backend::{OpContext, OpKind};
 use crate::error::{Error, Result};
 
 /// Environment variable with `op=algorithm` pairs for the whole group.
@@ -23,15 +23,15 @@ pub const ENV_ALGORITHM: &str = "WEFT_ALGORITHM";
 /// The op families an algorithm is chosen for.
 pub const FAMILIES: [&str; 5] = ["all_reduce", "broadcast", "reduce", "all_to_all", "all_gather"];
 
-/// The family `op` belongs to, if an algorithm is chosen for it (other
-/// ops have one way to run, and ignore an `algorithm` hint).
-pub fn family(op: &Op<'_>) -> Option<&'static str> {
-    Some(match op {
-        Op::AllReduce { .. } => "all_reduce",
-        Op::Broadcast { .. } => "broadcast",
-        Op::Reduce { .. } => "reduce",
-        Op::AllToAll { .. } => "all_to_all",
-        Op::AllGather { .. } => "all_gather",
+/// The family an op of `kind` belongs to, if an algorithm is chosen for it
+/// (other ops have one way to run, and ignore an `algorithm` hint).
+pub fn family(kind: OpKind) -> Option<&'static str> {
+    Some(match kind {
+        OpKind::AllReduce => "all_reduce",
+        OpKind::Broadcast => "broadcast",
+        OpKind::Reduce => "reduce",
+        OpKind::AllToAll => "all_to_all",
+        OpKind::AllGather => "all_gather",
         _ => return None,
     })
 }

@@ -64,14 +64,7 @@ pub fn run_ranks<T: Send>(w: usize, kind: OpKind, f: impl Fn(usize, &dyn Backend
 /// The algorithm a hint names for an op of `kind`, as a group settles it
 /// when the op is issued.
 fn algorithm(kind: OpKind, hints: &std::collections::HashMap<String, String>) -> Option<&'static str> {
-    let family = match kind {
-        OpKind::AllReduce => "all_reduce",
-        OpKind::Broadcast => "broadcast",
-        OpKind::Reduce => "reduce",
-        OpKind::AllToAll => "all_to_all",
-        OpKind::AllGather => "all_gather",
-        _ => return None,
-    };
+    let family = super::select::family(kind)?;
     super::select::forced(family, Some(hints.get("algorithm")?), &Default::default(), &[]).expect("a known algorithm")
 }
 

@@ -13,7 +13,7 @@ use crate::options::OpOptions;
 impl GroupCore {
     /// Settle `job`'s algorithm from `opts` and the group's setting.
     pub(crate) fn decide(&self, job: &mut Job<'_>, opts: &OpOptions) -> Result<()> {
-        let Some(family) = select::family(&job.op) else { return Ok(()) };
+        let Some(family) = select::family(job.kind) else { return Ok(()) };
         // (`is_empty` first: no hashing on the common path.)
         let hint = if opts.hints.is_empty() { None } else { opts.hints.get("algorithm").map(String::as_str) };
         let natives = self.backend(job.route).map_or(&[][..], |b| b.native_algorithms(family));
