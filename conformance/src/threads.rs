@@ -31,11 +31,21 @@ pub fn on_threads(spec: &str, w: usize, suite: fn(&ProcessGroup) -> Vec<Check>) 
 /// groups made with `opts` over an in-process store, by rank (a rank that
 /// panics panics here).
 pub fn checks_on_threads(opts: GroupOptions, w: usize, suite: impl Fn(&ProcessGroup) -> Vec<Check> + Sync) -> Vec<Vec<Check>> {
+    checks_on_threads_each(|_| opts.clone(), w, suite)
+}
+
+/// As [`checks_on_threads`], rank r's group made with `opts(r)` (a hint of
+/// its own, such as the host it emulates: `host_id`).
+pub fn checks_on_threads_each(
+    opts: impl Fn(usize) -> GroupOptions,
+    w: usize,
+    suite: impl Fn(&ProcessGroup) -> Vec<Check> + Sync,
+) -> Vec<Vec<Check>> {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new(Duration::from_secs(60)));
     std::thread::scope(|s| {
         let ranks: Vec<_> = (0..w)
             .map(|rank| {
-                let (store, opts, suite) = (store.clone(), opts.clone(), &suite);
+                let (store, opts, suite) = (store.clone(), opts(rank), &suite);
                 s.spawn(move || {
                     let pg = ProcessGroup::new(store, rank, w, opts).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
                     suite(&pg)

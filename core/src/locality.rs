@@ -2,10 +2,9 @@
 //! (every rank publishes its host identity), never from LOCAL_WORLD_SIZE.
 //! Backends that need one host (shm, CUDA IPC) check it at creation.
 
+use crate::backend::BackendContext;
 use crate::error::{Error, Result};
-use crate::store::Store;
 use std::os::unix::fs::MetadataExt;
-use std::time::Duration;
 
 /// Environment variable overriding the host identity (tests; containers
 /// that share a kernel but not /dev/shm).
@@ -27,12 +26,22 @@ pub fn host_id() -> String {
     format!("{host}/{}/{shm}", boot.trim())
 }
 
-/// `Ok` if every rank published the same identity, else `Unsupported`
-/// naming the first rank on another host. `who` names the backend asking
-/// (each asks in its own store namespace).
-pub fn check(who: &str, store: &dyn Store, rank: usize, size: usize, timeout: Duration) -> Result<()> {
-    let me = host_id();
-    for (r, other) in crate::store::all_gather(store, "host", rank, size, timeout, me.as_bytes())?.into_iter().enumerate() {
+/// Group hint overriding the host identity for one rank's group (ranks that
+/// are threads of one process, emulating several hosts in a test).
+pub const HINT_HOST_ID: &str = "host_id";
+
+/// The host identity a backend being created sees: the group's hint
+/// [`HINT_HOST_ID`], else [`host_id`].
+pub fn host_of(ctx: &BackendContext) -> String {
+    ctx.hints.get(HINT_HOST_ID).cloned().unwrap_or_else(host_id)
+}
+
+/// `Ok` if every rank published the same identity ([`host_of`]), else
+/// `Unsupported` naming the first rank on another host. `who` names the
+/// backend asking (each asks in its own store namespace).
+pub fn check(who: &str, ctx: &BackendContext) -> Result<()> {
+    let (rank, me) = (ctx.rank, host_of(ctx));
+    for (r, other) in crate::store::all_gather(&*ctx.store, "host", rank, ctx.size, ctx.timeout, me.as_bytes())?.into_iter().enumerate() {
         if other != me.as_bytes() {
             return Err(Error::unsupported(format!(
                 "{who} needs every rank on one host: rank {rank} is on {me}, rank {r} on {}",

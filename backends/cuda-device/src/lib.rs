@@ -54,7 +54,7 @@ impl BackendFactory for CudaDevice {
     fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
         let staging = Staging::for_group(&ctx, "cuda-device")?;
         let gpu = staging.gpu();
-        weft::locality::check("cuda-device", &*ctx.store, ctx.rank, ctx.size, ctx.timeout)?;
+        weft::locality::check("cuda-device", &ctx)?;
         let ring = Peers::connect(&ctx, gpu.clone())?;
         let stream = gpu.new_stream(ring.device)?;
         Ok(Arc::new(DeviceBackend { staging, ring: Mutex::new(ring), stream }))

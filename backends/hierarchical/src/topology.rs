@@ -15,7 +15,7 @@ pub struct Topology {
 impl Topology {
     /// Collective: every rank of the group calls it.
     pub fn discover(ctx: &BackendContext) -> Result<Topology> {
-        let all = weft::store::all_gather(&*ctx.store, "host", ctx.rank, ctx.size, ctx.timeout, weft::locality::host_id().as_bytes())?;
+        let all = weft::store::all_gather(&*ctx.store, "host", ctx.rank, ctx.size, ctx.timeout, weft::locality::host_of(ctx).as_bytes())?;
         let mut ids: Vec<Vec<u8>> = Vec::new();
         let mut hosts: Vec<Vec<usize>> = Vec::new();
         for (r, id) in all.into_iter().enumerate() {

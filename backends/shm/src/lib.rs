@@ -49,7 +49,7 @@ impl BackendFactory for ShmFactory {
     fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
         let deadline = ctx.setup_deadline();
         let left = || deadline.saturating_duration_since(std::time::Instant::now());
-        weft::locality::check("shm", &*ctx.store, ctx.rank, ctx.size, ctx.timeout)?;
+        weft::locality::check("shm", &ctx)?;
         // Rank 0 creates the segment (its ring size from the free space it
         // sees) and publishes how to open it: every rank uses that layout.
         let (seg, cap) = if ctx.rank == 0 {
