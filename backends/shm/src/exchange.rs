@@ -8,19 +8,16 @@
 //! (`cma.rs`).
 
 use crate::cma;
-use crate::transport::{ShmBackend, CMA_SPIN, NAP, PAUSE_SPIN, SPIN};
+use crate::posted::{Engine, OpState, Peer, CMA_FLAG, HEADER};
+use crate::state::{ShmBackend, CMA_SPIN, NAP, PAUSE_SPIN, SPIN};
 use smallvec::{smallvec, SmallVec};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use weft::backend::{Backend, Gather, GatherSend, P2p, ANY_SOURCE};
-use weft::matching::{self, Early, EarlyBudget, Inbound};
+use weft::matching::{self, Early};
 use weft::progress::{Post, Posting, Table};
 use weft::{Error, Result};
 
-/// Frame header: tag and length.
-const HEADER: usize = 16;
-/// Set in a header's length: a single-copy descriptor follows (see `cma`).
-const CMA_FLAG: u64 = 1 << 63;
 /// A receiver waiting for a pushed offer pulls it itself if the sender has
 /// claimed none of it by then (the sender is not running).
 const STEAL: Duration = Duration::from_micros(50);
@@ -33,45 +30,6 @@ const CANCEL_GRACE: Duration = Duration::from_millis(500);
 /// gone): handing the buffer back meanwhile would let it write there
 /// after the caller has it again.
 const RUNNING_GRACE: Duration = Duration::from_secs(10);
-
-/// One peer's state, kept across exchanges: what is arriving from it, and
-/// the single-copy state of what this rank sends it.
-#[derive(Default)]
-pub(crate) struct Peer {
-    hdr: [u8; HEADER + cma::DESCRIPTOR],
-    hdr_got: usize,
-    inbound: Inbound,
-    /// A single-copy frame whose payload is still to be read.
-    cma_in: Option<cma::Offer>,
-    /// Sequence of the last single-copy send to this peer.
-    out_seq: u64,
-    /// The peer cannot read this rank's memory: send inline.
-    refused: bool,
-    /// This rank cannot write the peer's memory: leave every chunk to it.
-    no_push: bool,
-    /// A pushed offer whose payload this rank waits for (destination
-    /// published, frame open), and since when.
-    awaiting: Option<(cma::Offer, Instant)>,
-}
-
-impl Peer {
-    /// The header bytes of the frame being read: a single-copy frame's
-    /// descriptor follows its header.
-    fn header_len(&self) -> usize {
-        let len = u64::from_le_bytes(self.hdr[8..16].try_into().expect("8 bytes"));
-        if self.hdr_got >= HEADER && len & CMA_FLAG != 0 {
-            HEADER + cma::DESCRIPTOR
-        } else {
-            HEADER
-        }
-    }
-
-    /// A whole frame header is read but its frame waits in the ring:
-    /// stashing it would pass the budget for early messages.
-    pub(crate) fn holds(&self) -> bool {
-        self.hdr_got >= HEADER && self.hdr_got == self.header_len()
-    }
-}
 
 /// What a send of an exchange sends: bytes in one buffer (which may go
 /// single-copy), or gathered bytes (always inline: written into the ring
@@ -98,31 +56,6 @@ fn send_of<'a>(ops: &'a [P2p<'_>], gathered: &[Option<&'a dyn Gather>], i: usize
         (P2p::Send { peer, tag, .. }, Some(g)) => Some((*peer, *tag, Out::Gathered(g))),
         (P2p::Send { peer, tag, data }, None) => Some((*peer, *tag, Out::Bytes(data))),
         (P2p::Recv { .. }, _) => None,
-    }
-}
-
-/// The engine's state for one posted op (sends only use it).
-#[derive(Clone, Copy, Default)]
-pub(crate) struct OpState {
-    /// Bytes of the frame written into the ring.
-    sent: usize,
-    /// The single-copy offer, if the send went that way.
-    offer: Option<cma::Offer>,
-}
-
-/// Every peer's inbound state and every posted op, driven by one thread at
-/// a time (see `weft::progress`).
-#[derive(Default)]
-pub(crate) struct Engine {
-    pub(crate) peers: Vec<Peer>,
-    table: Table<OpState>,
-}
-
-impl Engine {
-    /// Every peer's state, early messages kept within `budget`.
-    pub(crate) fn new(size: usize, budget: EarlyBudget) -> Engine {
-        let peer = || Peer { inbound: Inbound::default().with_budget(budget), ..Peer::default() };
-        Engine { peers: (0..size).map(|_| peer()).collect(), table: Table::default() }
     }
 }
 

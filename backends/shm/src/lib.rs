@@ -10,8 +10,10 @@ mod fastbox;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 mod liveness;
+mod posted;
 mod ring;
 mod segment;
+mod state;
 mod sync;
 mod transport;
 mod window;
@@ -53,8 +55,8 @@ impl BackendFactory for ShmFactory {
         // Rank 0 creates the segment (its ring size from the free space it
         // sees) and publishes how to open it: every rank uses that layout.
         let (seg, cap) = if ctx.rank == 0 {
-            let cap = transport::ring_cap(ctx.size, segment::available());
-            let len = transport::segment_len(ctx.size, cap);
+            let cap = state::ring_cap(ctx.size, segment::available());
+            let len = state::segment_len(ctx.size, cap);
             let made = weft::auth::random_u64().map(|n| format!("{n:x}")).and_then(|tag| Ok((segment::Segment::create(&tag, len)?, tag)));
             match made {
                 Ok((seg, tag)) => {
@@ -76,7 +78,7 @@ impl BackendFactory for ShmFactory {
             let fields: Vec<&str> = layout.split(' ').collect();
             let [pid, fd, tag, cap] = fields[..] else { return Err(bad()) };
             let (pid, fd, cap) = (pid.parse().map_err(|_| bad())?, fd.parse().map_err(|_| bad())?, cap.parse().map_err(|_| bad())?);
-            (segment::Segment::open(0, pid, fd, tag, transport::segment_len(ctx.size, cap)), cap)
+            (segment::Segment::open(0, pid, fd, tag, state::segment_len(ctx.size, cap)), cap)
         };
         // Every rank has opened it, or all fail together, naming the first
         // that could not; then rank 0 closes its descriptor (the mappings
@@ -100,7 +102,7 @@ impl BackendFactory for ShmFactory {
         let cma = forced.unwrap_or(Some(agreed));
         let oversubscribed = cores::oversubscribed(&*ctx.store, ctx.rank, ctx.size, left())?;
         let budget = weft::matching::EarlyBudget::from_env()?;
-        let backend = transport::ShmBackend::new(ctx.rank, ctx.size, seg, cap, cma, oversubscribed, budget);
+        let backend = state::ShmBackend::new(ctx.rank, ctx.size, seg, cap, cma, oversubscribed, budget);
         Ok(Arc::new_cyclic(|me| backend.knowing(me.clone())))
     }
 }

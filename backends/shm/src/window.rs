@@ -12,7 +12,7 @@
 
 use crate::fastbox::Waiter;
 use crate::segment::Segment;
-use crate::transport::ShmBackend;
+use crate::state::ShmBackend;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
