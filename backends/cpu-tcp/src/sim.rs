@@ -8,8 +8,9 @@
 //! after their data arrives, long messages by rendezvous among short ones).
 //!
 //! - Every seed's exchange completes with every byte where it belongs.
-//! - A rank that vanishes at any step of an exchange leaves the other with
-//!   every batch ended: done, or `PeerLost` naming it, before any deadline.
+//! - A rank that vanishes at any step of an exchange (every step of short
+//!   ones, 65 points along long ones) leaves the other with every batch
+//!   ended: done, or `PeerLost` naming it, before any deadline.
 //! - A rank that stalls for good leaves the other's batches to end at
 //!   their deadline, naming it, and the protocol usable for what follows.
 
@@ -138,8 +139,8 @@ struct Message {
 
 /// Sizes around every boundary the protocol has: empty, within and across
 /// a header, eager, the eager limit and just past it (rendezvous).
-fn size(rng: &mut Rng) -> usize {
-    match rng.below(20) {
+fn size(rng: &mut Rng, small: bool) -> usize {
+    match rng.below(if small { 13 } else { 20 }) {
         0..=2 => 0,
         3..=5 => 1,
         6..=8 => 7,
@@ -153,9 +154,14 @@ fn size(rng: &mut Rng) -> usize {
     }
 }
 
-fn messages(rng: &mut Rng, from: usize) -> Vec<Message> {
-    (0..1 + rng.below(8))
-        .map(|i| Message { tag: 1 + rng.below(3) as u64, data: (0..size(rng)).map(|k| (k * 31 + i * 7 + from * 101) as u8).collect() })
+/// A rank's messages: up to 8, or with `small` up to 3 of at most a header
+/// and a byte each (an exchange short enough to cut at every step).
+fn messages(rng: &mut Rng, from: usize, small: bool) -> Vec<Message> {
+    (0..1 + rng.below(if small { 3 } else { 8 }))
+        .map(|i| Message {
+            tag: 1 + rng.below(3) as u64,
+            data: (0..size(rng, small)).map(|k| (k * 31 + i * 7 + from * 101) as u8).collect(),
+        })
         .collect()
 }
 
@@ -232,10 +238,15 @@ struct Run {
 impl Run {
     /// Batches whose deadline is `deadline` after the start.
     fn new(seed: u64, deadline: Duration) -> Box<Run> {
+        Run::with(seed, deadline, false)
+    }
+
+    /// As `new`; `small`: a few short messages each (see `messages`).
+    fn with(seed: u64, deadline: Duration, small: bool) -> Box<Run> {
         let mut rng = Rng(seed);
         let room = [4096, 65536, 1 << 20, 8 << 20][rng.below(4)];
         let link = Rc::new(RefCell::new(Link { pipes: Default::default(), room, cut: false, rng: Rng(seed ^ 0x5eed) }));
-        let sent = [messages(&mut rng, 0), messages(&mut rng, 1)];
+        let sent = [messages(&mut rng, 0, small), messages(&mut rng, 1, small)];
         let got = [
             sent[1].iter().map(|m| vec![0xEE; m.data.len()]).collect::<Vec<_>>(),
             sent[0].iter().map(|m| vec![0xEE; m.data.len()]).collect::<Vec<_>>(),
@@ -405,6 +416,28 @@ fn a_rank_that_vanishes_at_any_step_leaves_the_other_with_every_batch_ended() {
             }
             run.link.borrow_mut().cut = true;
             // The deadline is an hour away: every batch must end on the cut.
+            run.until_ended([true, false], STEP, 100_000, &format!("seed {seed}, cut at step {cut}"));
+            for (i, o) in run.outcomes(0).iter().enumerate() {
+                if let Err(e) = o {
+                    assert_eq!(e.kind(), &ErrorKind::PeerLost { rank: 1 }, "seed {seed}, cut at {cut}, batch {i}: {e}");
+                }
+            }
+            run.check_received(0);
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_vanishes_at_every_step_of_short_exchanges_leaves_the_other_with_every_batch_ended() {
+    for seed in 0..40 {
+        let mut clean = Run::with(seed, Duration::from_secs(3600), true);
+        clean.until_ended([true, true], STEP, 100_000, &format!("seed {seed}"));
+        for cut in 0..=clean.step {
+            let mut run = Run::with(seed, Duration::from_secs(3600), true);
+            while run.step < cut {
+                run.tick([true, true], STEP);
+            }
+            run.link.borrow_mut().cut = true;
             run.until_ended([true, false], STEP, 100_000, &format!("seed {seed}, cut at step {cut}"));
             for (i, o) in run.outcomes(0).iter().enumerate() {
                 if let Err(e) = o {
