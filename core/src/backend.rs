@@ -362,6 +362,10 @@ pub struct OpContext {
     /// A backend's native path steps aside for a name it does not offer
     /// ([`Backend::native_algorithms`]).
     pub algorithm: Option<&'static str>,
+    /// Bytes per segment of pipelined steps: the op's hint `segment_bytes`,
+    /// else the group's, checked when the op was issued (`None`: core's
+    /// default, [`crate::algorithms::select::SEGMENT_BYTES`]).
+    pub segment_bytes: Option<usize>,
     /// Device ops: the caller's stream, captured at issue (`None`: the
     /// device's default stream).
     pub stream: Option<crate::stream::StreamHandle>,

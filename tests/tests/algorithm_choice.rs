@@ -115,6 +115,9 @@ fn a_name_nothing_serving_the_op_has_is_refused_when_issued() {
         assert!(e.to_string().contains("broadcast has no algorithm \"native\""), "{e}");
         let e = pg.all_reduce(&mut v, ReduceOp::Sum, &o().hint("algorithm", "butterfly")).unwrap_err();
         assert!(e.to_string().contains("choices: auto, ring, recursive_doubling, halving_doubling, native"), "{e}");
+        // A segment size that is none, likewise.
+        let e = pg.all_reduce(&mut v, ReduceOp::Sum, &o().hint("segment_bytes", "0")).unwrap_err();
+        assert!(e.kind() == &ErrorKind::InvalidArgument && e.to_string().contains("segment_bytes=\"0\""), "{e}");
         // Nothing ran: the group goes on.
         pg.all_reduce(&mut v, ReduceOp::Sum, &o()).unwrap().wait().unwrap();
         assert_eq!(v, vec![2.0; 3]);
@@ -125,4 +128,22 @@ fn a_name_nothing_serving_the_op_has_is_refused_when_issued() {
         let e = pg.all_reduce(&mut v, ReduceOp::Sum, &o().hint("algorithm", "native")).unwrap_err();
         assert_eq!(e.kind(), &ErrorKind::InvalidArgument, "{e}");
     });
+}
+
+#[test]
+fn a_groups_bad_setting_fails_its_creation() {
+    for (key, value) in [("segment_bytes", "12k"), ("algorithm", "butterfly")] {
+        let store: Arc<dyn weft::store::Store> = Arc::new(weft::store::MemoryStore::new(std::time::Duration::from_secs(5)));
+        let made = weft::ProcessGroup::new(store, 0, 1, options("loopback").hint(key, value));
+        // The algorithm's name is checked per op (which names depend on
+        // the backend serving it); a size is a size for every op.
+        match key {
+            "segment_bytes" => assert_eq!(made.err().map(|e| e.kind().clone()), Some(ErrorKind::InvalidArgument), "{key}"),
+            _ => {
+                let pg = made.unwrap();
+                let mut v = vec![1.0f32; 2];
+                assert!(pg.all_reduce(&mut v, ReduceOp::Sum, &o()).is_err());
+            }
+        }
+    }
 }

@@ -28,7 +28,7 @@ pub(super) struct Segments {
 
 impl Segments {
     pub fn new(c: &Comm<'_>, largest_block: usize, esize: usize) -> Result<Segments> {
-        let bytes = super::select::segment_bytes(c.ctx(), esize)?;
+        let bytes = super::select::segment_bytes(c.ctx(), esize);
         Ok(Segments { bytes, count: largest_block.div_ceil(bytes) })
     }
     /// Segment `j` of a block of `len` bytes (empty past its end).

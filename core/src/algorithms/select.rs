@@ -36,12 +36,15 @@ pub fn family(kind: OpKind) -> Option<&'static str> {
     })
 }
 
-/// A group's algorithm setting: its hint `algorithm` (every family) and
-/// `WEFT_ALGORITHM`'s entries (per family), parsed once.
+/// A group's setting: its hint `algorithm` (every family) and
+/// `WEFT_ALGORITHM`'s entries (per family), and its hint `segment_bytes`,
+/// parsed once.
 #[derive(Clone, Debug, Default)]
 pub struct Setting {
     every: Option<String>,
     per_family: Vec<(&'static str, String)>,
+    /// The group's segment size for pipelined steps, if it sets one.
+    pub segment_bytes: Option<usize>,
 }
 
 impl Setting {
@@ -58,12 +61,14 @@ impl Setting {
                 .ok_or_else(|| bad(format!("names no op with a choice of algorithm ({})", FAMILIES.join(", "))))?;
             per_family.push((*family, name.trim().to_string()));
         }
-        Ok(Setting { every: hint.map(str::to_string), per_family })
+        Ok(Setting { every: hint.map(str::to_string), per_family, segment_bytes: None })
     }
 
     /// The setting from the group's hints and the environment.
     pub fn from_env(hints: &std::collections::HashMap<String, String>) -> Result<Setting> {
-        Setting::new(hints.get("algorithm").map(String::as_str), std::env::var(ENV_ALGORITHM).ok().as_deref())
+        let mut s = Setting::new(hints.get("algorithm").map(String::as_str), std::env::var(ENV_ALGORITHM).ok().as_deref())?;
+        s.segment_bytes = hints.get("segment_bytes").map(|v| parse_segment_bytes(v)).transpose()?;
+        Ok(s)
     }
 
     fn for_family(&self, family: &str) -> Option<&str> {
@@ -164,18 +169,20 @@ pub fn pick(ctx: &OpContext, op: &'static str, bytes: usize, step_bytes: usize) 
 /// on 64 MiB all_reduce, W=2: 256 KiB beat 64 KiB, 1 MiB and unsegmented).
 pub const SEGMENT_BYTES: usize = 256 << 10;
 
-/// Bytes per segment of a pipelined ring step: the hint `segment_bytes`,
-/// else [`SEGMENT_BYTES`]; rounded down to whole elements of `esize` bytes.
-pub fn segment_bytes(ctx: &OpContext, esize: usize) -> Result<usize> {
-    let bytes = match ctx.hints.get("segment_bytes") {
-        None => SEGMENT_BYTES,
-        Some(v) => v
-            .parse::<usize>()
-            .ok()
-            .filter(|n| *n > 0)
-            .ok_or_else(|| Error::invalid(format!("hint segment_bytes={v:?} is not a positive byte count")))?,
-    };
-    Ok((bytes / esize).max(1) * esize)
+/// The hint `segment_bytes`: a positive byte count.
+pub fn parse_segment_bytes(v: &str) -> Result<usize> {
+    v.parse::<usize>()
+        .ok()
+        .filter(|n| *n > 0)
+        .ok_or_else(|| Error::invalid(format!("hint segment_bytes={v:?} is not a positive byte count")))
+}
+
+/// Bytes per segment of a pipelined ring step: the op's
+/// [`OpContext::segment_bytes`] (its hint or the group's, settled when it
+/// was issued), else [`SEGMENT_BYTES`]; rounded down to whole elements of
+/// `esize` bytes.
+pub fn segment_bytes(ctx: &OpContext, esize: usize) -> usize {
+    (ctx.segment_bytes.unwrap_or(SEGMENT_BYTES) / esize).max(1) * esize
 }
 
 #[cfg(test)]
@@ -203,6 +210,15 @@ mod tests {
         assert_eq!(forced("all_reduce", Some("hierarchical"), &Setting::default(), &["hierarchical"]).unwrap(), Some("hierarchical"));
         let e = forced("all_reduce", Some("hierarchical"), &Setting::default(), &[]).unwrap_err();
         assert!(e.to_string().contains("hierarchical"), "{e}");
+    }
+
+    #[test]
+    fn segment_sizes_are_positive_byte_counts() {
+        assert_eq!(parse_segment_bytes("4096").unwrap(), 4096);
+        for bad in ["0", "-1", "12k", ""] {
+            let e = parse_segment_bytes(bad).unwrap_err();
+            assert!(e.to_string().contains(&format!("segment_bytes={bad:?}")), "{e}");
+        }
     }
 
     #[test]

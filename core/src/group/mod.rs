@@ -342,8 +342,8 @@ impl GroupCore {
     }
 
     fn run_job_inner(&self, job: &mut Job<'_>, opts: &OpOptions, seq: u64, completion: &CompletionSlot) -> Result<()> {
-        let Job { name, kind, route, fingerprint, op, algorithm } = job;
-        let algorithm = *algorithm;
+        let Job { name, kind, route, fingerprint, op, algorithm, segment_bytes } = job;
+        let (algorithm, segment_bytes) = (*algorithm, *segment_bytes);
         let (name, kind, route) = (*name, *kind, *route);
         let result = (|| {
             self.usable()?;
@@ -369,6 +369,7 @@ impl GroupCore {
                 deadline: Deadline::after(opts.timeout.unwrap_or(self.options.timeout)),
                 hints,
                 algorithm,
+                segment_bytes,
                 stream: opts.stream,
                 completion: completion.clone(),
             };

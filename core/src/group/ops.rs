@@ -24,8 +24,10 @@ pub struct Job<'t> {
     pub(crate) route: Route,
     pub(crate) fingerprint: Option<Fingerprint>,
     pub(crate) op: Op<'t>,
-    /// The algorithm it was told to use, once `GroupCore::decide` settled it.
+    /// The algorithm it was told to use, and its segment size, once
+    /// `GroupCore::decide` settled them.
     pub(crate) algorithm: Option<&'static str>,
+    pub(crate) segment_bytes: Option<usize>,
 }
 
 /// One send or receive of a [`Collectives::batch_p2p`].
@@ -499,7 +501,7 @@ fn check<'t, G: Collectives<'t> + ?Sized>(g: &G, name: &'static str) -> Check {
 }
 
 fn job<'t>(c: &Check, kind: OpKind, route: Route, fingerprint: Option<Fingerprint>, op: Op<'t>) -> Job<'t> {
-    Job { name: c.name, kind, route, fingerprint, op, algorithm: None }
+    Job { name: c.name, kind, route, fingerprint, op, algorithm: None, segment_bytes: None }
 }
 
 impl Job<'_> {
