@@ -122,9 +122,17 @@ enum Algorithm {
 }
 
 impl Algorithm {
+    /// The hint `cuda_algorithm`; without it, the algorithm the op was
+    /// told to use (`algorithm`, `WEFT_ALGORITHM`): `ring` is the device
+    /// ring, any other of core's runs on the host, staged.
     fn from_hints(ctx: &OpContext) -> Result<Algorithm> {
         Ok(match ctx.hints.get("cuda_algorithm").map(String::as_str) {
-            None | Some("auto") => Algorithm::Auto,
+            None => match ctx.algorithm {
+                None => Algorithm::Auto,
+                Some("ring") => Algorithm::Ring,
+                Some(_) => Algorithm::Staging,
+            },
+            Some("auto") => Algorithm::Auto,
             Some("direct") => Algorithm::Direct,
             Some("ring") => Algorithm::Ring,
             Some("staging") => Algorithm::Staging,

@@ -310,9 +310,10 @@ impl Peers {
 const CLOSE_WAIT: Duration = Duration::from_secs(10);
 
 /// Say (in `store`) that rank `rank` has closed what it opened of the
-/// others', and wait until every rank of `others` (rank, pid: those in
-/// other processes) has said the same or exited: CUDA leaves it undefined
-/// to free memory or destroy an event that another process still has open.
+/// others', and wait until every rank of `others` (rank, pid) has said the
+/// same or exited: CUDA leaves it undefined to free memory or destroy an
+/// event that another process still has open, and a rank in this process
+/// may still be using them in its last op.
 pub fn await_peers_closed(store: &dyn Store, rank: usize, others: &[(usize, u32)], timeout: Duration) {
     let key = |r: usize| format!("closed/{r}");
     if others.is_empty() || store.set(&key(rank), b"1").is_err() {
@@ -362,7 +363,10 @@ impl Drop for Peers {
             // its stream was drained.
             unsafe { g.ipc_close(mapped) };
         }
-        await_peers_closed(&*self.store, self.rank, &self.others, self.timeout);
+        // Every other rank, in this process too: a rank whose last op is
+        // still ordering its stream after our `done` uses our event.
+        let everyone: Vec<(usize, u32)> = self.pids.iter().copied().enumerate().filter(|(r, _)| *r != self.rank).collect();
+        await_peers_closed(&*self.store, self.rank, &everyone, self.timeout);
         for e in self.events().collect::<Vec<_>>() {
             g.destroy_event(e);
         }

@@ -43,3 +43,40 @@ fn the_direct_all_reduce_passes_conformance() {
     on_threads("cpu:shm,cuda:cuda-device", &[("cuda_wait", "host"), ("cuda_algorithm", "direct")], 3, suite);
     on_threads("cpu:cpu-tcp,cuda:auto", &[], 3, suite);
 }
+
+/// An all_reduce told to use an algorithm (hint `algorithm`, without
+/// `cuda_algorithm`): `ring` is the device ring, core's others run staged
+/// through the host; each sums right.
+#[test]
+fn a_named_algorithm_runs_on_the_device_ring_or_staged() {
+    link();
+    on_threads("cpu:shm,cuda:cuda-device", &[], 3, |pg, p| {
+        use weft::prelude::*;
+        // The ops on the stream the buffers' copies use.
+        weft::stream::set_current_stream(Some(p.stream()));
+        ["ring", "recursive_doubling", "halving_doubling", "auto"]
+            .into_iter()
+            .map(|algo| {
+                let r = pg.rank() as f32;
+                let run = || -> weft::Result<Vec<u8>> {
+                    let mut b = weft_conformance::Buf::from_bytes(weft::DType::F32, &[r + 1.0; 1000].map(f32::to_ne_bytes).concat())
+                        .place(Some(&p))?;
+                    pg.all_reduce(b.tm(), weft::ReduceOp::Sum, &weft::OpOptions::default().hint("algorithm", algo))?.wait()?;
+                    b.read()
+                };
+                let want = [6.0f32; 1000].map(f32::to_ne_bytes).concat();
+                let (passed, detail) = match run() {
+                    Ok(got) => (got == want, String::new()),
+                    Err(e) => (false, e.to_string()),
+                };
+                Check {
+                    op: "all_reduce with a named algorithm",
+                    dtype: weft::DType::F32,
+                    redop: Some(weft::ReduceOp::Sum),
+                    passed,
+                    detail: format!("{algo}: {detail}"),
+                }
+            })
+            .collect()
+    });
+}

@@ -8,9 +8,9 @@
 //! steps aside for a name it does not offer (shm's fast path for small ops,
 //! hierarchical's two-level all_reduce unless it is named), and [`pick`]
 //! runs the name or, with none, chooses by message size and world size.
-//! (cuda-device's all_reduce on the device is chosen by its own hint,
-//! `cuda_algorithm`; `algorithm` names the host algorithm of what it
-//! stages through host memory.)
+//! (cuda-device's own hint, `cuda_algorithm`, chooses its all_reduce;
+//! without it a named `ring` is its device ring, and any other of core's
+//! names runs on the host, staged.)
 //!
 //! [`Backend::native_algorithms`]: crate::backend::Backend::native_algorithms
 
