@@ -402,50 +402,42 @@ fn every_exchange_completes_whatever_the_pieces_and_the_order() {
     }
 }
 
-#[test]
-fn a_rank_that_vanishes_at_any_step_leaves_the_other_with_every_batch_ended() {
-    for seed in 0..24 {
-        // How many steps the whole exchange takes, to cut it all along.
-        let mut clean = Run::new(seed, Duration::from_secs(3600));
-        clean.until_ended([true, true], STEP, 2_000_000, &format!("seed {seed}"));
-        let cuts: Vec<usize> = if clean.step <= 64 { (0..=clean.step).collect() } else { (0..=64).map(|k| k * clean.step / 64).collect() };
-        for cut in cuts {
-            let mut run = Run::new(seed, Duration::from_secs(3600));
-            while run.step < cut {
-                run.tick([true, true], STEP);
-            }
-            run.link.borrow_mut().cut = true;
-            // The deadline is an hour away: every batch must end on the cut.
-            run.until_ended([true, false], STEP, 100_000, &format!("seed {seed}, cut at step {cut}"));
-            for (i, o) in run.outcomes(0).iter().enumerate() {
-                if let Err(e) = o {
-                    assert_eq!(e.kind(), &ErrorKind::PeerLost { rank: 1 }, "seed {seed}, cut at {cut}, batch {i}: {e}");
-                }
-            }
-            run.check_received(0);
+/// Seed `seed`'s exchange (`small`: a short one), rank 1 vanishing at
+/// each step `cuts` picks from the clean run's step count: with the
+/// deadline an hour away, every batch of rank 0 must end on the cut, done
+/// (with the right bytes) or failed with `PeerLost` naming rank 1.
+fn vanish(seed: u64, small: bool, cuts: impl Fn(usize) -> Vec<usize>) {
+    let hour = Duration::from_secs(3600);
+    let mut clean = Run::with(seed, hour, small);
+    clean.until_ended([true, true], STEP, 2_000_000, &format!("seed {seed}"));
+    for cut in cuts(clean.step) {
+        let mut run = Run::with(seed, hour, small);
+        while run.step < cut {
+            run.tick([true, true], STEP);
         }
+        run.link.borrow_mut().cut = true;
+        run.until_ended([true, false], STEP, 100_000, &format!("seed {seed}, cut at step {cut}"));
+        for (i, o) in run.outcomes(0).iter().enumerate() {
+            if let Err(e) = o {
+                assert_eq!(e.kind(), &ErrorKind::PeerLost { rank: 1 }, "seed {seed}, cut at {cut}, batch {i}: {e}");
+            }
+        }
+        run.check_received(0);
+    }
+}
+
+#[test]
+fn a_rank_that_vanishes_along_an_exchange_leaves_the_other_with_every_batch_ended() {
+    for seed in 0..24 {
+        // 65 points from the start to the end.
+        vanish(seed, false, |steps| if steps <= 64 { (0..=steps).collect() } else { (0..=64).map(|k| k * steps / 64).collect() });
     }
 }
 
 #[test]
 fn a_rank_that_vanishes_at_every_step_of_short_exchanges_leaves_the_other_with_every_batch_ended() {
     for seed in 0..40 {
-        let mut clean = Run::with(seed, Duration::from_secs(3600), true);
-        clean.until_ended([true, true], STEP, 100_000, &format!("seed {seed}"));
-        for cut in 0..=clean.step {
-            let mut run = Run::with(seed, Duration::from_secs(3600), true);
-            while run.step < cut {
-                run.tick([true, true], STEP);
-            }
-            run.link.borrow_mut().cut = true;
-            run.until_ended([true, false], STEP, 100_000, &format!("seed {seed}, cut at step {cut}"));
-            for (i, o) in run.outcomes(0).iter().enumerate() {
-                if let Err(e) = o {
-                    assert_eq!(e.kind(), &ErrorKind::PeerLost { rank: 1 }, "seed {seed}, cut at {cut}, batch {i}: {e}");
-                }
-            }
-            run.check_received(0);
-        }
+        vanish(seed, true, |steps| (0..=steps).collect());
     }
 }
 
