@@ -8,6 +8,16 @@ use std::time::{Duration, Instant};
 use weft::{Device, Error, GroupOptions, ProcessGroup, StreamHandle};
 use weft_cuda_driver::{synchronize_stream, Gpu};
 
+/// This process's GPU, for one test at a time: take it first in every test
+/// that uses the device in this process. Tests sharing one device run one
+/// after another, as `scripts/gpu-tests.sh` runs them on a real one: freeing
+/// memory waits for every stream's work, so another test's stream, stalled
+/// on purpose, would hold this one up (past its deadline, once, in CI).
+pub fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    static DEVICE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    DEVICE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Run `suite` on `w` ranks that are threads of this process, in a group
 /// of backend `spec` (`"cpu:NAME,cuda:NAME"`, linked) with group `hints`,
 /// every tensor in the memory of CUDA device 0 (a stream of each rank's

@@ -42,6 +42,7 @@ fn p2p(w: usize, spec: &str, hints: &[(&str, &str)]) {
 /// cuda-host-staging has none and says so.
 #[test]
 fn cuda_windows_on_the_device() {
+    let _gpu = weft_conformance::cuda::exclusive();
     for w in 2..=3 {
         checked(w, "cpu:shm,cuda:cuda-device", &[], weft_conformance::run_windows_on);
         checked(w, "cpu:cpu-tcp,cuda:cuda-device", &[], weft_conformance::run_windows_on);
@@ -55,6 +56,7 @@ fn cuda_windows_on_the_device() {
 
 #[test]
 fn cuda_point_to_point_progresses_together_through_both_backends() {
+    let _gpu = weft_conformance::cuda::exclusive();
     for w in 2..=5 {
         p2p(w, "cpu:cpu-tcp,cuda:cuda-host-staging", &[]);
         p2p(w, "cpu:shm,cuda:cuda-device", &[]);
@@ -176,6 +178,7 @@ fn download(g: &dyn Gpu, stream: StreamHandle, addr: u64, n: usize) -> Vec<f32> 
 
 #[test]
 fn ops_are_ordered_after_the_callers_stream_and_wait_orders_it_back() {
+    let _gpu = weft_conformance::cuda::exclusive();
     let g = gpu();
     for spec in ["cpu:shm,cuda:cuda-host-staging", "cpu:shm,cuda:cuda-device"] {
         let results = run_threads(2, options(spec), move |pg| {
@@ -206,6 +209,7 @@ fn ops_are_ordered_after_the_callers_stream_and_wait_orders_it_back() {
 
 #[test]
 fn dropping_an_unwaited_work_blocks_until_the_device_side_is_done() {
+    let _gpu = weft_conformance::cuda::exclusive();
     let _ = gpu();
     run_threads(2, options("cpu:cpu-tcp,cuda:cuda-host-staging"), |pg| {
         let g = weft_cuda_driver::gpu().unwrap();
@@ -232,6 +236,7 @@ fn dropping_an_unwaited_work_blocks_until_the_device_side_is_done() {
 
 #[test]
 fn cuda_errors_are_typed_and_nothing_hangs() {
+    let _gpu = weft_conformance::cuda::exclusive();
     let g = gpu();
     // No CUDA backend in the group: a clear Unsupported error.
     let results = run_threads(2, options("cpu:cpu-tcp"), |pg| {

@@ -20,6 +20,7 @@ fn suite(pg: &weft::ProcessGroup, p: SharedPlacement) -> Vec<Check> {
 
 #[test]
 fn the_ring_passes_conformance() {
+    let _gpu = weft_conformance::cuda::exclusive();
     link();
     for w in 1..=4 {
         // 64-byte slots: every block is many pieces cycling through the slots.
@@ -32,6 +33,7 @@ fn the_ring_passes_conformance() {
 
 #[test]
 fn the_direct_all_reduce_passes_conformance() {
+    let _gpu = weft_conformance::cuda::exclusive();
     link();
     // W=1 has nothing to map: the ring's no-op serves, also where direct is asked for.
     on_threads("cpu:shm,cuda:cuda-device", &[("cuda_algorithm", "direct")], 1, suite);
@@ -49,6 +51,7 @@ fn the_direct_all_reduce_passes_conformance() {
 /// through the host; each sums right.
 #[test]
 fn a_named_algorithm_runs_on_the_device_ring_or_staged() {
+    let _gpu = weft_conformance::cuda::exclusive();
     link();
     on_threads("cpu:shm,cuda:cuda-device", &[], 3, |pg, p| {
         use weft::prelude::*;

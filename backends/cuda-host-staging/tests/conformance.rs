@@ -14,6 +14,7 @@ fn link() {
 
 #[test]
 fn passes_conformance_pipelined_over_cpu_tcp() {
+    let _gpu = weft_conformance::cuda::exclusive();
     link();
     for w in 1..=4 {
         // 64-byte chunks: every op is cut into many chunks through 3 slots.
@@ -25,6 +26,7 @@ fn passes_conformance_pipelined_over_cpu_tcp() {
 
 #[test]
 fn passes_conformance_over_shm_whole_and_default() {
+    let _gpu = weft_conformance::cuda::exclusive();
     link();
     for w in [2, 3] {
         on_threads("cpu:shm,cuda:cuda-host-staging", &[("staging", "whole")], w, |pg, p| weft_conformance::run_on(pg, 37, Some(p)));
