@@ -56,9 +56,13 @@ weft=target/release/weft
 
 step "CUDA tests on the real GPU" env WEFT_TEST_REAL_GPU=1 "${cuda_tests[@]}"
 
-# The package as built here (prebuilt) or installed.
-if [[ -f python/weft/_weft.abi3.so ]] || python3 -c 'import weft' 2>/dev/null; then
-  step "Python: CUDA tensors and device windows" env PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" \
+# The package as built here (prebuilt: from python/) or installed.
+pypath=${PYTHONPATH:-}
+if [[ -f python/weft/_weft.abi3.so ]]; then
+  pypath="$PWD/python${pypath:+:$pypath}"
+fi
+if PYTHONPATH=$pypath python3 -c 'import weft' 2>/dev/null; then
+  step "Python: CUDA tensors and device windows" env PYTHONPATH="$pypath" \
     python3 -m pytest -q -p no:cacheprovider python/tests/test_cuda.py python/tests/test_window.py
 else
   echo "== Python: skipped (no weft package here; pip install ./python, or pack it with scripts/gpu-pack.sh)"
