@@ -2,7 +2,7 @@
 //! the emulation under `WEFT_CUDA_EMULATION`).
 
 use crate::placement::{Placement, SharedPlacement};
-use crate::{checks_on_threads, summary, Check};
+use crate::{assert_passed, checks_on_threads, Check};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weft::{Device, Error, GroupOptions, ProcessGroup, StreamHandle};
@@ -33,10 +33,7 @@ pub fn on_threads(spec: &str, hints: &[(&str, &str)], w: usize, suite: fn(&Proce
         opts = opts.hint(*k, *v);
     }
     let results = checks_on_threads(opts, w, |pg| suite(pg, placement(0).expect("CUDA device 0")));
-    for (rank, checks) in results.iter().enumerate() {
-        let (table, ok) = summary(checks);
-        assert!(ok, "{spec} {hints:?} W={w}, rank {rank}:\n{table}");
-    }
+    assert_passed(&results, &format!("{spec} {hints:?} W={w}"));
 }
 
 /// CUDA device `ordinal` with a stream of its own as the caller's stream.

@@ -27,5 +27,5 @@ mod windows;
 pub use buf::{assert_close, Buf};
 pub use placement::{Placement, SharedPlacement};
 pub use suite::{run, run_family, run_on, run_p2p, summary, Check, Family};
-pub use threads::{checks_on_threads, checks_on_threads_each, on_threads};
+pub use threads::{assert_passed, checks_on_threads, checks_on_threads_each, on_threads};
 pub use windows::{byte as windows_byte, run_windows, run_windows_on};

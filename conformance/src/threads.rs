@@ -14,16 +14,20 @@ use weft::{GroupOptions, ProcessGroup};
 /// dense CPU tensors.
 pub fn on_threads(spec: &str, w: usize, suite: fn(&ProcessGroup) -> Vec<Check>) {
     let opts = GroupOptions::default().backend(spec).timeout(Duration::from_secs(60));
-    for (rank, checks) in checks_on_threads(opts, w, |pg| {
+    let results = checks_on_threads(opts, w, |pg| {
         let served = pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense));
         assert_eq!(served.as_deref(), Some(spec), "{spec} rank {}: the group's backend", pg.rank());
         suite(pg)
-    })
-    .iter()
-    .enumerate()
-    {
+    });
+    assert_passed(&results, &format!("{spec} W={w}"));
+}
+
+/// Panic, with the failing checks' table, unless every rank's checks of
+/// `results` (by rank) passed; `label` says which run.
+pub fn assert_passed(results: &[Vec<Check>], label: &str) {
+    for (rank, checks) in results.iter().enumerate() {
         let (table, ok) = summary(checks);
-        assert!(ok, "{spec} W={w} rank {rank}:\n{table}");
+        assert!(ok, "{label}, rank {rank}:\n{table}");
     }
 }
 

@@ -4,7 +4,7 @@
 //! cpu-tcp between hosts). Processes on emulated hosts (`WEFT_HOST_ID`)
 //! run it in `tests/tests/hierarchical.rs`.
 
-use weft_conformance::{checks_on_threads_each, run, run_p2p, run_windows, summary, Check};
+use weft_conformance::{assert_passed, checks_on_threads_each, run, run_p2p, run_windows, Check};
 
 /// Hosts of each rank: two even hosts, and uneven ones out of rank order.
 const LAYOUTS: [&[&str]; 2] = [&["a", "a", "b", "b"], &["a", "b", "b", "a", "b"]];
@@ -16,17 +16,12 @@ fn on_hosts(hosts: &[&str], suite: fn(&weft::ProcessGroup) -> Vec<Check>) {
     let opts = |r: usize| {
         weft::GroupOptions::default().backend("hierarchical").timeout(std::time::Duration::from_secs(60)).hint("host_id", hosts[r])
     };
-    for (rank, checks) in checks_on_threads_each(opts, hosts.len(), |pg| {
+    let results = checks_on_threads_each(opts, hosts.len(), |pg| {
         let served = pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense));
         assert_eq!(served.as_deref(), Some("hierarchical"), "rank {}", pg.rank());
         suite(pg)
-    })
-    .iter()
-    .enumerate()
-    {
-        let (table, ok) = summary(checks);
-        assert!(ok, "hosts {hosts:?}, rank {rank}:\n{table}");
-    }
+    });
+    assert_passed(&results, &format!("hosts {hosts:?}"));
 }
 
 #[test]

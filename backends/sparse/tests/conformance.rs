@@ -3,7 +3,7 @@
 //! threads of this test. The sparse family runs only where a group has a
 //! sparse backend, so it is checked to have run.
 
-use weft_conformance::{checks_on_threads, run, run_family, summary, Family};
+use weft_conformance::{assert_passed, checks_on_threads, run, run_family, Family};
 
 fn link() {
     weft_shm::link();
@@ -18,16 +18,13 @@ fn passes_the_conformance_suite_sparse_family_included() {
         for w in 1..=4 {
             let opts = weft::GroupOptions::default().backend("auto").timeout(std::time::Duration::from_secs(60));
             let opts = if dense == "cpu-tcp" { opts.backend("cpu:cpu-tcp") } else { opts };
-            for (rank, checks) in checks_on_threads(opts, w, |pg| {
+            let results = checks_on_threads(opts, w, |pg| {
                 let sparse = pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::SparseCoo));
                 assert_eq!(sparse.as_deref(), Some("sparse"), "rank {}: the group's sparse backend", pg.rank());
                 run(pg, 9)
-            })
-            .iter()
-            .enumerate()
-            {
-                let (table, ok) = summary(checks);
-                assert!(ok, "over {dense}, W={w}, rank {rank}:\n{table}");
+            });
+            assert_passed(&results, &format!("over {dense}, W={w}"));
+            for checks in &results {
                 assert!(checks.iter().any(|c| c.op == "all_reduce_sparse"), "over {dense}, W={w}: the sparse case ran");
             }
         }
