@@ -10,6 +10,11 @@ median over rounds of each tool's time, the spread (min-max over rounds),
 and weft's speed relative to each anchor (>1 means weft is faster), with
 the worst round's ratio ("min x", from the same round's runs) and weft's
 worst p99 over median. Pass --iters 200 or more where the tail matters.
+With --timing span every tool times an iteration from the first rank's
+start to the last rank's end on the host's clock instead of the slowest
+rank's own window: with more ranks than cores a rank may only start its
+clock once its peers are done, and windows then undercount (Open MPI's
+3-hop p2p chain measured 0.1 us at W=4 on 2 cores).
 
 The last column is the ceiling: every rank copying N bytes at once (the
 host copy weft uses for outputs, `weft bench --ops device_copy`), in the
@@ -18,7 +23,7 @@ that time over weft's (1.0: the op costs one plain copy of its buffer).
 
 Usage: bench/compare/compare.py [--world 2] [--rounds 5] [--backend cpu-tcp]
        [--ops all_reduce,...] [--sizes 8,1048576,67108864] [--iters 10]
-       [--warmup 20]
+       [--warmup 20] [--timing window|span]
 Needs: apt-get install libgloo-dev openmpi-bin libopenmpi-dev g++
 """
 import argparse, os, statistics, subprocess, sys, tempfile
@@ -49,7 +54,7 @@ def parse_lines(text):
 
 def run_weft(a, size, weft):
     csv = sh([weft, "bench", "--world", str(a.world), "--backend", a.backend, "--ops", a.ops, "-b", str(size), "-e", str(size),
-              "-n", str(a.iters), "-w", str(a.warmup), "--time-per-size", "1000", "--no-check", "--csv", "-"])
+              "-n", str(a.iters), "-w", str(a.warmup), "--time-per-size", "1000", "--no-check", "--timing", a.timing, "--csv", "-"])
     res = {}
     for line in csv.splitlines()[1:]:
         f = line.split(",")
@@ -61,7 +66,7 @@ def run_weft(a, size, weft):
 
 def run_copy(a, size, weft):
     csv = sh([weft, "bench", "--world", str(a.world), "--backend", a.backend, "--ops", "device_copy", "-b", str(size), "-e", str(size),
-              "-n", str(a.iters), "-w", str(a.warmup), "--time-per-size", "1000", "--no-check", "--csv", "-"])
+              "-n", str(a.iters), "-w", str(a.warmup), "--time-per-size", "1000", "--no-check", "--timing", a.timing, "--csv", "-"])
     return {("device_copy", int(f[3])): float(f[9]) for f in (line.split(",") for line in csv.splitlines()[1:])}
 
 
@@ -70,7 +75,7 @@ def run_gloo(a, size, out, weft):
     with tempfile.TemporaryDirectory() as store:
         env = dict(os.environ, GLOO_STORE_DIR=store)
         text = sh([weft, "run", "-n", str(a.world), "--no-prefix", "--timeout", "600", "--",
-                   f"{out}/gloo_bench", ops, str(size), str(size), "2", str(a.iters), str(a.warmup)], env=env)
+                   f"{out}/gloo_bench", ops, str(size), str(size), "2", str(a.iters), str(a.warmup), a.timing], env=env)
     return parse_lines(text)
 
 
@@ -83,7 +88,7 @@ def run_mpi(a, size, out, btl):
         cmd += ["--mca", "btl_tcp_if_include", "lo", "--mca", "osc", "pt2pt"]
     else:
         cmd += ["--mca", "osc", "sm"]
-    return parse_lines(sh(cmd + [f"{out}/mpi_bench", ops, str(size), str(size), "2", str(a.iters), str(a.warmup)]))
+    return parse_lines(sh(cmd + [f"{out}/mpi_bench", ops, str(size), str(size), "2", str(a.iters), str(a.warmup), a.timing]))
 
 
 def main():
@@ -100,6 +105,8 @@ def main():
     p.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,p2p,sendrecv,barrier")
     p.add_argument("--sizes", default="8,1048576,67108864")
     p.add_argument("--out", default=os.path.join(ROOT, "target", "compare"))
+    p.add_argument("--timing", choices=["window", "span"], default="window",
+                   help="window: the slowest rank's own time; span: first rank's start to last rank's end (one host)")
     a = p.parse_args()
     build(a.out)
     weft = os.path.join(ROOT, "target", "release", "weft")
@@ -118,7 +125,7 @@ def main():
                     samples.setdefault((tool,) + key, []).append(us)
         print(f"round {rnd + 1}/{a.rounds} done", file=sys.stderr)
     keys = sorted({k[1:] for k in samples if k[0] == "weft" and not k[1].endswith("/p99")}, key=lambda k: (k[0], k[1]))
-    print(f"# W={a.world}, backend {a.backend}, {a.rounds} alternating rounds, {a.iters} iterations each after {a.warmup} warm-ups; "
+    print(f"# W={a.world}, backend {a.backend}, timing {a.timing}, {a.rounds} alternating rounds, {a.iters} iterations each after {a.warmup} warm-ups; "
           f"time = median over rounds of each run's median (us), [min-max over rounds]; x = anchor time / weft time (>1: weft faster); "
           f"min x = the worst round's ratio; p99/med = weft's worst round")
     anchors = [t for t in tools if t not in ("weft", "copy")]

@@ -3,7 +3,10 @@
 // slowest rank's time per iteration, the median over iterations).
 // Ranks come from RANK / WORLD_SIZE (run it under `weft run`); rendezvous
 // through a FileStore in GLOO_STORE_DIR.
-// Usage: gloo_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP
+// With TIMING "span" (as `weft bench --timing span`), an iteration's time
+// runs from the first rank's start to the last rank's end on the host's
+// monotonic clock (steady_clock; every rank on one host).
+// Usage: gloo_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP [TIMING]
 // Prints: "op bytes median_us" per size on rank 0.
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
@@ -32,33 +35,54 @@ static void barrier(const Ctx &c) {
     gloo::barrier(o);
 }
 
-static double median_of_max(const Ctx &c, std::vector<double> t) {
+using Reduce = void (*)(void *, const void *, const void *, size_t);
+
+static void all_reduce_in_place(const Ctx &c, std::vector<double> &t, Reduce f) {
     gloo::AllreduceOptions o(c);
     o.setOutput(t.data(), t.size());
-    o.setReduceFunction(static_cast<void (*)(void *, const void *, const void *, size_t)>(&gloo::max<double>));
+    o.setReduceFunction(f);
     gloo::allreduce(o);
+}
+
+/// The median over iterations of the slowest rank's time; with `starts`,
+/// `t` holds end times and each iteration's time is the latest end less
+/// the earliest start.
+static double median_of_max(const Ctx &c, std::vector<double> t, std::vector<double> *starts) {
+    all_reduce_in_place(c, t, static_cast<Reduce>(&gloo::max<double>));
+    if (starts) {
+        all_reduce_in_place(c, *starts, static_cast<Reduce>(&gloo::min<double>));
+        for (size_t i = 0; i < t.size(); i++) t[i] -= (*starts)[i];
+    }
     std::sort(t.begin(), t.end());
     return t[t.size() / 2];
 }
 
 /// Untimed iterations before each timing (argument WARMUP).
 static int warmup = 3;
+/// Whether iterations are timed as spans (argument TIMING).
+static bool span = false;
+
+static double host_clock_us() {
+    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 static double timeit(const Ctx &c, int iters, const std::function<void()> &f) {
     for (int i = 0; i < warmup; i++) f();
-    std::vector<double> t;
+    std::vector<double> t, s;
     for (int i = 0; i < iters; i++) {
         barrier(c);
-        auto a = std::chrono::steady_clock::now();
+        double a = host_clock_us();
         f();
-        t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a).count());
+        double b = host_clock_us();
+        s.push_back(a);
+        t.push_back(span ? b : b - a);
     }
-    return median_of_max(c, t);
+    return median_of_max(c, t, span ? &s : nullptr);
 }
 
 int main(int argc, char **argv) {
-    if (argc != 7) {
-        fprintf(stderr, "usage: gloo_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP\n");
+    if (argc != 7 && argc != 8) {
+        fprintf(stderr, "usage: gloo_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP [window|span]\n");
         return 2;
     }
     int rank = atoi(getenv("RANK")), size = atoi(getenv("WORLD_SIZE"));
@@ -66,6 +90,7 @@ int main(int argc, char **argv) {
     size_t minb = strtoull(argv[2], 0, 10), maxb = strtoull(argv[3], 0, 10), factor = strtoull(argv[4], 0, 10);
     int iters = atoi(argv[5]);
     warmup = atoi(argv[6]);
+    span = argc == 8 && std::string(argv[7]) == "span";
     gloo::transport::tcp::attr attr("127.0.0.1");
     auto dev = gloo::transport::tcp::CreateDevice(attr);
     gloo::rendezvous::FileStore store(getenv("GLOO_STORE_DIR"));

@@ -2,19 +2,23 @@
  * way `weft bench` times its own (a barrier before each iteration, the
  * slowest rank's time per iteration, the median over iterations).
  * `put` is MPI_Put closed by MPI_Win_fence (Open MPI's osc).
- * Usage: mpirun -np 2 [--mca btl tcp,self | vader,self] mpi_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP
+ * With TIMING "span" (as `weft bench --timing span`), an iteration's time
+ * runs from the first rank's start to the last rank's end on the host's
+ * monotonic clock (every rank on one host).
+ * Usage: mpirun -np 2 [--mca btl tcp,self | vader,self] mpi_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP [TIMING]
  * Prints: "op bytes median_us" per size on rank 0. */
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static int cmp(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
 }
 
-static int rank, size, iters, warmup;
+static int rank, size, iters, warmup, span;
 static float *A, *B;
 
 static int want(const char *ops, const char *op) {
@@ -26,16 +30,30 @@ static int want(const char *ops, const char *op) {
 
 typedef void (*op_fn)(size_t n, size_t part);
 
+/* Microseconds on the host's monotonic clock, which every rank shares. */
+static double host_clock(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
+}
+
 static double timeit(op_fn f, size_t n, size_t part) {
-    double *t = malloc(sizeof(double) * iters);
+    double *t = malloc(sizeof(double) * iters), *s = malloc(sizeof(double) * iters);
     for (int i = 0; i < warmup; i++) f(n, part);
     for (int i = 0; i < iters; i++) {
         MPI_Barrier(MPI_COMM_WORLD);
-        double a = MPI_Wtime();
+        double a = host_clock();
         f(n, part);
-        t[i] = (MPI_Wtime() - a) * 1e6;
+        double b = host_clock();
+        s[i] = a;
+        t[i] = span ? b : b - a;
     }
     MPI_Allreduce(MPI_IN_PLACE, t, iters, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    if (span) {
+        MPI_Allreduce(MPI_IN_PLACE, s, iters, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
+        for (int i = 0; i < iters; i++) t[i] -= s[i];
+    }
+    free(s);
     qsort(t, iters, sizeof(double), cmp);
     double m = t[iters / 2];
     free(t);
@@ -73,8 +91,8 @@ int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
-    if (argc != 7) {
-        if (rank == 0) fprintf(stderr, "usage: mpi_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP\n");
+    if (argc != 7 && argc != 8) {
+        if (rank == 0) fprintf(stderr, "usage: mpi_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP [window|span]\n");
         MPI_Finalize();
         return 2;
     }
@@ -82,6 +100,7 @@ int main(int argc, char **argv) {
     size_t minb = strtoull(argv[2], 0, 10), maxb = strtoull(argv[3], 0, 10), factor = strtoull(argv[4], 0, 10);
     iters = atoi(argv[5]);
     warmup = atoi(argv[6]);
+    span = argc == 8 && strcmp(argv[7], "span") == 0;
     struct { const char *name; op_fn f; int full; } table[] = {
         {"all_reduce", all_reduce, 0}, {"all_gather", all_gather, 1}, {"reduce_scatter", reduce_scatter, 1},
         {"all_to_all", all_to_all, 1}, {"broadcast", broadcast, 0}, {"reduce", reduce, 0}, {"p2p", p2p, 0},

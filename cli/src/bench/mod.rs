@@ -2,7 +2,12 @@
 //! sweep, on a local world (stand-alone) or under any launcher.
 //!
 //! Timing: after warm-ups, each iteration starts after a barrier and is
-//! timed on every rank; an iteration's time is the slowest rank's.
+//! timed on every rank; an iteration's time is the slowest rank's
+//! (`--timing window`, as nccl-tests and the OSU benchmarks time), or the
+//! span from the first rank's start to the last rank's end on the host's
+//! clock (`--timing span`, for ranks that outnumber the cores: there a
+//! rank may start its clock only once its peers have finished, and the
+//! slowest rank's window can be shorter than the op).
 //! Iteration counts adapt to `--time-per-size` so large sizes stay quick;
 //! ranks agree on them through an all_reduce, so they never diverge.
 //! With `--check` (default) one more run per size is verified element by
@@ -59,6 +64,11 @@ pub struct BenchArgs {
     /// Time budget per size in seconds: fewer iterations for slow sizes.
     #[arg(long = "time-per-size", default_value_t = 1.0)]
     budget: f64,
+    /// How an iteration is timed: "window" (the slowest rank's time from
+    /// its start to its end) or "span" (the first rank's start to the last
+    /// rank's end; every rank on one host).
+    #[arg(long, default_value = "window", value_parser = ["window", "span"])]
+    timing: String,
     /// Skip verifying results.
     #[arg(long = "no-check")]
     no_check: bool,
@@ -216,8 +226,14 @@ fn run_rank(a: &BenchArgs, plan: Plan) -> Result<i32> {
             }
         }
     };
+    if a.timing == "span" {
+        check_one_clock(&pg, &o)?;
+    }
     if !ops.is_empty() {
-        say(format!("# weft bench: backend {backend}, {w} ranks, dtype {dtype}, redop {redop}, root {}, check {}", a.root, !a.no_check));
+        say(format!(
+            "# weft bench: backend {backend}, {w} ranks, dtype {dtype}, redop {redop}, root {}, check {}, timing {}",
+            a.root, !a.no_check, a.timing
+        ));
         say(report::table_header());
     }
     let mut rows = Vec::new();
@@ -253,7 +269,8 @@ fn run_rank(a: &BenchArgs, plan: Plan) -> Result<i32> {
     bar.finish_and_clear();
     let wrong: u64 = rows.iter().map(|r| r.wrong).sum::<u64>() + sparse_wrong;
     if r == 0 {
-        say(format!("# total wrong: {wrong}; times are the slowest rank's, per iteration; busbw as nccl-tests"));
+        let times = if a.timing == "span" { "from the first rank's start to the last rank's end" } else { "the slowest rank's" };
+        say(format!("# total wrong: {wrong}; times are {times}, per iteration; busbw as nccl-tests"));
         for (dest, text) in [(&a.csv, report::csv(&rows)), (&a.json, report::json(&rows))] {
             match dest.as_deref() {
                 Some("-") => print!("{text}"),
@@ -289,6 +306,29 @@ fn shrunk_after_a_loss(pg: ProcessGroup) -> Result<ProcessGroup> {
     Ok(pg.shrink(&weft::ShrinkOptions::default())?)
 }
 
+/// Seconds on this host's monotonic clock, which every process started
+/// since the kernel booted shares.
+fn host_clock() -> Result<f64> {
+    let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)?;
+    Ok(t.tv_sec() as f64 + t.tv_nsec() as f64 * 1e-9)
+}
+
+/// `--timing span` compares clock readings across ranks: refuse ranks that
+/// do not share one (another host, or another boot).
+fn check_one_clock(pg: &ProcessGroup, o: &OpOptions) -> Result<()> {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let mut h = DefaultHasher::new();
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").context("--timing span: reading the boot id")?.trim().hash(&mut h);
+    let id = h.finish();
+    let (mut lo, mut hi) = ([id], [id]);
+    pg.all_reduce(&mut lo[..], ReduceOp::Min, o)?.wait()?;
+    pg.all_reduce(&mut hi[..], ReduceOp::Max, o)?.wait()?;
+    if lo != hi {
+        bail!("--timing span needs every rank on one host (one clock); use --timing window");
+    }
+    Ok(())
+}
+
 /// Time one (op, size) on every rank; the row as rank 0 reports it.
 fn measure(pg: &ProcessGroup, case: &mut Case, op: &'static str, a: &BenchArgs, o: &OpOptions) -> Result<Row> {
     let (r, w) = (pg.rank(), pg.size());
@@ -303,16 +343,30 @@ fn measure(pg: &ProcessGroup, case: &mut Case, op: &'static str, a: &BenchArgs, 
     for _ in 0..warm {
         case.run(pg, o)?;
     }
+    let mut starts = vec![0f64; iters];
     let mut times = vec![0f64; iters];
-    for slot in times.iter_mut() {
+    let span = a.timing == "span";
+    for (start, slot) in starts.iter_mut().zip(times.iter_mut()) {
         // Every iteration starts together, so eager senders cannot run
         // ahead and the time covers one whole op.
         pg.barrier(o)?.wait()?;
-        let t = Instant::now();
-        case.run(pg, o)?;
-        *slot = t.elapsed().as_secs_f64();
+        if span {
+            *start = host_clock()?;
+            case.run(pg, o)?;
+            *slot = host_clock()?;
+        } else {
+            let t = Instant::now();
+            case.run(pg, o)?;
+            *slot = t.elapsed().as_secs_f64();
+        }
     }
     pg.all_reduce(&mut times, ReduceOp::Max, o)?.wait()?;
+    if span {
+        pg.all_reduce(&mut starts, ReduceOp::Min, o)?.wait()?;
+        for (end, start) in times.iter_mut().zip(&starts) {
+            *end -= start;
+        }
+    }
     let mut wrong = [0u64];
     if !a.no_check {
         case.reset(r)?;
