@@ -171,6 +171,24 @@ fn bench_checks_every_op_over_a_short_sweep_and_writes_csv_json_and_a_plot() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `--timing span`: every iteration from the first rank's start to the
+/// last rank's end, on the clock the host's processes share; a p2p chain
+/// through three ranks spans at least one hop, which takes time.
+#[test]
+fn bench_times_spans_across_ranks() {
+    let out = Command::new(WEFT)
+        .args(["bench", "--world", "3", "--ops", "p2p,barrier", "-e", "8", "-n", "50", "--timing", "span", "--csv", "-"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    let medians: Vec<f64> = text.lines().skip(1).map(|l| l.split(',').nth(9).unwrap().parse().unwrap()).collect();
+    assert_eq!(medians.len(), 2, "{text}");
+    assert!(medians.iter().all(|m| *m > 0.0 && *m < 1e6), "{text}");
+    let out = Command::new(WEFT).args(["bench", "--world", "2", "--ops", "barrier", "--timing", "spam"]).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("spam"));
+}
+
 /// cpu-tcp sends messages over 1 MiB by rendezvous: every op, checked, on
 /// both sides of that limit, with a root that is not rank 0.
 #[test]
