@@ -217,6 +217,66 @@ fn shm_fast_path_agrees_with_the_rings_and_catches_mismatched_calls() {
     });
 }
 
+/// A fast broadcast's root leaves at once and a non-root once the root's
+/// bytes are there; the rest waits for the rank's next fast op. Back to
+/// back from every root in turn (each slot rewritten while slower peers
+/// may still be on the op before), mixed with all_reduces and ops through
+/// the rings; and calls that differ, which only the next op can find on a
+/// root.
+#[test]
+fn shm_fast_broadcasts_leave_early_and_mismatches_are_still_found() {
+    let o = || OpOptions::default().timeout(Duration::from_secs(10));
+    for w in [2, 3, 5] {
+        run_threads(w, options("cpu:shm"), move |pg| {
+            let r = pg.rank();
+            for i in 0..300usize {
+                let root = (i / 3) % w;
+                let mut b = [(r * 1000 + i) as u32; 3];
+                let path = if i % 7 == 0 { "off" } else { "on" };
+                pg.broadcast(&mut b[..], root, &o().hint("shm_fastbox", path)).unwrap().wait().unwrap();
+                assert_eq!(b, [(root * 1000 + i) as u32; 3], "broadcast {i} from {root}, W={w}");
+                if i % 5 == 0 {
+                    let mut v = [r as u32 + i as u32];
+                    pg.all_reduce(&mut v[..], ReduceOp::Sum, &o()).unwrap().wait().unwrap();
+                    assert_eq!(v[0] as usize, w * (w - 1) / 2 + w * i, "all_reduce after broadcast {i}, W={w}");
+                }
+            }
+        });
+    }
+    // Each case: what rank 0 and rank 1 call (a broadcast from root R, or
+    // an all_reduce), and which ranks learn of the mismatch at that call
+    // and which only at the next (a root waits for no one).
+    let call = move |pg: &ProcessGroup, what: Option<usize>| {
+        let mut v = [1f32; 2];
+        match what {
+            Some(root) => pg.broadcast(&mut v[..], root, &o()).unwrap().wait(),
+            None => pg.all_reduce(&mut v[..], ReduceOp::Sum, &o()).unwrap().wait(),
+        }
+    };
+    for (calls, now, next) in [
+        ([Some(0), Some(1)], [false, false], [true, true]),
+        ([Some(1), Some(0)], [true, true], [false, false]),
+        ([None, Some(1)], [true, false], [false, true]),
+        ([Some(0), None], [false, true], [true, false]),
+    ] {
+        run_threads(2, options("cpu:shm"), move |pg| {
+            let r = pg.rank();
+            let first = call(&pg, calls[r]);
+            assert_eq!(first.is_err(), now[r], "{calls:?} rank {r} at the call: {first:?}");
+            let second = pg.barrier(&o()).unwrap().wait();
+            assert_eq!(second.is_err(), next[r], "{calls:?} rank {r} at the next call: {second:?}");
+            for e in [first, second].into_iter().filter_map(|x| x.err()) {
+                assert_eq!(e.kind(), &ErrorKind::InvalidArgument, "{e}");
+                assert!(e.to_string().contains("mismatched collectives"), "{e}");
+            }
+            // The group goes on working.
+            let mut v = [r as f32; 2];
+            pg.all_reduce(&mut v[..], ReduceOp::Sum, &o()).unwrap().wait().unwrap();
+            assert_eq!(v, [1.0; 2]);
+        });
+    }
+}
+
 /// all_to_all takes the fast path only if every rank's parts fit in its
 /// slot. Here, every other time, rank 0's do not while the others' do: rank
 /// 0 publishes that and goes to the rings at once, the others see it and

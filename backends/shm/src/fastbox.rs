@@ -7,9 +7,14 @@
 //! line each way for an 8-byte all_reduce.
 //!
 //! Slot reuse needs no acknowledgement: op k uses slot k % 2, and a rank
-//! only starts op k + 2 after it has read every peer's op k + 1, which each
-//! peer published only after it had finished reading op k. Every fast op
-//! therefore waits for every peer's slot, broadcast and barrier included.
+//! publishes op k + 2 only after it has seen every peer's op k + 1, which
+//! each peer published only after it had finished reading op k. Every fast
+//! op therefore waits for every peer's slot, barrier included; broadcast
+//! waits only for what it needs (a non-root for the root; the root for no
+//! one) and owes the rest, which the rank's next fast op settles before it
+//! publishes. A root thus leaves at once, and a non-root as soon as the
+//! root's bytes are there, which with more ranks than cores saves waiting
+//! for every peer to be scheduled.
 //!
 //! Every rank reduces all contributions in rank order, so every rank gets
 //! the same bits (as the ring algorithms guarantee too).
@@ -265,7 +270,27 @@ pub struct Fastbox<B: Bytes = RawBytes> {
     /// A peer took a call through the other path, or was at another call:
     /// the ranks' numbers are out of step for good.
     desynced: std::sync::atomic::AtomicBool,
+    /// The op whose peers' publications this rank has not all seen yet
+    /// (a broadcast's), to see before its next publication.
+    owed: Owed,
+    /// A mismatch found there, for the next op that finishes to report
+    /// (`has_late`: whether there is one, read without the lock).
+    late: std::sync::Mutex<Option<Error>>,
+    has_late: std::sync::atomic::AtomicBool,
 }
+
+/// An op this rank has left before seeing every peer's part of it: its
+/// number (0: none), call number and description, and the peer it did
+/// see (`NO_PEER`: none).
+#[derive(Default)]
+struct Owed {
+    k: AtomicU64,
+    call: AtomicU64,
+    what: AtomicU64,
+    seen: AtomicU64,
+}
+
+const NO_PEER: u64 = u64::MAX;
 
 // SAFETY: the markers are atomics in the shared mapping (or leaked, in
 // model checks), alive as long as the slots.
@@ -285,7 +310,7 @@ impl Fastbox {
         let slots = (0..2 * size).map(|i| unsafe { Slot::at(base.add(i * SLOT)) }).collect();
         // SAFETY: the markers follow the slots, within `len`.
         let markers = (0..size).map(|r| unsafe { base.add(2 * size * SLOT + r * MARKER) } as *const Marker).collect();
-        Fastbox { rank, slots, markers, next: AtomicU64::new(1), calls: AtomicU64::new(1), desynced: Default::default() }
+        Fastbox::new(rank, slots, markers)
     }
 
     /// Bytes of segment for `size` ranks.
@@ -295,6 +320,20 @@ impl Fastbox {
 }
 
 impl<B: Bytes> Fastbox<B> {
+    fn new(rank: usize, slots: Vec<Slot<B>>, markers: Vec<*const Marker>) -> Fastbox<B> {
+        Fastbox {
+            rank,
+            slots,
+            markers,
+            next: AtomicU64::new(1),
+            calls: AtomicU64::new(1),
+            desynced: Default::default(),
+            owed: Owed::default(),
+            late: Default::default(),
+            has_late: Default::default(),
+        }
+    }
+
     /// Whether a mismatch left the ranks' call numbers out of step (a
     /// mismatch of two fast calls does not: both go on in step).
     pub fn desynced(&self) -> bool {
@@ -348,9 +387,40 @@ impl<B: Bytes> Fastbox<B> {
     /// bytes in all, the same on every rank), then wait until every peer
     /// has published its part of the same op.
     fn round(&self, waiter: &dyn Waiter, kind: Kind, len: usize, mine: &[u8], deadline: &Deadline) -> Result<Round<'_, B>> {
-        let (round, call) = self.publish(waiter, kind, len, mine);
-        let (k, what) = (round.k, kind.describe(len));
-        for p in (0..self.size()).filter(|p| *p != self.rank) {
+        let (round, call) = self.publish(waiter, kind, len, mine, deadline)?;
+        self.await_parts(round.k, call, kind.describe(len), self.peers(), waiter, deadline)?;
+        self.report_late().map(|()| round)
+    }
+
+    /// The op just finished, on this rank and for its peers: now report a
+    /// mismatch found in an op this rank had left without waiting.
+    fn report_late(&self) -> Result<()> {
+        if !self.has_late.load(Ordering::Relaxed) || !self.has_late.swap(false, Ordering::Relaxed) {
+            return Ok(());
+        }
+        self.late.lock().unwrap_or_else(|p| p.into_inner()).take().map_or(Ok(()), Err)
+    }
+
+    /// Every rank but this one.
+    fn peers(&self) -> impl Iterator<Item = usize> {
+        let me = self.rank;
+        (0..self.size()).filter(move |p| *p != me)
+    }
+
+    /// Wait until each of `peers` has published its part of op `k` (call
+    /// `call`, described by `what`); a peer that took the call through the
+    /// rings, or called another op, is a mismatch.
+    fn await_parts(
+        &self,
+        k: u64,
+        call: u64,
+        what: u64,
+        peers: impl Iterator<Item = usize>,
+        waiter: &dyn Waiter,
+        deadline: &Deadline,
+    ) -> Result<()> {
+        let round = Round { fb: self, k };
+        for p in peers {
             let marked = || self.marker(p).read().is_some_and(|(c, _)| c == call);
             waiter.wait_until(p, &|| explain(what), deadline, &|| round.slot(p).published(k).is_some() || marked())?;
             let Some(theirs) = round.slot(p).published(k) else {
@@ -380,19 +450,62 @@ impl<B: Bytes> Fastbox<B> {
                 )));
             }
         }
-        Ok(round)
+        Ok(())
     }
 
-    /// The first half of [`Fastbox::round`]: publish, without waiting;
-    /// the round and its call number.
-    fn publish(&self, waiter: &dyn Waiter, kind: Kind, len: usize, mine: &[u8]) -> (Round<'_, B>, u64) {
+    /// Publish `mine` as this rank's part of op `kind`, once every peer's
+    /// part of the op before is seen (so no peer still reads the slot this
+    /// overwrites: see the module doc); the round and its call number.
+    fn publish(&self, waiter: &dyn Waiter, kind: Kind, len: usize, mine: &[u8], deadline: &Deadline) -> Result<(Round<'_, B>, u64)> {
         debug_assert!(mine.len() <= FASTBOX_BYTES);
+        self.settle_owed(waiter, deadline)?;
         let k = self.next.fetch_add(1, Ordering::Relaxed);
         let call = self.next_call();
         let round = Round { fb: self, k };
         round.slot(self.rank).publish(k, kind.describe(len), call, mine);
         waiter.wake_sleepers();
-        (round, call)
+        Ok((round, call))
+    }
+
+    /// Op `k` (a broadcast) is left before every peer's part of it is seen
+    /// (all but `seen`'s): the next publication waits for them.
+    fn owe(&self, k: u64, call: u64, what: u64, seen: Option<usize>) {
+        self.owed.call.store(call, Ordering::Relaxed);
+        self.owed.what.store(what, Ordering::Relaxed);
+        self.owed.seen.store(seen.map_or(NO_PEER, |p| p as u64), Ordering::Relaxed);
+        self.owed.k.store(k, Ordering::Relaxed);
+    }
+
+    /// See every peer's part of the op owed, if one is. A peer that called
+    /// another fast op there is a mismatch to report once this rank's
+    /// current op is done (its peers would otherwise wait for its part in
+    /// vain); one that took the rings never publishes, and fails the
+    /// transport (`desynced`) at once.
+    fn settle_owed(&self, waiter: &dyn Waiter, deadline: &Deadline) -> Result<()> {
+        let k = self.owed.k.load(Ordering::Relaxed);
+        if k == 0 {
+            return Ok(());
+        }
+        let (call, what) = (self.owed.call.load(Ordering::Relaxed), self.owed.what.load(Ordering::Relaxed));
+        let seen = self.owed.seen.load(Ordering::Relaxed);
+        let mut late = None;
+        for p in self.peers().filter(|p| *p as u64 != seen) {
+            match self.await_parts(k, call, what, std::iter::once(p), waiter, deadline) {
+                Ok(()) => {}
+                Err(e) if !self.desynced() && e.kind() == &weft::ErrorKind::InvalidArgument => {
+                    late.get_or_insert(Error::invalid(format!(
+                        "{e} (found at this rank's next collective: a broadcast's root does not wait for the others)"
+                    )));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.owed.k.store(0, Ordering::Relaxed);
+        if late.is_some() {
+            *self.late.lock().unwrap_or_else(|p| p.into_inner()) = late;
+            self.has_late.store(true, Ordering::Relaxed);
+        }
+        Ok(())
     }
 
     fn size(&self) -> usize {
@@ -456,14 +569,22 @@ impl<B: Bytes> Fastbox<B> {
         Ok(())
     }
 
-    /// broadcast of `buf` (at most [`FASTBOX_BYTES`]) from `root`.
+    /// broadcast of `buf` (at most [`FASTBOX_BYTES`]) from `root`. The
+    /// root waits for no one and a non-root only for the root; the other
+    /// parts of the op are owed (see the module doc).
     pub fn broadcast(&self, waiter: &dyn Waiter, buf: &mut [u8], root: usize, deadline: &Deadline) -> Result<()> {
+        let kind = Kind::Broadcast(root);
         let mine: &[u8] = if root == self.rank { buf } else { &[] };
-        let round = self.round(waiter, Kind::Broadcast(root), buf.len(), mine, deadline)?;
-        if root != self.rank {
+        let (round, call) = self.publish(waiter, kind, buf.len(), mine, deadline)?;
+        let what = kind.describe(buf.len());
+        if root == self.rank {
+            self.owe(round.k, call, what, None);
+        } else {
+            self.owe(round.k, call, what, Some(root));
+            self.await_parts(round.k, call, what, std::iter::once(root), waiter, deadline)?;
             round.slot(root).read(0, buf);
         }
-        Ok(())
+        self.report_late()
     }
 
     /// all_to_all: `outputs[p]` receives rank p's part for this rank, if
@@ -480,7 +601,8 @@ impl<B: Bytes> Fastbox<B> {
         let table = 4 * self.size();
         let total = table + inputs.iter().map(|i| i.len()).sum::<usize>();
         if total > FASTBOX_BYTES {
-            self.publish(waiter, Kind::AllToAll, NO_FIT, &[]);
+            // (A late mismatch waits for an op that finishes here.)
+            self.publish(waiter, Kind::AllToAll, NO_FIT, &[], deadline)?;
             return Ok(false);
         }
         let round = with_scratch(total, |mine| {
@@ -575,42 +697,68 @@ mod loom_tests {
         fn wake_sleepers(&self) {}
     }
 
+    /// Two ranks' fast boxes over shared, tracked slots, each running
+    /// `ops` on its own model thread; every rank's results.
+    fn model_two_ranks(ops: fn(&Fastbox<Cells>, usize) -> Vec<u8>) -> [Vec<u8>; 2] {
+        // Two ranks' two slots, each a header and a one-byte payload.
+        let slots: Arc<Vec<(&'static Header, Cells)>> = Arc::new(
+            (0..4)
+                .map(|_| {
+                    let h: &'static Header =
+                        Box::leak(Box::new(Header { seq: AtomicU64::new(0), what: AtomicU64::new(0), call: AtomicU64::new(0) }));
+                    (h, Cells::new(1))
+                })
+                .collect(),
+        );
+        // Both ranks' markers, by address (the model's threads share them).
+        let markers: [usize; 2] =
+            [0, 1].map(|_| Box::leak(Box::new(Marker { call: AtomicU64::new(0), what: AtomicU64::new(0) })) as *const Marker as usize);
+        let rank = move |r: usize, slots: Arc<Vec<(&'static Header, Cells)>>| {
+            let slots = slots.iter().map(|(h, c)| Slot { header: *h as *const Header, data: c.clone() }).collect();
+            let markers = markers.iter().map(|m| *m as *const Marker).collect();
+            ops(&Fastbox::new(r, slots, markers), r)
+        };
+        let other = {
+            let slots = slots.clone();
+            loom::thread::spawn(move || rank(1, slots))
+        };
+        let mine = rank(0, slots);
+        [mine, other.join().unwrap()]
+    }
+
+    fn all_reduce(fb: &Fastbox<Cells>, v: u8) -> u8 {
+        let mut v = [v];
+        fb.all_reduce(&Spin, &mut v, DType::U8, ReduceOp::Sum, &Deadline::after(Duration::ZERO)).unwrap();
+        v[0]
+    }
+
+    fn broadcast(fb: &Fastbox<Cells>, v: u8, root: usize) -> u8 {
+        let mut v = [v];
+        fb.broadcast(&Spin, &mut v, root, &Deadline::after(Duration::ZERO)).unwrap();
+        v[0]
+    }
+
     #[test]
     fn loom_fast_all_reduces_reuse_slots_safely() {
         loom::model(|| {
-            // Two ranks' two slots, each a header and a one-byte payload.
-            let slots: Arc<Vec<(&'static Header, Cells)>> = Arc::new(
-                (0..4)
-                    .map(|_| {
-                        let h: &'static Header =
-                            Box::leak(Box::new(Header { seq: AtomicU64::new(0), what: AtomicU64::new(0), call: AtomicU64::new(0) }));
-                        (h, Cells::new(1))
-                    })
-                    .collect(),
-            );
-            // Both ranks' markers, by address (the model's threads share them).
-            let markers: [usize; 2] =
-                [0, 1].map(|_| Box::leak(Box::new(Marker { call: AtomicU64::new(0), what: AtomicU64::new(0) })) as *const Marker as usize);
-            let rank = move |r: usize, slots: Arc<Vec<(&'static Header, Cells)>>| {
-                let slots = slots.iter().map(|(h, c)| Slot { header: *h as *const Header, data: c.clone() }).collect();
-                let markers = markers.iter().map(|m| *m as *const Marker).collect();
-                let fb =
-                    Fastbox { rank: r, slots, markers, next: AtomicU64::new(1), calls: AtomicU64::new(1), desynced: Default::default() };
-                let mut sums = Vec::new();
-                for op in 0..3u8 {
-                    let mut v = [10 * op + r as u8];
-                    fb.all_reduce(&Spin, &mut v, DType::U8, ReduceOp::Sum, &Deadline::after(Duration::ZERO)).unwrap();
-                    sums.push(v[0]);
-                }
-                sums
-            };
-            let other = {
-                let slots = slots.clone();
-                loom::thread::spawn(move || rank(1, slots))
-            };
-            let mine = rank(0, slots);
-            assert_eq!(mine, [1, 21, 41]);
-            assert_eq!(other.join().unwrap(), [1, 21, 41]);
+            let sums = model_two_ranks(|fb, r| (0..3u8).map(|op| all_reduce(fb, 10 * op + r as u8)).collect());
+            assert_eq!(sums, [[1, 21, 41], [1, 21, 41]]);
+        });
+    }
+
+    /// A broadcast's root leaves without waiting: three in a row from one
+    /// root (the third overwriting the first's slot), then one from the
+    /// other root, all through two slots.
+    #[test]
+    fn loom_broadcasts_that_do_not_wait_reuse_slots_safely() {
+        loom::model(|| {
+            let got = model_two_ranks(|fb, r| {
+                let r = r as u8;
+                let mut got: Vec<u8> = (0..3u8).map(|op| broadcast(fb, 10 * op + r, 0)).collect();
+                got.push(broadcast(fb, 50 + r, 1));
+                got
+            });
+            assert_eq!(got, [[0, 10, 20, 51], [0, 10, 20, 51]]);
         });
     }
 }
