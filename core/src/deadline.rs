@@ -32,12 +32,21 @@ impl Deadline {
     pub fn get(&self) -> Instant {
         *self.at.get_or_init(|| instant_after(self.timeout))
     }
+
+    /// The instant, fixed (by the first call) as the timeout from `now`,
+    /// a clock reading the caller has just taken.
+    pub fn get_from(&self, now: Instant) -> Instant {
+        *self.at.get_or_init(|| saturating_add(now, self.timeout))
+    }
 }
 
 /// `timeout` from now; a timeout past what the clock can hold (a peer's
 /// `u64::MAX` milliseconds, `Duration::MAX`) is a century.
 pub(crate) fn instant_after(timeout: Duration) -> Instant {
-    let now = Instant::now();
+    saturating_add(Instant::now(), timeout)
+}
+
+fn saturating_add(now: Instant, timeout: Duration) -> Instant {
     now.checked_add(timeout).unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
 }
 
@@ -68,5 +77,8 @@ mod tests {
         assert_eq!(d.clone().get(), at);
         let fixed = Instant::now();
         assert_eq!(Deadline::at(fixed).get(), fixed);
+        let d = Deadline::after(Duration::from_secs(5));
+        assert_eq!(d.get_from(fixed), fixed + Duration::from_secs(5));
+        assert_eq!(d.get(), fixed + Duration::from_secs(5), "fixed by get_from");
     }
 }

@@ -9,7 +9,7 @@
 
 use crate::cma;
 use crate::posted::{Engine, OpState, Peer, CMA_FLAG, HEADER};
-use crate::state::{ShmBackend, CMA_SPIN, NAP, PAUSE_SPIN, SPIN};
+use crate::state::{ShmBackend, CMA_SPIN, NAP, PAUSE_SPIN, SPIN, YIELDS_PER_CLOCK};
 use smallvec::{smallvec, SmallVec};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -232,13 +232,20 @@ impl ShmBackend {
     /// batch has finished.
     pub(crate) fn drive(&self, eng: &mut Engine, posting: &Posting, local: bool, until: &dyn Fn() -> bool) {
         let (me, w) = (self.rank, self.size);
-        let mut idle_since = Instant::now();
-        let mut last_check = idle_since;
+        // The clock is read only once a turn has moved nothing (an op that
+        // finishes in its first turns never reads it), and oversubscribed,
+        // where each idle turn ends in a yield, every YIELDS_PER_CLOCK
+        // idle turns. `idle_since`: the first reading since the last turn
+        // that moved something.
+        let mut now = None;
+        let mut idle_since = None;
+        let mut last_check = None;
         let mut turns: u32 = 0;
+        let mut unclocked: u32 = 0;
+        let per_clock = if self.oversubscribed { YIELDS_PER_CLOCK } else { 1 };
         let mut busy: SmallVec<[bool; 16]> = smallvec![false; w];
         loop {
             let mut moved = false;
-            let mut now = idle_since;
             let mut step = || -> Result<()> {
                 self.check_failed()?;
                 moved |= posting.take(|post| self.absorb(eng, post, posting))?;
@@ -250,13 +257,24 @@ impl ShmBackend {
                 if moved && !turns.is_multiple_of(256) {
                     return Ok(());
                 }
+                if !moved {
+                    unclocked += 1;
+                    if unclocked < per_clock {
+                        return Ok(());
+                    }
+                }
+                unclocked = 0;
                 // Nothing moved (or, while other ops keep moving, every 256
                 // turns): the clock, deadlines, and now and then whether a
                 // peer whose op waits has died.
-                now = Instant::now();
-                self.expire(eng, posting, now)?;
-                if now.duration_since(last_check) >= NAP {
-                    last_check = now;
+                let t = Instant::now();
+                now = Some(t);
+                if !moved {
+                    idle_since.get_or_insert(t);
+                }
+                self.expire(eng, posting, t)?;
+                if t.duration_since(*last_check.get_or_insert(t)) >= NAP {
+                    last_check = Some(t);
                     // A collective this rank runs through the rings that a
                     // peer took through the fast path never completes.
                     if let Some(e) = self.fast.rings_mismatch() {
@@ -288,7 +306,8 @@ impl ShmBackend {
                 // Idle from the next turn that moves nothing (its clock
                 // reading stands for this one: a turn takes well under
                 // PAUSE_SPIN).
-                idle_since = Instant::now();
+                idle_since = None;
+                unclocked = 0;
                 continue;
             }
             // A peer copying our offered buffer finishes in about a
@@ -296,7 +315,10 @@ impl ShmBackend {
             // wake-up (~50 us) at the end of every large send.
             let Table { ops, done, state, .. } = &eng.table;
             let reading = (0..ops.len()).any(|i| !done[i] && state[i].offer.is_some()) || eng.peers.iter().any(|st| st.awaiting.is_some());
-            let idle = now.duration_since(idle_since);
+            let idle = match (now, idle_since) {
+                (Some(now), Some(since)) => now.duration_since(since),
+                _ => Duration::ZERO,
+            };
             let work = !eng.table.all_done();
             if work && idle < PAUSE_SPIN && !self.oversubscribed {
                 // The peer is most likely running on another core and about
@@ -308,12 +330,16 @@ impl ShmBackend {
                 std::thread::yield_now();
                 continue;
             }
+            // (Idle for SPIN: the clock has been read.)
+            let now = now.unwrap_or_else(Instant::now);
             let deadline = eng.table.next_deadline().unwrap_or(now + NAP);
             self.nap(now, deadline, &|| {
                 posting.has_new()
                     || (0..w).any(|p| p != me && self.ring(p, me).available() > 0 && !eng.peers[p].holds())
                     || self.single_copy_moved(&eng.table, &eng.peers)
             });
+            // The next idle turn reads the clock.
+            unclocked = per_clock - 1;
         }
     }
 

@@ -29,6 +29,11 @@ pub(crate) const SPIN: Duration = Duration::from_micros(30);
 pub(crate) const PAUSE_SPIN: Duration = Duration::from_micros(5);
 /// The fast path's first checks, without reading the clock or yielding.
 pub(crate) const PURE_SPINS: usize = 1000;
+/// Oversubscribed, a waiting rank reads the clock (for its deadline and
+/// when to sleep) once per this many yields: each yield lets another rank
+/// run for a microsecond or more, and right after one a clock read
+/// measured a sixth of a waiting rank's own time.
+pub(crate) const YIELDS_PER_CLOCK: u32 = 8;
 /// Spin this long while a peer reads a single-copy offer.
 pub(crate) const CMA_SPIN: Duration = Duration::from_millis(2);
 /// Sleep at most this long before re-checking peers' liveness.
