@@ -9,7 +9,7 @@
 
 use crate::cma;
 use crate::posted::{Engine, OpState, Peer, CMA_FLAG, HEADER};
-use crate::state::{ShmBackend, CMA_SPIN, NAP, PAUSE_SPIN, SPIN, YIELDS_PER_CLOCK};
+use crate::state::{ShmBackend, CMA_SPIN, NAP, PAUSE_SPIN, SPIN, TURNS_PER_CLOCK};
 use smallvec::{smallvec, SmallVec};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -232,17 +232,15 @@ impl ShmBackend {
     /// batch has finished.
     pub(crate) fn drive(&self, eng: &mut Engine, posting: &Posting, local: bool, until: &dyn Fn() -> bool) {
         let (me, w) = (self.rank, self.size);
-        // The clock is read only once a turn has moved nothing (an op that
-        // finishes in its first turns never reads it), and oversubscribed,
-        // where each idle turn ends in a yield, every YIELDS_PER_CLOCK
-        // idle turns. `idle_since`: the first reading since the last turn
-        // that moved something.
+        // The clock is read only once turns move nothing (an op that
+        // finishes in its first turns never reads it), every
+        // TURNS_PER_CLOCK idle turns. `idle_since`: the first reading
+        // since the last turn that moved something.
         let mut now = None;
         let mut idle_since = None;
         let mut last_check = None;
         let mut turns: u32 = 0;
         let mut unclocked: u32 = 0;
-        let per_clock = if self.oversubscribed { YIELDS_PER_CLOCK } else { 1 };
         let mut busy: SmallVec<[bool; 16]> = smallvec![false; w];
         loop {
             let mut moved = false;
@@ -259,7 +257,7 @@ impl ShmBackend {
                 }
                 if !moved {
                     unclocked += 1;
-                    if unclocked < per_clock {
+                    if unclocked < TURNS_PER_CLOCK {
                         return Ok(());
                     }
                 }
@@ -339,7 +337,7 @@ impl ShmBackend {
                     || self.single_copy_moved(&eng.table, &eng.peers)
             });
             // The next idle turn reads the clock.
-            unclocked = per_clock - 1;
+            unclocked = TURNS_PER_CLOCK - 1;
         }
     }
 

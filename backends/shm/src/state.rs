@@ -29,11 +29,13 @@ pub(crate) const SPIN: Duration = Duration::from_micros(30);
 pub(crate) const PAUSE_SPIN: Duration = Duration::from_micros(5);
 /// The fast path's first checks, without reading the clock or yielding.
 pub(crate) const PURE_SPINS: usize = 1000;
-/// Oversubscribed, a waiting rank reads the clock (for its deadline and
-/// when to sleep) once per this many yields: each yield lets another rank
-/// run for a microsecond or more, and right after one a clock read
-/// measured a sixth of a waiting rank's own time.
-pub(crate) const YIELDS_PER_CLOCK: u32 = 8;
+/// A waiting rank reads the clock (for its deadline and when to yield or
+/// sleep) once per this many turns of its wait loop, not every turn: a
+/// turn is a few tens of ns spinning and a microsecond or more yielding to
+/// another rank, and right after a yield a clock read measured a sixth of
+/// a waiting rank's own time (W=4 on 2 cores), so the timings stay fine
+/// enough either way.
+pub(crate) const TURNS_PER_CLOCK: u32 = 8;
 /// Spin this long while a peer reads a single-copy offer.
 pub(crate) const CMA_SPIN: Duration = Duration::from_millis(2);
 /// Sleep at most this long before re-checking peers' liveness.

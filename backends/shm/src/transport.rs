@@ -5,7 +5,7 @@
 //! peers ring after writing to it or reading from it.
 
 use crate::fastbox::{Waiter, FASTBOX_BYTES};
-use crate::state::{ShmBackend, ABORTED, CLOSED, PURE_SPINS, RUNNING, SPIN, YIELDS_PER_CLOCK};
+use crate::state::{ShmBackend, ABORTED, CLOSED, PURE_SPINS, RUNNING, SPIN, TURNS_PER_CLOCK};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -139,13 +139,13 @@ impl Backend for ShmBackend {
 impl Waiter for ShmBackend {
     /// Spin (a few µs without reading the clock, then yielding) for `SPIN`,
     /// then sleep on this rank's doorbell; the peer's health is checked at
-    /// each wake-up. Oversubscribed, yield from the start, reading the
-    /// clock only every `YIELDS_PER_CLOCK` yields.
+    /// each wake-up. Oversubscribed, yield from the start. The clock is
+    /// read every `TURNS_PER_CLOCK` turns.
     fn wait_until(&self, peer: usize, what: &dyn Fn() -> String, deadline: &Deadline, ready: &dyn Fn() -> bool) -> Result<()> {
         // More ranks than cores: the peer may be waiting for this core, so
         // go straight to yielding (9x faster 8 B ops at W=4 on 2 cores),
         // after one look (what is there already needs no clock).
-        let (pure_spins, per_clock) = if self.oversubscribed { (1, YIELDS_PER_CLOCK) } else { (PURE_SPINS, 1) };
+        let pure_spins = if self.oversubscribed { 1 } else { PURE_SPINS };
         for _ in 0..pure_spins {
             if ready() {
                 return Ok(());
@@ -162,7 +162,7 @@ impl Waiter for ShmBackend {
             }
             self.check_failed()?;
             turns = turns.wrapping_add(1);
-            if turns.is_multiple_of(per_clock) {
+            if turns.is_multiple_of(TURNS_PER_CLOCK) {
                 now = Instant::now();
             }
             if now >= deadline {
