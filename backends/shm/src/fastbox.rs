@@ -494,7 +494,7 @@ impl<B: Bytes> Fastbox<B> {
                 Ok(()) => {}
                 Err(e) if !self.desynced() && e.kind() == &weft::ErrorKind::InvalidArgument => {
                     late.get_or_insert(Error::invalid(format!(
-                        "{e} (found at this rank's next collective: a broadcast's root does not wait for the others)"
+                        "{e} (found at this rank's next collective: a broadcast waits only for its root's part)"
                     )));
                 }
                 Err(e) => return Err(e),
