@@ -51,6 +51,15 @@ impl P2p<'_> {
             P2p::Send { peer, .. } | P2p::Recv { peer, .. } => *peer,
         }
     }
+
+    /// The same op over the same buffers, borrowed for as long as `self`
+    /// is.
+    pub fn reborrow(&mut self) -> P2p<'_> {
+        match self {
+            P2p::Send { peer, tag, data } => P2p::Send { peer: *peer, tag: *tag, data },
+            P2p::Recv { peer, tag, buf } => P2p::Recv { peer: *peer, tag: *tag, buf },
+        }
+    }
 }
 
 /// The bytes of a send that are not in one buffer (rows that lie where a
@@ -211,7 +220,15 @@ impl<'a> Op<'a> {
             }
         }
         match self {
-            Op::Batch { ops } => ops.iter_mut().map(one).collect(),
+            Op::Batch { ops } => {
+                // (A loop: collecting through `Result` cost a tenth of a
+                // small sendrecv.)
+                let mut all = smallvec::SmallVec::with_capacity(ops.len());
+                for op in ops {
+                    all.push(one(op)?);
+                }
+                Ok(all)
+            }
             op => Ok(smallvec::smallvec![one(op)?]),
         }
     }
@@ -446,21 +463,23 @@ pub trait Backend: Send + Sync {
     fn name(&self) -> &str;
 
     /// Post every op of the batch, then wait until all have completed or
-    /// `deadline` passes. Receives are matched by (peer, tag) with the oldest
+    /// `deadline` passes (a transport need not fix a deadline that is not
+    /// fixed yet before it first waits: an exchange that finishes at once
+    /// then never reads the clock). Receives are matched by (peer, tag) with the oldest
     /// message first; messages with different tags may arrive in any order.
     ///
     /// Errors: `Timeout` (naming the peer and tag still pending), `PeerLost`,
     /// `Aborted`, or `Backend` for a size mismatch (naming both sizes) or a
     /// protocol violation. After an error the batch's buffers are no longer
     /// touched.
-    fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()>;
+    fn exchange(&self, ops: &mut [P2p<'_>], deadline: &Deadline) -> Result<()>;
 
     /// [`Backend::exchange`] with more sends, whose bytes `gathered` give
     /// piece by piece (received like any other). A transport that writes
     /// them straight where they go (shared memory's rings) saves a copy;
     /// this default gathers each into a buffer first, then exchanges.
     /// Wrappers forward it, or their inner transport never sees it.
-    fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
+    fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: &Deadline) -> Result<()> {
         let packed: Vec<crate::kernels::Scratch> = gathered
             .iter()
             .map(|g| {
@@ -469,13 +488,7 @@ pub trait Backend: Send + Sync {
                 b
             })
             .collect();
-        let mut all: Vec<P2p<'_>> = ops
-            .iter_mut()
-            .map(|op| match op {
-                P2p::Send { peer, tag, data } => P2p::Send { peer: *peer, tag: *tag, data },
-                P2p::Recv { peer, tag, buf } => P2p::Recv { peer: *peer, tag: *tag, buf },
-            })
-            .collect();
+        let mut all: Vec<P2p<'_>> = ops.iter_mut().map(P2p::reborrow).collect();
         all.extend(gathered.iter().zip(&packed).map(|(g, b)| P2p::Send { peer: g.peer, tag: g.tag, data: b }));
         self.exchange(&mut all, deadline)
     }
@@ -498,7 +511,7 @@ pub trait Backend: Send + Sync {
     /// runs the batch now.
     fn post(&self, post: crate::progress::Post) {
         let crate::progress::Post { mut ops, gathered, deadline, done, .. } = post;
-        done(self.exchange_gathered(&mut ops, &gathered, deadline));
+        done(self.exchange_gathered(&mut ops, &gathered, &Deadline::at(deadline)));
     }
 
     /// Whether a posted receive may name [`ANY_SOURCE`] as its peer (the
@@ -597,14 +610,14 @@ pub trait Backend: Send + Sync {
 #[macro_export]
 macro_rules! forward_transport {
     ($inner:ident) => {
-        fn exchange(&self, ops: &mut [$crate::backend::P2p<'_>], deadline: ::std::time::Instant) -> $crate::Result<()> {
+        fn exchange(&self, ops: &mut [$crate::backend::P2p<'_>], deadline: &$crate::backend::Deadline) -> $crate::Result<()> {
             self.$inner().exchange(ops, deadline)
         }
         fn exchange_gathered(
             &self,
             ops: &mut [$crate::backend::P2p<'_>],
             gathered: &[$crate::backend::GatherSend<'_>],
-            deadline: ::std::time::Instant,
+            deadline: &$crate::backend::Deadline,
         ) -> $crate::Result<()> {
             self.$inner().exchange_gathered(ops, gathered, deadline)
         }

@@ -167,6 +167,13 @@ impl Inbound {
         Inbound { budget, ..self }
     }
 
+    /// Whether nothing is kept and no frame is open: the next frame from
+    /// this peer is the next message, and a receive it matches is the one
+    /// it fills.
+    pub fn is_idle(&self) -> bool {
+        self.stash.is_empty() && self.frame.is_none()
+    }
+
     /// Bytes held for early messages (as [`EarlyBudget`] counts them).
     pub fn stashed_bytes(&self) -> usize {
         self.stashed

@@ -20,6 +20,7 @@
 //! hand-over between threads. The transports move the bytes.
 
 use crate::backend::{Gather, GatherSend, P2p};
+use crate::deadline::Deadline;
 use crate::error::{Error, Result};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -80,13 +81,9 @@ unsafe fn extend(ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>]) -> (Vec<P2p<'
 /// See [`extend`].
 unsafe fn extend_ops<'s, 'a: 's>(ops: &'s mut [P2p<'a>]) -> impl Iterator<Item = P2p<'static>> + use<'s, 'a> {
     ops.iter_mut().map(|op| {
-        let op = match op {
-            P2p::Send { peer, tag, data } => P2p::Send { peer: *peer, tag: *tag, data },
-            P2p::Recv { peer, tag, buf } => P2p::Recv { peer: *peer, tag: *tag, buf },
-        };
         // SAFETY: only the lifetime changes; the caller of `extend_ops`
         // keeps the buffers valid.
-        unsafe { std::mem::transmute::<P2p<'_>, P2p<'static>>(op) }
+        unsafe { std::mem::transmute::<P2p<'_>, P2p<'static>>(op.reborrow()) }
     })
 }
 
@@ -98,11 +95,33 @@ unsafe fn extend_gathered<'s, 'a: 's>(gathered: &'s [GatherSend<'a>]) -> impl It
 
 struct Batch {
     id: u64,
-    deadline: Instant,
+    deadline: When,
     /// `None`: the driving thread's own batch (see [`Table::add_local`]).
     done: Option<Done>,
     /// See [`Post::source`].
     source: Option<Arc<AtomicUsize>>,
+}
+
+/// A batch's deadline: fixed when it was posted, or the driving thread's
+/// own op's [`Deadline`], fixed by the first look at it (at the first
+/// turn that moves nothing, when the transport reads the clock), so an
+/// exchange that finishes at once never reads the clock.
+enum When {
+    At(Instant),
+    /// Really borrowed from the driving thread, for as long as its batch
+    /// is in the table (see [`Table::add_local`]).
+    Of(&'static Deadline),
+}
+
+impl When {
+    /// The instant; if not yet fixed, fixed from `now` (or the clock).
+    fn get(&self, now: Option<Instant>) -> Instant {
+        match (self, now) {
+            (When::At(at), _) => *at,
+            (When::Of(d), Some(now)) => d.get_from(now),
+            (When::Of(d), None) => d.get(),
+        }
+    }
 }
 
 impl Batch {
@@ -156,7 +175,7 @@ impl<S> Table<S> {
     /// Append `post`'s ops, each with the state `init` gives it; the new
     /// batch's id. Its first op is at the table's old length.
     pub fn add(&mut self, post: Post, init: impl FnMut(&P2p<'static>, Option<&'static dyn Gather>) -> S) -> u64 {
-        let id = self.append(post.ops, post.gathered, post.deadline, Some(post.done), init);
+        let id = self.append(post.ops, post.gathered, When::At(post.deadline), Some(post.done), init);
         if let Some(b) = self.batches.back_mut() {
             b.source = post.source;
         }
@@ -167,20 +186,26 @@ impl<S> Table<S> {
     /// [`Table::local_done`], then takes the outcome with
     /// [`Table::take_local`]): no completion to allocate and call.
     ///
+    /// Its `deadline` is fixed (if it is not yet) by the table's first look
+    /// at it ([`Table::expired`], [`Table::next_deadline`]).
+    ///
     /// # Safety
-    /// The buffers `ops` and `gathered` borrow stay valid until the
-    /// outcome is in (the ops have then left the table).
+    /// The buffers `ops` and `gathered` borrow, and `deadline`, stay valid
+    /// until the outcome is in (the ops have then left the table).
     pub unsafe fn add_local(
         &mut self,
         ops: &mut [P2p<'_>],
         gathered: &[GatherSend<'_>],
-        deadline: Instant,
+        deadline: &Deadline,
         init: impl FnMut(&P2p<'static>, Option<&'static dyn Gather>) -> S,
     ) -> u64 {
         self.local = None;
         // SAFETY: the caller's promise.
         let (ops, gathered) = unsafe { (extend_ops(ops), extend_gathered(gathered)) };
-        self.append(ops, gathered, deadline, None, init)
+        // SAFETY: the caller's promise; the batch leaves the table with its
+        // outcome, before the caller's `deadline` goes.
+        let deadline = unsafe { std::mem::transmute::<&Deadline, &'static Deadline>(deadline) };
+        self.append(ops, gathered, When::Of(deadline), None, init)
     }
 
     /// Whether the driving thread's own batch has finished.
@@ -197,7 +222,7 @@ impl<S> Table<S> {
         &mut self,
         ops: impl IntoIterator<Item = P2p<'static>>,
         gathered: impl IntoIterator<Item = GatherSend<'static>>,
-        deadline: Instant,
+        deadline: When,
         done: Option<Done>,
         mut init: impl FnMut(&P2p<'static>, Option<&'static dyn Gather>) -> S,
     ) -> u64 {
@@ -270,14 +295,16 @@ impl<S> Table<S> {
         any
     }
 
-    /// The earliest deadline of an unfinished batch.
+    /// The earliest deadline of an unfinished batch (one not yet fixed is
+    /// fixed from the clock).
     pub fn next_deadline(&self) -> Option<Instant> {
-        self.batches.iter().map(|b| b.deadline).min()
+        self.batches.iter().map(|b| b.deadline.get(None)).min()
     }
 
-    /// An unfinished batch whose deadline has passed at `now`.
+    /// An unfinished batch whose deadline has passed at `now` (one not yet
+    /// fixed is fixed from `now`, and has not).
     pub fn expired(&self, now: Instant) -> Option<u64> {
-        self.batches.iter().find(|b| b.deadline <= now).map(|b| b.id)
+        self.batches.iter().find(|b| b.deadline.get(Some(now)) <= now).map(|b| b.id)
     }
 
     /// The batch op `i` belongs to.
@@ -466,7 +493,7 @@ pub trait Engine {
     /// `gathered` sends) as this thread's own batch, driving everything
     /// until it has finished ([`Table::add_local`]); `None` if another
     /// thread drives.
-    fn try_exchange(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Option<Result<()>>;
+    fn try_exchange(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: &Deadline) -> Option<Result<()>>;
     /// Fail every posted op with `e` and let go of every buffer (a panic
     /// unwound through the driver: the table must not keep ops whose
     /// buffers the unwinding frees).
@@ -539,7 +566,7 @@ pub fn wait_until(engine: &dyn Engine, until: &dyn Fn() -> bool) {
 
 /// Post `ops` (and `gathered` sends) and return once they have finished:
 /// what a transport's blocking `exchange` is, over its [`Engine`].
-pub fn exchange(engine: &dyn Engine, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
+pub fn exchange(engine: &dyn Engine, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: &Deadline) -> Result<()> {
     // Usually nobody else drives: no posting, no completion to allocate.
     let tried = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.try_exchange(ops, gathered, deadline)));
     match tried {
@@ -557,7 +584,7 @@ pub fn exchange(engine: &dyn Engine, ops: &mut [P2p<'_>], gathered: &[GatherSend
     post_and_wait(
         ops,
         gathered,
-        deadline,
+        deadline.get(),
         |post| {
             engine.posting().push(post);
             engine.wake_driver();
@@ -646,14 +673,35 @@ mod tests {
         assert_eq!(*log.lock().unwrap(), vec![(7, true)]);
         let mut buf = [0u8; 2];
         let mut ops = [P2p::Recv { peer: 1, tag: 1, buf: &mut buf }];
-        // SAFETY: `buf` outlives the batch (it leaves the table below).
-        unsafe { t.add_local(&mut ops, &[], Instant::now() + Duration::from_secs(60), |_, _| ()) };
+        let deadline = Deadline::after(Duration::from_secs(60));
+        // SAFETY: `buf` and `deadline` outlive the batch (it leaves the
+        // table below).
+        unsafe { t.add_local(&mut ops, &[], &deadline, |_, _| ()) };
         assert!(!t.local_done());
         t.done[0] = true;
         t.settle();
         assert!(t.compact().is_none());
         assert!(t.is_idle());
         assert!(t.take_local().unwrap().is_ok());
+    }
+
+    /// The driving thread's own deadline is fixed by the table's first look
+    /// at it, from the reading that look was given, and is the caller's.
+    #[test]
+    fn a_local_batch_fixes_its_deadline_at_the_first_look() {
+        let mut t: Table<()> = Table::default();
+        let mut ops = [P2p::Send { peer: 1, tag: 1, data: &[] }];
+        let deadline = Deadline::after(Duration::from_secs(5));
+        // SAFETY: `deadline` outlives the batch (withdrawn below).
+        let id = unsafe { t.add_local(&mut ops, &[], &deadline, |_, _| ()) };
+        let first = Instant::now() + Duration::from_secs(3);
+        assert_eq!(t.expired(first), None);
+        assert_eq!(deadline.get(), first + Duration::from_secs(5), "fixed by that look");
+        assert_eq!(t.next_deadline(), Some(first + Duration::from_secs(5)));
+        assert_eq!(t.expired(first + Duration::from_secs(5)), Some(id));
+        t.withdraw(id, Error::timeout("late"));
+        t.settle();
+        assert!(t.take_local().unwrap().is_err());
     }
 
     /// A deadline passes only for the batch it belongs to.

@@ -231,7 +231,7 @@ unsafe extern "C" fn start(ctx: *mut c_void, ops: *const P2pV1, n: usize, timeou
                 c.backend.post(weft::progress::Post::new(&mut batch, &[], deadline, request.completer()));
             } else {
                 let done = request.completer();
-                done(c.backend.exchange(&mut batch, deadline));
+                done(c.backend.exchange(&mut batch, &weft::backend::Deadline::at(deadline)));
             }
             *req = Arc::into_raw(request) as *mut c_void;
             Ok(abi::OK)

@@ -12,7 +12,7 @@ impl Backend for Panics {
     fn name(&self) -> &str {
         "panicking"
     }
-    fn exchange(&self, _: &mut [P2p<'_>], _: std::time::Instant) -> Result<()> {
+    fn exchange(&self, _: &mut [P2p<'_>], _: &weft::backend::Deadline) -> Result<()> {
         panic!("deliberate panic inside the plugin")
     }
     fn abort(&self, _: &Error) {}

@@ -6,7 +6,6 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 use weft::backend::{Backend, BackendContext, Op, OpContext, P2p};
 use weft::registry::{BackendFactory, StaticBackend};
 use weft::{Collectives, DeviceKind, ErrorKind, Layout, OpOptions, ReduceOp, Result};
@@ -25,7 +24,7 @@ impl Backend for Recorder {
     }
     // By hand (not `forward_transport!`, which forwards
     // `native_algorithms` too).
-    fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
+    fn exchange(&self, ops: &mut [P2p<'_>], deadline: &weft::backend::Deadline) -> Result<()> {
         self.0.exchange(ops, deadline)
     }
     fn abort(&self, reason: &weft::Error) {

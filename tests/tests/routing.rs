@@ -21,7 +21,7 @@ impl Backend for Staging {
     fn name(&self) -> &str {
         "test-staging"
     }
-    fn exchange(&self, ops: &mut [P2p<'_>], deadline: std::time::Instant) -> Result<()> {
+    fn exchange(&self, ops: &mut [P2p<'_>], deadline: &weft::backend::Deadline) -> Result<()> {
         self.cpu.exchange(ops, deadline)
     }
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {

@@ -16,7 +16,7 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-use weft::backend::P2p;
+use weft::backend::{Deadline, P2p};
 use weft::matching::EarlyBudget;
 use weft::progress::Posting;
 use weft::{Error, Result};
@@ -141,10 +141,11 @@ pub fn exchange(
     wake: &Wake,
     watch: &dyn Watch,
     ops: &mut [P2p<'_>],
-    deadline: Instant,
+    deadline: &Deadline,
 ) -> Result<()> {
     // SAFETY: this returns only once the batch's outcome is in, and its ops
-    // have then left the table (`take_local`).
+    // have then left the table (`take_local`); `deadline` is borrowed as
+    // long.
     if unsafe { eng.protocol.add_local(me, ops, deadline, posting, watch)? } {
         drive(me, eng, posting, wake, watch, true, &|| false);
     }

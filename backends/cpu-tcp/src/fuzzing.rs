@@ -37,7 +37,7 @@ pub fn frames(data: &[u8]) {
     if pick & 0x80 != 0 {
         ops.push(P2p::Send { peer: 1, tag: 5, data: &out });
     }
-    let _ = b.exchange(&mut ops, Instant::now() + Duration::from_millis(50));
+    let _ = b.exchange(&mut ops, &weft::backend::Deadline::after(Duration::from_millis(50)));
     b.shutdown();
 }
 

@@ -15,7 +15,7 @@ use smallvec::{smallvec, SmallVec};
 use std::collections::HashMap;
 use std::io::IoSlice;
 use std::time::Instant;
-use weft::backend::{OpKind, P2p, ANY_SOURCE};
+use weft::backend::{Deadline, OpKind, P2p, ANY_SOURCE};
 use weft::matching::{self, Early, EarlyBudget, Inbound};
 use weft::progress::{Post, Posting, Table};
 use weft::{Error, Result};
@@ -311,13 +311,13 @@ impl Protocol {
     /// connection or with a broken stream): the error, and nothing taken.
     ///
     /// # Safety
-    /// `ops`' buffers stay valid until `table.take_local` has returned the
-    /// batch's outcome (the ops leave the table with it).
+    /// `ops`' buffers and `deadline` stay valid until `table.take_local`
+    /// has returned the batch's outcome (the ops leave the table with it).
     pub unsafe fn add_local(
         &mut self,
         me: usize,
         ops: &mut [P2p<'_>],
-        deadline: Instant,
+        deadline: &Deadline,
         posting: &Posting,
         watch: &dyn Watch,
     ) -> Result<bool> {

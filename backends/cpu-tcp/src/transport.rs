@@ -11,7 +11,7 @@ use std::io::Read;
 use std::net::Shutdown;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-use weft::backend::{Backend, GatherSend, P2p};
+use weft::backend::{Backend, Deadline, GatherSend, P2p};
 use weft::progress::{self, Post, Posting};
 use weft::store::Store;
 use weft::{Error, ErrorKind, Result};
@@ -63,7 +63,7 @@ impl progress::Engine for TcpBackend {
         engine::drive(self.rank, &mut eng, &self.posting, &self.wake, self, false, until);
         true
     }
-    fn try_exchange(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Option<Result<()>> {
+    fn try_exchange(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: &Deadline) -> Option<Result<()>> {
         if !gathered.is_empty() {
             // Not a transport that writes gathered bytes in place (see
             // `Backend::exchange_gathered`): they come packed as sends.
@@ -173,7 +173,7 @@ impl Backend for TcpBackend {
         "cpu-tcp"
     }
 
-    fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
+    fn exchange(&self, ops: &mut [P2p<'_>], deadline: &Deadline) -> Result<()> {
         progress::exchange(self, ops, &[], deadline)
     }
 
@@ -260,7 +260,7 @@ mod tests {
         let (b, mut raw) = backend_with_raw_peer();
         raw.write_all(b"\x00garbage bytes that are not a weft frame").unwrap();
         let mut buf = [0u8; 4];
-        let e = b.exchange(&mut [P2p::Recv { peer: 1, tag: 1, buf: &mut buf }], Instant::now() + Duration::from_secs(5)).unwrap_err();
+        let e = b.exchange(&mut [P2p::Recv { peer: 1, tag: 1, buf: &mut buf }], &Deadline::after(Duration::from_secs(5))).unwrap_err();
         assert!(e.to_string().contains("garbage on the connection from peer rank 1"), "{e}");
     }
 
@@ -271,7 +271,7 @@ mod tests {
         // receive posted for it.
         raw.write_all(&Header { kind: Kind::Data, tag: 9, len: 1 << 40 }.encode()).unwrap();
         let mut buf = [0u8; 4];
-        let e = b.exchange(&mut [P2p::Recv { peer: 1, tag: 1, buf: &mut buf }], Instant::now() + Duration::from_secs(5)).unwrap_err();
+        let e = b.exchange(&mut [P2p::Recv { peer: 1, tag: 1, buf: &mut buf }], &Deadline::after(Duration::from_secs(5))).unwrap_err();
         assert!(e.to_string().contains("peer rank 1 sent a 1099511627776-byte message"), "{e}");
         assert!(e.to_string().contains("unannounced"), "{e}");
     }
@@ -284,14 +284,14 @@ mod tests {
         raw.write_all(b"abc").unwrap();
         drop(raw);
         let mut buf = [0u8; 3];
-        let deadline = Instant::now() + Duration::from_secs(5);
+        let deadline = Deadline::after(Duration::from_secs(5));
         // The message sent before the crash may or may not be delivered
         // (EOF fails the transport), but the error always names the peer.
-        match b.exchange(&mut [P2p::Recv { peer: 1, tag: 7, buf: &mut buf }], deadline) {
+        match b.exchange(&mut [P2p::Recv { peer: 1, tag: 7, buf: &mut buf }], &deadline) {
             Ok(()) => assert_eq!(&buf, b"abc"),
             Err(e) => assert_eq!(e.kind(), &weft::ErrorKind::PeerLost { rank: 1 }),
         }
-        let e = b.exchange(&mut [P2p::Recv { peer: 1, tag: 8, buf: &mut buf }], deadline).unwrap_err();
+        let e = b.exchange(&mut [P2p::Recv { peer: 1, tag: 8, buf: &mut buf }], &deadline).unwrap_err();
         assert_eq!(e.kind(), &weft::ErrorKind::PeerLost { rank: 1 }, "{e}");
     }
 
@@ -307,12 +307,12 @@ mod tests {
         let (b, mut raw) = backend_with_raw_peer();
         raw.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
         let long = EAGER_LIMIT + 1;
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Deadline::after(Duration::from_secs(10));
         std::thread::scope(|s| {
             // A long send: only its announcement goes out until Ready comes.
             let sender = s.spawn(|| {
                 let data = vec![7u8; long];
-                b.exchange(&mut [P2p::Send { peer: 1, tag: 3, data: &data }], deadline)
+                b.exchange(&mut [P2p::Send { peer: 1, tag: 3, data: &data }], &deadline)
             });
             assert_eq!(read_header(&mut raw), Header { kind: Kind::Announce, tag: 3, len: long as u64 });
             let mut byte = [0u8; 1];
@@ -329,7 +329,7 @@ mod tests {
         std::thread::scope(|s| {
             let receiver = s.spawn(|| {
                 let mut buf = vec![0u8; long];
-                b.exchange(&mut [P2p::Recv { peer: 1, tag: 4, buf: &mut buf }], deadline).map(|_| buf)
+                b.exchange(&mut [P2p::Recv { peer: 1, tag: 4, buf: &mut buf }], &deadline).map(|_| buf)
             });
             assert_eq!(read_header(&mut raw), Header { kind: Kind::Ready, tag: 4, len: long as u64 });
             raw.write_all(&Header { kind: Kind::Data, tag: 4, len: long as u64 }.encode()).unwrap();
@@ -339,7 +339,7 @@ mod tests {
         // An announcement that does not fit the posted receive fails it.
         raw.write_all(&Header { kind: Kind::Announce, tag: 5, len: long as u64 }.encode()).unwrap();
         let mut small = [0u8; 4];
-        let e = b.exchange(&mut [P2p::Recv { peer: 1, tag: 5, buf: &mut small }], deadline).unwrap_err();
+        let e = b.exchange(&mut [P2p::Recv { peer: 1, tag: 5, buf: &mut small }], &deadline).unwrap_err();
         assert!(e.to_string().contains(&format!("sent {long} bytes, rank 0 expected 4 bytes")), "{e}");
     }
 
@@ -347,7 +347,7 @@ mod tests {
     fn a_long_send_whose_receive_is_never_posted_times_out_naming_the_peer() {
         let (b, _raw) = backend_with_raw_peer();
         let data = vec![1u8; crate::wire::EAGER_LIMIT + 1];
-        let e = b.exchange(&mut [P2p::Send { peer: 1, tag: 3, data: &data }], Instant::now() + Duration::from_millis(300)).unwrap_err();
+        let e = b.exchange(&mut [P2p::Send { peer: 1, tag: 3, data: &data }], &Deadline::after(Duration::from_millis(300))).unwrap_err();
         assert_eq!(e.kind(), &weft::ErrorKind::Timeout, "{e}");
         assert!(e.to_string().contains("peer rank 1 never posted the receive"), "{e}");
     }

@@ -15,9 +15,9 @@ mod all_reduce;
 mod topology;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use topology::Topology;
-use weft::backend::{Backend, BackendContext, GatherSend, Op, OpContext, P2p};
+use weft::backend::{Backend, BackendContext, Deadline, GatherSend, Op, OpContext, P2p};
 use weft::progress::Post;
 use weft::registry::{BackendFactory, StaticBackend};
 use weft::store::PrefixStore;
@@ -197,10 +197,10 @@ impl Backend for HierBackend {
     fn name(&self) -> &str {
         "hierarchical"
     }
-    fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
+    fn exchange(&self, ops: &mut [P2p<'_>], deadline: &Deadline) -> Result<()> {
         self.flat.backend.exchange(ops, deadline).map_err(|e| self.flat.translate(e))
     }
-    fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
+    fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: &Deadline) -> Result<()> {
         self.flat.backend.exchange_gathered(ops, gathered, deadline).map_err(|e| self.flat.translate(e))
     }
     fn posts(&self) -> bool {

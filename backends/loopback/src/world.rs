@@ -13,7 +13,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-use weft::backend::{Backend, GatherSend, OpKind, P2p, ANY_SOURCE};
+use weft::backend::{Backend, Deadline, GatherSend, OpKind, P2p, ANY_SOURCE};
 use weft::progress::{Done, Post};
 use weft::{Error, Result};
 
@@ -382,14 +382,14 @@ impl Backend for LoopbackBackend {
         "loopback"
     }
 
-    fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
+    fn exchange(&self, ops: &mut [P2p<'_>], deadline: &Deadline) -> Result<()> {
         self.exchange_gathered(ops, &[], deadline)
     }
 
-    fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
+    fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: &Deadline) -> Result<()> {
         let slot: Arc<Mutex<Option<Result<()>>>> = Arc::default();
         let mine = slot.clone();
-        self.post_batch(ops, gathered, deadline, Box::new(move |r| *mine.lock().unwrap_or_else(|p| p.into_inner()) = Some(r)), None);
+        self.post_batch(ops, gathered, deadline.get(), Box::new(move |r| *mine.lock().unwrap_or_else(|p| p.into_inner()) = Some(r)), None);
         self.progress(&|| slot.lock().unwrap_or_else(|p| p.into_inner()).is_some());
         let r = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
         r.expect("finished or expired")

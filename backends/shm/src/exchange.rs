@@ -5,7 +5,7 @@
 //! payloads (as the backend's `cma::Policy` says) go single-copy instead:
 //! the frame carries a descriptor, and the receiver reads (and an idle
 //! sender pushes) the bytes straight between the two processes' buffers
-//! (`cma.rs`).
+//! (`cma.rs`). What finishes at once skips the table (`direct.rs`).
 
 use crate::cma;
 use crate::posted::{Engine, OpState, Peer, CMA_FLAG, HEADER};
@@ -13,7 +13,7 @@ use crate::state::{ShmBackend, CMA_SPIN, NAP, PAUSE_SPIN, SPIN, TURNS_PER_CLOCK}
 use smallvec::{smallvec, SmallVec};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-use weft::backend::{Backend, Gather, GatherSend, P2p, ANY_SOURCE};
+use weft::backend::{Backend, Deadline, Gather, GatherSend, P2p, ANY_SOURCE};
 use weft::matching::{self, Early};
 use weft::progress::{Post, Posting, Table};
 use weft::{Error, Result};
@@ -60,7 +60,7 @@ fn send_of<'a>(ops: &'a [P2p<'_>], gathered: &[Option<&'a dyn Gather>], i: usize
 }
 
 /// The frame prefix of an inline send: tag and length.
-fn plain_header(tag: u64, len: usize) -> ([u8; HEADER + cma::DESCRIPTOR], usize) {
+pub(crate) fn plain_header(tag: u64, len: usize) -> ([u8; HEADER + cma::DESCRIPTOR], usize) {
     let mut p = [0u8; HEADER + cma::DESCRIPTOR];
     p[..8].copy_from_slice(&tag.to_le_bytes());
     p[8..16].copy_from_slice(&(len as u64).to_le_bytes());
@@ -121,7 +121,7 @@ impl ShmBackend {
         posting: &Posting,
         ops: &mut [P2p<'_>],
         gathered: &[GatherSend<'_>],
-        deadline: Instant,
+        deadline: &Deadline,
     ) -> Result<()> {
         if let Err(e) = self.check_failed().and_then(|()| posting.take(|post| self.absorb(eng, post, posting)).map(|_| ())) {
             self.fail_everything(eng, posting, e.clone());
@@ -130,10 +130,31 @@ impl ShmBackend {
         if let Some(e) = self.refuse(ops.iter(), gathered) {
             return Err(e);
         }
+        // With nothing else posted, what can finish at once skips the table
+        // (`direct`). A receive from any rank binds its op to the sender:
+        // it keeps the batch whole.
+        let any_source = || ops.iter().any(|op| matches!(op, P2p::Recv { peer: ANY_SOURCE, .. }));
+        if gathered.is_empty() && eng.table.is_idle() && ops.len() <= 64 && !any_source() {
+            return self.exchange_direct(eng, posting, ops, deadline);
+        }
+        self.exchange_in_table(eng, posting, ops, gathered, deadline)
+    }
+
+    /// [`Self::exchange_now`] through the table: the batch is added, and
+    /// everything driven until it has finished.
+    pub(crate) fn exchange_in_table(
+        &self,
+        eng: &mut Engine,
+        posting: &Posting,
+        ops: &mut [P2p<'_>],
+        gathered: &[GatherSend<'_>],
+        deadline: &Deadline,
+    ) -> Result<()> {
         let first = eng.table.len();
         // SAFETY: this returns only once the batch's outcome is in, and its
         // ops have then left the table (`settle`, `expire` and
-        // `fail_everything` remove finished ops).
+        // `fail_everything` remove finished ops); `deadline` is the
+        // caller's, borrowed as long.
         unsafe { eng.table.add_local(ops, gathered, deadline, |_, _| OpState::default()) };
         match self.start(eng, first) {
             Err(e) => self.fail_everything(eng, posting, e),
@@ -348,11 +369,6 @@ impl ShmBackend {
         let me = self.rank;
         let mut moved = false;
         let Engine { peers: incoming, table } = eng;
-        // How long a single-copy transfer may keep this pass waiting: the
-        // earliest deadline, but a grace at least (a batch past its
-        // deadline that has not expired yet must not fail a transfer of
-        // another that has only just begun).
-        let until = table.next_deadline().unwrap_or_else(Instant::now).max(Instant::now() + CANCEL_GRACE);
         let Table { ops, done, gathered, state, .. } = table;
         busy.fill(false);
         // Help copy single-copy sends only with nothing left to receive:
@@ -425,7 +441,7 @@ impl ShmBackend {
         }
         // Receives: drain every incoming ring, matching or stashing frames.
         for peer in (0..self.size).filter(|p| *p != me) {
-            if self.drain(peer, ops, incoming, done, until)? {
+            if self.drain(peer, table, incoming)? {
                 moved = true;
                 self.wake(peer);
             }
@@ -463,7 +479,7 @@ impl ShmBackend {
         // decided afresh.
         if first {
             *offer = None;
-            if self.single_copy.offers(data.len(), tag, receiving) && !peer.refused && self.cma.load(Ordering::Relaxed) {
+            if self.offers(data.len(), tag, peer, receiving) {
                 peer.out_seq += 1;
                 // Receiving too: push it all (see `cma`), if this rank can,
                 // where the data is likely in its own cache and the receiver
@@ -493,6 +509,12 @@ impl ShmBackend {
             }
             None => (p, plain),
         }
+    }
+
+    /// Whether a send of `len` bytes under `tag` to `peer` goes single-copy
+    /// (`receiving`: this rank has a large receive pending too).
+    pub(crate) fn offers(&self, len: usize, tag: u64, peer: &Peer, receiving: bool) -> bool {
+        self.single_copy.offers(len, tag, receiving) && !peer.refused && self.cma.load(Ordering::Relaxed)
     }
 
     /// Whether a single-copy transfer of this exchange needs this rank: a
@@ -691,15 +713,26 @@ impl ShmBackend {
         true
     }
 
-    /// Read what `peer` has written to us; true if any byte moved.
-    /// `until`: how long a single-copy transfer may keep it waiting.
-    fn drain(&self, peer: usize, ops: &mut [P2p<'_>], incoming: &mut [Peer], done: &mut [bool], until: Instant) -> Result<bool> {
+    /// How long a single-copy transfer may keep a pass waiting: the
+    /// earliest deadline, but a grace at least (a batch past its deadline
+    /// that has not expired yet must not fail a transfer of another that
+    /// has only just begun). Asked only by a transfer: most turns move
+    /// none, and need neither the clock nor a deadline fixed.
+    fn transfer_until(table: &Table<OpState>) -> Instant {
+        let grace = Instant::now() + CANCEL_GRACE;
+        table.next_deadline().map_or(grace, |d| d.max(grace))
+    }
+
+    /// Read what `peer` has written to us into `table`'s receives; true if
+    /// any byte moved.
+    fn drain(&self, peer: usize, table: &mut Table<OpState>, incoming: &mut [Peer]) -> Result<bool> {
         let ring = self.ring(peer, self.rank);
         let mut moved = false;
         loop {
             let mut st = &mut incoming[peer];
             if st.awaiting.is_some() {
-                if !self.collect_pushed(peer, st, ops, until)? {
+                let until = Self::transfer_until(table);
+                if !self.collect_pushed(peer, st, &mut table.ops, until)? {
                     return Ok(moved);
                 }
                 moved = true;
@@ -721,7 +754,7 @@ impl ShmBackend {
                 let tag = u64::from_le_bytes(st.hdr[..8].try_into().expect("8 bytes"));
                 let len = u64::from_le_bytes(st.hdr[8..16].try_into().expect("8 bytes"));
                 let rank_stashed = || incoming.iter().map(|p| p.inbound.stashed_bytes()).sum();
-                if incoming[peer].inbound.holds_back(peer, tag, Some((len & !CMA_FLAG) as usize), ops, done, rank_stashed) {
+                if incoming[peer].inbound.holds_back(peer, tag, Some((len & !CMA_FLAG) as usize), &table.ops, &table.done, rank_stashed) {
                     // Left in the ring (header read) until there is room:
                     // the sender waits for ring space.
                     return Ok(moved);
@@ -731,18 +764,21 @@ impl ShmBackend {
                 if len & CMA_FLAG != 0 {
                     st.cma_in = Some(cma::Offer::decode(&st.hdr[HEADER..]));
                 }
-                if let Some(i) = st.inbound.begin(self.rank, peer, tag, (len & !CMA_FLAG) as usize, ops, done).map_err(|e| self.fail(e))? {
-                    matching::bind(ops, i, peer);
+                if let Some(i) =
+                    st.inbound.begin(self.rank, peer, tag, (len & !CMA_FLAG) as usize, &table.ops, &table.done).map_err(|e| self.fail(e))?
+                {
+                    matching::bind(&mut table.ops, i, peer);
                 }
             }
             if let Some(offer) = st.cma_in.take() {
-                self.read_offer(peer, offer, st, ops, until)?;
+                let until = Self::transfer_until(table);
+                self.read_offer(peer, offer, st, &mut table.ops, until)?;
                 moved = true;
                 if st.awaiting.is_some() {
                     continue;
                 }
             }
-            let dst = st.inbound.payload(ops);
+            let dst = st.inbound.payload(&mut table.ops);
             if !dst.is_empty() {
                 let n = ring.read(dst);
                 if n == 0 {
@@ -751,7 +787,7 @@ impl ShmBackend {
                 st.inbound.advance(n);
                 moved = true;
             }
-            st.inbound.finish(self.rank, peer, ops, done).map_err(|e| self.fail(e))?;
+            st.inbound.finish(self.rank, peer, &mut table.ops, &mut table.done).map_err(|e| self.fail(e))?;
         }
     }
 }

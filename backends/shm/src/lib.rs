@@ -5,6 +5,7 @@
 
 mod cma;
 mod cores;
+mod direct;
 mod exchange;
 mod fastbox;
 #[cfg(feature = "fuzzing")]

@@ -89,11 +89,21 @@ impl Bytes for RawBytes {
 }
 
 /// Where one ring lives in the segment.
+///
+/// Each side keeps, in its own memory, the last value it read of the
+/// other's counter, and reads the shared one again only when that value
+/// says there is no room (producer) or nothing to read (consumer): each
+/// such read takes the line from the other core, which had just written
+/// it, and was a fifth of a small send.
 pub struct Ring<B: Bytes = RawBytes> {
     head: *const Counter,
     tail: *const Counter,
     data: B,
     cap: usize,
+    /// Producer: the consumer's `head` as last read (at most the real one).
+    seen_head: AtomicU64,
+    /// Consumer: the producer's `tail` as last read (at most the real one).
+    seen_tail: AtomicU64,
 }
 
 // SAFETY: see the module doc: each side touches only what it owns.
@@ -120,11 +130,24 @@ impl Ring {
     /// 64-byte aligned, used by one producer and one consumer only.
     pub unsafe fn at(at: *mut u8, cap: usize) -> Ring {
         let c = std::mem::size_of::<Counter>();
-        Ring { head: at as *const Counter, tail: at.add(c) as *const Counter, data: RawBytes(at.add(2 * c)), cap }
+        // SAFETY: inside the region (the caller's contract).
+        let (tail, data) = unsafe { (at.add(c) as *const Counter, RawBytes(at.add(2 * c))) };
+        // SAFETY: the caller's contract.
+        unsafe { Ring::over(at as *const Counter, tail, data, cap) }
     }
 }
 
 impl<B: Bytes> Ring<B> {
+    /// A ring over counters and bytes already placed.
+    ///
+    /// # Safety
+    /// `head` and `tail` stay live as long as the ring; one producer and
+    /// one consumer use it. (The remembered counters start at 0, which is
+    /// at most either counter whenever the ring is made.)
+    unsafe fn over(head: *const Counter, tail: *const Counter, data: B, cap: usize) -> Ring<B> {
+        Ring { head, tail, data, cap, seen_head: AtomicU64::new(0), seen_tail: AtomicU64::new(0) }
+    }
+
     fn head(&self) -> &AtomicU64 {
         // SAFETY: points into the live mapping (constructor contract).
         unsafe { &(*self.head).0 }
@@ -139,6 +162,18 @@ impl<B: Bytes> Ring<B> {
         (self.tail().load(Ordering::Acquire) - self.head().load(Ordering::Relaxed)) as usize
     }
 
+    /// Consumer: the producer's tail, from the last reading while that
+    /// shows `want` bytes past `head`.
+    fn known_tail(&self, head: u64, want: usize) -> u64 {
+        let seen = self.seen_tail.load(Ordering::Relaxed);
+        if seen >= head + want as u64 {
+            return seen;
+        }
+        let tail = self.tail().load(Ordering::Acquire);
+        self.seen_tail.store(tail, Ordering::Relaxed);
+        tail
+    }
+
     /// Producer: copy as much of `src` as fits; bytes written. The bytes
     /// are published every [`PUBLISH`] bytes, so the consumer copies out
     /// while the rest is copied in.
@@ -151,7 +186,7 @@ impl<B: Bytes> Ring<B> {
     /// `len` bytes), publishing every [`PUBLISH`] bytes; bytes written.
     pub fn write_with(&self, len: usize, mut fill: impl FnMut(usize, &mut [u8])) -> usize {
         let mut tail = self.tail().load(Ordering::Relaxed);
-        let n = len.min(self.free(tail));
+        let n = len.min(self.free(tail, len));
         let mut done = 0;
         while done < n {
             let k = (n - done).min(PUBLISH);
@@ -171,9 +206,37 @@ impl<B: Bytes> Ring<B> {
         n
     }
 
-    /// Free bytes, the producer's `tail` given.
-    fn free(&self, tail: u64) -> usize {
-        self.cap - (tail - self.head().load(Ordering::Acquire)) as usize
+    /// Producer: write `first` then `then`, both or nothing, published
+    /// together (a frame's header and payload: the consumer finds the
+    /// whole frame at its first look); whether they fit.
+    pub fn write_whole(&self, first: &[u8], then: &[u8]) -> bool {
+        let len = first.len() + then.len();
+        if self.free(self.tail().load(Ordering::Relaxed), len) < len {
+            return false;
+        }
+        self.write_with(len, |at, piece| {
+            // `piece` covers [at, at + n) of the two together.
+            let n = piece.len();
+            let head = &first[at.min(first.len())..];
+            let split = head.len().min(n);
+            piece[..split].copy_from_slice(&head[..split]);
+            let from = (at + split).saturating_sub(first.len());
+            piece[split..].copy_from_slice(&then[from..from + n - split]);
+        });
+        true
+    }
+
+    /// Free bytes for `want` more, the producer's `tail` given: from the
+    /// last reading of the consumer's head while that shows room for them.
+    fn free(&self, tail: u64, want: usize) -> usize {
+        let seen = self.seen_head.load(Ordering::Relaxed);
+        let free = self.cap - (tail - seen) as usize;
+        if free >= want {
+            return free;
+        }
+        let head = self.head().load(Ordering::Acquire);
+        self.seen_head.store(head, Ordering::Relaxed);
+        self.cap - (tail - head) as usize
     }
 
     /// Where `n` bytes from `tail` on go: their offset, and how many fit
@@ -183,23 +246,37 @@ impl<B: Bytes> Ring<B> {
         (at, n.min(self.cap - at))
     }
 
-    /// Consumer: read up to `dst.len()` bytes.
+    /// Consumer: read up to `dst.len()` bytes (all of them if they are
+    /// there).
     pub fn read(&self, dst: &mut [u8]) -> usize {
+        let n = self.peek(dst);
+        self.skip(n);
+        n
+    }
+
+    /// Consumer: copy up to `dst.len()` bytes (all of them if they are
+    /// there), leaving them to read.
+    pub fn peek(&self, dst: &mut [u8]) -> usize {
         let head = self.head().load(Ordering::Relaxed);
-        let n = dst.len().min((self.tail().load(Ordering::Acquire) - head) as usize);
-        if n == 0 {
-            return 0;
-        }
+        let n = dst.len().min((self.known_tail(head, dst.len()) - head) as usize);
         let at = head as usize % self.cap;
         let first = n.min(self.cap - at);
-        // SAFETY: these bytes were published by the producer (acquire above)
-        // and stay untouched until `head` moves past them.
+        // SAFETY: these bytes were published by the producer (acquire when
+        // the tail was read) and stay untouched until `head` moves past them.
         unsafe {
             self.data.get(at, &mut dst[..first]);
             self.data.get(0, &mut dst[first..n]);
         }
-        self.head().store(head + n as u64, Ordering::Release);
         n
+    }
+
+    /// Consumer: hand `n` bytes back to the producer (at most those
+    /// waiting).
+    pub fn skip(&self, n: usize) {
+        if n > 0 {
+            let head = self.head().load(Ordering::Relaxed);
+            self.head().store(head + n as u64, Ordering::Release);
+        }
     }
 }
 
@@ -236,6 +313,38 @@ mod tests {
         // Filled in place, in the pieces the free space comes in.
         let filled = stream(29, |ring, src| ring.write_with(src.len(), |at, piece| piece.copy_from_slice(&src[at..][..piece.len()])));
         assert_eq!(filled, all);
+        // Whole frames (a 3-byte prefix, then the rest), split anywhere by
+        // the wrap-around; one that does not fit writes nothing.
+        let framed = stream(29, |ring, src| {
+            let (first, then) = src.split_at(src.len().min(3));
+            if ring.write_whole(first, then) {
+                src.len()
+            } else {
+                0
+            }
+        });
+        assert_eq!(framed, all);
+    }
+
+    /// Each side remembers the other's counter, but a read or write still
+    /// takes all that is there (or free) when it wants more.
+    #[test]
+    fn remembered_counters_never_cut_a_read_or_write_short() {
+        let cap = 64;
+        let mut mem = vec![0u128; footprint(cap) / 16 + 8];
+        let base = mem.as_mut_ptr() as *mut u8;
+        // SAFETY: the offset is under 64, inside the 128 spare bytes.
+        let base = unsafe { base.add(base.align_offset(64)) };
+        // SAFETY: the buffer above is large enough and 64-byte aligned.
+        let ring = unsafe { Ring::at(base, cap) };
+        assert_eq!(ring.write(&[1; 40]), 40);
+        let mut buf = [0u8; 64];
+        assert_eq!(ring.read(&mut buf[..10]), 10, "the consumer now remembers a tail of 40");
+        assert_eq!(ring.write(&[2; 34]), 34, "the producer reads the head again: 34 free, not 24");
+        assert_eq!(ring.peek(&mut buf), 64);
+        assert_eq!(ring.read(&mut buf), 64, "past the remembered tail");
+        assert_eq!(&buf[..30], &[1; 30]);
+        assert_eq!(&buf[30..], &[2; 34]);
     }
 }
 
@@ -279,7 +388,8 @@ pub(crate) mod loom_tests {
             let cap = 3;
             let head = Box::leak(Box::new(Counter(AtomicU64::new(0))));
             let tail = Box::leak(Box::new(Counter(AtomicU64::new(0))));
-            let ring = loom::sync::Arc::new(Ring { head, tail, data: Cells::new(cap), cap });
+            // SAFETY: leaked, so live for ever; both start at 0.
+            let ring = loom::sync::Arc::new(unsafe { Ring::over(head, tail, Cells::new(cap), cap) });
             let producer = {
                 let ring = ring.clone();
                 loom::thread::spawn(move || {

@@ -189,10 +189,16 @@ impl ShmBackend {
         unsafe { &*(self.seg.base().add(self.size * std::mem::size_of::<Control>()) as *const Cell).add(src * self.size + dst) }
     }
 
+    /// Ring rank `r`'s doorbell, and wake it if it naps. The waker that
+    /// finds the flag up takes it down, so of the ranks (or the many
+    /// sends) that ring one napping rank before it runs again, one makes
+    /// the system call: the rest would find nobody on the futex.
     pub(crate) fn wake(&self, r: usize) {
         let c = self.control(r);
         c.doorbell.value.fetch_add(1, Ordering::SeqCst);
-        if c.sleeping.load(Ordering::SeqCst) != 0 {
+        // (A plain load first: most wakes find nobody napping, and a swap
+        // would take the line from the owner each time.)
+        if c.sleeping.load(Ordering::SeqCst) != 0 && c.sleeping.swap(0, Ordering::SeqCst) != 0 {
             c.doorbell.wake(1);
         }
     }
@@ -233,7 +239,8 @@ impl ShmBackend {
     }
     /// Sleep on this rank's doorbell unless `ready()`, for at most `NAP`
     /// (and not past `deadline`). Peers ring it after writing to this rank
-    /// (`wake`) when they see its `sleeping` flag.
+    /// (`wake`), and the first to see its `sleeping` flag takes it down and
+    /// wakes it.
     pub(crate) fn nap(&self, now: Instant, deadline: Instant, ready: &dyn Fn() -> bool) {
         let ctl = self.control(self.rank);
         let seen = ctl.doorbell.value.load(Ordering::SeqCst);

@@ -22,7 +22,7 @@ impl progress::Engine for ShmBackend {
         self.drive(&mut eng, &self.posting, false, until);
         true
     }
-    fn try_exchange(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Option<Result<()>> {
+    fn try_exchange(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: &Deadline) -> Option<Result<()>> {
         let mut eng = progress::try_lock(&self.engine)?;
         Some(self.exchange_now(&mut eng, &self.posting, ops, gathered, deadline))
     }
@@ -75,11 +75,11 @@ impl Backend for ShmBackend {
         Some(self.check_failed().and_then(|()| self.run_fast(op, &ctx.deadline)).map_err(fail_on_mismatch))
     }
 
-    fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
+    fn exchange(&self, ops: &mut [P2p<'_>], deadline: &Deadline) -> Result<()> {
         progress::exchange(self, ops, &[], deadline)
     }
 
-    fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: Instant) -> Result<()> {
+    fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: &Deadline) -> Result<()> {
         progress::exchange(self, ops, gathered, deadline)
     }
 

@@ -104,12 +104,12 @@ impl<'a> Comm<'a> {
     }
     /// Run a batch of point-to-point ops.
     pub fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()> {
-        self.backend.exchange(ops, self.ctx.deadline.get())
+        self.backend.exchange(ops, &self.ctx.deadline)
     }
     /// Run a batch of point-to-point ops plus sends of gathered bytes
     /// ([`Backend::exchange_gathered`]).
     pub fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>]) -> Result<()> {
-        self.backend.exchange_gathered(ops, gathered, self.ctx.deadline.get())
+        self.backend.exchange_gathered(ops, gathered, &self.ctx.deadline)
     }
     /// Send `data` to `to` and receive `buf` from `from` at once, as step `step`.
     pub fn send_recv(&self, step: u32, to: usize, data: &[u8], from: usize, buf: &mut [u8]) -> Result<()> {
@@ -130,7 +130,7 @@ impl<'a> Comm<'a> {
 pub fn run(backend: &dyn Backend, op: &mut Op<'_>, ctx: &OpContext) -> Result<()> {
     let c = Comm::new(backend, ctx);
     match op {
-        Op::Send { .. } | Op::Recv { .. } | Op::Batch { .. } => backend.exchange(&mut op.host_p2p()?, ctx.deadline.get()),
+        Op::Send { .. } | Op::Recv { .. } | Op::Batch { .. } => backend.exchange(&mut op.host_p2p()?, &ctx.deadline),
         Op::Broadcast { buf, root } => match select::pick(ctx, "broadcast", buf.nbytes(), c.step_bytes())? {
             "scatter_allgather" => ring::broadcast_scatter_allgather(&c, buf.host_bytes_mut()?, *root),
             "chain" => chain::broadcast(&c, buf.host_bytes_mut()?, *root),

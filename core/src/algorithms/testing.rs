@@ -1,7 +1,7 @@
 //! An in-memory mailbox backend for unit tests of the algorithms: ranks are
 //! threads, messages are queued per (source, destination, tag).
 
-use crate::backend::{Backend, OpContext, OpKind, P2p};
+use crate::backend::{Backend, Deadline, OpContext, OpKind, P2p};
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
@@ -25,7 +25,8 @@ impl Backend for MailBackend {
     fn name(&self) -> &str {
         "test-mailbox"
     }
-    fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
+    fn exchange(&self, ops: &mut [P2p<'_>], deadline: &Deadline) -> Result<()> {
+        let deadline = deadline.get();
         for op in ops.iter() {
             if let P2p::Send { peer, tag, data } = op {
                 self.boxes.queues.lock().unwrap().entry((self.rank, *peer, *tag)).or_default().push_back(data.to_vec());
@@ -373,7 +374,7 @@ mod algorithm_tests {
         fn name(&self) -> &str {
             "recording"
         }
-        fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
+        fn exchange(&self, ops: &mut [P2p<'_>], deadline: &Deadline) -> Result<()> {
             let tags = ops.iter().filter_map(|op| match op {
                 P2p::Send { tag, .. } => Some(*tag),
                 P2p::Recv { .. } => None,

@@ -51,7 +51,7 @@ pub(crate) fn check(backend: &dyn Backend, ctx: &OpContext, mine: &Fingerprint) 
     let mut theirs = vec![[0u8; WIRE]; w];
     let mut ops: Vec<P2p<'_>> = (0..w).filter(|p| *p != r).map(|peer| P2p::Send { peer, tag, data: &out[..] }).collect();
     ops.extend(theirs.iter_mut().enumerate().filter(|(p, _)| *p != r).map(|(peer, buf)| P2p::Recv { peer, tag, buf: &mut buf[..] }));
-    backend.exchange(&mut ops, ctx.deadline.get())?;
+    backend.exchange(&mut ops, &ctx.deadline)?;
     let prints: Vec<Fingerprint> = (0..w).map(|p| if p == r { mine.clone() } else { Fingerprint::decode(&theirs[p]) }).collect();
     if prints.iter().all(|f| f.hash == mine.hash) {
         return Ok(());

@@ -210,7 +210,7 @@ impl ProcessGroup {
     pub fn forge_send(&self, bytes: &[u8], dst: usize, tag: u64) -> Result<()> {
         let backend = self.core.route((crate::tensor::DeviceKind::Cpu, crate::tensor::Layout::Dense))?;
         let mut ops = [crate::backend::P2p::Send { peer: dst, tag, data: bytes }];
-        backend.exchange(&mut ops, crate::deadline::instant_after(self.core.options.timeout))
+        backend.exchange(&mut ops, &crate::deadline::Deadline::after(self.core.options.timeout))
     }
 
     /// End every in-flight op of this rank promptly with `Aborted`, and make
@@ -254,7 +254,7 @@ impl<'t> Collectives<'t> for ProcessGroup {
         let timeout = opts.timeout.unwrap_or(self.core.options.timeout);
         if let Some(backend) = self.core.posting_backend(&job) {
             if job.op.receives_from_any() {
-                return Ok(Work::new(self.core.post_and_wait(&backend, &mut job, &opts)).within(timeout));
+                return Ok(Work::new(self.core.post_and_wait(backend, &mut job, &opts)).within(timeout));
             }
             // A point-to-point op on a transport that progresses everything
             // together takes no turn: it runs now, driving the transport (and

@@ -237,20 +237,17 @@ pub trait Collectives<'t>: sealed::Sealed {
     /// All tensors must be on one device; an empty batch is done at once.
     fn batch_p2p(&self, ops: Vec<P2pOp<'t>>, opts: &OpOptions) -> Result<Work<'t>> {
         let c = check(self, "batch_p2p");
-        let mut metas = Vec::with_capacity(ops.len());
         let mut batch = Vec::with_capacity(ops.len());
         for op in ops {
             match op {
                 P2pOp::Send { tensor, peer, tag } => {
                     c.peer(peer)?;
                     user_tag(&c, tag)?;
-                    metas.push(meta(&tensor));
                     batch.push(Op::Send { data: tensor, peer, tag: crate::tag::user(tag) });
                 }
                 P2pOp::Recv { tensor, peer, tag } => {
                     c.peer(peer)?;
                     user_tag(&c, tag)?;
-                    metas.push(meta_mut(&tensor));
                     batch.push(Op::Recv { buf: tensor, peer, tag: crate::tag::user(tag) });
                 }
             }
@@ -258,7 +255,11 @@ pub trait Collectives<'t>: sealed::Sealed {
         if batch.is_empty() {
             return Ok(Work::done(Ok(()), None));
         }
-        let (route, ..) = c.tensors(metas)?;
+        let (route, ..) = c.tensors(batch.iter().map(|op| match op {
+            Op::Send { data, .. } => meta(data),
+            Op::Recv { buf, .. } => meta_mut(buf),
+            _ => unreachable!("a batch of sends and receives"),
+        }))?;
         self.submit(job(&c, OpKind::Send, route, None, Op::Batch { ops: batch }), opts)
     }
 

@@ -192,12 +192,12 @@ impl GroupCore {
     }
 
     /// The transport a point-to-point job is posted to, if it posts.
-    pub(crate) fn posting_backend(&self, job: &Job<'_>) -> Option<Arc<dyn Backend>> {
+    pub(crate) fn posting_backend(&self, job: &Job<'_>) -> Option<&Arc<dyn Backend>> {
         if job.is_collective() {
             return None;
         }
         let host = job.route.0 == DeviceKind::Cpu;
-        self.backend(job.route).filter(|b| if host { b.posts() } else { b.posts_device() }).cloned()
+        self.backend(job.route).filter(|b| if host { b.posts() } else { b.posts_device() })
     }
 
     /// This group's progress thread for `backend`, started on first use.

@@ -146,7 +146,7 @@ impl GroupCore {
         track(&state);
         if let Some(backend) = self.posting_backend(&job) {
             // SAFETY: the caller's promise.
-            unsafe { self.post_p2p(&backend, &mut job, &opts, state.clone(), true) };
+            unsafe { self.post_p2p(backend, &mut job, &opts, state.clone(), true) };
             return state;
         }
         // Everything else takes its turn in the group's order.

@@ -4,7 +4,7 @@
 use super::abi::{self, BackendV1, InitV1, P2pV1};
 use super::host::{self, HostState};
 use crate::backend::BackendFactory;
-use crate::backend::{Backend, BackendContext, Op, OpContext, P2p};
+use crate::backend::{Backend, BackendContext, Deadline, Op, OpContext, P2p};
 use crate::error::{Error, Result};
 use crate::progress::{Done, Post};
 use crate::tensor::{Device, DeviceKind, Layout};
@@ -194,7 +194,8 @@ impl Backend for PluginBackend {
         &self.name
     }
 
-    fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
+    fn exchange(&self, ops: &mut [P2p<'_>], deadline: &Deadline) -> Result<()> {
+        let deadline = deadline.get();
         if self.posts() {
             // Progress on this request moves the others too.
             return crate::progress::post_and_wait(ops, &[], deadline, |p| self.post(p), |until| self.progress(until));

@@ -207,7 +207,7 @@ fn agree(c: &Comm<'_>, l: &Geometry, keys: &[i64], op_code: usize, requested: us
 mod tests {
     use super::*;
     use crate::algorithms::testing::run_ranks_with;
-    use crate::backend::{Backend, OpKind, P2p};
+    use crate::backend::{Backend, Deadline, OpKind, P2p};
     use crate::tensor::Tensor;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Instant;
@@ -225,7 +225,7 @@ mod tests {
         fn name(&self) -> &str {
             "garbling"
         }
-        fn exchange(&self, ops: &mut [P2p<'_>], deadline: Instant) -> Result<()> {
+        fn exchange(&self, ops: &mut [P2p<'_>], deadline: &Deadline) -> Result<()> {
             if self.seen.fetch_add(1, Ordering::Relaxed) != self.batch {
                 return self.inner.exchange(ops, deadline);
             }
