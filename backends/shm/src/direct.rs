@@ -10,8 +10,9 @@
 
 use crate::exchange::plain_header;
 use crate::posted::{Engine, HEADER};
-use crate::state::{ShmBackend, PURE_SPINS};
+use crate::state::{ShmBackend, PURE_SPINS, SPIN, TURNS_PER_CLOCK};
 use smallvec::SmallVec;
+use std::time::Instant;
 use weft::backend::{Deadline, P2p};
 use weft::progress::Posting;
 use weft::Result;
@@ -69,10 +70,12 @@ impl ShmBackend {
     /// A lone receive from `peer` with nothing else posted, when the
     /// peer's next frame is the one it waits for (this tag, this size,
     /// inline) and nothing of the peer's was kept back: read whole, without
-    /// the table, as soon as it is in the ring; watched for `PURE_SPINS`
-    /// looks (one if oversubscribed: the sender may need this core). False
-    /// otherwise: the exchange then runs it (it waits, stashing what other
-    /// peers send meanwhile, or finds the mismatch).
+    /// the table, as soon as it is in the ring. Watched for `PURE_SPINS`
+    /// looks; oversubscribed, yielding between looks for as long as a wait
+    /// spins (`SPIN`), the sender may need this core, and a look at one
+    /// ring costs a waiting rank less of its turn than a pass over them
+    /// all. False otherwise: the exchange then runs it (it waits, stashing
+    /// what other peers send meanwhile, or finds the mismatch).
     fn recv_at_once(&self, eng: &Engine, posting: &Posting, peer: usize, tag: u64, buf: &mut [u8]) -> bool {
         let st = &eng.peers[peer];
         if !eng.table.is_idle() || st.hdr_got != 0 || st.cma_in.is_some() || st.awaiting.is_some() || !st.inbound.is_idle() {
@@ -80,25 +83,52 @@ impl ShmBackend {
         }
         let ring = self.ring(peer, self.rank);
         let expected = plain_header(tag, buf.len()).0;
-        let mut header = [0u8; HEADER];
-        let looks = if self.oversubscribed { 1 } else { PURE_SPINS };
-        for _ in 0..looks {
-            if ring.peek(&mut header) == HEADER {
-                if header != expected[..HEADER] {
+        // Some(true): read; Some(false): another frame is next; None: not
+        // there yet.
+        let look = |buf: &mut [u8]| {
+            let mut header = [0u8; HEADER];
+            if ring.peek(&mut header) < HEADER {
+                return None;
+            }
+            if header != expected[..HEADER] {
+                return Some(false);
+            }
+            if ring.available() < HEADER + buf.len() {
+                return None;
+            }
+            ring.skip(HEADER);
+            let n = ring.read(buf);
+            debug_assert_eq!(n, buf.len(), "checked available above");
+            self.wake(peer);
+            Some(true)
+        };
+        if !self.oversubscribed {
+            for _ in 0..PURE_SPINS {
+                if let Some(read) = look(buf) {
+                    return read;
+                }
+                if posting.has_new() {
                     return false;
                 }
-                if ring.available() >= HEADER + buf.len() {
-                    ring.skip(HEADER);
-                    let n = ring.read(buf);
-                    debug_assert_eq!(n, buf.len(), "checked available above");
-                    self.wake(peer);
-                    return true;
-                }
+                std::hint::spin_loop();
+            }
+            return false;
+        }
+        let mut since = None;
+        for turn in 0u32.. {
+            if let Some(read) = look(buf) {
+                return read;
             }
             if posting.has_new() {
                 return false;
             }
-            std::hint::spin_loop();
+            if turn.is_multiple_of(TURNS_PER_CLOCK) {
+                let now = Instant::now();
+                if now.duration_since(*since.get_or_insert(now)) >= SPIN {
+                    return false;
+                }
+            }
+            std::thread::yield_now();
         }
         false
     }
