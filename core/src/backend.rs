@@ -465,8 +465,9 @@ pub trait Backend: Send + Sync {
     /// Post every op of the batch, then wait until all have completed or
     /// `deadline` passes (a transport need not fix a deadline that is not
     /// fixed yet before it first waits: an exchange that finishes at once
-    /// then never reads the clock). Receives are matched by (peer, tag) with the oldest
-    /// message first; messages with different tags may arrive in any order.
+    /// then never reads the clock). Receives are matched by (peer, tag)
+    /// with the oldest message first; messages with different tags may
+    /// arrive in any order.
     ///
     /// Errors: `Timeout` (naming the peer and tag still pending), `PeerLost`,
     /// `Aborted`, or `Backend` for a size mismatch (naming both sizes) or a

@@ -92,9 +92,10 @@ impl Bytes for RawBytes {
 ///
 /// Each side keeps, in its own memory, the last value it read of the
 /// other's counter, and reads the shared one again only when that value
-/// says there is no room (producer) or nothing to read (consumer): each
-/// such read takes the line from the other core, which had just written
-/// it, and was a fifth of a small send.
+/// shows too little room (producer) or too little to read (consumer):
+/// each such read takes the line from the other core, which had just
+/// written it (a profile of 8-byte sends, in one of this VM's slow phases,
+/// put a sixth of a send's time in the producer's read of the head).
 pub struct Ring<B: Bytes = RawBytes> {
     head: *const Counter,
     tail: *const Counter,
@@ -284,17 +285,23 @@ impl<B: Bytes> Ring<B> {
 mod tests {
     use super::*;
 
-    /// Stream bytes 0..=255 through a 64-byte ring, each write offering at
-    /// most `piece` bytes (`write`: the offered bytes; the count written),
-    /// each read taking at most 17: what comes out.
-    fn stream(piece: usize, mut write: impl FnMut(&Ring, &[u8]) -> usize) -> Vec<u8> {
-        let cap = 64;
-        let mut mem = vec![0u128; footprint(cap) / 16 + 8];
+    /// A ring of `cap` bytes in `mem`, which the caller keeps while it uses
+    /// the ring.
+    fn ring_in(mem: &mut Vec<u128>, cap: usize) -> Ring {
+        *mem = vec![0u128; footprint(cap) / 16 + 8];
         let base = mem.as_mut_ptr() as *mut u8;
         // SAFETY: the offset is under 64, inside the 128 spare bytes.
         let base = unsafe { base.add(base.align_offset(64)) };
         // SAFETY: the buffer above is large enough and 64-byte aligned.
-        let ring = unsafe { Ring::at(base, cap) };
+        unsafe { Ring::at(base, cap) }
+    }
+
+    /// Stream bytes 0..=255 through a 64-byte ring, each write offering at
+    /// most `piece` bytes (`write`: the offered bytes; the count written),
+    /// each read taking at most 17: what comes out.
+    fn stream(piece: usize, mut write: impl FnMut(&Ring, &[u8]) -> usize) -> Vec<u8> {
+        let mut mem = Vec::new();
+        let ring = ring_in(&mut mem, 64);
         let data: Vec<u8> = (0..=255).collect();
         let (mut sent, mut got) = (0, Vec::new());
         while got.len() < data.len() {
@@ -330,13 +337,8 @@ mod tests {
     /// takes all that is there (or free) when it wants more.
     #[test]
     fn remembered_counters_never_cut_a_read_or_write_short() {
-        let cap = 64;
-        let mut mem = vec![0u128; footprint(cap) / 16 + 8];
-        let base = mem.as_mut_ptr() as *mut u8;
-        // SAFETY: the offset is under 64, inside the 128 spare bytes.
-        let base = unsafe { base.add(base.align_offset(64)) };
-        // SAFETY: the buffer above is large enough and 64-byte aligned.
-        let ring = unsafe { Ring::at(base, cap) };
+        let mut mem = Vec::new();
+        let ring = ring_in(&mut mem, 64);
         assert_eq!(ring.write(&[1; 40]), 40);
         let mut buf = [0u8; 64];
         assert_eq!(ring.read(&mut buf[..10]), 10, "the consumer now remembers a tail of 40");
