@@ -317,6 +317,58 @@ fn shm_fast_broadcasts_leave_early_and_mismatches_are_still_found() {
     }
 }
 
+/// Ranks that outnumber their cores (here three held to one CPU) take a
+/// barrier that lets rank 0 go first: the others wait for rank 0 alone,
+/// which goes once every rank has arrived. It still holds every rank until
+/// all have arrived, mixed with fast ops that reuse the slots around it,
+/// and a rank that called something else is still found, by rank 0 at
+/// once and by a rank that left early at its next call.
+#[test]
+fn shm_oversubscribed_barrier_lets_rank_zero_go_first_and_still_holds_everyone() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // This thread, and the rank threads it starts, on one CPU.
+    let mine = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).unwrap();
+    let cpu = (0..nix::sched::CpuSet::count()).find(|&c| mine.is_set(c).unwrap_or(false)).unwrap();
+    let mut one = nix::sched::CpuSet::new();
+    one.set(cpu).unwrap();
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &one).unwrap();
+    let o = || OpOptions::default().timeout(Duration::from_secs(10));
+    let arrived = std::sync::Arc::new(AtomicUsize::new(0));
+    let count = arrived.clone();
+    run_threads(3, options("cpu:shm"), move |pg| {
+        let r = pg.rank();
+        for i in 0..200usize {
+            count.fetch_add(1, Ordering::SeqCst);
+            pg.barrier(&o()).unwrap().wait().unwrap();
+            assert_eq!(count.load(Ordering::SeqCst), 3 * (i + 1), "rank {r} left barrier {i} before every rank arrived");
+            let mut v = [(r + i) as u32];
+            pg.all_reduce(&mut v[..], ReduceOp::Sum, &o()).unwrap().wait().unwrap();
+            assert_eq!(v[0] as usize, 3 + 3 * i, "all_reduce {i}");
+            let mut b = [(r * 100 + i) as u32; 2];
+            pg.broadcast(&mut b[..], i % 3, &o()).unwrap().wait().unwrap();
+            assert_eq!(b, [((i % 3) * 100 + i) as u32; 2], "broadcast {i}");
+            pg.barrier(&o()).unwrap().wait().unwrap();
+        }
+    });
+    // Rank 1 calls an all_reduce where ranks 0 and 2 call a barrier.
+    run_threads(3, options("cpu:shm"), move |pg| {
+        let r = pg.rank();
+        let mut v = [1f32; 2];
+        let first = if r == 1 { pg.all_reduce(&mut v[..], ReduceOp::Sum, &o()) } else { pg.barrier(&o()) }.unwrap().wait();
+        let second = pg.barrier(&o()).unwrap().wait();
+        // Rank 0 and rank 1 see it at the call; rank 2, which waited for
+        // rank 0 alone, at its next.
+        assert_eq!((first.is_err(), second.is_err()), (r != 2, r == 2), "rank {r}: {first:?}, then {second:?}");
+        for e in [first, second].into_iter().filter_map(|x| x.err()) {
+            assert_eq!(e.kind(), &ErrorKind::InvalidArgument, "{e}");
+            assert!(e.to_string().contains("mismatched collectives"), "{e}");
+        }
+        let mut v = [r as f32; 2];
+        pg.all_reduce(&mut v[..], ReduceOp::Sum, &o()).unwrap().wait().unwrap();
+        assert_eq!(v, [3.0; 2]);
+    });
+}
+
 /// all_to_all takes the fast path only if every rank's parts fit in its
 /// slot. Here, every other time, rank 0's do not while the others' do: rank
 /// 0 publishes that and goes to the rings at once, the others see it and

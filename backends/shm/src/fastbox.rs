@@ -14,7 +14,10 @@
 //! one) and owes the rest, which the rank's next fast op settles before it
 //! publishes. A root thus leaves at once, and a non-root as soon as the
 //! root's bytes are there, which with more ranks than cores saves waiting
-//! for every peer to be scheduled.
+//! for every peer to be scheduled. With more ranks than cores the barrier
+//! is rooted too (`barrier_from_zero`): rank 0 publishes once it has seen
+//! every peer's part, and the others wait for rank 0 alone, so rank 0
+//! leaves first.
 //!
 //! Every rank reduces all contributions in rank order, so every rank gets
 //! the same bits (as the ring algorithms guarantee too).
@@ -646,6 +649,39 @@ impl<B: Bytes> Fastbox<B> {
     pub fn barrier(&self, waiter: &dyn Waiter, deadline: &Deadline) -> Result<()> {
         self.round(waiter, Kind::Barrier, 0, &[], deadline).map(drop)
     }
+
+    /// barrier that lets rank 0 go first: the others publish and wait for
+    /// rank 0 alone, which publishes once it has seen every one of them.
+    /// For ranks that outnumber their cores, where a rank leaves a barrier
+    /// only when it next runs: in [`Fastbox::barrier`] the last to arrive
+    /// goes first, and rank 0, the root of most of what follows a barrier
+    /// (a broadcast, a pipeline's first stage), may be the last to run.
+    ///
+    /// Rank 0's part is published after every peer's, so a rank that has
+    /// seen it has seen (through rank 0) every part; the others' parts are
+    /// still owed as a broadcast's (see the module doc), and cost nothing
+    /// to settle. A mismatch rank 0 finds is reported after it publishes
+    /// all the same, so no peer waits for its part in vain.
+    pub fn barrier_from_zero(&self, waiter: &dyn Waiter, deadline: &Deadline) -> Result<()> {
+        let what = Kind::Barrier.describe(0);
+        if self.rank != 0 {
+            let (round, call) = self.publish(waiter, Kind::Barrier, 0, &[], deadline)?;
+            self.owe(round.k, call, what, Some(0));
+            self.await_parts(round.k, call, what, std::iter::once(0), waiter, deadline)?;
+            return self.report_late();
+        }
+        self.settle_owed(waiter, deadline)?;
+        // The op and call number `publish` takes next.
+        let (k, call) = (self.next.load(Ordering::Relaxed), self.calls.load(Ordering::Relaxed));
+        let seen = self.await_parts(k, call, what, self.peers(), waiter, deadline);
+        if self.desynced() {
+            return seen;
+        }
+        let (round, published) = self.publish(waiter, Kind::Barrier, 0, &[], deadline)?;
+        debug_assert_eq!((round.k, published), (k, call), "no other op between");
+        seen?;
+        self.report_late()
+    }
 }
 
 /// Op `k`'s slots, every one published.
@@ -738,6 +774,11 @@ mod loom_tests {
         v[0]
     }
 
+    fn barrier_from_zero(fb: &Fastbox<Cells>) -> u8 {
+        fb.barrier_from_zero(&Spin, &Deadline::after(Duration::ZERO)).unwrap();
+        0
+    }
+
     #[test]
     fn loom_fast_all_reduces_reuse_slots_safely() {
         loom::model(|| {
@@ -759,6 +800,20 @@ mod loom_tests {
                 got
             });
             assert_eq!(got, [[0, 10, 20, 51], [0, 10, 20, 51]]);
+        });
+    }
+
+    /// A barrier that lets rank 0 go first (rank 1 leaves once rank 0 has
+    /// published) between two all_reduces: the second rewrites the first's
+    /// slot, which rank 1 may do having seen only rank 0's barrier part.
+    #[test]
+    fn loom_a_barrier_from_rank_zero_reuses_slots_safely() {
+        loom::model(|| {
+            let got = model_two_ranks(|fb, r| {
+                let r = r as u8;
+                vec![all_reduce(fb, 1 + r), barrier_from_zero(fb), all_reduce(fb, 10 + r)]
+            });
+            assert_eq!(got, [[3, 0, 21], [3, 0, 21]]);
         });
     }
 }

@@ -229,6 +229,8 @@ impl ShmBackend {
                 let dtype = output.dtype();
                 fb.reduce_scatter(self, &Tensor::host_bytes_of(inputs)?, output.host_bytes_mut()?, dtype, *op, d)
             }
+            // (Every rank computed `oversubscribed` from the same data.)
+            Op::Barrier if self.oversubscribed => fb.barrier_from_zero(self, d),
             Op::Barrier => fb.barrier(self, d),
             _ => unreachable!("native_op sends only the ops above"),
         }
