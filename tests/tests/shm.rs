@@ -305,14 +305,7 @@ fn shm_fast_broadcasts_leave_early_and_mismatches_are_still_found() {
             assert_eq!(first.is_err(), now[r], "{calls:?} rank {r} at the call: {first:?}");
             let second = pg.barrier(&o()).unwrap().wait();
             assert_eq!(second.is_err(), next[r], "{calls:?} rank {r} at the next call: {second:?}");
-            for e in [first, second].into_iter().filter_map(|x| x.err()) {
-                assert_eq!(e.kind(), &ErrorKind::InvalidArgument, "{e}");
-                assert!(e.to_string().contains("mismatched collectives"), "{e}");
-            }
-            // The group goes on working.
-            let mut v = [r as f32; 2];
-            pg.all_reduce(&mut v[..], ReduceOp::Sum, &o()).unwrap().wait().unwrap();
-            assert_eq!(v, [1.0; 2]);
+            mismatches_then_it_works(&pg, [first, second]);
         });
     }
 }
@@ -320,9 +313,10 @@ fn shm_fast_broadcasts_leave_early_and_mismatches_are_still_found() {
 /// Ranks that outnumber their cores (here three held to one CPU) take a
 /// barrier that lets rank 0 go first: the others wait for rank 0 alone,
 /// which goes once every rank has arrived. It still holds every rank until
-/// all have arrived, mixed with fast ops that reuse the slots around it,
-/// and a rank that called something else is still found, by rank 0 at
-/// once and by a rank that left early at its next call.
+/// all have arrived, mixed with fast ops that reuse the slots around it; a
+/// rank that called something else is still found, by rank 0 at once and
+/// by a rank that left early at its next call; and a rank that never
+/// comes holds everyone, who all blame it.
 #[test]
 fn shm_oversubscribed_barrier_lets_rank_zero_go_first_and_still_holds_everyone() {
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -359,14 +353,32 @@ fn shm_oversubscribed_barrier_lets_rank_zero_go_first_and_still_holds_everyone()
         // Rank 0 and rank 1 see it at the call; rank 2, which waited for
         // rank 0 alone, at its next.
         assert_eq!((first.is_err(), second.is_err()), (r != 2, r == 2), "rank {r}: {first:?}, then {second:?}");
-        for e in [first, second].into_iter().filter_map(|x| x.err()) {
-            assert_eq!(e.kind(), &ErrorKind::InvalidArgument, "{e}");
-            assert!(e.to_string().contains("mismatched collectives"), "{e}");
-        }
-        let mut v = [r as f32; 2];
-        pg.all_reduce(&mut v[..], ReduceOp::Sum, &o()).unwrap().wait().unwrap();
-        assert_eq!(v, [3.0; 2]);
+        mismatches_then_it_works(&pg, [first, second]);
     });
+    // Rank 1 never comes: rank 0 gives up without letting rank 2 go, and
+    // both blame rank 1 (rank 2 waited for rank 0 alone).
+    run_threads(3, options("cpu:shm"), move |pg| {
+        let r = pg.rank();
+        if r == 1 {
+            std::thread::sleep(Duration::from_millis(1500));
+            return;
+        }
+        let e = pg.barrier(&OpOptions::default().timeout(Duration::from_millis(500))).unwrap().wait().unwrap_err();
+        assert_eq!(e.blamed_peer(), Some(1), "rank {r}: {e}");
+    });
+}
+
+/// Every error among `results` is a mismatch (`InvalidArgument`), and the
+/// group goes on working: an all_reduce of the ranks' numbers.
+fn mismatches_then_it_works(pg: &ProcessGroup, results: [weft::Result<()>; 2]) {
+    for e in results.into_iter().filter_map(|x| x.err()) {
+        assert_eq!(e.kind(), &ErrorKind::InvalidArgument, "{e}");
+        assert!(e.to_string().contains("mismatched collectives"), "{e}");
+    }
+    let (r, w) = (pg.rank(), pg.size());
+    let mut v = [r as f32; 2];
+    pg.all_reduce(&mut v[..], ReduceOp::Sum, &OpOptions::default().timeout(Duration::from_secs(10))).unwrap().wait().unwrap();
+    assert_eq!(v, [(w * (w - 1) / 2) as f32; 2]);
 }
 
 /// all_to_all takes the fast path only if every rank's parts fit in its

@@ -659,23 +659,37 @@ impl<B: Bytes> Fastbox<B> {
     ///
     /// Rank 0's part is published after every peer's, so a rank that has
     /// seen it has seen (through rank 0) every part; the others' parts are
-    /// still owed as a broadcast's (see the module doc), and cost nothing
-    /// to settle. A mismatch rank 0 finds is reported after it publishes
-    /// all the same, so no peer waits for its part in vain.
+    /// still owed as a broadcast's (see the module doc), so a mismatch
+    /// among them is still found, at the next op. Rank 0 publishes after
+    /// finding a mismatch too (every part is there, and the peers wait for
+    /// its), but not after a timeout or a lost peer: no rank may leave a
+    /// barrier some rank has not reached. A rank that times out waiting for
+    /// rank 0 blames the first rank that has not joined, as the flat
+    /// barrier does.
     pub fn barrier_from_zero(&self, waiter: &dyn Waiter, deadline: &Deadline) -> Result<()> {
         let what = Kind::Barrier.describe(0);
         if self.rank != 0 {
             let (round, call) = self.publish(waiter, Kind::Barrier, 0, &[], deadline)?;
             self.owe(round.k, call, what, Some(0));
-            self.await_parts(round.k, call, what, std::iter::once(0), waiter, deadline)?;
+            if let Err(e) = self.await_parts(round.k, call, what, std::iter::once(0), waiter, deadline) {
+                let missing = self.peers().find(|&p| p != 0 && round.slot(p).published(round.k).is_none());
+                return Err(match missing {
+                    Some(p) if e.kind() == &weft::ErrorKind::Timeout => {
+                        Error::timeout(format!("shm: rank {p} did not join the barrier before the deadline")).stalled_on(Some(p))
+                    }
+                    _ => e,
+                });
+            }
             return self.report_late();
         }
         self.settle_owed(waiter, deadline)?;
         // The op and call number `publish` takes next.
         let (k, call) = (self.next.load(Ordering::Relaxed), self.calls.load(Ordering::Relaxed));
         let seen = self.await_parts(k, call, what, self.peers(), waiter, deadline);
-        if self.desynced() {
-            return seen;
+        if let Err(e) = &seen {
+            if self.desynced() || e.kind() != &weft::ErrorKind::InvalidArgument {
+                return seen;
+            }
         }
         let (round, published) = self.publish(waiter, Kind::Barrier, 0, &[], deadline)?;
         debug_assert_eq!((round.k, published), (k, call), "no other op between");
