@@ -662,8 +662,8 @@ impl<B: Bytes> Fastbox<B> {
     /// still owed as a broadcast's (see the module doc), so a mismatch
     /// among them is still found, at the next op. Rank 0 publishes after
     /// finding a mismatch too (every part is there, and the peers wait for
-    /// its), but not after a timeout or a lost peer: no rank may leave a
-    /// barrier some rank has not reached. A rank that times out waiting for
+    /// rank 0's), but not after a timeout or a lost peer: no rank may leave
+    /// a barrier some rank has not reached. A rank that times out waiting for
     /// rank 0 blames the first rank that has not joined, as the flat
     /// barrier does.
     pub fn barrier_from_zero(&self, waiter: &dyn Waiter, deadline: &Deadline) -> Result<()> {
