@@ -83,44 +83,30 @@ impl ShmBackend {
         }
         let ring = self.ring(peer, self.rank);
         let expected = plain_header(tag, buf.len()).0;
-        // Some(true): read; Some(false): another frame is next; None: not
-        // there yet.
-        let look = |buf: &mut [u8]| {
-            let mut header = [0u8; HEADER];
-            if ring.peek(&mut header) < HEADER {
-                return None;
-            }
-            if header != expected[..HEADER] {
-                return Some(false);
-            }
-            if ring.available() < HEADER + buf.len() {
-                return None;
-            }
-            ring.skip(HEADER);
-            let n = ring.read(buf);
-            debug_assert_eq!(n, buf.len(), "checked available above");
-            self.wake(peer);
-            Some(true)
-        };
-        if !self.oversubscribed {
-            for _ in 0..PURE_SPINS {
-                if let Some(read) = look(buf) {
-                    return read;
-                }
-                if posting.has_new() {
-                    return false;
-                }
-                std::hint::spin_loop();
-            }
-            return false;
-        }
+        let mut header = [0u8; HEADER];
         let mut since = None;
         for turn in 0u32.. {
-            if let Some(read) = look(buf) {
-                return read;
+            if ring.peek(&mut header) == HEADER {
+                if header != expected[..HEADER] {
+                    return false;
+                }
+                if ring.available() >= HEADER + buf.len() {
+                    ring.skip(HEADER);
+                    let n = ring.read(buf);
+                    debug_assert_eq!(n, buf.len(), "checked available above");
+                    self.wake(peer);
+                    return true;
+                }
             }
             if posting.has_new() {
                 return false;
+            }
+            if !self.oversubscribed {
+                if turn as usize + 1 >= PURE_SPINS {
+                    return false;
+                }
+                std::hint::spin_loop();
+                continue;
             }
             if turn.is_multiple_of(TURNS_PER_CLOCK) {
                 let now = Instant::now();
