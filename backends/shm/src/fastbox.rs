@@ -12,7 +12,8 @@
 //! op therefore waits for every peer's slot, barrier included; broadcast
 //! waits only for what it needs (a non-root for the root; the root for no
 //! one) and owes the rest, which the rank's next fast op settles before it
-//! publishes. A root thus leaves at once, and a non-root as soon as the
+//! publishes (as does an op that reports a mismatch, which the group
+//! survives). A root thus leaves at once, and a non-root as soon as the
 //! root's bytes are there, which with more ranks than cores saves waiting
 //! for every peer to be scheduled. With more ranks than cores the barrier
 //! is rooted too (`barrier_from_zero`): rank 0 publishes once it has seen
@@ -274,7 +275,8 @@ pub struct Fastbox<B: Bytes = RawBytes> {
     /// the ranks' numbers are out of step for good.
     desynced: std::sync::atomic::AtomicBool,
     /// The op whose peers' publications this rank has not all seen yet
-    /// (a broadcast's), to see before its next publication.
+    /// (a broadcast's, a rooted barrier's, or one that reported a mismatch),
+    /// to see before its next publication.
     owed: Owed,
     /// A mismatch found there, for the next op that finishes to report
     /// (`has_late`: whether there is one, read without the lock).
@@ -283,14 +285,16 @@ pub struct Fastbox<B: Bytes = RawBytes> {
 }
 
 /// An op this rank has left before seeing every peer's part of it: its
-/// number (0: none), call number and description, and the peer it did
-/// see (`NO_PEER`: none).
+/// number (0: none), call number and description, the peer it did see
+/// (`NO_PEER`: none), and whether the op already reported a mismatch
+/// (`quiet`: then its parts are only waited for, not checked again).
 #[derive(Default)]
 struct Owed {
     k: AtomicU64,
     call: AtomicU64,
     what: AtomicU64,
     seen: AtomicU64,
+    quiet: std::sync::atomic::AtomicBool,
 }
 
 const NO_PEER: u64 = u64::MAX;
@@ -391,7 +395,8 @@ impl<B: Bytes> Fastbox<B> {
     /// has published its part of the same op.
     fn round(&self, waiter: &dyn Waiter, kind: Kind, len: usize, mine: &[u8], deadline: &Deadline) -> Result<Round<'_, B>> {
         let (round, call) = self.publish(waiter, kind, len, mine, deadline)?;
-        self.await_parts(round.k, call, kind.describe(len), self.peers(), waiter, deadline)?;
+        let what = kind.describe(len);
+        self.await_parts(round.k, call, what, self.peers(), waiter, deadline).map_err(|e| self.owe_after(round.k, call, what, e))?;
         self.report_late().map(|()| round)
     }
 
@@ -424,8 +429,7 @@ impl<B: Bytes> Fastbox<B> {
     ) -> Result<()> {
         let round = Round { fb: self, k };
         for p in peers {
-            let marked = || self.marker(p).read().is_some_and(|(c, _)| c == call);
-            waiter.wait_until(p, &|| explain(what), deadline, &|| round.slot(p).published(k).is_some() || marked())?;
+            self.await_part(k, call, what, p, waiter, deadline)?;
             let Some(theirs) = round.slot(p).published(k) else {
                 self.desynced.store(true, Ordering::Relaxed);
                 let theirs = self.marker(p).read().map_or(0, |(_, what)| what);
@@ -456,6 +460,15 @@ impl<B: Bytes> Fastbox<B> {
         Ok(())
     }
 
+    /// Wait until peer `p` has published its part of op `k`, or taken its
+    /// call `call` (described by `what`) through the rings.
+    fn await_part(&self, k: u64, call: u64, what: u64, p: usize, waiter: &dyn Waiter, deadline: &Deadline) -> Result<()> {
+        let round = Round { fb: self, k };
+        let slot = round.slot(p);
+        let marked = || self.marker(p).read().is_some_and(|(c, _)| c == call);
+        waiter.wait_until(p, &|| explain(what), deadline, &|| slot.published(k).is_some() || marked())
+    }
+
     /// Publish `mine` as this rank's part of op `kind`, once every peer's
     /// part of the op before is seen (so no peer still reads the slot this
     /// overwrites: see the module doc); the round and its call number.
@@ -476,7 +489,22 @@ impl<B: Bytes> Fastbox<B> {
         self.owed.call.store(call, Ordering::Relaxed);
         self.owed.what.store(what, Ordering::Relaxed);
         self.owed.seen.store(seen.map_or(NO_PEER, |p| p as u64), Ordering::Relaxed);
+        self.owed.quiet.store(false, Ordering::Relaxed);
         self.owed.k.store(k, Ordering::Relaxed);
+    }
+
+    /// `e` ended op `k` on this rank. After a mismatch (the ranks' call
+    /// numbers still in step) the group goes on, so the op's parts not yet
+    /// seen are owed: the next publication waits for them, as for a
+    /// broadcast, or it could overwrite the slot of the op before while a
+    /// slow peer still reads it. Owed quietly: this op has reported its
+    /// mismatch.
+    fn owe_after(&self, k: u64, call: u64, what: u64, e: Error) -> Error {
+        if !self.desynced() && e.kind() == &weft::ErrorKind::InvalidArgument {
+            self.owe(k, call, what, None);
+            self.owed.quiet.store(true, Ordering::Relaxed);
+        }
+        e
     }
 
     /// See every peer's part of the op owed, if one is. A peer that called
@@ -491,9 +519,15 @@ impl<B: Bytes> Fastbox<B> {
         }
         let (call, what) = (self.owed.call.load(Ordering::Relaxed), self.owed.what.load(Ordering::Relaxed));
         let seen = self.owed.seen.load(Ordering::Relaxed);
+        let quiet = self.owed.quiet.load(Ordering::Relaxed);
         let mut late = None;
         for p in self.peers().filter(|p| *p as u64 != seen) {
-            match self.await_parts(k, call, what, std::iter::once(p), waiter, deadline) {
+            let parts = if quiet {
+                self.await_part(k, call, what, p, waiter, deadline)
+            } else {
+                self.await_parts(k, call, what, std::iter::once(p), waiter, deadline)
+            };
+            match parts {
                 Ok(()) => {}
                 Err(e) if !self.desynced() && e.kind() == &weft::ErrorKind::InvalidArgument => {
                     late.get_or_insert(Error::invalid(format!(
@@ -584,7 +618,8 @@ impl<B: Bytes> Fastbox<B> {
             self.owe(round.k, call, what, None);
         } else {
             self.owe(round.k, call, what, Some(root));
-            self.await_parts(round.k, call, what, std::iter::once(root), waiter, deadline)?;
+            self.await_parts(round.k, call, what, std::iter::once(root), waiter, deadline)
+                .map_err(|e| self.owe_after(round.k, call, what, e))?;
             round.slot(root).read(0, buf);
         }
         self.report_late()
@@ -661,11 +696,11 @@ impl<B: Bytes> Fastbox<B> {
     /// seen it has seen (through rank 0) every part; the others' parts are
     /// still owed as a broadcast's (see the module doc), so a mismatch
     /// among them is still found, at the next op. Rank 0 publishes after
-    /// finding a mismatch too (every part is there, and the peers wait for
-    /// rank 0's), but not after a timeout or a lost peer: no rank may leave
-    /// a barrier some rank has not reached. A rank that times out waiting for
-    /// rank 0 blames the first rank that has not joined, as the flat
-    /// barrier does.
+    /// finding a mismatch too (the peers wait for its part; it owes the
+    /// parts it has not seen), but not after a timeout or a lost peer: no
+    /// rank may leave a barrier some rank has not reached. A rank that
+    /// times out waiting for rank 0 blames the first rank that has not
+    /// joined, as the flat barrier does.
     pub fn barrier_from_zero(&self, waiter: &dyn Waiter, deadline: &Deadline) -> Result<()> {
         let what = Kind::Barrier.describe(0);
         if self.rank != 0 {
@@ -677,7 +712,7 @@ impl<B: Bytes> Fastbox<B> {
                     Some(p) if e.kind() == &weft::ErrorKind::Timeout => {
                         Error::timeout(format!("shm: rank {p} did not join the barrier before the deadline")).stalled_on(Some(p))
                     }
-                    _ => e,
+                    _ => self.owe_after(round.k, call, what, e),
                 });
             }
             return self.report_late();
@@ -693,7 +728,7 @@ impl<B: Bytes> Fastbox<B> {
         }
         let (round, published) = self.publish(waiter, Kind::Barrier, 0, &[], deadline)?;
         debug_assert_eq!((round.k, published), (k, call), "no other op between");
-        seen?;
+        seen.map_err(|e| self.owe_after(k, call, what, e))?;
         self.report_late()
     }
 }
@@ -720,6 +755,85 @@ impl<B: Bytes> Round<'_, B> {
         self.slot(0).read(at, out);
         for p in 1..self.fb.size() {
             self.slot(p).reduce_into(at, out, dtype, op);
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+    use std::time::{Duration, Instant};
+
+    /// Spins (yielding) until ready or the deadline.
+    struct Yield;
+
+    impl Waiter for Yield {
+        fn wait_until(&self, peer: usize, what: &dyn Fn() -> String, deadline: &Deadline, ready: &dyn Fn() -> bool) -> Result<()> {
+            while !ready() {
+                if Instant::now() > deadline.get() {
+                    return Err(Error::timeout(format!("rank {peer} did not join {}", what())));
+                }
+                std::thread::yield_now();
+            }
+            Ok(())
+        }
+        fn wake_sleepers(&self) {}
+    }
+
+    fn all_reduce(fb: &Fastbox, v: u8, op: ReduceOp) -> Result<u8> {
+        let mut v = [v];
+        fb.all_reduce(&Yield, &mut v, DType::U8, op, &Deadline::after(Duration::from_secs(20)))?;
+        Ok(v[0])
+    }
+
+    /// Three ranks. In their second all_reduce rank 1 asks for another
+    /// op, and rank 0 fails at rank 1's part before rank 2 has published
+    /// (rank 2 is held back). Rank 0's third all_reduce rewrites the
+    /// first's slot, which rank 2 may still be reading: it must not
+    /// publish before rank 2's second part is there.
+    #[test]
+    fn after_a_mismatch_no_slot_is_rewritten_before_every_part_is_seen() {
+        let mut mem = vec![0u128; Fastbox::len(3) / 16 + 4];
+        let base = mem.as_mut_ptr() as *mut u8;
+        // SAFETY: the offset is under 64, inside the spare bytes.
+        let base = unsafe { base.add(base.align_offset(64)) };
+        // SAFETY: zeroed, 64-byte aligned and large enough; outlives the
+        // scope's threads.
+        let fbs: Vec<Fastbox> = (0..3).map(|r| unsafe { Fastbox::at(base, r, 3) }).collect();
+        let (failed, rank0_failed) = mpsc::channel();
+        let (release, released) = mpsc::channel::<()>();
+        let mut released = Some(released);
+        let got = std::thread::scope(|s| {
+            let threads: Vec<_> = fbs
+                .iter()
+                .enumerate()
+                .map(|(r, fb)| {
+                    let (failed, released) = (failed.clone(), if r == 2 { released.take() } else { None });
+                    let second = if r == 1 { ReduceOp::Max } else { ReduceOp::Sum };
+                    s.spawn(move || {
+                        let first = all_reduce(fb, 1 + r as u8, ReduceOp::Sum).unwrap();
+                        if let Some(released) = released {
+                            // (Bounded: a failing check must not hang the test.)
+                            let _ = released.recv_timeout(Duration::from_secs(20));
+                        }
+                        let second = all_reduce(fb, 1 + r as u8, second).map_err(|e| e.kind().clone());
+                        if r == 0 {
+                            failed.send(()).unwrap();
+                        }
+                        (first, second, all_reduce(fb, 10 + r as u8, ReduceOp::Sum).unwrap())
+                    })
+                })
+                .collect();
+            rank0_failed.recv_timeout(Duration::from_secs(20)).expect("rank 0 fails at rank 1's part");
+            std::thread::sleep(Duration::from_millis(100));
+            // Rank 0's slot for op 3, the third all_reduce.
+            assert_eq!(fbs[0].slots[1].published(3), None, "rank 0 rewrote a slot rank 2 may still read");
+            release.send(()).unwrap();
+            threads.into_iter().map(|t| t.join().unwrap()).collect::<Vec<_>>()
+        });
+        for (first, second, third) in got {
+            assert_eq!((first, second, third), (6, Err(weft::ErrorKind::InvalidArgument), 33));
         }
     }
 }
