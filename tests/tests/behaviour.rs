@@ -270,6 +270,28 @@ fn op_hints_override_group_hints() {
     });
 }
 
+/// The chain broadcast in many segments over real transports, with the
+/// acknowledgements that keep each sender a few segments ahead, from every
+/// root, then another op. (The mailbox tests of the algorithms check that
+/// no acknowledgement is left unreceived.)
+#[test]
+fn chain_broadcasts_in_many_segments_over_shm_and_cpu_tcp() {
+    for backend in ["cpu:shm", "cpu-tcp"] {
+        run_threads(4, options(backend), move |pg| {
+            let chain = o().hint("algorithm", "chain").hint("segment_bytes", "64");
+            for root in 0..4 {
+                // 50 segments, the last one short.
+                let mut b: Vec<u8> = (0..3170).map(|i| (i * 7 + pg.rank() * 50) as u8).collect();
+                pg.broadcast(&mut b, root, &chain).unwrap().wait().unwrap();
+                assert!(b.iter().enumerate().all(|(i, x)| *x == (i * 7 + root * 50) as u8), "{backend} root {root}");
+            }
+            let mut v = vec![1.0f32; 5];
+            pg.all_reduce(&mut v, ReduceOp::Sum, &o()).unwrap().wait().unwrap();
+            assert_eq!(v, vec![4.0; 5], "{backend}");
+        });
+    }
+}
+
 #[test]
 fn algorithm_hints_select_and_unknown_names_are_clear_errors() {
     run_threads(3, options("cpu-tcp"), |pg| {

@@ -103,7 +103,13 @@ pub fn run_ranks_with<T: Send>(
                 })
             })
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+        let results = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        // Every message sent was received: a stray one would be kept by a
+        // real transport for a receive that never comes.
+        let queues = boxes.queues.lock().unwrap();
+        let stray: Vec<_> = queues.iter().filter(|(_, q)| !q.is_empty()).map(|((from, to, tag), q)| (from, to, tag, q.len())).collect();
+        assert!(stray.is_empty(), "messages no rank received (from, to, tag, count): {stray:?}");
+        results
     })
 }
 
