@@ -74,7 +74,8 @@ def run_gloo(a, size, out, weft):
     ops = ",".join(o for o in a.ops.split(",") if o not in ("reduce_scatter", "scatter", "gather", "all_to_all_v", "sendrecv", "put"))
     with tempfile.TemporaryDirectory() as store:
         env = dict(os.environ, GLOO_STORE_DIR=store)
-        text = sh([weft, "run", "-n", str(a.world), "--no-prefix", "--timeout", "600", "--",
+        bind = ["--bind-cores"] if a.bind else []
+        text = sh([weft, "run", "-n", str(a.world), "--no-prefix", "--timeout", "600"] + bind + ["--",
                    f"{out}/gloo_bench", ops, str(size), str(size), "2", str(a.iters), str(a.warmup), a.timing], env=env)
     return parse_lines(text)
 
@@ -82,6 +83,8 @@ def run_gloo(a, size, out, weft):
 def run_mpi(a, size, out, btl):
     ops = ",".join(o for o in a.ops.split(",") if o not in ("scatter", "gather", "all_to_all_v"))
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(a.world), "--mca", "pml", "ob1", "--mca", "btl", btl]
+    if a.bind:
+        cmd += ["--bind-to", "core:overload-allowed", "--map-by", "core"]
     if btl.startswith("tcp"):
         # One-sided ops as messages over TCP (osc pt2pt); Open MPI would
         # otherwise pick shared memory (osc sm) for a window on one host.
@@ -107,6 +110,10 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "target", "compare"))
     p.add_argument("--timing", choices=["window", "span"], default="window",
                    help="window: the slowest rank's own time; span: first rank's start to last rank's end (one host)")
+    # weft bench binds its ranks to cores round-robin; mpirun leaves ranks
+    # that outnumber the cores unbound, and `weft run` binds only when told.
+    p.add_argument("--bind", action="store_true",
+                   help="bind every tool's ranks to cores round-robin (Open MPI: --bind-to core:overload-allowed --map-by core)")
     a = p.parse_args()
     build(a.out)
     weft = os.path.join(ROOT, "target", "release", "weft")
