@@ -15,6 +15,7 @@ use super::pipeline::Segments;
 use super::Comm;
 use crate::backend::P2p;
 use crate::error::Result;
+use smallvec::{smallvec, SmallVec};
 
 /// How far a sender goes past the last segment acknowledged (the ack of
 /// segment i comes once segment i + 1 is awaited). Four of the default
@@ -40,7 +41,7 @@ pub fn broadcast(c: &Comm<'_>, buf: &mut [u8], root: usize) -> Result<()> {
     let acked = |i: usize| i + WINDOW < seg.count;
     if vr == 0 {
         for j in 0..seg.count {
-            let mut ops = vec![P2p::Send { peer: next, tag, data: &buf[seg.piece(j, n)] }];
+            let mut ops: SmallVec<[P2p<'_>; 2]> = smallvec![P2p::Send { peer: next, tag, data: &buf[seg.piece(j, n)] }];
             if let Some(i) = j.checked_sub(WINDOW) {
                 ops.push(P2p::Recv { peer: next, tag: ack, buf: &mut [] });
                 debug_assert!(acked(i));
@@ -52,7 +53,7 @@ pub fn broadcast(c: &Comm<'_>, buf: &mut [u8], root: usize) -> Result<()> {
     let forwards = vr < w - 1;
     for j in 0..=seg.count {
         let (got, rest) = buf.split_at_mut(seg.piece(j, n).start);
-        let mut ops = Vec::with_capacity(4);
+        let mut ops: SmallVec<[P2p<'_>; 4]> = SmallVec::new();
         if j < seg.count {
             ops.push(P2p::Recv { peer: prev, tag, buf: &mut rest[..seg.piece(j, n).len()] });
         }
