@@ -493,6 +493,12 @@ impl<B: Bytes> Fastbox<B> {
         self.owed.k.store(k, Ordering::Relaxed);
     }
 
+    /// Whether `e` is a mismatch the group goes on after: an invalid call,
+    /// with the ranks' call numbers still in step.
+    fn survivable(&self, e: &Error) -> bool {
+        !self.desynced() && e.kind() == &weft::ErrorKind::InvalidArgument
+    }
+
     /// `e` ended op `k` on this rank. After a mismatch (the ranks' call
     /// numbers still in step) the group goes on, so the op's parts not yet
     /// seen are owed: the next publication waits for them, as for a
@@ -500,7 +506,7 @@ impl<B: Bytes> Fastbox<B> {
     /// slow peer still reads it. Owed quietly: this op has reported its
     /// mismatch.
     fn owe_after(&self, k: u64, call: u64, what: u64, e: Error) -> Error {
-        if !self.desynced() && e.kind() == &weft::ErrorKind::InvalidArgument {
+        if self.survivable(&e) {
             self.owe(k, call, what, None);
             self.owed.quiet.store(true, Ordering::Relaxed);
         }
@@ -529,7 +535,7 @@ impl<B: Bytes> Fastbox<B> {
             };
             match parts {
                 Ok(()) => {}
-                Err(e) if !self.desynced() && e.kind() == &weft::ErrorKind::InvalidArgument => {
+                Err(e) if self.survivable(&e) => {
                     late.get_or_insert(Error::invalid(format!(
                         "{e} (found at this rank's next collective: a broadcast waits only for its root's part)"
                     )));
@@ -722,7 +728,7 @@ impl<B: Bytes> Fastbox<B> {
         let (k, call) = (self.next.load(Ordering::Relaxed), self.calls.load(Ordering::Relaxed));
         let seen = self.await_parts(k, call, what, self.peers(), waiter, deadline);
         if let Err(e) = &seen {
-            if self.desynced() || e.kind() != &weft::ErrorKind::InvalidArgument {
+            if !self.survivable(e) {
                 return seen;
             }
         }
