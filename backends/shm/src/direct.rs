@@ -108,7 +108,8 @@ impl ShmBackend {
                 std::hint::spin_loop();
                 continue;
             }
-            if turn.is_multiple_of(TURNS_PER_CLOCK) {
+            // (Not before the first yield: see `Waiter::wait_until`.)
+            if (turn + 1).is_multiple_of(TURNS_PER_CLOCK) {
                 let now = Instant::now();
                 if now.duration_since(*since.get_or_insert(now)) >= SPIN {
                     return false;

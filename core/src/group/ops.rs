@@ -236,31 +236,7 @@ pub trait Collectives<'t>: sealed::Sealed {
     /// in any order the peers allow, and the work completes once all have.
     /// All tensors must be on one device; an empty batch is done at once.
     fn batch_p2p(&self, ops: Vec<P2pOp<'t>>, opts: &OpOptions) -> Result<Work<'t>> {
-        let c = check(self, "batch_p2p");
-        let mut batch = Vec::with_capacity(ops.len());
-        for op in ops {
-            match op {
-                P2pOp::Send { tensor, peer, tag } => {
-                    c.peer(peer)?;
-                    user_tag(&c, tag)?;
-                    batch.push(Op::Send { data: tensor, peer, tag: crate::tag::user(tag) });
-                }
-                P2pOp::Recv { tensor, peer, tag } => {
-                    c.peer(peer)?;
-                    user_tag(&c, tag)?;
-                    batch.push(Op::Recv { buf: tensor, peer, tag: crate::tag::user(tag) });
-                }
-            }
-        }
-        if batch.is_empty() {
-            return Ok(Work::done(Ok(()), None));
-        }
-        let (route, ..) = c.tensors(batch.iter().map(|op| match op {
-            Op::Send { data, .. } => meta(data),
-            Op::Recv { buf, .. } => meta_mut(buf),
-            _ => unreachable!("a batch of sends and receives"),
-        }))?;
-        self.submit(job(&c, OpKind::Send, route, None, Op::Batch { ops: batch }), opts)
+        batch_job(self, check(self, "batch_p2p"), ops, opts)
     }
 
     /// Send `send` to `dst` and receive `recv` from `src` at once, both
@@ -275,7 +251,8 @@ pub trait Collectives<'t>: sealed::Sealed {
         tag: u32,
         opts: &OpOptions,
     ) -> Result<Work<'t>> {
-        self.batch_p2p(vec![P2pOp::recv(recv, src, tag), P2pOp::send(send, dst, tag)], opts)
+        // (An array, not a Vec: nothing to allocate on this latency-bound path.)
+        batch_job(self, check(self, "sendrecv"), [P2pOp::recv(recv, src, tag), P2pOp::send(send, dst, tag)], opts)
     }
 
     /// Copy `root`'s tensor into every rank's tensor.
@@ -534,6 +511,39 @@ fn root_list<T>(c: &Check, root: usize, what: &str, list: Vec<T>) -> Result<Vec<
     }
     c.list_len(what, list.len())?;
     Ok(list)
+}
+
+fn batch_job<'t, G: Collectives<'t> + ?Sized>(
+    g: &G,
+    c: Check,
+    ops: impl IntoIterator<Item = P2pOp<'t>, IntoIter: ExactSizeIterator>,
+    opts: &OpOptions,
+) -> Result<Work<'t>> {
+    let ops = ops.into_iter();
+    let mut batch = Vec::with_capacity(ops.len());
+    for op in ops {
+        match op {
+            P2pOp::Send { tensor, peer, tag } => {
+                c.peer(peer)?;
+                user_tag(&c, tag)?;
+                batch.push(Op::Send { data: tensor, peer, tag: crate::tag::user(tag) });
+            }
+            P2pOp::Recv { tensor, peer, tag } => {
+                c.peer(peer)?;
+                user_tag(&c, tag)?;
+                batch.push(Op::Recv { buf: tensor, peer, tag: crate::tag::user(tag) });
+            }
+        }
+    }
+    if batch.is_empty() {
+        return Ok(Work::done(Ok(()), None));
+    }
+    let (route, ..) = c.tensors(batch.iter().map(|op| match op {
+        Op::Send { data, .. } => meta(data),
+        Op::Recv { buf, .. } => meta_mut(buf),
+        _ => unreachable!("a batch of sends and receives"),
+    }))?;
+    g.submit(job(&c, OpKind::Send, route, None, Op::Batch { ops: batch }), opts)
 }
 
 fn gather_job<'t, G: Collectives<'t> + ?Sized>(
