@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 use weft::prelude::*;
-use weft::{ErrorKind, P2pOp};
+use weft::{DType, Device, ErrorKind, P2pOp, Tensor, TensorMut};
 use weft_tests::{options, run_threads};
 
 fn o() -> OpOptions {
@@ -270,6 +270,45 @@ fn batched_p2p_and_sendrecv() {
             let mine = vec![r as f32; 100];
             pg.scope(|s| s.sendrecv(&mine[..], prev, &mut got2[..], next, 5, &o())?.wait()).unwrap();
             assert!(got2.iter().all(|v| *v == next as f32), "{spec}: scoped sendrecv");
+        });
+    }
+}
+
+/// Whatever bytes a peer sends into a bool tensor, it holds only 0 and 1
+/// once received: direct (the group's lane to the transport), as a
+/// sendrecv, and in a scope.
+#[test]
+fn received_bools_are_0_or_1_whatever_the_peer_sent() {
+    for spec in ["cpu-tcp", "shm"] {
+        run_threads(2, options(spec), move |pg| {
+            let peer = 1 - pg.rank();
+            let sent = [0u8, 1, 2, 255, 7];
+            let clean = [0u8, 1, 1, 1, 1];
+            // Bytes seen as bools: a u8 buffer, so reading them back is
+            // defined whatever arrived.
+            let bools =
+                |buf: &mut [u8; 5]| unsafe { TensorMut::from_raw_parts(buf.as_mut_ptr(), DType::Bool, Device::Cpu, &[5], None) }.unwrap();
+            let mut buf = [9u8; 5];
+            if pg.rank() == 0 {
+                pg.send(&sent[..], peer, 1, &o()).unwrap().wait().unwrap();
+            } else {
+                pg.recv(bools(&mut buf), peer, 1, &o()).unwrap().wait().unwrap();
+                assert_eq!(buf, clean, "{spec}: recv");
+            }
+            // (A sendrecv's tensors share a dtype: these bools are not 0 or 1.)
+            let garbage = unsafe { Tensor::from_raw_parts(sent.as_ptr(), DType::Bool, Device::Cpu, &[5], None) }.unwrap();
+            let mut buf = [9u8; 5];
+            pg.sendrecv(garbage, peer, bools(&mut buf), peer, 2, &o()).unwrap().wait().unwrap();
+            assert_eq!(buf, clean, "{spec}: sendrecv");
+            let mut buf = [9u8; 5];
+            pg.scope(|s| {
+                let a = s.send(&sent[..], peer, 3, &o())?;
+                let b = s.recv(bools(&mut buf), peer, 3, &o())?;
+                a.wait()?;
+                b.wait()
+            })
+            .unwrap();
+            assert_eq!(buf, clean, "{spec}: scoped recv");
         });
     }
 }

@@ -266,6 +266,9 @@ impl<'t> Collectives<'t> for ProcessGroup {
         let (result, device) = self.core.exec.run_inline(ticket, job.is_collective(), |seq| self.core.run_job(&mut job, &opts, seq));
         Ok(Work::done(result, device).within(timeout))
     }
+    fn p2p_lane(&self, route: Route) -> Option<p2p::P2pLane<'_>> {
+        self.core.p2p_lane(route)
+    }
     fn group(&self) -> &ProcessGroup {
         self
     }
@@ -326,64 +329,68 @@ impl GroupCore {
     /// The job is borrowed, not moved: it is a few hundred bytes, and each
     /// move through these layers was a memcpy call on every op.
     fn run_job(&self, job: &mut Job<'_>, opts: &OpOptions, seq: u64) -> (Result<()>, Option<Arc<dyn DeviceCompletion>>) {
-        let name = job.name;
         let slot = if job.route.0 == crate::tensor::DeviceKind::Cpu { CompletionSlot::default() } else { CompletionSlot::for_device() };
-        // A panic inside an op (a bug) becomes that op's error, and poisons
-        // the group like any failure after bytes may have moved.
-        let result =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_job_inner(job, opts, seq, &slot))).unwrap_or_else(|p| {
+        let result = self.guarded(job.name, || self.run_job_inner(job, opts, seq, &slot));
+        (result, slot.take())
+    }
+
+    /// Run op `name` (`run`): not on a group that was closed, aborted or
+    /// poisoned. A panic inside (a bug) becomes the op's error; an error
+    /// after bytes may have moved poisons the group (invalid and
+    /// unsupported calls are caught before any moves, alike on every rank);
+    /// every error names the op and this rank.
+    pub(crate) fn guarded(&self, name: &'static str, run: impl FnOnce() -> Result<()>) -> Result<()> {
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.usable()?;
+            run().inspect_err(|e| {
+                if !matches!(e.kind(), crate::ErrorKind::Unsupported | crate::ErrorKind::InvalidArgument) {
+                    self.poison(e.clone().with_op(name).with_rank(self.rank));
+                }
+            })
+        }));
+        match result {
+            Ok(r) => r.map_err(|e| e.with_op(name).with_rank(self.rank)),
+            Err(p) => {
                 let what =
                     p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
                 let e = Error::backend(format!("internal error (panic) in {name}: {what}")).with_op(name).with_rank(self.rank);
                 self.poison(e.clone());
                 Err(e)
-            });
-        (result, slot.take())
+            }
+        }
     }
 
     fn run_job_inner(&self, job: &mut Job<'_>, opts: &OpOptions, seq: u64, completion: &CompletionSlot) -> Result<()> {
         let Job { name, kind, route, fingerprint, op, algorithm, segment_bytes } = job;
         let (algorithm, segment_bytes) = (*algorithm, *segment_bytes);
         let (name, kind, route) = (*name, *kind, *route);
-        let result = (|| {
-            self.usable()?;
-            let backend = self.route(route)?;
-            if op.receives_from_any() {
-                // Posted where the transport can (`p2p.rs`); not here.
-                return Err(crate::Error::unsupported(format!("backend {} cannot receive from any rank", backend.name())));
-            }
-            // The op's hints over the group's. Usually both are empty: then
-            // the map is made from the group's hasher, without reading the
-            // per-thread seed a fresh one takes.
-            let mut hints = if opts.hints.is_empty() { HashMap::with_hasher(self.hasher.clone()) } else { opts.hints.clone() };
-            for (k, v) in &self.options.hints {
-                hints.entry(k.clone()).or_insert_with(|| v.clone());
-            }
-            let ctx = OpContext {
-                rank: self.rank,
-                size: self.size,
-                name,
-                kind,
-                seq,
-                shape: crate::shape::of(op),
-                deadline: Deadline::after(opts.timeout.unwrap_or(self.options.timeout)),
-                hints,
-                algorithm,
-                segment_bytes,
-                stream: opts.stream,
-                completion: completion.clone(),
-            };
-            let r = self.execute(backend.as_ref(), &ctx, fingerprint.as_ref(), op).map_err(|e| self.explain(e));
-            if let Err(e) = &r {
-                // Invalid/unsupported calls are caught before data moves (the
-                // detail check is symmetric on every rank): no need to poison.
-                if !matches!(e.kind(), crate::ErrorKind::Unsupported | crate::ErrorKind::InvalidArgument) {
-                    self.poison(e.clone().with_op(name).with_rank(self.rank));
-                }
-            }
-            r
-        })();
-        result.map_err(|e| e.with_op(name).with_rank(self.rank))
+        let backend = self.route(route)?;
+        if op.receives_from_any() {
+            // Posted where the transport can (`p2p.rs`); not here.
+            return Err(crate::Error::unsupported(format!("backend {} cannot receive from any rank", backend.name())));
+        }
+        // The op's hints over the group's. Usually both are empty: then
+        // the map is made from the group's hasher, without reading the
+        // per-thread seed a fresh one takes.
+        let mut hints = if opts.hints.is_empty() { HashMap::with_hasher(self.hasher.clone()) } else { opts.hints.clone() };
+        for (k, v) in &self.options.hints {
+            hints.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+        let ctx = OpContext {
+            rank: self.rank,
+            size: self.size,
+            name,
+            kind,
+            seq,
+            shape: crate::shape::of(op),
+            deadline: Deadline::after(opts.timeout.unwrap_or(self.options.timeout)),
+            hints,
+            algorithm,
+            segment_bytes,
+            stream: opts.stream,
+            completion: completion.clone(),
+        };
+        self.execute(backend.as_ref(), &ctx, fingerprint.as_ref(), op).map_err(|e| self.explain(e))
     }
 
     fn execute(&self, backend: &dyn Backend, ctx: &OpContext, fp: Option<&debug::Fingerprint>, op: &mut Op<'_>) -> Result<()> {

@@ -7,7 +7,7 @@
 
 use super::debug::Fingerprint;
 use super::work::Work;
-use crate::backend::{Op, OpKind};
+use crate::backend::{Op, OpKind, P2p};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::options::OpOptions;
@@ -164,6 +164,12 @@ pub trait Collectives<'t>: sealed::Sealed {
     #[doc(hidden)]
     fn submit(&self, job: Job<'t>, opts: &OpOptions) -> Result<Work<'t>>;
     #[doc(hidden)]
+    /// Where a direct send or receive of host tensors on `route` runs at
+    /// once, without a job (the group's; none in a scope, which posts).
+    fn p2p_lane(&self, _route: Route) -> Option<super::p2p::P2pLane<'_>> {
+        None
+    }
+    #[doc(hidden)]
     /// The group the ops run on.
     fn group(&self) -> &super::ProcessGroup;
     /// This rank in the group.
@@ -196,6 +202,9 @@ pub trait Collectives<'t>: sealed::Sealed {
         c.peer(dst)?;
         user_tag(&c, tag)?;
         let (route, ..) = c.tensors([meta(&data)])?;
+        if let Some(lane) = self.p2p_lane(route) {
+            return Ok(lane.run(c.name, &mut [P2p::Send { peer: dst, tag: crate::tag::user(tag), data: data.host_bytes()? }], opts));
+        }
         self.submit(job(&c, OpKind::Send, route, None, Op::Send { data, peer: dst, tag: crate::tag::user(tag) }), opts)
     }
 
@@ -203,11 +212,15 @@ pub trait Collectives<'t>: sealed::Sealed {
     /// its size must equal the tensor's. Direct or in a scope, as
     /// [`Collectives::send`].
     fn recv(&self, tensor: impl Into<TensorMut<'t>>, src: usize, tag: u32, opts: &OpOptions) -> Result<Work<'t>> {
-        let buf = tensor.into();
+        let mut buf = tensor.into();
         let c = check(self, "recv");
         c.peer(src)?;
         user_tag(&c, tag)?;
-        let (route, ..) = c.tensors([meta_mut(&buf)])?;
+        let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
+        // (Received bools are cleaned on the way out of a job.)
+        if let Some(lane) = self.p2p_lane(route).filter(|_| dtype != DType::Bool) {
+            return Ok(lane.run(c.name, &mut [P2p::Recv { peer: src, tag: crate::tag::user(tag), buf: buf.host_bytes_mut()? }], opts));
+        }
         self.submit(job(&c, OpKind::Recv, route, None, Op::Recv { buf, peer: src, tag: crate::tag::user(tag) }), opts)
     }
 
@@ -251,8 +264,20 @@ pub trait Collectives<'t>: sealed::Sealed {
         tag: u32,
         opts: &OpOptions,
     ) -> Result<Work<'t>> {
+        let (send, mut recv) = (send.into(), recv.into());
+        let c = check(self, "sendrecv");
+        c.peer(dst)?;
+        c.peer(src)?;
+        user_tag(&c, tag)?;
+        let (route, dtype, _) = c.tensors([meta_mut(&recv), meta(&send)])?;
+        if let Some(lane) = self.p2p_lane(route).filter(|_| dtype != DType::Bool) {
+            let tag = crate::tag::user(tag);
+            let ops =
+                &mut [P2p::Recv { peer: src, tag, buf: recv.host_bytes_mut()? }, P2p::Send { peer: dst, tag, data: send.host_bytes()? }];
+            return Ok(lane.run(c.name, ops, opts));
+        }
         // (An array, not a Vec: nothing to allocate on this latency-bound path.)
-        batch_job(self, check(self, "sendrecv"), [P2pOp::recv(recv, src, tag), P2pOp::send(send, dst, tag)], opts)
+        batch_job(self, c, [P2pOp::recv(recv, src, tag), P2pOp::send(send, dst, tag)], opts)
     }
 
     /// Copy `root`'s tensor into every rank's tensor.

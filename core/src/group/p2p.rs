@@ -4,7 +4,9 @@
 //! wraps them), a send, a receive or a batch of them takes no turn in the
 //! group's order, so it never waits for an unrelated op, and no op waits
 //! for it. A direct op runs at once as an exchange, which drives the
-//! transport (everything posted there too) until the op is done. A
+//! transport (everything posted there too) until the op is done; a direct
+//! send, receive or sendrecv of host tensors (but bools, cleaned after a
+//! job) takes a [`P2pLane`] there, without building an op and a job. A
 //! background op (in a scope, or unscoped) is posted to the transport when
 //! it is issued, on the issuing thread, which then takes one non-blocking
 //! turn of the transport (what fits its buffers goes at once). It completes
@@ -16,13 +18,15 @@
 //! Elsewhere (plugins, the CUDA backends) point-to-point ops run as
 //! collectives do: one at a time, in issue order (a batch as one exchange).
 
+use super::work::Work;
 use super::work::WorkState;
 use super::{GroupCore, Job};
-use crate::backend::{Backend, Op, ANY_SOURCE};
+use crate::backend::{Backend, Deadline, Op, P2p, ANY_SOURCE};
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::OpOptions;
 use crate::progress::Post;
+use crate::registry::Route;
 use crate::tensor::DeviceKind;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -179,7 +183,39 @@ fn bool_outputs(op: &mut Op<'_>) -> Vec<(usize, usize)> {
         .collect()
 }
 
+/// Where a direct send or receive of host tensors runs at once, without a
+/// job: the group's transport for them, which posts (see the module doc).
+/// What [`GroupCore::p2p_lane`] hands out.
+pub struct P2pLane<'g> {
+    core: &'g GroupCore,
+    backend: &'g Arc<dyn Backend>,
+}
+
+impl P2pLane<'_> {
+    /// Exchange `ops` now as op `name`, within `opts`' timeout (else the
+    /// group's): what `submit` does with a direct send, receive or
+    /// sendrecv on a transport that posts, without building the op and the
+    /// job on the way (a send, a receive and a sendrecv of 8 B are each
+    /// a few hundred nanoseconds, and most of those were the layers).
+    pub fn run<'t>(self, name: &'static str, ops: &mut [P2p<'_>], opts: &OpOptions) -> Work<'t> {
+        let timeout = opts.timeout.unwrap_or(self.core.options.timeout);
+        let deadline = Deadline::after(timeout);
+        let result = self.core.guarded(name, || self.backend.exchange(ops, &deadline).map_err(|e| self.core.explain(e)));
+        Work::done(result, None).within(timeout)
+    }
+}
+
 impl GroupCore {
+    /// The lane for a direct send or receive of host tensors on `route`:
+    /// the route's transport, if it posts (elsewhere the op is a job).
+    pub(crate) fn p2p_lane(&self, route: Route) -> Option<P2pLane<'_>> {
+        if route.0 != DeviceKind::Cpu {
+            return None;
+        }
+        let backend = self.backend(route).filter(|b| b.posts())?;
+        Some(P2pLane { core: self, backend })
+    }
+
     /// Post a directly issued `job` and drive its transport until it has
     /// finished (what a receive from any rank takes, to learn its sender).
     pub(crate) fn post_and_wait(self: &Arc<Self>, backend: &Arc<dyn Backend>, job: &mut Job<'_>, opts: &OpOptions) -> Arc<WorkState> {
