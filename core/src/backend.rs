@@ -8,6 +8,7 @@
 //! they ask for it; algorithms never see a socket.
 
 pub use crate::deadline::Deadline;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::reduce_op::ReduceOp;
 use crate::store::Store;
@@ -91,6 +92,50 @@ impl std::fmt::Debug for GatherSend<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GatherSend").field("peer", &self.peer).field("tag", &self.tag).field("len", &self.src.len()).finish()
     }
+}
+
+/// A collective of host bytes, as a transport's fast path takes it
+/// ([`Backend::fast_op`]): every rank's parts equal in size, and no bools
+/// (which core cleans after a job).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum FastOp<'a> {
+    /// `buf` becomes the reduction of every rank's `buf`.
+    AllReduce {
+        /// In and out.
+        buf: &'a mut [u8],
+        /// Its elements' type.
+        dtype: DType,
+        /// The reduction.
+        op: ReduceOp,
+    },
+    /// `buf` becomes `root`'s.
+    Broadcast {
+        /// In at the root, out elsewhere.
+        buf: &'a mut [u8],
+        /// The rank whose bytes every rank gets.
+        root: usize,
+    },
+    /// `outputs[r]` receives rank r's `input`.
+    AllGather {
+        /// This rank's part.
+        input: &'a [u8],
+        /// One part per rank, in rank order.
+        outputs: smallvec::SmallVec<[&'a mut [u8]; 8]>,
+    },
+    /// `output` becomes the reduction over ranks of their `inputs[rank]`.
+    ReduceScatter {
+        /// One part per rank, in rank order.
+        inputs: smallvec::SmallVec<[&'a [u8]; 8]>,
+        /// This rank's reduced part.
+        output: &'a mut [u8],
+        /// The elements' type.
+        dtype: DType,
+        /// The reduction.
+        op: ReduceOp,
+    },
+    /// Every rank has arrived.
+    Barrier,
 }
 
 /// The ops as a backend sees them, in one canonical form each: single-tensor
@@ -557,6 +602,18 @@ pub trait Backend: Send + Sync {
     /// algorithm over [`Backend::exchange`] (host memory only).
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
         let _ = (op, ctx);
+        None
+    }
+
+    /// Run a small collective of host bytes through a fast path, or return
+    /// `None`, having done nothing (decided from the op's kind and size
+    /// alone): core then runs it as a job ([`Backend::native_op`], else its
+    /// algorithm). Core asks only for ops that have no hints and no chosen
+    /// algorithm, in the group's order as any collective. What
+    /// `native_op` would do with the same op, without the op and the job
+    /// built on the way (shm's small ops: a few hundred nanoseconds).
+    fn fast_op(&self, op: FastOp<'_>, deadline: &Deadline) -> Option<Result<()>> {
+        let _ = (op, deadline);
         None
     }
 

@@ -201,33 +201,46 @@ fn shm_fast_path_agrees_with_the_rings_and_catches_mismatched_calls() {
             // 1024 f32 = 4096 bytes, the fast path's limit: both sides of it.
             for n in [1usize, 2, 1023, 1024, 1025] {
                 let want: Vec<f32> = (0..n).map(|i| (0..w).map(|q| value(q, i)).sum()).collect();
-                for path in ["on", "off"] {
+                // "lane": no hint, so core hands the op to the fast path
+                // itself (`group/fast.rs`); "on": as a job, through
+                // `native_op`; "mixed": odd ranks as a job, even ranks
+                // through the lane, in one op; "off": the rings.
+                for path in ["lane", "on", "mixed", "off"] {
+                    let opts = match path {
+                        "lane" => o(),
+                        "mixed" => {
+                            if r % 2 == 1 {
+                                o().hint("shm_fastbox", "on")
+                            } else {
+                                o()
+                            }
+                        }
+                        p => o().hint("shm_fastbox", p),
+                    };
                     let mut v: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
-                    pg.all_reduce(&mut v, ReduceOp::Sum, &o().hint("shm_fastbox", path)).unwrap().wait().unwrap();
+                    pg.all_reduce(&mut v, ReduceOp::Sum, &opts).unwrap().wait().unwrap();
                     assert_eq!(v, want, "all_reduce n={n} fastbox={path} W={w}");
                     let mut b: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
-                    pg.broadcast(&mut b, w - 1, &o().hint("shm_fastbox", path)).unwrap().wait().unwrap();
+                    pg.broadcast(&mut b, w - 1, &opts).unwrap().wait().unwrap();
                     assert!(b.iter().enumerate().all(|(i, x)| *x == value(w - 1, i)), "broadcast n={n} fastbox={path}");
                     // n elements per rank in all: the whole op on one side of the limit.
                     let part = n.div_ceil(w);
                     let mine: Vec<f32> = (0..part).map(|i| value(r, i)).collect();
                     let mut all = vec![0f32; part * w];
-                    pg.all_gather_single(&mut all[..], &mine[..], &o().hint("shm_fastbox", path)).unwrap().wait().unwrap();
+                    pg.all_gather_single(&mut all[..], &mine[..], &opts).unwrap().wait().unwrap();
                     let gathered: Vec<f32> = (0..w).flat_map(|q| (0..part).map(move |i| value(q, i))).collect();
                     assert_eq!(all, gathered, "all_gather part={part} fastbox={path}");
                     let input: Vec<f32> = (0..part * w).map(|j| value(r, j)).collect();
                     let mut out = vec![0f32; part];
-                    pg.reduce_scatter_single(&mut out[..], &input[..], ReduceOp::Sum, &o().hint("shm_fastbox", path))
-                        .unwrap()
-                        .wait()
-                        .unwrap();
+                    pg.reduce_scatter_single(&mut out[..], &input[..], ReduceOp::Sum, &opts).unwrap().wait().unwrap();
                     let want: Vec<f32> = (0..part).map(|i| (0..w).map(|q| value(q, r * part + i)).sum()).collect();
                     assert_eq!(out, want, "reduce_scatter part={part} fastbox={path}");
                     // Part q of rank r's input goes to rank q.
                     let mut out = vec![0f32; part * w];
-                    pg.all_to_all_single(&mut out[..], &input[..], &o().hint("shm_fastbox", path)).unwrap().wait().unwrap();
+                    pg.all_to_all_single(&mut out[..], &input[..], &opts).unwrap().wait().unwrap();
                     let want: Vec<f32> = (0..w).flat_map(|q| (0..part).map(move |i| value(q, r * part + i))).collect();
                     assert_eq!(out, want, "all_to_all part={part} fastbox={path}");
+                    pg.barrier(&opts).unwrap().wait().unwrap();
                 }
             }
             // PREMUL_SUM with a factor of its own on each rank, and AVG.

@@ -9,7 +9,7 @@ use crate::state::{ShmBackend, ABORTED, CLOSED, PURE_SPINS, RUNNING, SPIN, TURNS
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
-use weft::backend::{Backend, Deadline, GatherSend, Op, OpContext, P2p};
+use weft::backend::{Backend, Deadline, FastOp, GatherSend, Op, OpContext, P2p};
 use weft::progress::{self, Post, Posting};
 use weft::{Error, Result, Tensor, TensorMut};
 
@@ -60,19 +60,29 @@ impl Backend for ShmBackend {
             self.fast.through_rings(self, kind, len);
             return None;
         }
-        // A mismatch that left the ranks' call numbers out of step (one
-        // took the rings) ends this transport, as the rings side finds too.
-        let fail_on_mismatch = |e: Error| if self.fast.desynced() { self.fail(e) } else { e };
         if let Op::AllToAll { inputs, outputs } = op {
             // Whether a rank's parts fit differs between ranks: every rank
             // takes the fast round, and all take the rings if one did not fit.
             return match self.check_failed().and_then(|()| self.fast_all_to_all(inputs, outputs, &ctx.deadline)) {
                 Ok(true) => Some(Ok(())),
                 Ok(false) => None,
-                Err(e) => Some(Err(fail_on_mismatch(e))),
+                Err(e) => Some(Err(self.fast_failed(e))),
             };
         }
-        Some(self.check_failed().and_then(|()| self.run_fast(op, &ctx.deadline)).map_err(fail_on_mismatch))
+        Some(fast_op_of(op).and_then(|op| self.run_fast(op, &ctx.deadline)))
+    }
+
+    /// What `native_op` runs through the fast path, as core hands it over
+    /// directly: the same ops and sizes (all_to_all is not among them).
+    fn fast_op(&self, op: FastOp<'_>, deadline: &Deadline) -> Option<Result<()>> {
+        let len = match &op {
+            FastOp::AllReduce { buf, .. } | FastOp::Broadcast { buf, .. } => buf.len(),
+            FastOp::AllGather { outputs, .. } => outputs.iter().map(|o| o.len()).sum(),
+            FastOp::ReduceScatter { inputs, .. } => inputs.iter().map(|i| i.len()).sum(),
+            FastOp::Barrier => 0,
+            _ => return None,
+        };
+        (len <= FASTBOX_BYTES).then(|| self.run_fast(op, deadline))
     }
 
     fn exchange(&self, ops: &mut [P2p<'_>], deadline: &Deadline) -> Result<()> {
@@ -226,25 +236,48 @@ fn fast_kind(op: &Op<'_>) -> Option<(crate::fastbox::Kind, usize)> {
     })
 }
 
+/// A fast-path op (`native_op` chose it, not all_to_all) over its bytes.
+fn fast_op_of<'a>(op: &'a mut Op<'_>) -> Result<FastOp<'a>> {
+    Ok(match op {
+        Op::AllReduce { buf, op } => FastOp::AllReduce { dtype: buf.dtype(), buf: buf.host_bytes_mut()?, op: *op },
+        Op::Broadcast { buf, root } => FastOp::Broadcast { buf: buf.host_bytes_mut()?, root: *root },
+        Op::AllGather { input, outputs } => FastOp::AllGather { input: input.host_bytes()?, outputs: TensorMut::host_bytes_of(outputs)? },
+        Op::ReduceScatter { inputs, output, op } => FastOp::ReduceScatter {
+            inputs: Tensor::host_bytes_of(inputs)?,
+            dtype: output.dtype(),
+            output: output.host_bytes_mut()?,
+            op: *op,
+        },
+        Op::Barrier => FastOp::Barrier,
+        _ => unreachable!("native_op sends only the ops above"),
+    })
+}
+
 impl ShmBackend {
-    /// Run a fast-path op (`native_op` chose it).
-    fn run_fast(&self, op: &mut Op<'_>, d: &Deadline) -> Result<()> {
+    /// Run a fast-path op, `native_op`'s or core's (`fast_op`).
+    fn run_fast(&self, op: FastOp<'_>, d: &Deadline) -> Result<()> {
         let fb = &self.fast;
-        match op {
-            Op::AllReduce { buf, op } => {
-                let dtype = buf.dtype();
-                fb.all_reduce(self, buf.host_bytes_mut()?, dtype, *op, d)
-            }
-            Op::Broadcast { buf, root } => fb.broadcast(self, buf.host_bytes_mut()?, *root, d),
-            Op::AllGather { input, outputs } => fb.all_gather(self, input.host_bytes()?, &mut TensorMut::host_bytes_of(outputs)?, d),
-            Op::ReduceScatter { inputs, output, op } => {
-                let dtype = output.dtype();
-                fb.reduce_scatter(self, &Tensor::host_bytes_of(inputs)?, output.host_bytes_mut()?, dtype, *op, d)
-            }
+        let r = self.check_failed().and_then(|()| match op {
+            FastOp::AllReduce { buf, dtype, op } => fb.all_reduce(self, buf, dtype, op, d),
+            FastOp::Broadcast { buf, root } => fb.broadcast(self, buf, root, d),
+            FastOp::AllGather { input, mut outputs } => fb.all_gather(self, input, &mut outputs, d),
+            FastOp::ReduceScatter { inputs, output, dtype, op } => fb.reduce_scatter(self, &inputs, output, dtype, op, d),
             // (Every rank computed `oversubscribed` from the same data.)
-            Op::Barrier if self.oversubscribed => fb.barrier_from_zero(self, d),
-            Op::Barrier => fb.barrier(self, d),
-            _ => unreachable!("native_op sends only the ops above"),
+            FastOp::Barrier if self.oversubscribed => fb.barrier_from_zero(self, d),
+            FastOp::Barrier => fb.barrier(self, d),
+            _ => unreachable!("fast_op passes only the variants above"),
+        });
+        r.map_err(|e| self.fast_failed(e))
+    }
+
+    /// A fast op's error: a mismatch that left the ranks' call numbers
+    /// out of step (one took the rings) ends this transport, as the rings
+    /// side finds too.
+    fn fast_failed(&self, e: Error) -> Error {
+        if self.fast.desynced() {
+            self.fail(e)
+        } else {
+            e
         }
     }
 

@@ -62,7 +62,7 @@ pub(crate) struct Executor {
 
 /// Passes the turn on when dropped, even if the op panicked, so later ops
 /// never wait forever.
-struct Turn<'a>(&'a Executor);
+pub(crate) struct Turn<'a>(&'a Executor);
 
 impl Drop for Turn<'_> {
     fn drop(&mut self) {
@@ -84,6 +84,13 @@ impl Executor {
     /// collective sequence number (if `collective`; else the next one,
     /// unused).
     pub(crate) fn run_inline<T>(&self, ticket: u64, collective: bool, f: impl FnOnce(u64) -> T) -> T {
+        let (_turn, seq) = self.begin(ticket, collective);
+        f(seq)
+    }
+
+    /// Wait on this thread until `ticket` comes up: its turn, passed on
+    /// when dropped, and its collective sequence number (as `run_inline`).
+    pub(crate) fn begin(&self, ticket: u64, collective: bool) -> (Turn<'_>, u64) {
         if self.serving.load(Ordering::Acquire) != ticket {
             let mut s = self.lock();
             self.waiters.fetch_add(1, Ordering::SeqCst);
@@ -92,8 +99,7 @@ impl Executor {
             }
             self.waiters.fetch_sub(1, Ordering::SeqCst);
         }
-        let _turn = Turn(self);
-        f(self.take_seq(collective))
+        (Turn(self), self.take_seq(collective))
     }
 
     /// The sequence number of the op whose turn it is.

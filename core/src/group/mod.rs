@@ -3,6 +3,7 @@
 mod debug;
 mod decide;
 mod executor;
+mod fast;
 mod ops;
 mod p2p;
 mod scope;
@@ -268,6 +269,9 @@ impl<'t> Collectives<'t> for ProcessGroup {
     }
     fn p2p_lane(&self, route: Route) -> Option<p2p::P2pLane<'_>> {
         self.core.p2p_lane(route)
+    }
+    fn fast_lane(&self, route: Route, kind: crate::backend::OpKind, dtype: DType, opts: &OpOptions) -> Option<fast::FastLane<'_>> {
+        self.core.fast_lane(route, kind, dtype, opts)
     }
     fn group(&self) -> &ProcessGroup {
         self

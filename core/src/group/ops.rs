@@ -7,7 +7,7 @@
 
 use super::debug::Fingerprint;
 use super::work::Work;
-use crate::backend::{Op, OpKind, P2p};
+use crate::backend::{FastOp, Op, OpKind, P2p};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::options::OpOptions;
@@ -170,6 +170,12 @@ pub trait Collectives<'t>: sealed::Sealed {
         None
     }
     #[doc(hidden)]
+    /// Where a direct small collective of host tensors goes first, without
+    /// a job (the group's; none in a scope).
+    fn fast_lane(&self, _route: Route, _kind: OpKind, _dtype: DType, _opts: &OpOptions) -> Option<super::fast::FastLane<'_>> {
+        None
+    }
+    #[doc(hidden)]
     /// The group the ops run on.
     fn group(&self) -> &super::ProcessGroup;
     /// This rank in the group.
@@ -282,20 +288,34 @@ pub trait Collectives<'t>: sealed::Sealed {
 
     /// Copy `root`'s tensor into every rank's tensor.
     fn broadcast(&self, tensor: impl Into<TensorMut<'t>>, root: usize, opts: &OpOptions) -> Result<Work<'t>> {
-        let buf = tensor.into();
+        let mut buf = tensor.into();
         let c = check(self, "broadcast");
         c.rank_arg("root", root)?;
         let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
+        if let Some(lane) = self.fast_lane(route, OpKind::Broadcast, dtype, opts) {
+            let turn = lane.turn(opts);
+            if let Some(w) = turn.fast(c.name, FastOp::Broadcast { buf: buf.host_bytes_mut()?, root }) {
+                return Ok(w);
+            }
+            return turn.job(job(&c, OpKind::Broadcast, route, None, Op::Broadcast { buf, root }), opts);
+        }
         let fp = c.fingerprint(OpKind::Broadcast, || format!("{dtype} x {} root {root}", buf.numel()));
         self.submit(job(&c, OpKind::Broadcast, route, fp, Op::Broadcast { buf, root }), opts)
     }
 
     /// Reduce every rank's tensor with `op`; the result replaces each tensor.
     fn all_reduce(&self, tensor: impl Into<TensorMut<'t>>, op: ReduceOp, opts: &OpOptions) -> Result<Work<'t>> {
-        let buf = tensor.into();
+        let mut buf = tensor.into();
         let c = check(self, "all_reduce");
         let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
         c.reduce_op(op, dtype)?;
+        if let Some(lane) = self.fast_lane(route, OpKind::AllReduce, dtype, opts) {
+            let turn = lane.turn(opts);
+            if let Some(w) = turn.fast(c.name, FastOp::AllReduce { buf: buf.host_bytes_mut()?, dtype, op }) {
+                return Ok(w);
+            }
+            return turn.job(job(&c, OpKind::AllReduce, route, None, Op::AllReduce { buf, op }), opts);
+        }
         let fp = c.fingerprint(OpKind::AllReduce, || format!("{dtype} x {} op {op}", buf.numel()));
         self.submit(job(&c, OpKind::AllReduce, route, fp, Op::AllReduce { buf, op }), opts)
     }
@@ -325,10 +345,20 @@ pub trait Collectives<'t>: sealed::Sealed {
 
     /// Rank i's `input` lands in the i-th of W equal parts of `output`.
     fn all_gather_single(&self, output: impl Into<TensorMut<'t>>, input: impl Into<Tensor<'t>>, opts: &OpOptions) -> Result<Work<'t>> {
-        let (output, input) = (output.into(), input.into());
+        let (mut output, input) = (output.into(), input.into());
         let c = check(self, "all_gather_single");
         c.numel("output", output.numel(), input.numel() * c.size)?;
-        c.tensors([meta_mut(&output), meta(&input)])?;
+        let (route, dtype, _) = c.tensors([meta_mut(&output), meta(&input)])?;
+        let part = input.nbytes();
+        if let Some(lane) = self.fast_lane(route, OpKind::AllGather, dtype, opts).filter(|_| part > 0) {
+            let turn = lane.turn(opts);
+            let outputs = output.host_bytes_mut()?.chunks_mut(part).collect();
+            if let Some(w) = turn.fast(c.name, FastOp::AllGather { input: input.host_bytes()?, outputs }) {
+                return Ok(w);
+            }
+            let outputs = output.split_mut(&equal_parts(input.numel(), c.size)).map_err(|e| e.with_op(c.name))?;
+            return turn.job(job(&c, OpKind::AllGather, route, None, Op::AllGather { input, outputs }), opts);
+        }
         let outputs = output.split_mut(&equal_parts(input.numel(), c.size)).map_err(|e| e.with_op(c.name))?;
         gather_job(self, c, input, outputs, opts)
     }
@@ -369,10 +399,21 @@ pub trait Collectives<'t>: sealed::Sealed {
         op: ReduceOp,
         opts: &OpOptions,
     ) -> Result<Work<'t>> {
-        let (output, input) = (output.into(), input.into());
+        let (mut output, input) = (output.into(), input.into());
         let c = check(self, "reduce_scatter_single");
         c.numel("input", input.numel(), output.numel() * c.size)?;
-        c.tensors([meta_mut(&output), meta(&input)])?;
+        let (route, dtype, _) = c.tensors([meta_mut(&output), meta(&input)])?;
+        c.reduce_op(op, dtype)?;
+        let part = output.nbytes();
+        if let Some(lane) = self.fast_lane(route, OpKind::ReduceScatter, dtype, opts).filter(|_| part > 0) {
+            let turn = lane.turn(opts);
+            let inputs = input.host_bytes()?.chunks(part).collect();
+            if let Some(w) = turn.fast(c.name, FastOp::ReduceScatter { inputs, output: output.host_bytes_mut()?, dtype, op }) {
+                return Ok(w);
+            }
+            let inputs = input.split(&equal_parts(output.numel(), c.size)).map_err(|e| e.with_op(c.name))?;
+            return turn.job(job(&c, OpKind::ReduceScatter, route, None, Op::ReduceScatter { inputs, output, op }), opts);
+        }
         let inputs = input.split(&equal_parts(output.numel(), c.size)).map_err(|e| e.with_op(c.name))?;
         scatter_reduce_job(self, c, output, inputs, op, opts)
     }
@@ -494,8 +535,16 @@ pub trait Collectives<'t>: sealed::Sealed {
     /// finished; point-to-point ops are not ordered with it).
     fn barrier(&self, opts: &OpOptions) -> Result<Work<'t>> {
         let c = check(self, "barrier");
+        let route = (crate::tensor::DeviceKind::Cpu, Layout::Dense);
+        if let Some(lane) = self.fast_lane(route, OpKind::Barrier, DType::U8, opts) {
+            let turn = lane.turn(opts);
+            if let Some(w) = turn.fast(c.name, FastOp::Barrier) {
+                return Ok(w);
+            }
+            return turn.job(job(&c, OpKind::Barrier, route, None, Op::Barrier), opts);
+        }
         let fp = c.fingerprint(OpKind::Barrier, String::new);
-        self.submit(job(&c, OpKind::Barrier, (crate::tensor::DeviceKind::Cpu, Layout::Dense), fp, Op::Barrier), opts)
+        self.submit(job(&c, OpKind::Barrier, route, fp, Op::Barrier), opts)
     }
 }
 
