@@ -16,7 +16,7 @@ use crate::algorithms::select;
 use crate::backend::{Backend, Deadline, FastOp, OpKind};
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::options::OpOptions;
+use crate::options::{GroupOptions, OpOptions};
 use crate::registry::Route;
 use crate::tensor::{DeviceKind, Layout};
 use std::sync::Arc;
@@ -40,25 +40,53 @@ pub struct FastTurn<'g> {
     _turn: Turn<'g>,
 }
 
+/// The ops that may take the lane.
+const KINDS: [OpKind; 5] = [OpKind::AllReduce, OpKind::Broadcast, OpKind::Barrier, OpKind::AllGather, OpKind::ReduceScatter];
+
+/// Where a group's direct ops on host tensors may skip the job, decided
+/// once when it is made: a direct op reads these, not the route list, the
+/// group's hints and its algorithm setting (each a cache line to fetch, in
+/// a turn that follows a context switch when ranks outnumber cores).
+pub(crate) struct HostLanes {
+    /// The host route's transport, if it posts: direct sends and receives
+    /// go to its `exchange` (`p2p.rs`).
+    pub(crate) p2p: Option<Arc<dyn Backend>>,
+    /// The host route's transport, unless the group has hints or checks
+    /// each op in detail: small direct collectives are offered to it.
+    fast: Option<Arc<dyn Backend>>,
+    /// Bit i: `KINDS[i]` may be offered (no algorithm chosen for its
+    /// family by the group or `WEFT_ALGORITHM`).
+    kinds: u8,
+}
+
+impl HostLanes {
+    /// What a group with these `routes`, `options`, `algorithms` setting
+    /// and detail checks (`detail`) offers.
+    pub(crate) fn new(routes: &[(Route, Arc<dyn Backend>)], options: &GroupOptions, algorithms: &select::Setting, detail: bool) -> Self {
+        let host = routes.iter().find(|(r, _)| *r == (DeviceKind::Cpu, Layout::Dense)).map(|(_, b)| b.clone());
+        let p2p = host.clone().filter(|b| b.posts());
+        let fast = host.filter(|_| options.hints.is_empty() && !detail);
+        let free = |kind: OpKind| match (select::family(kind), &fast) {
+            (Some(family), Some(b)) => matches!(select::forced(family, None, algorithms, b.native_algorithms(family)), Ok(None)),
+            _ => true,
+        };
+        let kinds = KINDS.iter().enumerate().filter(|(_, k)| free(**k)).fold(0u8, |bits, (i, _)| bits | 1 << i);
+        HostLanes { p2p, fast, kinds }
+    }
+}
+
 impl GroupCore {
     /// The lane for a direct collective of `kind` on `route`'s tensors of
     /// `dtype`, if nothing asks for more than the transport's own choice:
     /// host tensors, not bools (cleaned after a job), no hints, no
     /// algorithm chosen for its family, no `WEFT_DEBUG=detail` check.
     pub(crate) fn fast_lane(&self, route: Route, kind: OpKind, dtype: DType, opts: &OpOptions) -> Option<FastLane<'_>> {
-        if route != (DeviceKind::Cpu, Layout::Dense) || dtype == DType::Bool || self.debug_detail {
-            return None;
-        }
-        if !opts.hints.is_empty() || !self.options.hints.is_empty() {
-            return None;
-        }
-        let backend = self.backend(route)?;
-        if let Some(family) = select::family(kind) {
-            if !matches!(select::forced(family, None, &self.algorithms, backend.native_algorithms(family)), Ok(None)) {
-                return None;
-            }
-        }
-        Some(FastLane { core: self, backend })
+        let lanes = &self.host;
+        let backend = lanes.fast.as_ref()?;
+        let i = KINDS.iter().position(|k| *k == kind)?;
+        let offered =
+            route == (DeviceKind::Cpu, Layout::Dense) && dtype != DType::Bool && opts.hints.is_empty() && lanes.kinds & 1 << i != 0;
+        offered.then_some(FastLane { core: self, backend })
     }
 }
 

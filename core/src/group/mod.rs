@@ -75,6 +75,8 @@ pub(crate) struct GroupCore {
     hasher: std::collections::hash_map::RandomState,
     /// The group's algorithm setting (hint `algorithm`, `WEFT_ALGORITHM`).
     algorithms: crate::algorithms::select::Setting,
+    /// Where direct ops on host tensors may skip the job.
+    host: fast::HostLanes,
 }
 
 impl ProcessGroup {

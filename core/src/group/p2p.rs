@@ -212,8 +212,7 @@ impl GroupCore {
         if route.0 != DeviceKind::Cpu {
             return None;
         }
-        let backend = self.backend(route).filter(|b| b.posts())?;
-        Some(P2pLane { core: self, backend })
+        Some(P2pLane { core: self, backend: self.host.p2p.as_ref()? })
     }
 
     /// Post a directly issued `job` and drive its transport until it has

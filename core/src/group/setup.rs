@@ -91,16 +91,17 @@ pub(super) fn create(store: Arc<dyn Store>, rank: usize, size: usize, options: G
             registry::backends().iter().map(|f| f.name().to_string()).collect::<Vec<_>>().join(", ")
         ))));
     }
+    let debug_detail =
+        std::env::var("WEFT_DEBUG").ok().or_else(|| options.hints.get("debug").cloned()).is_some_and(|v| v.eq_ignore_ascii_case("detail"));
+    let routes: Vec<_> = routes.into_iter().collect();
     Ok(GroupCore {
         rank,
         size,
-        debug_detail: std::env::var("WEFT_DEBUG")
-            .ok()
-            .or_else(|| options.hints.get("debug").cloned())
-            .is_some_and(|v| v.eq_ignore_ascii_case("detail")),
+        debug_detail,
+        host: super::fast::HostLanes::new(&routes, &options, &algorithms, debug_detail),
         options,
         store,
-        routes: routes.into_iter().collect(),
+        routes,
         missing,
         exec: Arc::new(Executor::default()),
         lanes: Default::default(),
