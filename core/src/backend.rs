@@ -94,6 +94,20 @@ impl std::fmt::Debug for GatherSend<'_> {
     }
 }
 
+/// What a transport did with a [`FastOp`] ([`Backend::fast_op`]).
+#[derive(Debug)]
+pub enum FastOutcome {
+    /// It ran the op: its outcome.
+    Done(Result<()>),
+    /// Nothing (decided from the op's kind and size alone): core runs it
+    /// as a job ([`Backend::native_op`], else core's algorithm).
+    Declined,
+    /// It ran its part, which did not finish the op (an all_to_all whose
+    /// parts did not all fit, which every rank learns alike): core runs
+    /// its algorithm, as when `native_op` returns `None`.
+    Generic,
+}
+
 /// A collective of host bytes, as a transport's fast path takes it
 /// ([`Backend::fast_op`]): every rank's parts equal in size, and no bools
 /// (which core cleans after a job).
@@ -136,6 +150,13 @@ pub enum FastOp<'a> {
     },
     /// Every rank has arrived.
     Barrier,
+    /// `outputs[r]` receives rank r's `inputs[rank]`.
+    AllToAll {
+        /// One part per rank, in rank order.
+        inputs: smallvec::SmallVec<[&'a [u8]; 8]>,
+        /// One part per rank, in rank order.
+        outputs: smallvec::SmallVec<[&'a mut [u8]; 8]>,
+    },
 }
 
 /// The ops as a backend sees them, in one canonical form each: single-tensor
@@ -605,16 +626,15 @@ pub trait Backend: Send + Sync {
         None
     }
 
-    /// Run a small collective of host bytes through a fast path, or return
-    /// `None`, having done nothing (decided from the op's kind and size
-    /// alone): core then runs it as a job ([`Backend::native_op`], else its
-    /// algorithm). Core asks only for ops that have no hints and no chosen
-    /// algorithm, in the group's order as any collective. What
-    /// `native_op` would do with the same op, without the op and the job
-    /// built on the way (shm's small ops: a few hundred nanoseconds).
-    fn fast_op(&self, op: FastOp<'_>, deadline: &Deadline) -> Option<Result<()>> {
+    /// Run a small collective of host bytes through a fast path, if the
+    /// transport has one for it (see [`FastOutcome`]). Core asks only for
+    /// ops that have no hints and no chosen algorithm, in the group's order
+    /// as any collective. What `native_op` would do with the same op,
+    /// without the op and the job built on the way (shm's small ops: a few
+    /// hundred nanoseconds).
+    fn fast_op(&self, op: FastOp<'_>, deadline: &Deadline) -> FastOutcome {
         let _ = (op, deadline);
-        None
+        FastOutcome::Declined
     }
 
     /// Fail every in-flight and later op with `reason` (kind `Aborted` or

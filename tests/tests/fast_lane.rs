@@ -1,18 +1,23 @@
 //! Core offers a direct small collective to its transport's fast path
 //! (`Backend::fast_op`) only when nothing asks for more than the
 //! transport's own choice, and runs it as a job, in the same turn, where
-//! the transport declines. `fast-recorder` is the in-process `loopback`
-//! with a fast path that counts what it is offered and declines it all.
+//! the transport declines (or through core's algorithm, where the fast
+//! path hands it back). `fast-recorder` is the in-process `loopback` with a
+//! fast path that counts what it is offered, hands all_to_all back and
+//! declines the rest, and a native path that counts what reaches it and
+//! runs nothing.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use weft::backend::{Backend, BackendContext, Deadline, FastOp, P2p};
+use weft::backend::{Backend, BackendContext, Deadline, FastOp, FastOutcome, Op, OpContext, P2p};
 use weft::registry::{BackendFactory, StaticBackend};
 use weft::{Collectives, DType, Device, DeviceKind, Layout, OpOptions, ReduceOp, Result, TensorMut};
 use weft_tests::{options, run_threads};
 
 /// Ops offered to the fast path (every rank of the one test counts).
 static OFFERS: AtomicUsize = AtomicUsize::new(0);
+/// Ops offered to the native path.
+static NATIVE: AtomicUsize = AtomicUsize::new(0);
 
 struct FastRecorder(Arc<dyn Backend>);
 
@@ -26,8 +31,15 @@ impl Backend for FastRecorder {
     fn abort(&self, reason: &weft::Error) {
         self.0.abort(reason)
     }
-    fn fast_op(&self, _op: FastOp<'_>, _deadline: &Deadline) -> Option<Result<()>> {
+    fn fast_op(&self, op: FastOp<'_>, _deadline: &Deadline) -> FastOutcome {
         OFFERS.fetch_add(1, Ordering::SeqCst);
+        match op {
+            FastOp::AllToAll { .. } => FastOutcome::Generic,
+            _ => FastOutcome::Declined,
+        }
+    }
+    fn native_op(&self, _op: &mut Op<'_>, _ctx: &OpContext) -> Option<Result<()>> {
+        NATIVE.fetch_add(1, Ordering::SeqCst);
         None
     }
 }
@@ -77,7 +89,10 @@ fn all_reduce(pg: &weft::ProcessGroup, opts: &OpOptions) {
 #[test]
 fn small_collectives_are_offered_to_the_fast_path_only_without_a_wish_of_their_own() {
     let group = || options("fast-recorder");
-    // Offered, declined, run as a job: each of the five ops, on each rank.
+    // Offered, declined, run as a job (through the native path): each of
+    // five ops, on each rank; all_to_all, offered and handed back, runs
+    // core's algorithm without a second offer to the native path.
+    let native = NATIVE.load(Ordering::SeqCst);
     let n = offers(group(), |pg| {
         let r = pg.rank();
         all_reduce(pg, &o());
@@ -91,8 +106,11 @@ fn small_collectives_are_offered_to_the_fast_path_only_without_a_wish_of_their_o
         let mut out = vec![0i64; 2];
         pg.reduce_scatter_single(&mut out[..], &[1i64, 2, 3, 4][..], ReduceOp::Sum, &o()).unwrap().wait().unwrap();
         assert_eq!(out, if r == 0 { vec![2, 4] } else { vec![6, 8] });
+        let mut out = vec![0u8; 2];
+        pg.all_to_all_single(&mut out[..], &[r as u8; 2][..], &o()).unwrap().wait().unwrap();
+        assert_eq!(out, vec![0, 1]);
     });
-    assert_eq!(n, 10);
+    assert_eq!((n, NATIVE.load(Ordering::SeqCst) - native), (12, 10));
     // An op's hint, a group's hint or algorithm: the op is a job from the start.
     assert_eq!(offers(group(), |pg| all_reduce(pg, &o().hint("algorithm", "ring"))), 0);
     assert_eq!(offers(group(), |pg| all_reduce(pg, &o().hint("anything", "at all"))), 0);
@@ -115,14 +133,11 @@ fn small_collectives_are_offered_to_the_fast_path_only_without_a_wish_of_their_o
         assert_eq!(bytes, [1, 1]);
     });
     assert_eq!(n, 0);
-    // Nor is an op in a scope, nor all_to_all (its fast round decides per rank).
+    // Nor is an op in a scope.
     let n = offers(group(), |pg| {
         let mut v = vec![1f32; 2];
         pg.scope(|s| s.all_reduce(&mut v[..], ReduceOp::Sum, &o())?.wait()).unwrap();
         assert_eq!(v, vec![2.0; 2]);
-        let mut out = vec![0u8; 2];
-        pg.all_to_all_single(&mut out[..], &[pg.rank() as u8; 2][..], &o()).unwrap().wait().unwrap();
-        assert_eq!(out, vec![0, 1]);
     });
     assert_eq!(n, 0);
 }

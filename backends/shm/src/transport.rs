@@ -9,7 +9,7 @@ use crate::state::{ShmBackend, ABORTED, CLOSED, PURE_SPINS, RUNNING, SPIN, TURNS
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
-use weft::backend::{Backend, Deadline, FastOp, GatherSend, Op, OpContext, P2p};
+use weft::backend::{Backend, Deadline, FastOp, FastOutcome, GatherSend, Op, OpContext, P2p};
 use weft::progress::{self, Post, Posting};
 use weft::{Error, Result, Tensor, TensorMut};
 
@@ -61,28 +61,31 @@ impl Backend for ShmBackend {
             return None;
         }
         if let Op::AllToAll { inputs, outputs } = op {
-            // Whether a rank's parts fit differs between ranks: every rank
-            // takes the fast round, and all take the rings if one did not fit.
-            return match self.check_failed().and_then(|()| self.fast_all_to_all(inputs, outputs, &ctx.deadline)) {
-                Ok(true) => Some(Ok(())),
-                Ok(false) => None,
-                Err(e) => Some(Err(self.fast_failed(e))),
+            let bytes = Tensor::host_bytes_of(inputs).and_then(|i| Ok((i, TensorMut::host_bytes_of(outputs)?)));
+            return match bytes.map(|(i, mut o)| self.fast_all_to_all(&i, &mut o, &ctx.deadline)) {
+                Err(e) | Ok(FastOutcome::Done(Err(e))) => Some(Err(e)),
+                Ok(FastOutcome::Done(Ok(()))) => Some(Ok(())),
+                Ok(_) => None,
             };
         }
         Some(fast_op_of(op).and_then(|op| self.run_fast(op, &ctx.deadline)))
     }
 
     /// What `native_op` runs through the fast path, as core hands it over
-    /// directly: the same ops and sizes (all_to_all is not among them).
-    fn fast_op(&self, op: FastOp<'_>, deadline: &Deadline) -> Option<Result<()>> {
-        let len = match &op {
-            FastOp::AllReduce { buf, .. } | FastOp::Broadcast { buf, .. } => buf.len(),
-            FastOp::AllGather { outputs, .. } => outputs.iter().map(|o| o.len()).sum(),
-            FastOp::ReduceScatter { inputs, .. } => inputs.iter().map(|i| i.len()).sum(),
+    /// directly: the same ops and sizes.
+    fn fast_op(&self, op: FastOp<'_>, deadline: &Deadline) -> FastOutcome {
+        let len = match op {
+            FastOp::AllReduce { ref buf, .. } | FastOp::Broadcast { ref buf, .. } => buf.len(),
+            FastOp::AllGather { ref outputs, .. } => outputs.iter().map(|o| o.len()).sum(),
+            FastOp::ReduceScatter { ref inputs, .. } => inputs.iter().map(|i| i.len()).sum(),
             FastOp::Barrier => 0,
-            _ => return None,
+            FastOp::AllToAll { inputs, mut outputs } => return self.fast_all_to_all(&inputs, &mut outputs, deadline),
+            _ => return FastOutcome::Declined,
         };
-        (len <= FASTBOX_BYTES).then(|| self.run_fast(op, deadline))
+        if len > FASTBOX_BYTES {
+            return FastOutcome::Declined;
+        }
+        FastOutcome::Done(self.run_fast(op, deadline))
     }
 
     fn exchange(&self, ops: &mut [P2p<'_>], deadline: &Deadline) -> Result<()> {
@@ -281,9 +284,15 @@ impl ShmBackend {
         }
     }
 
-    /// all_to_all through the fast path; `Ok(false)` if some rank's parts
-    /// did not fit.
-    fn fast_all_to_all(&self, inputs: &[Tensor<'_>], outputs: &mut [TensorMut<'_>], d: &Deadline) -> Result<bool> {
-        self.fast.all_to_all(self, &Tensor::host_bytes_of(inputs)?, &mut TensorMut::host_bytes_of(outputs)?, d)
+    /// all_to_all through the fast path: `Generic` if some rank's parts
+    /// did not fit (whether a rank's parts fit differs between ranks:
+    /// every rank takes the fast round, and all take the rings if one did
+    /// not fit).
+    fn fast_all_to_all(&self, inputs: &[&[u8]], outputs: &mut [&mut [u8]], d: &Deadline) -> FastOutcome {
+        match self.check_failed().and_then(|()| self.fast.all_to_all(self, inputs, outputs, d)) {
+            Ok(true) => FastOutcome::Done(Ok(())),
+            Ok(false) => FastOutcome::Generic,
+            Err(e) => FastOutcome::Done(Err(self.fast_failed(e))),
+        }
     }
 }

@@ -1,19 +1,21 @@
 //! Small collectives issued straight to a transport's fast path
 //! ([`Backend::fast_op`]): a direct all_reduce, broadcast, barrier,
-//! all_gather_single or reduce_scatter_single of host tensors, without
+//! all_gather_single, reduce_scatter_single or all_to_all_single of host
+//! tensors, without
 //! hints or a chosen algorithm, takes its turn in the group's order as any
 //! collective, then hands its bytes to the transport without building the
 //! op's list of views and the job first (at W=4 on 2 cores those were a
 //! few hundred nanoseconds of an op's path, in every rank's turn). Where
 //! the transport has no fast path for it, the op runs as a job in the same
-//! turn.
+//! turn; where the fast path ran its part and handed the op back, the job
+//! runs core's algorithm.
 
 use super::executor::Turn;
 use super::ops::Job;
 use super::work::Work;
 use super::GroupCore;
 use crate::algorithms::select;
-use crate::backend::{Backend, Deadline, FastOp, OpKind};
+use crate::backend::{Backend, Deadline, FastOp, FastOutcome, OpKind};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::options::{GroupOptions, OpOptions};
@@ -37,11 +39,14 @@ pub struct FastTurn<'g> {
     backend: &'g Arc<dyn Backend>,
     seq: u64,
     timeout: Duration,
+    /// The fast path ran its part and left the rest to core's algorithm.
+    generic: bool,
     _turn: Turn<'g>,
 }
 
 /// The ops that may take the lane.
-const KINDS: [OpKind; 5] = [OpKind::AllReduce, OpKind::Broadcast, OpKind::Barrier, OpKind::AllGather, OpKind::ReduceScatter];
+const KINDS: [OpKind; 6] =
+    [OpKind::AllReduce, OpKind::Broadcast, OpKind::Barrier, OpKind::AllGather, OpKind::ReduceScatter, OpKind::AllToAll];
 
 /// Where a group's direct ops on host tensors may skip the job, decided
 /// once when it is made: a direct op reads these, not the route list, the
@@ -96,29 +101,32 @@ impl<'g> FastLane<'g> {
     pub fn turn(self, opts: &OpOptions) -> FastTurn<'g> {
         let (turn, seq) = self.core.exec.begin(self.core.exec.issue(), true);
         let timeout = opts.timeout.unwrap_or(self.core.options.timeout);
-        FastTurn { core: self.core, backend: self.backend, seq, timeout, _turn: turn }
+        FastTurn { core: self.core, backend: self.backend, seq, timeout, generic: false, _turn: turn }
     }
 }
 
 impl FastTurn<'_> {
     /// Offer op `name` (`op`) to the transport's fast path: its outcome as
-    /// a finished [`Work`], or `None` if the transport declined (nothing
-    /// was done).
-    pub fn fast<'t>(&self, name: &'static str, op: FastOp<'_>) -> Option<Work<'t>> {
+    /// a finished [`Work`], or `None` if the op is left to
+    /// [`FastTurn::job`] (declined, or handed back to core's algorithm).
+    pub fn fast<'t>(&mut self, name: &'static str, op: FastOp<'_>) -> Option<Work<'t>> {
         let (core, deadline) = (self.core, Deadline::after(self.timeout));
-        let mut declined = false;
+        let mut left = None;
         let result = core.guarded(name, || match self.backend.fast_op(op, &deadline) {
-            Some(r) => r.map_err(|e| core.explain(e)),
-            None => {
-                declined = true;
+            FastOutcome::Done(r) => r.map_err(|e| core.explain(e)),
+            outcome => {
+                left = Some(outcome);
                 Ok(())
             }
         });
-        (!declined).then(|| Work::done(result, None).within(self.timeout))
+        self.generic = matches!(left, Some(FastOutcome::Generic));
+        left.is_none().then(|| Work::done(result, None).within(self.timeout))
     }
 
-    /// Run `job` as a direct collective runs, in this turn.
+    /// Run `job` as a direct collective runs, in this turn (through core's
+    /// algorithm if the fast path handed it back).
     pub fn job<'t>(self, mut job: Job<'t>, opts: &OpOptions) -> Result<Work<'t>> {
+        job.native = !self.generic;
         self.core.decide(&mut job, opts)?;
         let (result, device) = self.core.run_job(&mut job, opts, self.seq);
         Ok(Work::done(result, device).within(self.timeout))

@@ -367,7 +367,7 @@ impl GroupCore {
     }
 
     fn run_job_inner(&self, job: &mut Job<'_>, opts: &OpOptions, seq: u64, completion: &CompletionSlot) -> Result<()> {
-        let Job { name, kind, route, fingerprint, op, algorithm, segment_bytes } = job;
+        let Job { name, kind, route, fingerprint, op, algorithm, segment_bytes, native } = job;
         let (algorithm, segment_bytes) = (*algorithm, *segment_bytes);
         let (name, kind, route) = (*name, *kind, *route);
         let backend = self.route(route)?;
@@ -396,14 +396,21 @@ impl GroupCore {
             stream: opts.stream,
             completion: completion.clone(),
         };
-        self.execute(backend.as_ref(), &ctx, fingerprint.as_ref(), op).map_err(|e| self.explain(e))
+        self.execute(backend.as_ref(), &ctx, fingerprint.as_ref(), op, *native).map_err(|e| self.explain(e))
     }
 
-    fn execute(&self, backend: &dyn Backend, ctx: &OpContext, fp: Option<&debug::Fingerprint>, op: &mut Op<'_>) -> Result<()> {
+    fn execute(
+        &self,
+        backend: &dyn Backend,
+        ctx: &OpContext,
+        fp: Option<&debug::Fingerprint>,
+        op: &mut Op<'_>,
+        native: bool,
+    ) -> Result<()> {
         if let (true, Some(fp)) = (self.debug_detail, fp) {
             debug::check(backend, ctx, fp)?;
         }
-        match backend.native_op(op, ctx) {
+        match if native { backend.native_op(op, ctx) } else { None } {
             Some(r) => r?,
             None => algorithms::run(backend, op, ctx).map_err(|e| match e.kind() {
                 crate::ErrorKind::Unsupported => e.context(format!("backend {} has no native {}", backend.name(), ctx.name)),

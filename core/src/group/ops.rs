@@ -28,6 +28,9 @@ pub struct Job<'t> {
     /// `GroupCore::decide` settled them.
     pub(crate) algorithm: Option<&'static str>,
     pub(crate) segment_bytes: Option<usize>,
+    /// Whether the backend's native path may take it (not when its fast
+    /// path already ran its part: `fast.rs`).
+    pub(crate) native: bool,
 }
 
 /// One send or receive of a [`Collectives::batch_p2p`].
@@ -293,7 +296,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         c.rank_arg("root", root)?;
         let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
         if let Some(lane) = self.fast_lane(route, OpKind::Broadcast, dtype, opts) {
-            let turn = lane.turn(opts);
+            let mut turn = lane.turn(opts);
             if let Some(w) = turn.fast(c.name, FastOp::Broadcast { buf: buf.host_bytes_mut()?, root }) {
                 return Ok(w);
             }
@@ -310,7 +313,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
         c.reduce_op(op, dtype)?;
         if let Some(lane) = self.fast_lane(route, OpKind::AllReduce, dtype, opts) {
-            let turn = lane.turn(opts);
+            let mut turn = lane.turn(opts);
             if let Some(w) = turn.fast(c.name, FastOp::AllReduce { buf: buf.host_bytes_mut()?, dtype, op }) {
                 return Ok(w);
             }
@@ -351,7 +354,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         let (route, dtype, _) = c.tensors([meta_mut(&output), meta(&input)])?;
         let part = input.nbytes();
         if let Some(lane) = self.fast_lane(route, OpKind::AllGather, dtype, opts).filter(|_| part > 0) {
-            let turn = lane.turn(opts);
+            let mut turn = lane.turn(opts);
             let outputs = output.host_bytes_mut()?.chunks_mut(part).collect();
             if let Some(w) = turn.fast(c.name, FastOp::AllGather { input: input.host_bytes()?, outputs }) {
                 return Ok(w);
@@ -406,7 +409,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         c.reduce_op(op, dtype)?;
         let part = output.nbytes();
         if let Some(lane) = self.fast_lane(route, OpKind::ReduceScatter, dtype, opts).filter(|_| part > 0) {
-            let turn = lane.turn(opts);
+            let mut turn = lane.turn(opts);
             let inputs = input.host_bytes()?.chunks(part).collect();
             if let Some(w) = turn.fast(c.name, FastOp::ReduceScatter { inputs, output: output.host_bytes_mut()?, dtype, op }) {
                 return Ok(w);
@@ -446,14 +449,25 @@ pub trait Collectives<'t>: sealed::Sealed {
     /// The i-th of W equal parts of `input` goes to rank i; the i-th part of
     /// `output` comes from rank i.
     fn all_to_all_single(&self, output: impl Into<TensorMut<'t>>, input: impl Into<Tensor<'t>>, opts: &OpOptions) -> Result<Work<'t>> {
-        let (output, input) = (output.into(), input.into());
+        let (mut output, input) = (output.into(), input.into());
         let c = check(self, "all_to_all_single");
         c.numel("output", output.numel(), input.numel())?;
         if input.numel() % c.size != 0 {
             return Err(c.fail(format!("input has {} elements, not divisible by the group size {}", input.numel(), c.size)));
         }
         let part = equal_parts(input.numel() / c.size, c.size);
-        c.tensors([meta_mut(&output), meta(&input)])?;
+        let (route, dtype, _) = c.tensors([meta_mut(&output), meta(&input)])?;
+        let bytes = input.nbytes() / c.size;
+        if let Some(lane) = self.fast_lane(route, OpKind::AllToAll, dtype, opts).filter(|_| bytes > 0) {
+            let mut turn = lane.turn(opts);
+            let (inputs, outputs) = (input.host_bytes()?.chunks(bytes).collect(), output.host_bytes_mut()?.chunks_mut(bytes).collect());
+            if let Some(w) = turn.fast(c.name, FastOp::AllToAll { inputs, outputs }) {
+                return Ok(w);
+            }
+            let inputs = input.split(&part).map_err(|e| e.with_op(c.name))?;
+            let outputs = output.split_mut(&part).map_err(|e| e.with_op(c.name))?;
+            return turn.job(job(&c, OpKind::AllToAll, route, None, Op::AllToAll { outputs, inputs }), opts);
+        }
         let inputs = input.split(&part).map_err(|e| e.with_op(c.name))?;
         let outputs = output.split_mut(&part).map_err(|e| e.with_op(c.name))?;
         all_to_all_job(self, c, outputs, inputs, opts)
@@ -537,7 +551,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         let c = check(self, "barrier");
         let route = (crate::tensor::DeviceKind::Cpu, Layout::Dense);
         if let Some(lane) = self.fast_lane(route, OpKind::Barrier, DType::U8, opts) {
-            let turn = lane.turn(opts);
+            let mut turn = lane.turn(opts);
             if let Some(w) = turn.fast(c.name, FastOp::Barrier) {
                 return Ok(w);
             }
@@ -553,7 +567,7 @@ fn check<'t, G: Collectives<'t> + ?Sized>(g: &G, name: &'static str) -> Check {
 }
 
 fn job<'t>(c: &Check, kind: OpKind, route: Route, fingerprint: Option<Fingerprint>, op: Op<'t>) -> Job<'t> {
-    Job { name: c.name, kind, route, fingerprint, op, algorithm: None, segment_bytes: None }
+    Job { name: c.name, kind, route, fingerprint, op, algorithm: None, segment_bytes: None, native: true }
 }
 
 impl Job<'_> {
