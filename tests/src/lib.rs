@@ -3,6 +3,7 @@
 
 pub mod plugins;
 pub mod procs;
+pub mod wrapped;
 
 use std::sync::mpsc;
 use std::sync::Arc;

@@ -6,9 +6,10 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use weft::backend::{Backend, BackendContext, Op, OpContext, P2p};
-use weft::registry::{BackendFactory, StaticBackend};
-use weft::{Collectives, DeviceKind, ErrorKind, Layout, OpOptions, ReduceOp, Result};
+use weft::backend::{Backend, Op, OpContext, P2p};
+use weft::registry::StaticBackend;
+use weft::{Collectives, ErrorKind, OpOptions, ReduceOp, Result};
+use weft_tests::wrapped::WrappedLoopback;
 use weft_tests::{options, run_threads};
 
 /// all_reduces the native path ran (every rank of every test counts).
@@ -49,28 +50,7 @@ impl Backend for Recorder {
     }
 }
 
-struct RecorderFactory;
-
-impl BackendFactory for RecorderFactory {
-    fn name(&self) -> &str {
-        "native-recorder"
-    }
-    fn devices(&self) -> &[DeviceKind] {
-        &[DeviceKind::Cpu]
-    }
-    fn layouts(&self) -> &[Layout] {
-        &[Layout::Dense]
-    }
-    fn priority(&self) -> i32 {
-        -100
-    }
-    fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
-        let inner = weft::registry::find("loopback").expect("loopback is always built").create(ctx)?;
-        Ok(Arc::new(Recorder(inner)))
-    }
-}
-
-static RECORDER: RecorderFactory = RecorderFactory;
+static RECORDER: WrappedLoopback = WrappedLoopback { name: "native-recorder", wrap: |b| Arc::new(Recorder(b)) };
 weft::inventory::submit! { StaticBackend(&RECORDER) }
 
 fn o() -> OpOptions {

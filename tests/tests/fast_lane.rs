@@ -9,9 +9,10 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use weft::backend::{Backend, BackendContext, Deadline, FastOp, FastOutcome, Op, OpContext, P2p};
-use weft::registry::{BackendFactory, StaticBackend};
-use weft::{Collectives, DType, Device, DeviceKind, Layout, OpOptions, ReduceOp, Result, TensorMut};
+use weft::backend::{Backend, Deadline, FastOp, FastOutcome, Op, OpContext, P2p};
+use weft::registry::StaticBackend;
+use weft::{Collectives, DType, Device, OpOptions, ReduceOp, Result, TensorMut};
+use weft_tests::wrapped::WrappedLoopback;
 use weft_tests::{options, run_threads};
 
 /// Ops offered to the fast path (every rank of the one test counts).
@@ -44,28 +45,7 @@ impl Backend for FastRecorder {
     }
 }
 
-struct FastRecorderFactory;
-
-impl BackendFactory for FastRecorderFactory {
-    fn name(&self) -> &str {
-        "fast-recorder"
-    }
-    fn devices(&self) -> &[DeviceKind] {
-        &[DeviceKind::Cpu]
-    }
-    fn layouts(&self) -> &[Layout] {
-        &[Layout::Dense]
-    }
-    fn priority(&self) -> i32 {
-        -100
-    }
-    fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
-        let inner = weft::registry::find("loopback").expect("loopback is always built").create(ctx)?;
-        Ok(Arc::new(FastRecorder(inner)))
-    }
-}
-
-static FAST_RECORDER: FastRecorderFactory = FastRecorderFactory;
+static FAST_RECORDER: WrappedLoopback = WrappedLoopback { name: "fast-recorder", wrap: |b| Arc::new(FastRecorder(b)) };
 weft::inventory::submit! { StaticBackend(&FAST_RECORDER) }
 
 fn o() -> OpOptions {
