@@ -18,8 +18,7 @@
 //! Elsewhere (plugins, the CUDA backends) point-to-point ops run as
 //! collectives do: one at a time, in issue order (a batch as one exchange).
 
-use super::work::Work;
-use super::work::WorkState;
+use super::work::{Work, WorkState};
 use super::{GroupCore, Job};
 use crate::backend::{Backend, Deadline, Op, P2p, ANY_SOURCE};
 use crate::dtype::DType;
