@@ -406,9 +406,10 @@ pub trait Collectives<'t>: sealed::Sealed {
         let c = check(self, "reduce_scatter_single");
         c.numel("input", input.numel(), output.numel() * c.size)?;
         let (route, dtype, _) = c.tensors([meta_mut(&output), meta(&input)])?;
-        c.reduce_op(op, dtype)?;
         let part = output.nbytes();
         if let Some(lane) = self.fast_lane(route, OpKind::ReduceScatter, dtype, opts).filter(|_| part > 0) {
+            // (The job's path checks it in `scatter_reduce_job`.)
+            c.reduce_op(op, dtype)?;
             let mut turn = lane.turn(opts);
             let inputs = input.host_bytes()?.chunks(part).collect();
             if let Some(w) = turn.fast(c.name, FastOp::ReduceScatter { inputs, output: output.host_bytes_mut()?, dtype, op }) {
