@@ -95,6 +95,7 @@ fn small_collectives_are_offered_to_the_fast_path_only_without_a_wish_of_their_o
     assert_eq!(offers(group(), |pg| all_reduce(pg, &o().hint("algorithm", "ring"))), 0);
     assert_eq!(offers(group(), |pg| all_reduce(pg, &o().hint("anything", "at all"))), 0);
     assert_eq!(offers(group().hint("algorithm", "ring"), |pg| all_reduce(pg, &o())), 0);
+    assert_eq!(offers(group().hint("anything", "at all"), |pg| pg.barrier(&o()).unwrap().wait().unwrap()), 0);
     // WEFT_ALGORITHM's choice for a family: that family's ops only. (This
     // file's one test is the only reader of the variable in its process.)
     std::env::set_var("WEFT_ALGORITHM", "all_reduce=ring");

@@ -15,7 +15,7 @@ use super::ops::Job;
 use super::work::Work;
 use super::GroupCore;
 use crate::algorithms::select;
-use crate::backend::{Backend, Deadline, FastOp, FastOutcome, OpKind};
+use crate::backend::{Backend, Deadline, FastOp, FastOutcome, Op, OpKind};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::options::{GroupOptions, OpOptions};
@@ -29,14 +29,17 @@ use std::time::Duration;
 pub struct FastLane<'g> {
     core: &'g GroupCore,
     backend: &'g Arc<dyn Backend>,
+    /// The op: its name, tensors' route and kind.
+    name: &'static str,
+    route: Route,
+    kind: OpKind,
 }
 
 /// A [`FastLane`] op's turn in the group's order: [`FastTurn::fast`]
 /// offers it to the transport's fast path, [`FastTurn::job`] runs it as
 /// usual where that declined. Dropped, it passes the turn on.
 pub struct FastTurn<'g> {
-    core: &'g GroupCore,
-    backend: &'g Arc<dyn Backend>,
+    lane: FastLane<'g>,
     seq: u64,
     timeout: Duration,
     /// The fast path ran its part and left the rest to core's algorithm.
@@ -53,14 +56,14 @@ const KINDS: [OpKind; 6] =
 /// group's hints and its algorithm setting (each a cache line to fetch, in
 /// a turn that follows a context switch when ranks outnumber cores).
 pub(crate) struct HostLanes {
-    /// The host route's transport, if it posts: direct sends and receives
-    /// go to its `exchange` (`p2p.rs`).
-    pub(crate) p2p: Option<Arc<dyn Backend>>,
-    /// The host route's transport, unless the group has hints or checks
-    /// each op in detail: small direct collectives are offered to it.
-    fast: Option<Arc<dyn Backend>>,
-    /// Bit i: `KINDS[i]` may be offered (no algorithm chosen for its
-    /// family by the group or `WEFT_ALGORITHM`).
+    /// The host route's transport.
+    backend: Option<Arc<dyn Backend>>,
+    /// It posts: direct sends and receives go to its `exchange`
+    /// (`p2p.rs`).
+    posts: bool,
+    /// Bit i: `KINDS[i]` may be offered to its fast path (the group has
+    /// no hints and no detail checks, and no algorithm is chosen for the
+    /// op's family by the group or `WEFT_ALGORITHM`).
     kinds: u8,
 }
 
@@ -68,30 +71,37 @@ impl HostLanes {
     /// What a group with these `routes`, `options`, `algorithms` setting
     /// and detail checks (`detail`) offers.
     pub(crate) fn new(routes: &[(Route, Arc<dyn Backend>)], options: &GroupOptions, algorithms: &select::Setting, detail: bool) -> Self {
-        let host = routes.iter().find(|(r, _)| *r == (DeviceKind::Cpu, Layout::Dense)).map(|(_, b)| b.clone());
-        let p2p = host.clone().filter(|b| b.posts());
-        let fast = host.filter(|_| options.hints.is_empty() && !detail);
-        let free = |kind: OpKind| match (select::family(kind), &fast) {
+        let backend = routes.iter().find(|(r, _)| *r == HOST).map(|(_, b)| b.clone());
+        let posts = backend.as_ref().is_some_and(|b| b.posts());
+        let offered = |kind: OpKind| match (select::family(kind), &backend) {
+            _ if !options.hints.is_empty() || detail => false,
+            (_, None) => false,
+            (None, Some(_)) => true,
             (Some(family), Some(b)) => matches!(select::forced(family, None, algorithms, b.native_algorithms(family)), Ok(None)),
-            _ => true,
         };
-        let kinds = KINDS.iter().enumerate().filter(|(_, k)| free(**k)).fold(0u8, |bits, (i, _)| bits | 1 << i);
-        HostLanes { p2p, fast, kinds }
+        let kinds = KINDS.iter().enumerate().filter(|(_, k)| offered(**k)).fold(0u8, |bits, (i, _)| bits | 1 << i);
+        HostLanes { backend, posts, kinds }
+    }
+
+    /// The host route's transport, if it posts.
+    pub(crate) fn posting(&self) -> Option<&Arc<dyn Backend>> {
+        self.backend.as_ref().filter(|_| self.posts)
     }
 }
 
+/// Host tensors' route.
+const HOST: Route = (DeviceKind::Cpu, Layout::Dense);
+
 impl GroupCore {
-    /// The lane for a direct collective of `kind` on `route`'s tensors of
-    /// `dtype`, if nothing asks for more than the transport's own choice:
-    /// host tensors, not bools (cleaned after a job), no hints, no
-    /// algorithm chosen for its family, no `WEFT_DEBUG=detail` check.
-    pub(crate) fn fast_lane(&self, route: Route, kind: OpKind, dtype: DType, opts: &OpOptions) -> Option<FastLane<'_>> {
-        let lanes = &self.host;
-        let backend = lanes.fast.as_ref()?;
+    /// The lane for direct collective `name` of `kind` on `route`'s
+    /// tensors of `dtype`, if nothing asks for more than the transport's
+    /// own choice: host tensors, not bools (cleaned after a job), no
+    /// hints, no algorithm chosen for its family, no `WEFT_DEBUG=detail`
+    /// check.
+    pub(crate) fn fast_lane(&self, name: &'static str, route: Route, kind: OpKind, dtype: DType, opts: &OpOptions) -> Option<FastLane<'_>> {
         let i = KINDS.iter().position(|k| *k == kind)?;
-        let offered =
-            route == (DeviceKind::Cpu, Layout::Dense) && dtype != DType::Bool && opts.hints.is_empty() && lanes.kinds & 1 << i != 0;
-        offered.then_some(FastLane { core: self, backend })
+        let offered = route == HOST && dtype != DType::Bool && opts.hints.is_empty() && self.host.kinds & 1 << i != 0;
+        Some(FastLane { core: self, backend: self.host.backend.as_ref().filter(|_| offered)?, name, route, kind })
     }
 }
 
@@ -101,19 +111,20 @@ impl<'g> FastLane<'g> {
     pub fn turn(self, opts: &OpOptions) -> FastTurn<'g> {
         let (turn, seq) = self.core.exec.begin(self.core.exec.issue(), true);
         let timeout = opts.timeout.unwrap_or(self.core.options.timeout);
-        FastTurn { core: self.core, backend: self.backend, seq, timeout, generic: false, _turn: turn }
+        FastTurn { lane: self, seq, timeout, generic: false, _turn: turn }
     }
 }
 
 impl FastTurn<'_> {
-    /// Offer op `name` (`op`) to the transport's fast path: its outcome as
-    /// a finished [`Work`], or `None` if the op is left to
+    /// Offer the op (`op`, its bytes) to the transport's fast path: its
+    /// outcome as a finished [`Work`], or `None` if the op is left to
     /// [`FastTurn::job`] (declined, or handed back to core's algorithm).
-    pub fn fast<'t>(&mut self, name: &'static str, op: FastOp<'_>) -> Option<Work<'t>> {
-        let (core, deadline) = (self.core, Deadline::after(self.timeout));
+    pub fn fast<'t>(&mut self, op: FastOp<'_>) -> Option<Work<'t>> {
+        let FastLane { core, backend, name, .. } = self.lane;
+        let deadline = Deadline::after(self.timeout);
         let mut left = None;
-        let result = core.guarded(name, || match self.backend.fast_op(op, &deadline) {
-            FastOutcome::Done(r) => r.map_err(|e| core.explain(e)),
+        let result = core.guarded(name, || match backend.fast_op(op, &deadline) {
+            FastOutcome::Done(r) => r,
             outcome => {
                 left = Some(outcome);
                 Ok(())
@@ -123,12 +134,14 @@ impl FastTurn<'_> {
         left.is_none().then(|| Work::done(result, None).within(self.timeout))
     }
 
-    /// Run `job` as a direct collective runs, in this turn (through core's
-    /// algorithm if the fast path handed it back).
-    pub fn job<'t>(self, mut job: Job<'t>, opts: &OpOptions) -> Result<Work<'t>> {
-        job.native = !self.generic;
-        self.core.decide(&mut job, opts)?;
-        let (result, device) = self.core.run_job(&mut job, opts, self.seq);
+    /// Run the op (`op`, as a job has it) as a direct collective runs, in
+    /// this turn (through core's algorithm if the fast path handed it
+    /// back).
+    pub fn job<'t>(self, op: Op<'t>, opts: &OpOptions) -> Result<Work<'t>> {
+        let FastLane { core, name, route, kind, .. } = self.lane;
+        let mut job = Job { name, kind, route, fingerprint: None, op, algorithm: None, segment_bytes: None, native: !self.generic };
+        core.decide(&mut job, opts)?;
+        let (result, device) = core.run_job(&mut job, opts, self.seq);
         Ok(Work::done(result, device).within(self.timeout))
     }
 }

@@ -272,8 +272,15 @@ impl<'t> Collectives<'t> for ProcessGroup {
     fn p2p_lane(&self, route: Route) -> Option<p2p::P2pLane<'_>> {
         self.core.p2p_lane(route)
     }
-    fn fast_lane(&self, route: Route, kind: crate::backend::OpKind, dtype: DType, opts: &OpOptions) -> Option<fast::FastLane<'_>> {
-        self.core.fast_lane(route, kind, dtype, opts)
+    fn fast_lane(
+        &self,
+        name: &'static str,
+        route: Route,
+        kind: crate::backend::OpKind,
+        dtype: DType,
+        opts: &OpOptions,
+    ) -> Option<fast::FastLane<'_>> {
+        self.core.fast_lane(name, route, kind, dtype, opts)
     }
     fn group(&self) -> &ProcessGroup {
         self
@@ -344,11 +351,12 @@ impl GroupCore {
     /// poisoned. A panic inside (a bug) becomes the op's error; an error
     /// after bytes may have moved poisons the group (invalid and
     /// unsupported calls are caught before any moves, alike on every rank);
-    /// every error names the op and this rank.
+    /// every error is explained (a peer lost to a revoked group) and names
+    /// the op and this rank.
     pub(crate) fn guarded(&self, name: &'static str, run: impl FnOnce() -> Result<()>) -> Result<()> {
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             self.usable()?;
-            run().inspect_err(|e| {
+            run().map_err(|e| self.explain(e)).inspect_err(|e| {
                 if !matches!(e.kind(), crate::ErrorKind::Unsupported | crate::ErrorKind::InvalidArgument) {
                     self.poison(e.clone().with_op(name).with_rank(self.rank));
                 }
@@ -396,7 +404,7 @@ impl GroupCore {
             stream: opts.stream,
             completion: completion.clone(),
         };
-        self.execute(backend.as_ref(), &ctx, fingerprint.as_ref(), op, *native).map_err(|e| self.explain(e))
+        self.execute(backend.as_ref(), &ctx, fingerprint.as_ref(), op, *native)
     }
 
     fn execute(

@@ -175,7 +175,14 @@ pub trait Collectives<'t>: sealed::Sealed {
     #[doc(hidden)]
     /// Where a direct small collective of host tensors goes first, without
     /// a job (the group's; none in a scope).
-    fn fast_lane(&self, _route: Route, _kind: OpKind, _dtype: DType, _opts: &OpOptions) -> Option<super::fast::FastLane<'_>> {
+    fn fast_lane(
+        &self,
+        _name: &'static str,
+        _route: Route,
+        _kind: OpKind,
+        _dtype: DType,
+        _opts: &OpOptions,
+    ) -> Option<super::fast::FastLane<'_>> {
         None
     }
     #[doc(hidden)]
@@ -295,12 +302,12 @@ pub trait Collectives<'t>: sealed::Sealed {
         let c = check(self, "broadcast");
         c.rank_arg("root", root)?;
         let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
-        if let Some(lane) = self.fast_lane(route, OpKind::Broadcast, dtype, opts) {
+        if let Some(lane) = self.fast_lane(c.name, route, OpKind::Broadcast, dtype, opts) {
             let mut turn = lane.turn(opts);
-            if let Some(w) = turn.fast(c.name, FastOp::Broadcast { buf: buf.host_bytes_mut()?, root }) {
+            if let Some(w) = turn.fast(FastOp::Broadcast { buf: buf.host_bytes_mut()?, root }) {
                 return Ok(w);
             }
-            return turn.job(job(&c, OpKind::Broadcast, route, None, Op::Broadcast { buf, root }), opts);
+            return turn.job(Op::Broadcast { buf, root }, opts);
         }
         let fp = c.fingerprint(OpKind::Broadcast, || format!("{dtype} x {} root {root}", buf.numel()));
         self.submit(job(&c, OpKind::Broadcast, route, fp, Op::Broadcast { buf, root }), opts)
@@ -312,12 +319,12 @@ pub trait Collectives<'t>: sealed::Sealed {
         let c = check(self, "all_reduce");
         let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
         c.reduce_op(op, dtype)?;
-        if let Some(lane) = self.fast_lane(route, OpKind::AllReduce, dtype, opts) {
+        if let Some(lane) = self.fast_lane(c.name, route, OpKind::AllReduce, dtype, opts) {
             let mut turn = lane.turn(opts);
-            if let Some(w) = turn.fast(c.name, FastOp::AllReduce { buf: buf.host_bytes_mut()?, dtype, op }) {
+            if let Some(w) = turn.fast(FastOp::AllReduce { buf: buf.host_bytes_mut()?, dtype, op }) {
                 return Ok(w);
             }
-            return turn.job(job(&c, OpKind::AllReduce, route, None, Op::AllReduce { buf, op }), opts);
+            return turn.job(Op::AllReduce { buf, op }, opts);
         }
         let fp = c.fingerprint(OpKind::AllReduce, || format!("{dtype} x {} op {op}", buf.numel()));
         self.submit(job(&c, OpKind::AllReduce, route, fp, Op::AllReduce { buf, op }), opts)
@@ -353,14 +360,14 @@ pub trait Collectives<'t>: sealed::Sealed {
         c.numel("output", output.numel(), input.numel() * c.size)?;
         let (route, dtype, _) = c.tensors([meta_mut(&output), meta(&input)])?;
         let part = input.nbytes();
-        if let Some(lane) = self.fast_lane(route, OpKind::AllGather, dtype, opts).filter(|_| part > 0) {
+        if let Some(lane) = self.fast_lane(c.name, route, OpKind::AllGather, dtype, opts).filter(|_| part > 0) {
             let mut turn = lane.turn(opts);
             let outputs = output.host_bytes_mut()?.chunks_mut(part).collect();
-            if let Some(w) = turn.fast(c.name, FastOp::AllGather { input: input.host_bytes()?, outputs }) {
+            if let Some(w) = turn.fast(FastOp::AllGather { input: input.host_bytes()?, outputs }) {
                 return Ok(w);
             }
             let outputs = output.split_mut(&equal_parts(input.numel(), c.size)).map_err(|e| e.with_op(c.name))?;
-            return turn.job(job(&c, OpKind::AllGather, route, None, Op::AllGather { input, outputs }), opts);
+            return turn.job(Op::AllGather { input, outputs }, opts);
         }
         let outputs = output.split_mut(&equal_parts(input.numel(), c.size)).map_err(|e| e.with_op(c.name))?;
         gather_job(self, c, input, outputs, opts)
@@ -407,16 +414,16 @@ pub trait Collectives<'t>: sealed::Sealed {
         c.numel("input", input.numel(), output.numel() * c.size)?;
         let (route, dtype, _) = c.tensors([meta_mut(&output), meta(&input)])?;
         let part = output.nbytes();
-        if let Some(lane) = self.fast_lane(route, OpKind::ReduceScatter, dtype, opts).filter(|_| part > 0) {
+        if let Some(lane) = self.fast_lane(c.name, route, OpKind::ReduceScatter, dtype, opts).filter(|_| part > 0) {
             // (The job's path checks it in `scatter_reduce_job`.)
             c.reduce_op(op, dtype)?;
             let mut turn = lane.turn(opts);
             let inputs = input.host_bytes()?.chunks(part).collect();
-            if let Some(w) = turn.fast(c.name, FastOp::ReduceScatter { inputs, output: output.host_bytes_mut()?, dtype, op }) {
+            if let Some(w) = turn.fast(FastOp::ReduceScatter { inputs, output: output.host_bytes_mut()?, dtype, op }) {
                 return Ok(w);
             }
             let inputs = input.split(&equal_parts(output.numel(), c.size)).map_err(|e| e.with_op(c.name))?;
-            return turn.job(job(&c, OpKind::ReduceScatter, route, None, Op::ReduceScatter { inputs, output, op }), opts);
+            return turn.job(Op::ReduceScatter { inputs, output, op }, opts);
         }
         let inputs = input.split(&equal_parts(output.numel(), c.size)).map_err(|e| e.with_op(c.name))?;
         scatter_reduce_job(self, c, output, inputs, op, opts)
@@ -459,15 +466,15 @@ pub trait Collectives<'t>: sealed::Sealed {
         let part = equal_parts(input.numel() / c.size, c.size);
         let (route, dtype, _) = c.tensors([meta_mut(&output), meta(&input)])?;
         let bytes = input.nbytes() / c.size;
-        if let Some(lane) = self.fast_lane(route, OpKind::AllToAll, dtype, opts).filter(|_| bytes > 0) {
+        if let Some(lane) = self.fast_lane(c.name, route, OpKind::AllToAll, dtype, opts).filter(|_| bytes > 0) {
             let mut turn = lane.turn(opts);
             let (inputs, outputs) = (input.host_bytes()?.chunks(bytes).collect(), output.host_bytes_mut()?.chunks_mut(bytes).collect());
-            if let Some(w) = turn.fast(c.name, FastOp::AllToAll { inputs, outputs }) {
+            if let Some(w) = turn.fast(FastOp::AllToAll { inputs, outputs }) {
                 return Ok(w);
             }
             let inputs = input.split(&part).map_err(|e| e.with_op(c.name))?;
             let outputs = output.split_mut(&part).map_err(|e| e.with_op(c.name))?;
-            return turn.job(job(&c, OpKind::AllToAll, route, None, Op::AllToAll { outputs, inputs }), opts);
+            return turn.job(Op::AllToAll { outputs, inputs }, opts);
         }
         let inputs = input.split(&part).map_err(|e| e.with_op(c.name))?;
         let outputs = output.split_mut(&part).map_err(|e| e.with_op(c.name))?;
@@ -551,12 +558,12 @@ pub trait Collectives<'t>: sealed::Sealed {
     fn barrier(&self, opts: &OpOptions) -> Result<Work<'t>> {
         let c = check(self, "barrier");
         let route = (crate::tensor::DeviceKind::Cpu, Layout::Dense);
-        if let Some(lane) = self.fast_lane(route, OpKind::Barrier, DType::U8, opts) {
+        if let Some(lane) = self.fast_lane(c.name, route, OpKind::Barrier, DType::U8, opts) {
             let mut turn = lane.turn(opts);
-            if let Some(w) = turn.fast(c.name, FastOp::Barrier) {
+            if let Some(w) = turn.fast(FastOp::Barrier) {
                 return Ok(w);
             }
-            return turn.job(job(&c, OpKind::Barrier, route, None, Op::Barrier), opts);
+            return turn.job(Op::Barrier, opts);
         }
         let fp = c.fingerprint(OpKind::Barrier, String::new);
         self.submit(job(&c, OpKind::Barrier, route, fp, Op::Barrier), opts)

@@ -199,7 +199,7 @@ impl P2pLane<'_> {
     pub fn run<'t>(self, name: &'static str, ops: &mut [P2p<'_>], opts: &OpOptions) -> Work<'t> {
         let timeout = opts.timeout.unwrap_or(self.core.options.timeout);
         let deadline = Deadline::after(timeout);
-        let result = self.core.guarded(name, || self.backend.exchange(ops, &deadline).map_err(|e| self.core.explain(e)));
+        let result = self.core.guarded(name, || self.backend.exchange(ops, &deadline));
         Work::done(result, None).within(timeout)
     }
 }
@@ -211,7 +211,7 @@ impl GroupCore {
         if route.0 != DeviceKind::Cpu {
             return None;
         }
-        Some(P2pLane { core: self, backend: self.host.p2p.as_ref()? })
+        Some(P2pLane { core: self, backend: self.host.posting()? })
     }
 
     /// Post a directly issued `job` and drive its transport until it has
