@@ -34,9 +34,51 @@ pub fn bus_factor(op: &str, w: usize) -> f64 {
     }
 }
 
+/// The op [`Case::run`] calls, its name resolved once: an iteration times
+/// the op, not a string comparison per op this list knows.
+#[derive(Clone, Copy)]
+enum Kind {
+    AllReduce,
+    Reduce,
+    Broadcast,
+    AllGather,
+    ReduceScatter,
+    AllToAll,
+    AllToAllV,
+    Gather,
+    Scatter,
+    P2p,
+    Put,
+    SendRecv,
+    DeviceCopy,
+    Barrier,
+}
+
+impl Kind {
+    fn of(op: &str) -> Kind {
+        match op {
+            "all_reduce" => Kind::AllReduce,
+            "reduce" => Kind::Reduce,
+            "broadcast" => Kind::Broadcast,
+            "all_gather" => Kind::AllGather,
+            "reduce_scatter" => Kind::ReduceScatter,
+            "all_to_all" => Kind::AllToAll,
+            "all_to_all_v" => Kind::AllToAllV,
+            "gather" => Kind::Gather,
+            "scatter" => Kind::Scatter,
+            "p2p" => Kind::P2p,
+            "put" => Kind::Put,
+            "sendrecv" => Kind::SendRecv,
+            "device_copy" => Kind::DeviceCopy,
+            _ => Kind::Barrier,
+        }
+    }
+}
+
 /// Buffers for one (op, size): inputs, outputs and what to expect.
 pub struct Case {
     op: &'static str,
+    kind: Kind,
     dtype: DType,
     redop: ReduceOp,
     root: usize,
@@ -93,7 +135,7 @@ impl Case {
         let output = if op == "all_to_all_v" { Buf::zeros(dtype, splits_out.iter().sum()) } else { output };
         let (input, output) = (input.place(place.as_ref())?, output.place(place.as_ref())?);
         let window = if op == "put" { Some(pg.new_window_on(count * dtype.size(), input.t().device())?) } else { None };
-        Ok(Case { op, dtype, redop, root, count, input, output, splits_in, splits_out, place, window })
+        Ok(Case { op, kind: Kind::of(op), dtype, redop, root, count, input, output, splits_in, splits_out, place, window })
     }
 
     /// Bytes per element.
@@ -113,24 +155,26 @@ impl Case {
     pub fn run(&mut self, pg: &ProcessGroup, o: &OpOptions) -> weft::Result<()> {
         let (r, w) = (pg.rank(), pg.size());
         let part = self.count / w.max(1);
-        match self.op {
-            "all_reduce" => pg.all_reduce(self.input.tm(), self.redop, o)?.synchronize(),
-            "reduce" => pg.reduce(self.input.tm(), self.root, self.redop, o)?.synchronize(),
-            "broadcast" => pg.broadcast(self.input.tm(), self.root, o)?.synchronize(),
-            "all_gather" => pg.all_gather_single(self.output.tm(), self.input.t(), o)?.synchronize(),
-            "reduce_scatter" => pg.reduce_scatter_single(self.output.tm(), self.input.t(), self.redop, o)?.synchronize(),
-            "all_to_all" => pg.all_to_all_single(self.output.tm(), self.input.t(), o)?.synchronize(),
-            "all_to_all_v" => pg.all_to_all_v_single(self.output.tm(), self.input.t(), &self.splits_out, &self.splits_in, o)?.synchronize(),
-            "gather" => {
+        match self.kind {
+            Kind::AllReduce => pg.all_reduce(self.input.tm(), self.redop, o)?.synchronize(),
+            Kind::Reduce => pg.reduce(self.input.tm(), self.root, self.redop, o)?.synchronize(),
+            Kind::Broadcast => pg.broadcast(self.input.tm(), self.root, o)?.synchronize(),
+            Kind::AllGather => pg.all_gather_single(self.output.tm(), self.input.t(), o)?.synchronize(),
+            Kind::ReduceScatter => pg.reduce_scatter_single(self.output.tm(), self.input.t(), self.redop, o)?.synchronize(),
+            Kind::AllToAll => pg.all_to_all_single(self.output.tm(), self.input.t(), o)?.synchronize(),
+            Kind::AllToAllV => {
+                pg.all_to_all_v_single(self.output.tm(), self.input.t(), &self.splits_out, &self.splits_in, o)?.synchronize()
+            }
+            Kind::Gather => {
                 let outs = if r == self.root { self.output.tm().split_mut(&vec![part; w])? } else { vec![] };
                 pg.gather(outs, self.input.t(), self.root, o)?.synchronize()
             }
-            "scatter" => {
+            Kind::Scatter => {
                 let t = self.input.t();
                 let ins = if r == self.root { t.split(&vec![part; w])? } else { vec![] };
                 pg.scatter(self.output.tm(), ins, self.root, o)?.synchronize()
             }
-            "p2p" => {
+            Kind::P2p => {
                 // A chain 0 -> 1 -> ... -> W-1, each rank forwarding what it received.
                 if r > 0 {
                     pg.recv(self.output.tm(), r - 1, 0, o)?.synchronize()?;
@@ -143,7 +187,7 @@ impl Case {
             }
             // Rank r puts into rank r+1's window and signals it; r+1 waits
             // for the signal (TorchComm's PutBwBenchmark, as a chain).
-            "put" => {
+            Kind::Put => {
                 let win = self.window.as_ref().expect("made for put");
                 if r + 1 < w {
                     // The signal is ordered after the put whether or not the
@@ -159,17 +203,17 @@ impl Case {
             }
             // Every rank sends to r+1 and receives from r-1 at once
             // (nccl-tests' sendrecv_perf).
-            "sendrecv" if w > 1 => pg.sendrecv(self.input.t(), (r + 1) % w, self.output.tm(), (r + w - 1) % w, 0, o)?.synchronize(),
-            "sendrecv" => Ok(()),
+            Kind::SendRecv if w > 1 => pg.sendrecv(self.input.t(), (r + 1) % w, self.output.tm(), (r + w - 1) % w, 0, o)?.synchronize(),
+            Kind::SendRecv => Ok(()),
             // The memory-bandwidth reference: a copy on every rank, no communication.
-            "device_copy" => match &self.place {
+            Kind::DeviceCopy => match &self.place {
                 Some(p) => p.copy(self.output.addr(), self.input.addr(), self.count * self.dtype.size()),
                 None => {
                     weft::kernels::copy(self.output.bytes_mut(), self.input.bytes());
                     Ok(())
                 }
             },
-            _ => pg.barrier(o)?.synchronize(),
+            Kind::Barrier => pg.barrier(o)?.synchronize(),
         }
     }
 
