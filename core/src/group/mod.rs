@@ -304,17 +304,27 @@ impl GroupCore {
         v
     }
 
+    #[inline]
     fn usable(&self) -> Result<()> {
-        if self.dropped.load(Ordering::Acquire) {
-            return Err(Error::aborted(format!("the process group was closed on rank {}", self.rank)));
-        }
-        if self.aborted.load(Ordering::Acquire) {
-            return Err(Error::aborted(format!("the group was aborted on rank {}", self.rank)));
-        }
-        if let Some(e) = self.poisoned.get() {
-            return Err(Error::new(e.kind().clone(), format!("the group is unusable after an earlier error: {e}")));
+        if self.dropped.load(Ordering::Acquire) || self.aborted.load(Ordering::Acquire) || self.poisoned.get().is_some() {
+            return Err(self.unusable());
         }
         Ok(())
+    }
+
+    /// Why the group is not usable (closed, aborted or poisoned).
+    #[cold]
+    fn unusable(&self) -> Error {
+        if self.dropped.load(Ordering::Acquire) {
+            return Error::aborted(format!("the process group was closed on rank {}", self.rank));
+        }
+        if self.aborted.load(Ordering::Acquire) {
+            return Error::aborted(format!("the group was aborted on rank {}", self.rank));
+        }
+        match self.poisoned.get() {
+            Some(e) => Error::new(e.kind().clone(), format!("the group is unusable after an earlier error: {e}")),
+            None => Error::aborted(format!("the group was aborted on rank {}", self.rank)),
+        }
     }
 
     fn backend(&self, route: Route) -> Option<&Arc<dyn Backend>> {

@@ -89,15 +89,18 @@ impl Check {
     fn fingerprint(&self, kind: OpKind, canon: impl FnOnce() -> String) -> Option<Fingerprint> {
         self.detail.then(|| Fingerprint::new(self.name, kind, canon()))
     }
+    #[cold]
     fn fail(&self, msg: String) -> Error {
         Error::invalid(msg).with_op(self.name).with_rank(self.rank)
     }
+    #[inline]
     fn rank_arg(&self, what: &str, r: usize) -> Result<()> {
         if r >= self.size {
             return Err(self.fail(format!("{what} {r} is out of range for a group of size {}", self.size)));
         }
         Ok(())
     }
+    #[inline]
     fn peer(&self, r: usize) -> Result<()> {
         self.rank_arg("peer rank", r)?;
         if r == self.rank {

@@ -196,6 +196,17 @@ impl<'t> Work<'t> {
 
     /// The host side's result, waiting for it until `deadline` (`None`:
     /// for ever); `None` if the op is still running then.
+    /// The result of an op that ran on the caller's thread with no device
+    /// side (every direct op on host tensors): nothing is left to wait for
+    /// or to order (the common case, kept to a few instructions).
+    #[inline]
+    fn host_done(&self) -> Option<&Result<()>> {
+        match &self.handle {
+            Handle::Done { result, device: None, .. } => Some(result),
+            _ => None,
+        }
+    }
+
     fn host_result(&self, deadline: Option<Instant>) -> Option<Result<()>> {
         match &self.handle {
             Handle::Done { result, .. } => Some(result.clone()),
@@ -228,14 +239,22 @@ impl<'t> Work<'t> {
     /// Block until the op finishes; its result. May be called repeatedly.
     /// For device tensors, the host side finishes and the caller's stream
     /// is made to wait for the device side.
+    #[inline]
     pub fn wait(&self) -> Result<()> {
+        if let Some(r) = self.host_done() {
+            return r.clone();
+        }
         self.order(self.host_result(None).expect("no deadline"))
     }
 
     /// As [`Work::wait`], then block the host until the device side has
     /// finished too (at most the op's timeout, else the group's). Same as
     /// `wait` for host tensors.
+    #[inline]
     pub fn synchronize(&self) -> Result<()> {
+        if let Some(r) = self.host_done() {
+            return r.clone();
+        }
         self.wait()?;
         match self.device() {
             Some(d) => d.synchronize(device_deadline(self.timeout())),
@@ -322,9 +341,11 @@ impl Future for Work<'_> {
 }
 
 impl Drop for Work<'_> {
+    #[inline]
     fn drop(&mut self) {
         // The borrow of the tensors ends here: the op must not outlive it.
         match &self.handle {
+            Handle::Done { device: None, .. } => {}
             Handle::Done { device, ordered, timeout, .. } => settle(device.as_deref(), ordered, *timeout),
             Handle::Pending(s) => s.settle(),
         }
