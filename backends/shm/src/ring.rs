@@ -124,7 +124,8 @@ pub const fn footprint(cap: usize) -> usize {
 }
 
 impl Ring {
-    /// The ring at `at` (a `footprint(cap)` region, zeroed at creation).
+    /// The ring at `at` (a `footprint(cap)` region, zeroed at creation) of
+    /// `cap` data bytes, a power of two.
     ///
     /// # Safety
     /// `at` must point into a live mapping with `footprint(cap)` bytes,
@@ -146,6 +147,8 @@ impl<B: Bytes> Ring<B> {
     /// one consumer use it. (The remembered counters start at 0, which is
     /// at most either counter whenever the ring is made.)
     unsafe fn over(head: *const Counter, tail: *const Counter, data: B, cap: usize) -> Ring<B> {
+        // (Offsets are then a mask, not a division, on every send and receive.)
+        assert!(cap.is_power_of_two(), "a ring's capacity is a power of two, not {cap}");
         Ring { head, tail, data, cap, seen_head: AtomicU64::new(0), seen_tail: AtomicU64::new(0) }
     }
 
@@ -212,8 +215,22 @@ impl<B: Bytes> Ring<B> {
     /// whole frame at its first look); whether they fit.
     pub fn write_whole(&self, first: &[u8], then: &[u8]) -> bool {
         let len = first.len() + then.len();
-        if self.free(self.tail().load(Ordering::Relaxed), len) < len {
+        let tail = self.tail().load(Ordering::Relaxed);
+        if self.free(tail, len) < len {
             return false;
+        }
+        let at = self.offset(tail);
+        if len <= PUBLISH && len <= self.cap - at {
+            // In one piece before the buffer's end (most small frames): two
+            // copies and one store to publish them.
+            // SAFETY: [at, at + len) is free space, owned by the producer
+            // until the tail is published.
+            unsafe {
+                self.data.put(at, first);
+                self.data.put(at + first.len(), then);
+            }
+            self.tail().store(tail + len as u64, Ordering::Release);
+            return true;
         }
         self.write_with(len, |at, piece| {
             // `piece` covers [at, at + n) of the two together.
@@ -243,8 +260,13 @@ impl<B: Bytes> Ring<B> {
     /// Where `n` bytes from `tail` on go: their offset, and how many fit
     /// before the end of the buffer (the rest wrap to its start).
     fn place(&self, tail: u64, n: usize) -> (usize, usize) {
-        let at = tail as usize % self.cap;
+        let at = self.offset(tail);
         (at, n.min(self.cap - at))
+    }
+
+    /// Where a counter's value falls in the buffer.
+    fn offset(&self, counter: u64) -> usize {
+        counter as usize & (self.cap - 1)
     }
 
     /// Consumer: read up to `dst.len()` bytes (all of them if they are
@@ -260,7 +282,7 @@ impl<B: Bytes> Ring<B> {
     pub fn peek(&self, dst: &mut [u8]) -> usize {
         let head = self.head().load(Ordering::Relaxed);
         let n = dst.len().min((self.known_tail(head, dst.len()) - head) as usize);
-        let at = head as usize % self.cap;
+        let at = self.offset(head);
         let first = n.min(self.cap - at);
         // SAFETY: these bytes were published by the producer (acquire when
         // the tail was read) and stay untouched until `head` moves past them.
@@ -387,7 +409,7 @@ pub(crate) mod loom_tests {
     #[test]
     fn loom_ring_hands_over_bytes_in_order_across_wraparound() {
         loom::model(|| {
-            let cap = 3;
+            let cap = 4;
             let head = Box::leak(Box::new(Counter(AtomicU64::new(0))));
             let tail = Box::leak(Box::new(Counter(AtomicU64::new(0))));
             // SAFETY: leaked, so live for ever; both start at 0.

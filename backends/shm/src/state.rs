@@ -231,9 +231,10 @@ impl ShmBackend {
         }
     }
 
+    #[inline]
     pub(crate) fn check_failed(&self) -> Result<()> {
         match self.failed.get() {
-            Some(e) => Err(e.clone()),
+            Some(e) => Err(failed_again(e)),
             None => Ok(()),
         }
     }
@@ -254,4 +255,11 @@ impl ShmBackend {
         }
         ctl.sleeping.store(0, Ordering::SeqCst);
     }
+}
+
+/// The error a failed transport gives every later op (out of line: an op's
+/// path checks for it every time and almost never finds one).
+#[cold]
+fn failed_again(e: &Error) -> Error {
+    e.clone()
 }
