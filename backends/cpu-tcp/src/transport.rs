@@ -9,10 +9,10 @@ use crate::wire::{Header, Kind, MAX_ABORT};
 use socket2::Socket;
 use std::io::Read;
 use std::net::Shutdown;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use weft::backend::{Backend, Deadline, GatherSend, P2p};
-use weft::progress::{self, Post, Posting};
+use weft::progress::{self, DriverGuard, DriverLock, Post, Posting};
 use weft::store::Store;
 use weft::{Error, ErrorKind, Result};
 
@@ -26,7 +26,7 @@ pub struct TcpBackend {
     /// The group's store, where an aborting rank leaves whom it blames.
     store: Arc<dyn Store>,
     /// The connections and posted ops; whoever holds it drives them all.
-    engine: Mutex<Engine>,
+    engine: DriverLock<Engine>,
     /// Batches waiting for the driver.
     posting: Arc<Posting>,
     /// Wakes a driver sleeping in poll().
@@ -59,7 +59,7 @@ impl progress::Engine for TcpBackend {
         &self.posting
     }
     fn try_drive(&self, until: &dyn Fn() -> bool) -> bool {
-        let Some(mut eng) = progress::try_lock(&self.engine) else { return false };
+        let Some(mut eng) = self.engine.try_lock() else { return false };
         engine::drive(self.rank, &mut eng, &self.posting, &self.wake, self, false, until);
         true
     }
@@ -69,7 +69,7 @@ impl progress::Engine for TcpBackend {
             // `Backend::exchange_gathered`): they come packed as sends.
             return Some(Err(Error::backend("cpu-tcp: gathered sends reach the transport packed")));
         }
-        let mut eng = progress::try_lock(&self.engine)?;
+        let mut eng = self.engine.try_lock()?;
         Some(engine::exchange(self.rank, &mut eng, &self.posting, &self.wake, self, ops, deadline))
     }
     fn abandon(&self, e: &Error) {
@@ -99,7 +99,7 @@ impl TcpBackend {
         Ok(TcpBackend {
             rank,
             store,
-            engine: Mutex::new(Engine::new(peers, budget)),
+            engine: DriverLock::new(Engine::new(peers, budget)),
             posting: Arc::default(),
             wake,
             handles,
@@ -107,8 +107,8 @@ impl TcpBackend {
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, Engine> {
-        self.engine.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> DriverGuard<'_, Engine> {
+        self.engine.lock()
     }
 
     fn fail(&self, e: Error) -> Error {
@@ -207,7 +207,7 @@ impl Backend for TcpBackend {
         let _ = self.store.set(&format!("abort/{}", self.rank), blame.to_string().as_bytes());
         // Tell peers the root cause, unless an op holds the connections
         // (it sees the failure and returns; peers then see us close).
-        if let Some(mut eng) = progress::try_lock(&self.engine) {
+        if let Some(mut eng) = self.engine.try_lock() {
             let mut payload = (blame as u32).to_le_bytes().to_vec();
             payload.extend_from_slice(why.as_bytes());
             payload.truncate(MAX_ABORT as usize);

@@ -14,9 +14,9 @@ use crate::ring::{footprint, Ring};
 use crate::segment::Segment;
 use linux_futex::{Futex, Shared};
 use std::sync::atomic::{fence, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-use weft::progress::Posting;
+use weft::progress::{DriverLock, Posting};
 use weft::{Error, Result};
 
 /// A control block's `state`: the rank runs, closed its group, or aborted it.
@@ -88,7 +88,7 @@ pub struct ShmBackend {
     pub(crate) seg: Segment,
     rings: Vec<Ring>,
     /// Inbound state and posted ops; whoever holds it drives them all.
-    pub(crate) engine: Mutex<Engine>,
+    pub(crate) engine: DriverLock<Engine>,
     /// Batches waiting for the driver.
     pub(crate) posting: Arc<Posting>,
     /// The first failure: the rings are out of step for good after it.
@@ -141,7 +141,7 @@ impl ShmBackend {
             seg,
             fast,
             rings,
-            engine: Mutex::new(Engine::new(size, budget)),
+            engine: DriverLock::new(Engine::new(size, budget)),
             posting: Arc::default(),
             failed: std::sync::OnceLock::new(),
             cma: std::sync::atomic::AtomicBool::new(cma.is_some()),

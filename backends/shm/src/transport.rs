@@ -18,17 +18,17 @@ impl progress::Engine for ShmBackend {
         &self.posting
     }
     fn try_drive(&self, until: &dyn Fn() -> bool) -> bool {
-        let Some(mut eng) = progress::try_lock(&self.engine) else { return false };
+        let Some(mut eng) = self.engine.try_lock() else { return false };
         self.drive(&mut eng, &self.posting, false, until);
         true
     }
     fn try_exchange(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: &Deadline) -> Option<Result<()>> {
-        let mut eng = progress::try_lock(&self.engine)?;
+        let mut eng = self.engine.try_lock()?;
         Some(self.exchange_now(&mut eng, &self.posting, ops, gathered, deadline))
     }
     fn abandon(&self, e: &Error) {
         let e = self.fail(e.clone());
-        let mut eng = self.engine.lock().unwrap_or_else(|p| p.into_inner());
+        let mut eng = self.engine.lock();
         self.fail_everything(&mut eng, &self.posting, e);
     }
     fn wake_driver(&self) {
