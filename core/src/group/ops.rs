@@ -466,19 +466,20 @@ pub trait Collectives<'t>: sealed::Sealed {
         if input.numel() % c.size != 0 {
             return Err(c.fail(format!("input has {} elements, not divisible by the group size {}", input.numel(), c.size)));
         }
-        let part = equal_parts(input.numel() / c.size, c.size);
         let (route, dtype, _) = c.tensors([meta_mut(&output), meta(&input)])?;
         let bytes = input.nbytes() / c.size;
+        let part = || equal_parts(input.numel() / c.size, c.size);
         if let Some(lane) = self.fast_lane(c.name, route, OpKind::AllToAll, dtype, opts).filter(|_| bytes > 0) {
             let mut turn = lane.turn(opts);
             let (inputs, outputs) = (input.host_bytes()?.chunks(bytes).collect(), output.host_bytes_mut()?.chunks_mut(bytes).collect());
             if let Some(w) = turn.fast(FastOp::AllToAll { inputs, outputs }) {
                 return Ok(w);
             }
-            let inputs = input.split(&part).map_err(|e| e.with_op(c.name))?;
-            let outputs = output.split_mut(&part).map_err(|e| e.with_op(c.name))?;
+            let inputs = input.split(&part()).map_err(|e| e.with_op(c.name))?;
+            let outputs = output.split_mut(&part()).map_err(|e| e.with_op(c.name))?;
             return turn.job(Op::AllToAll { outputs, inputs }, opts);
         }
+        let part = part();
         let inputs = input.split(&part).map_err(|e| e.with_op(c.name))?;
         let outputs = output.split_mut(&part).map_err(|e| e.with_op(c.name))?;
         all_to_all_job(self, c, outputs, inputs, opts)
