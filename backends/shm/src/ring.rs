@@ -105,6 +105,13 @@ pub struct Ring<B: Bytes = RawBytes> {
     seen_head: AtomicU64,
     /// Consumer: the producer's `tail` as last read (at most the real one).
     seen_tail: AtomicU64,
+    /// Producer: its own `tail`, as last stored. Each side reads its own
+    /// counter from here, never from the segment: there it shares a line
+    /// with the peer's reads, and a small send or receive after a context
+    /// switch would load it again.
+    my_tail: AtomicU64,
+    /// Consumer: its own `head`, as last stored.
+    my_head: AtomicU64,
 }
 
 // SAFETY: see the module doc: each side touches only what it owns.
@@ -149,7 +156,18 @@ impl<B: Bytes> Ring<B> {
     unsafe fn over(head: *const Counter, tail: *const Counter, data: B, cap: usize) -> Ring<B> {
         // (Offsets are then a mask, not a division, on every send and receive.)
         assert!(cap.is_power_of_two(), "a ring's capacity is a power of two, not {cap}");
-        Ring { head, tail, data, cap, seen_head: AtomicU64::new(0), seen_tail: AtomicU64::new(0) }
+        // SAFETY: live (the caller's contract).
+        let (h, t) = unsafe { ((*head).0.load(Ordering::Acquire), (*tail).0.load(Ordering::Acquire)) };
+        Ring {
+            head,
+            tail,
+            data,
+            cap,
+            seen_head: AtomicU64::new(h),
+            seen_tail: AtomicU64::new(t),
+            my_tail: AtomicU64::new(t),
+            my_head: AtomicU64::new(h),
+        }
     }
 
     fn head(&self) -> &AtomicU64 {
@@ -163,7 +181,7 @@ impl<B: Bytes> Ring<B> {
 
     /// Bytes waiting to be read.
     pub fn available(&self) -> usize {
-        (self.tail().load(Ordering::Acquire) - self.head().load(Ordering::Relaxed)) as usize
+        (self.tail().load(Ordering::Acquire) - self.my_head.load(Ordering::Relaxed)) as usize
     }
 
     /// Consumer: the producer's tail, from the last reading while that
@@ -189,7 +207,7 @@ impl<B: Bytes> Ring<B> {
     /// space filled by `fill(offset, piece)` (offset from the first of the
     /// `len` bytes), publishing every [`PUBLISH`] bytes; bytes written.
     pub fn write_with(&self, len: usize, mut fill: impl FnMut(usize, &mut [u8])) -> usize {
-        let mut tail = self.tail().load(Ordering::Relaxed);
+        let mut tail = self.my_tail.load(Ordering::Relaxed);
         let n = len.min(self.free(tail, len));
         let mut done = 0;
         while done < n {
@@ -204,7 +222,7 @@ impl<B: Bytes> Ring<B> {
                 }
             }
             tail += k as u64;
-            self.tail().store(tail, Ordering::Release);
+            self.publish(tail);
             done += k;
         }
         n
@@ -215,7 +233,7 @@ impl<B: Bytes> Ring<B> {
     /// whole frame at its first look); whether they fit.
     pub fn write_whole(&self, first: &[u8], then: &[u8]) -> bool {
         let len = first.len() + then.len();
-        let tail = self.tail().load(Ordering::Relaxed);
+        let tail = self.my_tail.load(Ordering::Relaxed);
         if self.free(tail, len) < len {
             return false;
         }
@@ -229,7 +247,7 @@ impl<B: Bytes> Ring<B> {
                 self.data.put(at, first);
                 self.data.put(at + first.len(), then);
             }
-            self.tail().store(tail + len as u64, Ordering::Release);
+            self.publish(tail + len as u64);
             return true;
         }
         self.write_with(len, |at, piece| {
@@ -257,6 +275,12 @@ impl<B: Bytes> Ring<B> {
         self.cap - (tail - head) as usize
     }
 
+    /// Producer: hand the bytes up to `tail` to the consumer.
+    fn publish(&self, tail: u64) {
+        self.my_tail.store(tail, Ordering::Relaxed);
+        self.tail().store(tail, Ordering::Release);
+    }
+
     /// Where `n` bytes from `tail` on go: their offset, and how many fit
     /// before the end of the buffer (the rest wrap to its start).
     fn place(&self, tail: u64, n: usize) -> (usize, usize) {
@@ -280,7 +304,7 @@ impl<B: Bytes> Ring<B> {
     /// Consumer: copy up to `dst.len()` bytes (all of them if they are
     /// there), leaving them to read.
     pub fn peek(&self, dst: &mut [u8]) -> usize {
-        let head = self.head().load(Ordering::Relaxed);
+        let head = self.my_head.load(Ordering::Relaxed);
         let n = dst.len().min((self.known_tail(head, dst.len()) - head) as usize);
         let at = self.offset(head);
         let first = n.min(self.cap - at);
@@ -297,8 +321,9 @@ impl<B: Bytes> Ring<B> {
     /// waiting).
     pub fn skip(&self, n: usize) {
         if n > 0 {
-            let head = self.head().load(Ordering::Relaxed);
-            self.head().store(head + n as u64, Ordering::Release);
+            let head = self.my_head.load(Ordering::Relaxed) + n as u64;
+            self.my_head.store(head, Ordering::Relaxed);
+            self.head().store(head, Ordering::Release);
         }
     }
 }
