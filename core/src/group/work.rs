@@ -194,8 +194,6 @@ impl<'t> Work<'t> {
         }
     }
 
-    /// The host side's result, waiting for it until `deadline` (`None`:
-    /// for ever); `None` if the op is still running then.
     /// The result of an op that ran on the caller's thread with no device
     /// side (every direct op on host tensors): nothing is left to wait for
     /// or to order (the common case, kept to a few instructions).
@@ -207,6 +205,8 @@ impl<'t> Work<'t> {
         }
     }
 
+    /// The host side's result, waiting for it until `deadline` (`None`:
+    /// for ever); `None` if the op is still running then.
     fn host_result(&self, deadline: Option<Instant>) -> Option<Result<()>> {
         match &self.handle {
             Handle::Done { result, .. } => Some(result.clone()),
