@@ -151,8 +151,8 @@ impl<B: Bytes> Ring<B> {
     ///
     /// # Safety
     /// `head` and `tail` stay live as long as the ring; one producer and
-    /// one consumer use it. (The remembered counters start at 0, which is
-    /// at most either counter whenever the ring is made.)
+    /// one consumer use it, and this side has not used it through another
+    /// `Ring` (the counters it keeps start as the segment's).
     unsafe fn over(head: *const Counter, tail: *const Counter, data: B, cap: usize) -> Ring<B> {
         // (Offsets are then a mask, not a division, on every send and receive.)
         assert!(cap.is_power_of_two(), "a ring's capacity is a power of two, not {cap}");
