@@ -260,6 +260,9 @@ impl ShmBackend {
         let mut now = None;
         let mut idle_since = None;
         let mut last_check = None;
+        // The doorbell as read before the last turn, if that turn is to
+        // be the one before a nap.
+        let mut armed = None;
         let mut turns: u32 = 0;
         let mut unclocked: u32 = 0;
         let mut busy: SmallVec<[bool; 16]> = smallvec![false; w];
@@ -327,6 +330,7 @@ impl ShmBackend {
                 // PAUSE_SPIN).
                 idle_since = None;
                 unclocked = 0;
+                armed = None;
                 continue;
             }
             // A peer copying our offered buffer finishes in about a
@@ -349,10 +353,18 @@ impl ShmBackend {
                 std::thread::yield_now();
                 continue;
             }
+            // Read the doorbell, then take one more turn before sleeping: a
+            // peer's ring from here on (room in a ring this rank had filled,
+            // a single-copy step: what `ready` below does not look for)
+            // ends the nap at once, and one before it, that turn sees.
+            let Some(seen) = armed.take() else {
+                armed = Some(self.doorbell());
+                continue;
+            };
             // (Idle for SPIN: the clock has been read.)
             let now = now.unwrap_or_else(Instant::now);
             let deadline = eng.table.next_deadline().unwrap_or(now + NAP);
-            self.nap(now, deadline, &|| {
+            self.nap(seen, now, deadline, &|| {
                 posting.has_new()
                     || (0..w).any(|p| p != me && self.ring(p, me).available() > 0 && !eng.peers[p].holds())
                     || self.single_copy_moved(&eng.table, &eng.peers)

@@ -238,13 +238,19 @@ impl ShmBackend {
             None => Ok(()),
         }
     }
+    /// This rank's doorbell as it stands: a [`Self::nap`] from this value
+    /// returns at once if a peer rang it since.
+    pub(crate) fn doorbell(&self) -> u32 {
+        self.control(self.rank).doorbell.value.load(Ordering::SeqCst)
+    }
+
     /// Sleep on this rank's doorbell unless `ready()`, for at most `NAP`
-    /// (and not past `deadline`). Peers ring it after writing to this rank
-    /// (`wake`), and the first to see its `sleeping` flag takes it down and
-    /// wakes it.
-    pub(crate) fn nap(&self, now: Instant, deadline: Instant, ready: &dyn Fn() -> bool) {
+    /// (and not past `deadline`), and not at all if it was rung since it
+    /// read `seen` ([`Self::doorbell`]). Peers ring it after writing to
+    /// this rank (`wake`), and the first to see its `sleeping` flag takes it
+    /// down and wakes it.
+    pub(crate) fn nap(&self, seen: u32, now: Instant, deadline: Instant, ready: &dyn Fn() -> bool) {
         let ctl = self.control(self.rank);
-        let seen = ctl.doorbell.value.load(Ordering::SeqCst);
         ctl.sleeping.store(1, Ordering::SeqCst);
         // With the writer's SeqCst store then SeqCst load of this flag
         // (`wake_sleepers`), or `wake`'s read-modify-write: either the

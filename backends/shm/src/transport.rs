@@ -199,7 +199,7 @@ impl Waiter for ShmBackend {
                 std::thread::yield_now();
                 continue;
             }
-            self.nap(now, deadline, ready);
+            self.nap(self.doorbell(), now, deadline, ready);
             now = Instant::now();
             // A peer that published and then left (closed, or died) has
             // still done its part.
