@@ -192,7 +192,9 @@ impl ShmBackend {
     /// Ring rank `r`'s doorbell, and wake it if it naps. The waker that
     /// finds the flag up takes it down, so of the ranks (or the many
     /// sends) that ring one napping rank before it runs again, one makes
-    /// the system call: the rest would find nobody on the futex.
+    /// the system call: the rest would find nobody on the futex. Every
+    /// wake counts, napping or not: a rank that read its doorbell before
+    /// its last look (the drive loop) must find it changed.
     pub(crate) fn wake(&self, r: usize) {
         let c = self.control(r);
         c.doorbell.value.fetch_add(1, Ordering::SeqCst);
