@@ -61,7 +61,7 @@ impl ShmBackend {
             if !self.ring(self.rank, peer).write_whole(&header[..len], data) {
                 break;
             }
-            self.wake(peer);
+            self.notify(peer);
             sent |= 1 << i;
         }
         sent

@@ -444,7 +444,7 @@ impl ShmBackend {
             }
             if st.sent != before {
                 moved = true;
-                self.wake(peer);
+                self.notify(peer);
             }
             if inline && st.sent == plen + out.len() {
                 done[i] = true;

@@ -11,6 +11,7 @@ mod fastbox;
 #[cfg(feature = "fuzzing")]
 pub mod fuzzing;
 mod liveness;
+mod membarrier;
 mod posted;
 mod ring;
 mod segment;

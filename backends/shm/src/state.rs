@@ -40,6 +40,8 @@ pub(crate) const TURNS_PER_CLOCK: u32 = 8;
 pub(crate) const CMA_SPIN: Duration = Duration::from_millis(2);
 /// Sleep at most this long before re-checking peers' liveness.
 pub(crate) const NAP: Duration = Duration::from_millis(20);
+/// A nap's bound when a notice may have been missed (see `nap`).
+const SHORT_NAP: Duration = Duration::from_micros(200);
 
 /// Per-rank control block in the segment.
 #[repr(C, align(64))]
@@ -102,6 +104,9 @@ pub struct ShmBackend {
     /// More ranks than cores: a waiting rank yields at once instead of
     /// spinning, since the peer it waits for may need its core.
     pub(crate) oversubscribed: bool,
+    /// This process passes the barrier a napping rank asks for
+    /// (`membarrier.rs`): its sends tell their peers without a fence.
+    fence_free: bool,
     /// One core's L2 cache, in bytes (`exchange.rs` pushes messages that fit).
     pub(crate) l2: usize,
     /// Whether the peers' processes live (zombies and reused pids included).
@@ -147,6 +152,7 @@ impl ShmBackend {
             cma: std::sync::atomic::AtomicBool::new(cma.is_some()),
             single_copy: cma.unwrap_or(crate::cma::Policy::FAST),
             oversubscribed,
+            fence_free: crate::membarrier::register(),
             l2: crate::cores::l2_bytes(),
             liveness: crate::liveness::Liveness::new(size),
             me: std::sync::Weak::new(),
@@ -187,6 +193,20 @@ impl ShmBackend {
         // SAFETY: the cells follow the control blocks, one per ordered pair,
         // 64-byte aligned, touched only through atomics.
         unsafe { &*(self.seg.base().add(self.size * std::mem::size_of::<Control>()) as *const Cell).add(src * self.size + dst) }
+    }
+
+    /// Tell rank `r` that its ring from this rank has more bytes: `wake` it
+    /// if it naps. Registered for asymmetric barriers, this rank only reads
+    /// its flag, with no fence and no write to its line: a napping rank
+    /// passes every registered process through a barrier before it looks
+    /// at its rings (`nap`), so either that look finds these bytes or this
+    /// read finds the flag. (Such a notice does not count on the doorbell:
+    /// it serves only what the nap's own look covers, incoming bytes.)
+    pub(crate) fn notify(&self, r: usize) {
+        if self.fence_free && self.control(r).sleeping.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        self.wake(r);
     }
 
     /// Ring rank `r`'s doorbell, and wake it if it naps. The waker that
@@ -258,8 +278,12 @@ impl ShmBackend {
         // (`wake_sleepers`), or `wake`'s read-modify-write: either the
         // writer sees this flag, or `ready()` sees its write.
         fence(Ordering::SeqCst);
+        // And a barrier on every registered rank's processor, for those
+        // that `notify` without one. Where the call fails although the
+        // kernel offers it (some rank may rely on it), nap briefly.
+        let nap = if crate::membarrier::global() || !crate::membarrier::supported() { NAP } else { SHORT_NAP };
         if !ready() {
-            let _ = ctl.doorbell.wait_for(seen, NAP.min(deadline.saturating_duration_since(now)));
+            let _ = ctl.doorbell.wait_for(seen, nap.min(deadline.saturating_duration_since(now)));
         }
         ctl.sleeping.store(0, Ordering::SeqCst);
     }
