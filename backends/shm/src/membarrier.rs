@@ -24,7 +24,7 @@ fn call(cmd: libc::c_int) -> libc::c_long {
 
 /// Whether this kernel offers the barrier (a process anywhere on the host
 /// may have registered for it).
-pub(crate) fn supported() -> bool {
+fn supported() -> bool {
     static SUPPORTED: OnceLock<bool> = OnceLock::new();
     *SUPPORTED.get_or_init(|| {
         let commands = call(QUERY);

@@ -52,6 +52,9 @@ pub struct Control {
     pub(crate) sleeping: AtomicU32,
     /// After an abort: 1 + the rank this rank blames (0: itself).
     pub(crate) blame: AtomicU32,
+    /// 1 if this rank's sends notify without a fence (`notify`): a rank
+    /// that cannot ask for the barrier then naps only briefly.
+    pub(crate) fence_free: AtomicU32,
 }
 
 /// Shared memory a group may use for its rings, at most. The segment is
@@ -165,6 +168,7 @@ impl ShmBackend {
                 b.seg.prefault(ctl + i * footprint(cap), footprint(cap));
             }
         }
+        b.control(rank).fence_free.store(b.fence_free as u32, Ordering::Release);
         b.control(rank).pid.store(std::process::id(), Ordering::Release);
         b
     }
@@ -279,9 +283,10 @@ impl ShmBackend {
         // writer sees this flag, or `ready()` sees its write.
         fence(Ordering::SeqCst);
         // And a barrier on every registered rank's processor, for those
-        // that `notify` without one. Where the call fails although the
-        // kernel offers it (some rank may rely on it), nap briefly.
-        let nap = if crate::membarrier::global() || !crate::membarrier::supported() { NAP } else { SHORT_NAP };
+        // that `notify` without one. Where the call fails and some peer
+        // relies on it, nap briefly.
+        let relied_on = || (0..self.size).any(|p| p != self.rank && self.control(p).fence_free.load(Ordering::Acquire) != 0);
+        let nap = if crate::membarrier::global() || !relied_on() { NAP } else { SHORT_NAP };
         if !ready() {
             let _ = ctl.doorbell.wait_for(seen, nap.min(deadline.saturating_duration_since(now)));
         }
