@@ -475,8 +475,9 @@ pub trait Collectives<'t>: sealed::Sealed {
             if let Some(w) = turn.fast(FastOp::AllToAll { inputs, outputs }) {
                 return Ok(w);
             }
-            let inputs = input.split(&part()).map_err(|e| e.with_op(c.name))?;
-            let outputs = output.split_mut(&part()).map_err(|e| e.with_op(c.name))?;
+            let part = part();
+            let inputs = input.split(&part).map_err(|e| e.with_op(c.name))?;
+            let outputs = output.split_mut(&part).map_err(|e| e.with_op(c.name))?;
             return turn.job(Op::AllToAll { outputs, inputs }, opts);
         }
         let part = part();
@@ -613,6 +614,8 @@ fn root_list<T>(c: &Check, root: usize, what: &str, list: Vec<T>) -> Result<Vec<
     Ok(list)
 }
 
+/// `ops` as one job (batch_p2p's, and sendrecv's where no lane takes it):
+/// each peer and tag checked, all tensors on one device.
 fn batch_job<'t, G: Collectives<'t> + ?Sized>(
     g: &G,
     c: Check,
