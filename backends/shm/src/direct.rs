@@ -94,7 +94,7 @@ impl ShmBackend {
                     ring.skip(HEADER);
                     let n = ring.read(buf);
                     debug_assert_eq!(n, buf.len(), "checked available above");
-                    self.wake(peer);
+                    self.notify(peer);
                     return true;
                 }
             }

@@ -266,12 +266,14 @@ impl ShmBackend {
         let mut turns: u32 = 0;
         let mut unclocked: u32 = 0;
         let mut busy: SmallVec<[bool; 16]> = smallvec![false; w];
+        // `full[p]`: the last turn's send to rank p found its ring full.
+        let mut full: SmallVec<[bool; 16]> = smallvec![false; w];
         loop {
             let mut moved = false;
             let mut step = || -> Result<()> {
                 self.check_failed()?;
                 moved |= posting.take(|post| self.absorb(eng, post, posting))?;
-                moved |= self.pass(eng, &mut busy)?;
+                moved |= self.pass(eng, &mut busy, &mut full)?;
                 // (Also after nothing moved: a receive served early
                 // finishes its batch at once.)
                 Self::settle(eng, posting);
@@ -354,9 +356,9 @@ impl ShmBackend {
                 continue;
             }
             // Read the doorbell, then take one more turn before sleeping: a
-            // peer's ring from here on (room in a ring this rank had filled,
-            // a single-copy step: what `ready` below does not look for)
-            // ends the nap at once, and one before it, that turn sees.
+            // peer's ring from here on (for a step `ready` below does not
+            // look for) ends the nap at once, and one before it, that turn
+            // sees.
             let Some(seen) = armed.take() else {
                 armed = Some(self.doorbell());
                 continue;
@@ -367,6 +369,7 @@ impl ShmBackend {
             self.nap(seen, now, deadline, &|| {
                 posting.has_new()
                     || (0..w).any(|p| p != me && self.ring(p, me).available() > 0 && !eng.peers[p].holds())
+                    || (0..w).any(|p| full[p] && self.ring(me, p).has_room())
                     || self.single_copy_moved(&eng.table, &eng.peers)
             });
             // The next idle turn reads the clock.
@@ -377,12 +380,13 @@ impl ShmBackend {
     /// One turn over every posted op: the first unfinished send to each
     /// peer streams into its ring, then every incoming ring is drained into
     /// the matching receives. True if anything moved.
-    fn pass(&self, eng: &mut Engine, busy: &mut [bool]) -> Result<bool> {
+    fn pass(&self, eng: &mut Engine, busy: &mut [bool], full: &mut [bool]) -> Result<bool> {
         let me = self.rank;
         let mut moved = false;
         let Engine { peers: incoming, table } = eng;
         let Table { ops, done, gathered, state, .. } = table;
         busy.fill(false);
+        full.fill(false);
         // Help copy single-copy sends only with nothing left to receive:
         // while receiving, this core is busy pulling already.
         let nothing_to_receive = ops.iter().zip(done.iter()).all(|(op, d)| *d || matches!(op, P2p::Send { .. }));
@@ -406,7 +410,9 @@ impl ShmBackend {
             };
             let before = st.sent;
             if st.sent < plen {
-                st.sent += ring.write(&prefix[st.sent..plen]);
+                let n = ring.write(&prefix[st.sent..plen]);
+                full[peer] = n < plen - st.sent;
+                st.sent += n;
             }
             let mut inline = st.offer.is_none();
             if let (Some(cma::Offer { seq, pushes, .. }), true) = (st.offer, st.sent >= plen) {
@@ -437,10 +443,12 @@ impl ShmBackend {
             }
             if inline && st.sent >= plen {
                 let from = st.sent - plen;
-                st.sent += match out {
+                let n = match out {
                     Out::Bytes(data) => ring.write(&data[from..]),
                     Out::Gathered(g) => ring.write_with(g.len() - from, |at, piece| g.fill(from + at, piece)),
                 };
+                full[peer] = n < out.len() - from;
+                st.sent += n;
             }
             if st.sent != before {
                 moved = true;
@@ -455,7 +463,7 @@ impl ShmBackend {
         for peer in (0..self.size).filter(|p| *p != me) {
             if self.drain(peer, table, incoming)? {
                 moved = true;
-                self.wake(peer);
+                self.notify(peer);
             }
         }
         Ok(moved)

@@ -262,6 +262,12 @@ impl<B: Bytes> Ring<B> {
         true
     }
 
+    /// Producer: whether the consumer has left room for at least a byte
+    /// (the shared head is read again if the last reading showed none).
+    pub fn has_room(&self) -> bool {
+        self.free(self.my_tail.load(Ordering::Relaxed), 1) > 0
+    }
+
     /// Free bytes for `want` more, the producer's `tail` given: from the
     /// last reading of the consumer's head while that shows room for them.
     fn free(&self, tail: u64, want: usize) -> usize {

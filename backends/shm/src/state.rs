@@ -13,7 +13,7 @@ use crate::posted::Engine;
 use crate::ring::{footprint, Ring};
 use crate::segment::Segment;
 use linux_futex::{Futex, Shared};
-use std::sync::atomic::{fence, AtomicU32, Ordering};
+use std::sync::atomic::{compiler_fence, fence, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use weft::progress::{DriverLock, Posting};
@@ -199,14 +199,19 @@ impl ShmBackend {
         unsafe { &*(self.seg.base().add(self.size * std::mem::size_of::<Control>()) as *const Cell).add(src * self.size + dst) }
     }
 
-    /// Tell rank `r` that its ring from this rank has more bytes: `wake` it
-    /// if it naps. Registered for asymmetric barriers, this rank only reads
-    /// its flag, with no fence and no write to its line: a napping rank
-    /// passes every registered process through a barrier before it looks
-    /// at its rings (`nap`), so either that look finds these bytes or this
-    /// read finds the flag. (Such a notice does not count on the doorbell:
-    /// it serves only what the nap's own look covers, incoming bytes.)
+    /// Tell rank `r` that its ring from this rank has more bytes, or that
+    /// its ring to this rank has more room: `wake` it if it naps.
+    /// Registered for asymmetric barriers, this rank only reads its flag,
+    /// with no fence and no write to its line: a napping rank passes every
+    /// registered process through a barrier before it looks at its rings
+    /// (`nap`), so either that look finds these bytes (or this room) or
+    /// this read finds the flag. (Such a notice does not count on the
+    /// doorbell: it serves only what the drive loop's last look covers,
+    /// incoming bytes and room in a ring its sends had filled.)
     pub(crate) fn notify(&self, r: usize) {
+        // (No instruction: only the compiler may not read the flag before
+        // the ring's stores above, which the barrier pattern needs.)
+        compiler_fence(Ordering::SeqCst);
         if self.fence_free && self.control(r).sleeping.load(Ordering::Relaxed) == 0 {
             return;
         }
