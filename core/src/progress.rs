@@ -446,13 +446,18 @@ impl Posting {
     }
 
     /// Tell waiting threads that a batch finished or the driver left.
+    #[inline]
     pub fn notify(&self) {
         // With the sleeper's SeqCst increment before it reads the count
         // under the lock: either this sees the sleeper, or the sleeper sees
         // what finished before it sleeps.
-        if self.sleepers.load(Ordering::SeqCst) == 0 {
-            return;
+        if self.sleepers.load(Ordering::SeqCst) != 0 {
+            self.notify_sleepers();
         }
+    }
+
+    #[cold]
+    fn notify_sleepers(&self) {
         let mut n = self.changes.lock().unwrap_or_else(|p| p.into_inner());
         *n += 1;
         self.changed.notify_all();
@@ -534,7 +539,7 @@ impl Slot {
 /// thread does. Waiters wake when a batch finishes (the driver calls
 /// [`Posting::notify`] after [`Table::settle`] finished any) or the driver
 /// leaves, and at least every few milliseconds.
-pub fn wait_until(engine: &dyn Engine, until: &dyn Fn() -> bool) {
+pub fn wait_until<E: Engine + ?Sized>(engine: &E, until: &dyn Fn() -> bool) {
     let posting = engine.posting();
     loop {
         if until() {
@@ -566,7 +571,12 @@ pub fn wait_until(engine: &dyn Engine, until: &dyn Fn() -> bool) {
 
 /// Post `ops` (and `gathered` sends) and return once they have finished:
 /// what a transport's blocking `exchange` is, over its [`Engine`].
-pub fn exchange(engine: &dyn Engine, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: &Deadline) -> Result<()> {
+///
+/// Generic, so that a transport's own engine is called directly (an 8 B
+/// send or receive is a few hundred instructions, and the layers were a
+/// good part of them); `&dyn Engine` works as well.
+#[inline]
+pub fn exchange<E: Engine + ?Sized>(engine: &E, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: &Deadline) -> Result<()> {
     // Usually nobody else drives: no posting, no completion to allocate.
     let tried = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.try_exchange(ops, gathered, deadline)));
     match tried {
@@ -581,6 +591,13 @@ pub fn exchange(engine: &dyn Engine, ops: &mut [P2p<'_>], gathered: &[GatherSend
             std::panic::resume_unwind(panic);
         }
     }
+    post_and_wait_on(engine, ops, gathered, deadline)
+}
+
+/// [`exchange`]'s path when another thread drives: post the batch and
+/// wait for it (out of line: the common path never takes it).
+#[cold]
+fn post_and_wait_on<E: Engine + ?Sized>(engine: &E, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: &Deadline) -> Result<()> {
     post_and_wait(
         ops,
         gathered,

@@ -67,13 +67,24 @@ pub(crate) fn plain_header(tag: u64, len: usize) -> ([u8; HEADER + cma::DESCRIPT
     (p, HEADER)
 }
 
+#[cold]
+fn bad_peer(p: usize) -> Error {
+    Error::invalid(format!("shm: bad peer rank {p}"))
+}
+
 impl ShmBackend {
     /// Why a batch cannot run: a bad peer rank (a receive may name any).
+    #[inline]
     fn refuse<'o>(&self, ops: impl Iterator<Item = &'o P2p<'o>>, gathered: &[GatherSend<'_>]) -> Option<Error> {
         let bad = |p: usize| p >= self.size || p == self.rank;
-        let mut peers =
-            ops.filter(|op| !matches!(op, P2p::Recv { peer: ANY_SOURCE, .. })).map(P2p::peer).chain(gathered.iter().map(|g| g.peer));
-        peers.find(|&p| bad(p)).map(|p| Error::invalid(format!("shm: bad peer rank {p}")))
+        for op in ops {
+            match *op {
+                P2p::Recv { peer: ANY_SOURCE, .. } => {}
+                ref op if bad(op.peer()) => return Some(bad_peer(op.peer())),
+                _ => {}
+            }
+        }
+        gathered.iter().map(|g| g.peer).find(|&p| bad(p)).map(bad_peer)
     }
 
     /// Take a posted batch into the table; a batch naming a bad peer fails

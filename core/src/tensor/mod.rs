@@ -63,6 +63,16 @@ impl Shape {
     }
 }
 
+/// Why a view's bytes cannot be handed to a host transport (out of line:
+/// every op checks, and almost none fails).
+#[cold]
+fn not_host_bytes(device: Device, shape: &Shape) -> Error {
+    if device != Device::Cpu {
+        return Error::unsupported(format!("tensor on {device} is not host memory"));
+    }
+    Error::invalid(format!("tensor with dims {:?} strides {:?} is not contiguous", shape.dims, shape.strides))
+}
+
 macro_rules! view_common {
     ($t:ident) => {
         impl<'a> $t<'a> {
@@ -118,6 +128,7 @@ macro_rules! view_common {
                 Ok(self)
             }
             /// Host bytes of a contiguous CPU view, or an error naming why not.
+            #[inline]
             pub fn host_bytes(&self) -> Result<&[u8]> {
                 self.check_host()?;
                 // SAFETY: the constructors guarantee `ptr` is valid for
@@ -125,15 +136,10 @@ macro_rules! view_common {
                 // the caller's contract); the view is contiguous host memory.
                 Ok(unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.nbytes()) })
             }
+            #[inline]
             fn check_host(&self) -> Result<()> {
-                if self.device != Device::Cpu {
-                    return Err(Error::unsupported(format!("tensor on {} is not host memory", self.device)));
-                }
-                if !self.is_contiguous() {
-                    return Err(Error::invalid(format!(
-                        "tensor with dims {:?} strides {:?} is not contiguous",
-                        self.shape.dims, self.shape.strides
-                    )));
+                if self.device != Device::Cpu || !self.is_contiguous() {
+                    return Err(not_host_bytes(self.device, &self.shape));
                 }
                 Ok(())
             }
@@ -270,6 +276,7 @@ impl<'a> TensorMut<'a> {
     }
 
     /// Mutable host bytes of a contiguous CPU view.
+    #[inline]
     pub fn host_bytes_mut(&mut self) -> Result<&mut [u8]> {
         self.check_host()?;
         // SAFETY: as for `host_bytes`, and `&mut self` makes the access unique.
