@@ -22,9 +22,9 @@ impl ShmBackend {
     /// most 64 ops): its sends that fit go at once, then a lone receive
     /// left may be read at once; the table runs what is left.
     pub(crate) fn exchange_direct(&self, eng: &mut Engine, posting: &Posting, ops: &mut [P2p<'_>], deadline: &Deadline) -> Result<()> {
-        let sent = self.sends_at_once(eng, ops);
+        let (sent, count) = self.sends_at_once(eng, ops);
         let unsent = |i: usize| sent & (1 << i) == 0;
-        let left = ops.len() - sent.count_ones() as usize;
+        let left = ops.len() - count;
         if left == 0 {
             return Ok(());
         }
@@ -48,10 +48,12 @@ impl ShmBackend {
     /// With nothing else posted, the batch's sends whose whole frames fit
     /// in their rings now, in order until one does not, written at once
     /// (nothing of this rank's can be queued before them): which went, a
-    /// bit per op (at most 64). One that goes single-copy, or does not
-    /// fit, stops them, and the table runs the rest.
-    fn sends_at_once(&self, eng: &Engine, ops: &[P2p<'_>]) -> u64 {
-        let mut sent = 0;
+    /// bit per op (at most 64), and how many (counted here: without a
+    /// `popcnt` in the baseline instruction set, counting the bits after
+    /// was a score of instructions per op). One that goes single-copy, or
+    /// does not fit, stops them, and the table runs the rest.
+    fn sends_at_once(&self, eng: &Engine, ops: &[P2p<'_>]) -> (u64, usize) {
+        let (mut sent, mut count) = (0, 0);
         for (i, op) in ops.iter().enumerate() {
             let P2p::Send { peer, tag, data } = *op else { continue };
             if self.offers(data.len(), tag, &eng.peers[peer], false) {
@@ -63,8 +65,9 @@ impl ShmBackend {
             }
             self.notify(peer);
             sent |= 1 << i;
+            count += 1;
         }
-        sent
+        (sent, count)
     }
 
     /// A lone receive from `peer` with nothing else posted, when the
