@@ -32,7 +32,7 @@ impl Backend for FastRecorder {
     fn abort(&self, reason: &weft::Error) {
         self.0.abort(reason)
     }
-    fn fast_op(&self, op: FastOp<'_>, _deadline: &Deadline) -> FastOutcome {
+    fn fast_op(&self, op: &mut FastOp<'_>, _deadline: &Deadline) -> FastOutcome {
         OFFERS.fetch_add(1, Ordering::SeqCst);
         match op {
             FastOp::AllToAll { .. } => FastOutcome::Generic,

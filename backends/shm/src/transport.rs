@@ -68,18 +68,18 @@ impl Backend for ShmBackend {
                 Ok(_) => None,
             };
         }
-        Some(fast_op_of(op).and_then(|op| self.run_fast(op, &ctx.deadline)))
+        Some(fast_op_of(op).and_then(|mut op| self.run_fast(&mut op, &ctx.deadline)))
     }
 
     /// What `native_op` runs through the fast path, as core hands it over
     /// directly: the same ops and sizes.
-    fn fast_op(&self, op: FastOp<'_>, deadline: &Deadline) -> FastOutcome {
+    fn fast_op(&self, op: &mut FastOp<'_>, deadline: &Deadline) -> FastOutcome {
         let len = match op {
-            FastOp::AllReduce { ref buf, .. } | FastOp::Broadcast { ref buf, .. } => buf.len(),
-            FastOp::AllGather { ref outputs, .. } => outputs.iter().map(|o| o.len()).sum(),
-            FastOp::ReduceScatter { ref inputs, .. } => inputs.iter().map(|i| i.len()).sum(),
+            FastOp::AllReduce { buf, .. } | FastOp::Broadcast { buf, .. } => buf.len(),
+            FastOp::AllGather { outputs, .. } => outputs.iter().map(|o| o.len()).sum(),
+            FastOp::ReduceScatter { inputs, .. } => inputs.iter().map(|i| i.len()).sum(),
             FastOp::Barrier => 0,
-            FastOp::AllToAll { inputs, mut outputs } => return self.fast_all_to_all(&inputs, &mut outputs, deadline),
+            FastOp::AllToAll { inputs, outputs } => return self.fast_all_to_all(inputs, outputs, deadline),
             _ => return FastOutcome::Declined,
         };
         if len > FASTBOX_BYTES {
@@ -258,13 +258,13 @@ fn fast_op_of<'a>(op: &'a mut Op<'_>) -> Result<FastOp<'a>> {
 
 impl ShmBackend {
     /// Run a fast-path op, `native_op`'s or core's (`fast_op`).
-    fn run_fast(&self, op: FastOp<'_>, d: &Deadline) -> Result<()> {
+    fn run_fast(&self, op: &mut FastOp<'_>, d: &Deadline) -> Result<()> {
         let fb = &self.fast;
         let r = self.check_failed().and_then(|()| match op {
-            FastOp::AllReduce { buf, dtype, op } => fb.all_reduce(self, buf, dtype, op, d),
-            FastOp::Broadcast { buf, root } => fb.broadcast(self, buf, root, d),
-            FastOp::AllGather { input, mut outputs } => fb.all_gather(self, input, &mut outputs, d),
-            FastOp::ReduceScatter { inputs, output, dtype, op } => fb.reduce_scatter(self, &inputs, output, dtype, op, d),
+            FastOp::AllReduce { buf, dtype, op } => fb.all_reduce(self, buf, *dtype, *op, d),
+            FastOp::Broadcast { buf, root } => fb.broadcast(self, buf, *root, d),
+            FastOp::AllGather { input, outputs } => fb.all_gather(self, input, outputs, d),
+            FastOp::ReduceScatter { inputs, output, dtype, op } => fb.reduce_scatter(self, inputs, output, *dtype, *op, d),
             // (Every rank computed `oversubscribed` from the same data.)
             FastOp::Barrier if self.oversubscribed => fb.barrier_from_zero(self, d),
             FastOp::Barrier => fb.barrier(self, d),

@@ -119,11 +119,12 @@ impl FastTurn<'_> {
     /// Offer the op (`op`, its bytes) to the transport's fast path: its
     /// outcome as a finished [`Work`], or `None` if the op is left to
     /// [`FastTurn::job`] (declined, or handed back to core's algorithm).
-    pub fn fast<'t>(&mut self, op: FastOp<'_>) -> Option<Work<'t>> {
+    #[inline]
+    pub fn fast<'t>(&mut self, mut op: FastOp<'_>) -> Option<Work<'t>> {
         let FastLane { core, backend, name, .. } = self.lane;
         let deadline = Deadline::after(self.timeout);
         let mut left = None;
-        let result = core.guarded(name, || match backend.fast_op(op, &deadline) {
+        let result = core.guarded(name, || match backend.fast_op(&mut op, &deadline) {
             FastOutcome::Done(r) => r,
             outcome => {
                 left = Some(outcome);
