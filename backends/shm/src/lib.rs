@@ -12,6 +12,7 @@ mod fastbox;
 pub mod fuzzing;
 mod liveness;
 mod membarrier;
+mod nappers;
 mod posted;
 mod ring;
 mod segment;

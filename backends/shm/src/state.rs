@@ -9,6 +9,7 @@
 
 use crate::cma::Cell;
 use crate::fastbox::Fastbox;
+use crate::nappers::Nappers;
 use crate::posted::Engine;
 use crate::ring::{footprint, Ring};
 use crate::segment::Segment;
@@ -49,7 +50,7 @@ pub struct Control {
     pub(crate) pid: AtomicU32,
     pub(crate) state: AtomicU32,
     pub(crate) doorbell: Futex<Shared>,
-    pub(crate) sleeping: AtomicU32,
+    pub(crate) sleeping: Nappers,
     /// After an abort: 1 + the rank this rank blames (0: itself).
     pub(crate) blame: AtomicU32,
     /// 1 if this rank's sends notify without a fence (`notify`): a rank
@@ -212,25 +213,24 @@ impl ShmBackend {
         // (No instruction: only the compiler may not read the flag before
         // the ring's stores above, which the barrier pattern needs.)
         compiler_fence(Ordering::SeqCst);
-        if self.fence_free && self.control(r).sleeping.load(Ordering::Relaxed) == 0 {
+        if self.fence_free && !self.control(r).sleeping.armed(Ordering::Relaxed) {
             return;
         }
         self.wake(r);
     }
 
     /// Ring rank `r`'s doorbell, and wake it if it naps. The waker that
-    /// finds the flag up takes it down, so of the ranks (or the many
-    /// sends) that ring one napping rank before it runs again, one makes
-    /// the system call: the rest would find nobody on the futex. Every
-    /// wake counts, napping or not: a rank that read its doorbell before
-    /// its last look (the drive loop) must find it changed.
+    /// finds it armed disarms it and wakes every thread napping there, so
+    /// of the ranks (or the many sends) that ring one napping rank before
+    /// it runs again, one makes the system call: the rest would find
+    /// nobody on the futex (see `nappers`). Every wake counts, napping or
+    /// not: a rank that read its doorbell before its last look (the drive
+    /// loop) must find it changed.
     pub(crate) fn wake(&self, r: usize) {
         let c = self.control(r);
         c.doorbell.value.fetch_add(1, Ordering::SeqCst);
-        // (A plain load first: most wakes find nobody napping, and a swap
-        // would take the line from the owner each time.)
-        if c.sleeping.load(Ordering::SeqCst) != 0 && c.sleeping.swap(0, Ordering::SeqCst) != 0 {
-            c.doorbell.wake(1);
+        if c.sleeping.disarm() {
+            c.doorbell.wake(i32::MAX);
         }
     }
 
@@ -278,14 +278,14 @@ impl ShmBackend {
     /// Sleep on this rank's doorbell unless `ready()`, for at most `NAP`
     /// (and not past `deadline`), and not at all if it was rung since it
     /// read `seen` ([`Self::doorbell`]). Peers ring it after writing to
-    /// this rank (`wake`), and the first to see its `sleeping` flag takes it
-    /// down and wakes it.
+    /// this rank (`wake`), and the first to find it armed wakes every
+    /// thread napping there.
     pub(crate) fn nap(&self, seen: u32, now: Instant, deadline: Instant, ready: &dyn Fn() -> bool) {
         let ctl = self.control(self.rank);
-        ctl.sleeping.store(1, Ordering::SeqCst);
-        // With the writer's SeqCst store then SeqCst load of this flag
+        ctl.sleeping.enter();
+        // With the writer's SeqCst store then SeqCst load of this word
         // (`wake_sleepers`), or `wake`'s read-modify-write: either the
-        // writer sees this flag, or `ready()` sees its write.
+        // writer sees it armed, or `ready()` sees its write.
         fence(Ordering::SeqCst);
         // And a barrier on every registered rank's processor, for those
         // that `notify` without one. Where the call fails and some peer
@@ -295,7 +295,7 @@ impl ShmBackend {
         if !ready() {
             let _ = ctl.doorbell.wait_for(seen, nap.min(deadline.saturating_duration_since(now)));
         }
-        ctl.sleeping.store(0, Ordering::SeqCst);
+        ctl.sleeping.leave();
     }
 }
 

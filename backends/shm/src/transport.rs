@@ -216,7 +216,7 @@ impl Waiter for ShmBackend {
     /// sleeper's flag and fence (see `nap`).
     fn wake_sleepers(&self) {
         for p in (0..self.size).filter(|p| *p != self.rank) {
-            if self.control(p).sleeping.load(Ordering::SeqCst) != 0 {
+            if self.control(p).sleeping.armed(Ordering::SeqCst) {
                 self.wake(p);
             }
         }
