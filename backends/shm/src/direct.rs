@@ -10,6 +10,7 @@
 
 use crate::exchange::plain_header;
 use crate::posted::{Engine, HEADER};
+use crate::ring::Whole;
 use crate::state::{ShmBackend, PURE_SPINS, SPIN, TURNS_PER_CLOCK};
 use smallvec::SmallVec;
 use std::time::Instant;
@@ -85,21 +86,17 @@ impl ShmBackend {
             return false;
         }
         let ring = self.ring(peer, self.rank);
-        let expected = plain_header(tag, buf.len()).0;
-        let mut header = [0u8; HEADER];
+        let (frame, _) = plain_header(tag, buf.len());
+        let expected: &[u8; HEADER] = frame[..HEADER].try_into().expect("a plain header");
         let mut since = None;
         for turn in 0u32.. {
-            if ring.peek(&mut header) == HEADER {
-                if header != expected[..HEADER] {
-                    return false;
-                }
-                if ring.available() >= HEADER + buf.len() {
-                    ring.skip(HEADER);
-                    let n = ring.read(buf);
-                    debug_assert_eq!(n, buf.len(), "checked available above");
+            match ring.read_whole(expected, buf) {
+                Whole::Read => {
                     self.notify(peer);
                     return true;
                 }
+                Whole::Other => return false,
+                Whole::NotYet => {}
             }
             if posting.has_new() {
                 return false;

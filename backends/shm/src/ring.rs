@@ -338,28 +338,72 @@ impl<B: Bytes> Ring<B> {
     pub fn peek(&self, dst: &mut [u8]) -> usize {
         let head = self.my_head.load(Ordering::Relaxed);
         let n = dst.len().min((self.known_tail(head, dst.len()) - head) as usize);
-        let at = self.offset(head);
-        let first = n.min(self.cap - at);
+        self.copy_out(head, &mut dst[..n]);
+        n
+    }
+
+    /// Consumer: if the next bytes are `first` and `then.len()` more, read
+    /// them all, the latter into `then`, with one reading of the tail and
+    /// one store of the head (a small frame: its header and its payload).
+    pub fn read_whole<const N: usize>(&self, first: &[u8; N], then: &mut [u8]) -> Whole {
+        let head = self.my_head.load(Ordering::Relaxed);
+        let len = N + then.len();
+        let there = (self.known_tail(head, len) - head) as usize;
+        if there < N {
+            return Whole::NotYet;
+        }
+        let mut next = [0u8; N];
+        self.copy_out(head, &mut next);
+        if next != *first {
+            return Whole::Other;
+        }
+        if there < len {
+            return Whole::NotYet;
+        }
+        self.copy_out(head + N as u64, then);
+        self.hand_back(head + len as u64);
+        Whole::Read
+    }
+
+    /// Consumer: copy the `dst.len()` bytes from `from` on, which the
+    /// producer has published.
+    fn copy_out(&self, from: u64, dst: &mut [u8]) {
+        let at = self.offset(from);
+        let first = dst.len().min(self.cap - at);
         // SAFETY: these bytes were published by the producer (acquire when
         // the tail was read) and stay untouched until `head` moves past them.
         unsafe {
             self.data.get(at, &mut dst[..first]);
-            if n > first {
-                self.data.get(0, &mut dst[first..n]);
+            if dst.len() > first {
+                self.data.get(0, &mut dst[first..]);
             }
         }
-        n
     }
 
     /// Consumer: hand `n` bytes back to the producer (at most those
     /// waiting).
     pub fn skip(&self, n: usize) {
         if n > 0 {
-            let head = self.my_head.load(Ordering::Relaxed) + n as u64;
-            self.my_head.store(head, Ordering::Relaxed);
-            self.head().store(head, Ordering::Release);
+            self.hand_back(self.my_head.load(Ordering::Relaxed) + n as u64);
         }
     }
+
+    /// Consumer: the bytes before `head` are read.
+    fn hand_back(&self, head: u64) {
+        self.my_head.store(head, Ordering::Relaxed);
+        self.head().store(head, Ordering::Release);
+    }
+}
+
+/// What [`Ring::read_whole`] found next in the ring.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Whole {
+    /// The bytes asked for, now read.
+    Read,
+    /// Other bytes (nothing was read).
+    Other,
+    /// Not all of them yet (nothing was read).
+    NotYet,
 }
 
 #[cfg(all(test, not(loom)))]
@@ -387,6 +431,28 @@ mod tests {
             assert_eq!(&dst[1..1 + n], &src[1..1 + n], "{n} bytes");
             assert!(dst[0] == 0 && dst[1 + n..].iter().all(|&b| b == 0), "{n} bytes: a byte outside them moved");
         }
+    }
+
+    #[test]
+    fn read_whole_reads_only_the_frame_it_is_given() {
+        let mut mem = Vec::new();
+        let ring = ring_in(&mut mem, 64);
+        // Start two bytes before the buffer's end: the header wraps.
+        assert_eq!(ring.write(&[0; 62]), 62);
+        ring.skip(62);
+        let mut out = [0u8; 5];
+        assert_eq!(ring.read_whole(b"head", &mut out), Whole::NotYet, "empty");
+        assert_eq!(ring.write(b"hea"), 3);
+        assert_eq!(ring.read_whole(b"head", &mut out), Whole::NotYet, "part of the header");
+        assert_eq!(ring.write(b"dpay"), 4);
+        assert_eq!(ring.read_whole(b"heal", &mut out), Whole::Other, "another header");
+        assert_eq!(ring.read_whole(b"head", &mut out), Whole::NotYet, "part of the payload");
+        assert_eq!(ring.write(b"load+"), 5);
+        assert_eq!(ring.read_whole(b"head", &mut out), Whole::Read);
+        assert_eq!(&out, b"paylo");
+        let mut rest = [0u8; 8];
+        assert_eq!(ring.read(&mut rest), 3, "the bytes after the frame stay");
+        assert_eq!(&rest[..3], b"ad+");
     }
 
     /// Stream bytes 0..=255 through a 64-byte ring, each write offering at
