@@ -497,7 +497,9 @@ impl<B: Bytes> Fastbox<B> {
     fn publish(&self, waiter: &dyn Waiter, kind: Kind, len: usize, mine: &[u8], deadline: &Deadline) -> Result<(Round<'_, B>, u64)> {
         debug_assert!(mine.len() <= FASTBOX_BYTES);
         self.settle_owed(waiter, deadline)?;
-        let k = self.next.fetch_add(1, Ordering::Relaxed);
+        // (A load and a store, as `next_call`.)
+        let k = self.next.load(Ordering::Relaxed);
+        self.next.store(k + 1, Ordering::Relaxed);
         let call = self.next_call();
         let round = Round { fb: self, k };
         round.slot(self.rank).publish(k, kind.describe(len), call, mine);
