@@ -365,7 +365,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         let part = input.nbytes();
         if let Some(lane) = self.fast_lane(c.name, route, OpKind::AllGather, dtype, opts).filter(|_| part > 0) {
             let mut turn = lane.turn(opts);
-            let outputs = output.host_bytes_mut()?.chunks_mut(part).collect();
+            let outputs = output.host_bytes_mut()?.chunks_exact_mut(part).collect();
             if let Some(w) = turn.fast(FastOp::AllGather { input: input.host_bytes()?, outputs }) {
                 return Ok(w);
             }
@@ -421,7 +421,7 @@ pub trait Collectives<'t>: sealed::Sealed {
             // (The job's path checks it in `scatter_reduce_job`.)
             c.reduce_op(op, dtype)?;
             let mut turn = lane.turn(opts);
-            let inputs = input.host_bytes()?.chunks(part).collect();
+            let inputs = input.host_bytes()?.chunks_exact(part).collect();
             if let Some(w) = turn.fast(FastOp::ReduceScatter { inputs, output: output.host_bytes_mut()?, dtype, op }) {
                 return Ok(w);
             }
@@ -471,7 +471,8 @@ pub trait Collectives<'t>: sealed::Sealed {
         let part = || equal_parts(input.numel() / c.size, c.size);
         if let Some(lane) = self.fast_lane(c.name, route, OpKind::AllToAll, dtype, opts).filter(|_| bytes > 0) {
             let mut turn = lane.turn(opts);
-            let (inputs, outputs) = (input.host_bytes()?.chunks(bytes).collect(), output.host_bytes_mut()?.chunks_mut(bytes).collect());
+            let (inputs, outputs) =
+                (input.host_bytes()?.chunks_exact(bytes).collect(), output.host_bytes_mut()?.chunks_exact_mut(bytes).collect());
             if let Some(w) = turn.fast(FastOp::AllToAll { inputs, outputs }) {
                 return Ok(w);
             }

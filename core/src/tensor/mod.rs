@@ -342,6 +342,8 @@ impl<'a> From<TensorMut<'a>> for Tensor<'a> {
 
 fn make_shape(dims: &[usize], strides: Option<&[usize]>) -> Result<Shape> {
     let shape = match strides {
+        // (Most views are flat: no strides to compute.)
+        None if dims.len() == 1 => Shape::flat(dims[0]),
         None => Shape::contiguous(dims),
         Some(s) if s.len() == dims.len() => Shape::new(dims.into(), s.into()),
         Some(s) => return Err(Error::invalid(format!("{} strides given for {} dims", s.len(), dims.len()))),
