@@ -53,8 +53,9 @@ pub struct Control {
     pub(crate) sleeping: Nappers,
     /// After an abort: 1 + the rank this rank blames (0: itself).
     pub(crate) blame: AtomicU32,
-    /// 1 if this rank's sends notify without a fence (`notify`): a rank
-    /// that cannot ask for the barrier then naps only briefly.
+    /// 1 if this rank's sends and receives notify without a fence
+    /// (`notify`): a rank that cannot ask for the barrier then naps only
+    /// briefly.
     pub(crate) fence_free: AtomicU32,
 }
 
