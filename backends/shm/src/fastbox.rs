@@ -622,7 +622,7 @@ impl<B: Bytes> Fastbox<B> {
         with_scratch(inputs.iter().map(|i| i.len()).sum(), |mine| {
             let mut at = 0;
             for i in inputs {
-                mine[at..at + i.len()].copy_from_slice(i);
+                weft::kernels::copy(&mut mine[at..at + i.len()], i);
                 at += i.len();
             }
             prescale(mine, dtype, op);
@@ -686,7 +686,7 @@ impl<B: Bytes> Fastbox<B> {
             let mut at = table;
             for (p, i) in inputs.iter().enumerate() {
                 mine[4 * p..4 * p + 4].copy_from_slice(&(i.len() as u32).to_le_bytes());
-                mine[at..at + i.len()].copy_from_slice(i);
+                weft::kernels::copy(&mut mine[at..at + i.len()], i);
                 at += i.len();
             }
             self.round(waiter, Kind::AllToAll, total, mine, deadline)

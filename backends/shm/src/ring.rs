@@ -67,40 +67,17 @@ impl RawBytes {
     }
 }
 
-/// Copy `n` bytes from `src` to `dst` (which do not overlap): up to 16 in
-/// a few moves, in line (a frame's header, a small payload: most of the
-/// copies of a small send and receive), more through `memcpy`.
-///
-/// # Safety
-/// As `std::ptr::copy_nonoverlapping`.
-#[inline(always)]
-unsafe fn copy_bytes(src: *const u8, dst: *mut u8, n: usize) {
-    // SAFETY (every block): the caller's contract covers the `n` bytes at
-    // each pointer, and each move stays inside them (the two moves of a
-    // size overlap when `n` is between the sizes).
-    unsafe {
-        if (8..=16).contains(&n) {
-            let (a, b) = ((src as *const u64).read_unaligned(), (src.add(n - 8) as *const u64).read_unaligned());
-            (dst as *mut u64).write_unaligned(a);
-            (dst.add(n - 8) as *mut u64).write_unaligned(b);
-        } else if (4..8).contains(&n) {
-            let (a, b) = ((src as *const u32).read_unaligned(), (src.add(n - 4) as *const u32).read_unaligned());
-            (dst as *mut u32).write_unaligned(a);
-            (dst.add(n - 4) as *mut u32).write_unaligned(b);
-        } else {
-            std::ptr::copy_nonoverlapping(src, dst, n);
-        }
-    }
-}
-
 impl Bytes for RawBytes {
     unsafe fn put(&self, at: usize, src: &[u8]) {
-        // SAFETY: the caller's contract; `src` is local memory, not the ring.
-        unsafe { copy_bytes(src.as_ptr(), self.0.add(at), src.len()) }
+        // SAFETY: the caller's contract: inside the mapping, and owned by
+        // the producer (no one reads these bytes) until the call returns;
+        // `src` is local memory, not the ring.
+        weft::kernels::copy(unsafe { std::slice::from_raw_parts_mut(self.0.add(at), src.len()) }, src)
     }
     unsafe fn get(&self, at: usize, dst: &mut [u8]) {
-        // SAFETY: as above.
-        unsafe { copy_bytes(self.0.add(at), dst.as_mut_ptr(), dst.len()) }
+        // SAFETY: the caller's contract: inside the mapping, and no one
+        // writes these bytes until the call returns.
+        weft::kernels::copy(dst, unsafe { std::slice::from_raw_parts(self.0.add(at), dst.len()) })
     }
     unsafe fn read_with<R>(&self, at: usize, len: usize, f: impl FnOnce(&[u8]) -> R) -> R {
         // SAFETY: the caller's contract: inside the mapping, and no one
@@ -367,6 +344,7 @@ impl<B: Bytes> Ring<B> {
 
     /// Consumer: copy the `dst.len()` bytes from `from` on, which the
     /// producer has published.
+    #[inline]
     fn copy_out(&self, from: u64, dst: &mut [u8]) {
         let at = self.offset(from);
         let first = dst.len().min(self.cap - at);
@@ -419,18 +397,6 @@ mod tests {
         let base = unsafe { base.add(base.align_offset(64)) };
         // SAFETY: the buffer above is large enough and 64-byte aligned.
         unsafe { Ring::at(base, cap) }
-    }
-
-    #[test]
-    fn small_copies_move_exactly_their_bytes() {
-        let src: Vec<u8> = (1..=40).collect();
-        for n in 0..=32 {
-            let mut dst = [0u8; 40];
-            // SAFETY: both buffers hold at least n + 1 bytes after offset 1.
-            unsafe { copy_bytes(src.as_ptr().add(1), dst.as_mut_ptr().add(1), n) };
-            assert_eq!(&dst[1..1 + n], &src[1..1 + n], "{n} bytes");
-            assert!(dst[0] == 0 && dst[1 + n..].iter().all(|&b| b == 0), "{n} bytes: a byte outside them moved");
-        }
     }
 
     #[test]
