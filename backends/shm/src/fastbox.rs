@@ -53,6 +53,18 @@ const MARKER: usize = 64;
 /// Bytes per slot, whole cache lines.
 pub const SLOT: usize = (HEADER + FASTBOX_BYTES).next_multiple_of(64);
 
+/// How a peer's slot stands against this rank's op (`Fastbox::part`).
+enum Part {
+    /// Published, as the same call of the same op.
+    Matches,
+    /// Not published: the peer took the call through the rings.
+    Missing,
+    /// Published as another call: its number and its op's description.
+    OtherCall(u64, u64),
+    /// Published as this call, of another op: its description.
+    OtherOp(u64),
+}
+
 /// Which op a slot's contents belong to, to catch ranks that disagree.
 #[derive(Copy, Clone, Debug)]
 pub enum Kind {
@@ -435,34 +447,35 @@ impl<B: Bytes> Fastbox<B> {
         if FAST_LOOKS && self.parts_in(k, call, what, peers.clone()) {
             return Ok(());
         }
-        let round = Round { fb: self, k };
         for p in peers {
             self.await_part(k, call, what, p, waiter, deadline)?;
-            let Some(theirs) = round.slot(p).published(k) else {
-                self.desynced.store(true, Ordering::Relaxed);
-                let theirs = self.marker(p).read().map_or(0, |(_, what)| what);
-                return Err(Error::invalid(format!(
-                    "mismatched collectives: this rank called {} (fast path), rank {p} {} (rings)",
-                    explain(what),
-                    explain(theirs)
-                )));
-            };
-            let their_call = round.slot(p).header().call.load(Ordering::Relaxed);
-            if their_call != call {
-                self.desynced.store(true, Ordering::Relaxed);
-                return Err(Error::invalid(format!(
-                    "mismatched collectives: rank {p} called {} as another op than this rank's {} \
-                     (calls that may take the fast path: its #{their_call}, this rank's #{call})",
-                    explain(theirs),
-                    explain(what)
-                )));
-            }
-            if shared_part(theirs) != shared_part(what) {
-                return Err(Error::invalid(format!(
-                    "mismatched collectives: this rank called {}, rank {p} {}",
-                    explain(what),
-                    explain(theirs)
-                )));
+            match self.part(k, call, what, p) {
+                Part::Matches => {}
+                Part::Missing => {
+                    self.desynced.store(true, Ordering::Relaxed);
+                    let theirs = self.marker(p).read().map_or(0, |(_, what)| what);
+                    return Err(Error::invalid(format!(
+                        "mismatched collectives: this rank called {} (fast path), rank {p} {} (rings)",
+                        explain(what),
+                        explain(theirs)
+                    )));
+                }
+                Part::OtherCall(their_call, theirs) => {
+                    self.desynced.store(true, Ordering::Relaxed);
+                    return Err(Error::invalid(format!(
+                        "mismatched collectives: rank {p} called {} as another op than this rank's {} \
+                         (calls that may take the fast path: its #{their_call}, this rank's #{call})",
+                        explain(theirs),
+                        explain(what)
+                    )));
+                }
+                Part::OtherOp(theirs) => {
+                    return Err(Error::invalid(format!(
+                        "mismatched collectives: this rank called {}, rank {p} {}",
+                        explain(what),
+                        explain(theirs)
+                    )))
+                }
             }
         }
         Ok(())
@@ -474,12 +487,24 @@ impl<B: Bytes> Fastbox<B> {
     /// mismatch (`await_parts` does both).
     #[inline]
     fn parts_in(&self, k: u64, call: u64, what: u64, mut peers: impl Iterator<Item = usize>) -> bool {
+        peers.all(|p| matches!(self.part(k, call, what, p), Part::Matches))
+    }
+
+    /// How peer `p`'s slot stands against this rank's op `k`, call `call`,
+    /// described by `what`.
+    #[inline]
+    fn part(&self, k: u64, call: u64, what: u64, p: usize) -> Part {
         let round = Round { fb: self, k };
-        peers.all(|p| {
-            let slot = round.slot(p);
-            slot.published(k).is_some_and(|theirs| shared_part(theirs) == shared_part(what))
-                && slot.header().call.load(Ordering::Relaxed) == call
-        })
+        let slot = round.slot(p);
+        let Some(theirs) = slot.published(k) else { return Part::Missing };
+        let their_call = slot.header().call.load(Ordering::Relaxed);
+        if their_call != call {
+            return Part::OtherCall(their_call, theirs);
+        }
+        if shared_part(theirs) != shared_part(what) {
+            return Part::OtherOp(theirs);
+        }
+        Part::Matches
     }
 
     /// Wait until peer `p` has published its part of op `k`, or taken its
