@@ -67,6 +67,17 @@ pub(crate) fn plain_header(tag: u64, len: usize) -> ([u8; HEADER + cma::DESCRIPT
     (p, HEADER)
 }
 
+/// What a turn of the table did with its sends to one peer.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Lane {
+    /// No send to it yet, or the last one finished: the next may go.
+    Free,
+    /// A send to it is under way (sends to one peer go in order).
+    Busy,
+    /// And found its ring full: room made there is worth waking for.
+    Full,
+}
+
 #[cold]
 fn bad_peer(p: usize) -> Error {
     Error::invalid(format!("shm: bad peer rank {p}"))
@@ -276,15 +287,13 @@ impl ShmBackend {
         let mut armed = None;
         let mut turns: u32 = 0;
         let mut unclocked: u32 = 0;
-        let mut busy: SmallVec<[bool; 16]> = smallvec![false; w];
-        // `full[p]`: the last turn's send to rank p found its ring full.
-        let mut full: SmallVec<[bool; 16]> = smallvec![false; w];
+        let mut lanes: SmallVec<[Lane; 16]> = smallvec![Lane::Free; w];
         loop {
             let mut moved = false;
             let mut step = || -> Result<()> {
                 self.check_failed()?;
                 moved |= posting.take(|post| self.absorb(eng, post, posting))?;
-                moved |= self.pass(eng, &mut busy, &mut full)?;
+                moved |= self.pass(eng, &mut lanes)?;
                 // (Also after nothing moved: a receive served early
                 // finishes its batch at once.)
                 Self::settle(eng, posting);
@@ -380,7 +389,7 @@ impl ShmBackend {
             self.nap(seen, now, deadline, &|| {
                 posting.has_new()
                     || (0..w).any(|p| p != me && self.ring(p, me).available() > 0 && !eng.peers[p].holds())
-                    || (0..w).any(|p| full[p] && self.ring(me, p).has_room())
+                    || (0..w).any(|p| lanes[p] == Lane::Full && self.ring(me, p).has_room())
                     || self.single_copy_moved(&eng.table, &eng.peers)
             });
             // The next idle turn reads the clock.
@@ -391,22 +400,21 @@ impl ShmBackend {
     /// One turn over every posted op: the first unfinished send to each
     /// peer streams into its ring, then every incoming ring is drained into
     /// the matching receives. True if anything moved.
-    fn pass(&self, eng: &mut Engine, busy: &mut [bool], full: &mut [bool]) -> Result<bool> {
+    fn pass(&self, eng: &mut Engine, lanes: &mut [Lane]) -> Result<bool> {
         let me = self.rank;
         let mut moved = false;
         let Engine { peers: incoming, table } = eng;
         let Table { ops, done, gathered, state, .. } = table;
-        busy.fill(false);
-        full.fill(false);
+        lanes.fill(Lane::Free);
         // Help copy single-copy sends only with nothing left to receive:
         // while receiving, this core is busy pulling already.
         let nothing_to_receive = ops.iter().zip(done.iter()).all(|(op, d)| *d || matches!(op, P2p::Send { .. }));
         for i in 0..ops.len() {
             let Some((peer, tag, out)) = send_of(ops, gathered, i) else { continue };
-            if done[i] || busy[peer] {
+            if done[i] || lanes[peer] != Lane::Free {
                 continue;
             }
-            busy[peer] = true;
+            lanes[peer] = Lane::Busy;
             let ring = self.ring(me, peer);
             let st = &mut state[i];
             // An offer made while a large receive is pending says so
@@ -422,7 +430,9 @@ impl ShmBackend {
             let before = st.sent;
             if st.sent < plen {
                 let n = ring.write(&prefix[st.sent..plen]);
-                full[peer] = n < plen - st.sent;
+                if n < plen - st.sent {
+                    lanes[peer] = Lane::Full;
+                }
                 st.sent += n;
             }
             let mut inline = st.offer.is_none();
@@ -434,7 +444,7 @@ impl ShmBackend {
                 match self.cell(me, peer).phase(seq) {
                     Some(cma::DONE) => {
                         done[i] = true;
-                        busy[peer] = false;
+                        lanes[peer] = Lane::Free;
                         moved = true;
                         continue;
                     }
@@ -458,7 +468,9 @@ impl ShmBackend {
                     Out::Bytes(data) => ring.write(&data[from..]),
                     Out::Gathered(g) => ring.write_with(g.len() - from, |at, piece| g.fill(from + at, piece)),
                 };
-                full[peer] = n < out.len() - from;
+                if n < out.len() - from {
+                    lanes[peer] = Lane::Full;
+                }
                 st.sent += n;
             }
             if st.sent != before {
@@ -467,7 +479,7 @@ impl ShmBackend {
             }
             if inline && st.sent == plen + out.len() {
                 done[i] = true;
-                busy[peer] = false;
+                lanes[peer] = Lane::Free;
             }
         }
         // Receives: drain every incoming ring, matching or stashing frames.
