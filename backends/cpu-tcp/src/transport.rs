@@ -12,7 +12,7 @@ use std::net::Shutdown;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use weft::backend::{Backend, Deadline, GatherSend, P2p};
-use weft::progress::{self, DriverGuard, DriverLock, Post, Posting};
+use weft::progress::{self, DriverLock, Post, Posting};
 use weft::store::Store;
 use weft::{Error, ErrorKind, Result};
 
@@ -74,7 +74,7 @@ impl progress::Engine for TcpBackend {
     }
     fn abandon(&self, e: &Error) {
         let e = self.fail(e.clone());
-        self.lock().fail_all(&e, &self.posting);
+        self.engine.lock().fail_all(&e, &self.posting);
     }
     fn wake_driver(&self) {
         self.wake.wake();
@@ -105,10 +105,6 @@ impl TcpBackend {
             handles,
             failed: Mutex::new(None),
         })
-    }
-
-    fn lock(&self) -> DriverGuard<'_, Engine> {
-        self.engine.lock()
     }
 
     fn fail(&self, e: Error) -> Error {
@@ -218,7 +214,7 @@ impl Backend for TcpBackend {
     }
 
     fn shutdown(&self) {
-        let mut eng = self.lock();
+        let mut eng = self.engine.lock();
         Self::tell_all(&mut eng, Header { kind: Kind::Goodbye, tag: 0, len: 0 }, &[]);
         self.close(Shutdown::Write);
         // Drain until each peer closes too (or goes quiet), so that unread
