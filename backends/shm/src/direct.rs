@@ -8,7 +8,7 @@
 //! single-copy, a receive that finds another message first or waits
 //! longer than a few looks.
 
-use crate::exchange::plain_header;
+use crate::exchange::{plain_header, rewind, sends, skip_padding};
 use crate::posted::{Engine, HEADER};
 use crate::ring::Whole;
 use crate::state::{ShmBackend, PURE_SPINS, SPIN, TURNS_PER_CLOCK};
@@ -61,7 +61,9 @@ impl ShmBackend {
                 break;
             }
             let (header, len) = plain_header(tag, data.len());
-            if !self.ring(self.rank, peer).write_whole(&header[..len], data) {
+            let ring = self.ring(self.rank, peer);
+            rewind(ring, len, data.len(), || sends(ops) > 1);
+            if !ring.write_whole(&header[..len], data) {
                 break;
             }
             self.notify(peer);
@@ -95,6 +97,7 @@ impl ShmBackend {
                     self.notify(peer);
                     return true;
                 }
+                Whole::Other if skip_padding(ring) => continue,
                 Whole::Other => return false,
                 Whole::NotYet => {}
             }

@@ -265,6 +265,29 @@ impl<B: Bytes> Ring<B> {
         true
     }
 
+    /// Producer: if the consumer has read everything and a frame of `len`
+    /// bytes fits before this ring's write position, claim the bytes from
+    /// there to the buffer's end as padding, announced by the `N` bytes
+    /// `pad(padding after them)` returns, so that the frame starts at the
+    /// buffer's start, in the lines the last frames used. Whether it did.
+    pub fn rewind<const N: usize>(&self, len: usize, pad: impl FnOnce(usize) -> [u8; N]) -> bool {
+        let tail = self.my_tail.load(Ordering::Relaxed);
+        let at = self.offset(tail);
+        if at < len || self.cap - at < N {
+            return false;
+        }
+        let head = self.head().load(Ordering::Acquire);
+        self.seen_head.store(head, Ordering::Relaxed);
+        if head != tail {
+            return false;
+        }
+        // SAFETY: the ring is empty: [at, cap) is free space, owned by the
+        // producer until the tail is published.
+        unsafe { self.data.put(at, &pad(self.cap - at - N)) };
+        self.publish(tail + (self.cap - at) as u64);
+        true
+    }
+
     /// Producer: whether the consumer has left room for at least a byte
     /// (the shared head is read again if the last reading showed none).
     pub fn has_room(&self) -> bool {
@@ -356,6 +379,19 @@ impl<B: Bytes> Ring<B> {
                 self.data.get(0, &mut dst[first..]);
             }
         }
+    }
+
+    /// Consumer: skip `n` bytes of padding ([`Ring::rewind`]) if they are
+    /// there and end at the buffer's end; whether they did (a peer that
+    /// says otherwise sent garbage).
+    pub fn skip_padding(&self, n: usize) -> bool {
+        let head = self.my_head.load(Ordering::Relaxed);
+        let to_end = (self.cap - self.offset(head)) & (self.cap - 1);
+        let fits = n == to_end && self.known_tail(head, n) - head >= n as u64;
+        if fits {
+            self.hand_back(head + n as u64);
+        }
+        fits
     }
 
     /// Consumer: hand `n` bytes back to the producer (at most those
@@ -472,6 +508,48 @@ mod tests {
         assert_eq!(ring.read(&mut buf), 64, "past the remembered tail");
         assert_eq!(&buf[..30], &[1; 30]);
         assert_eq!(&buf[30..], &[2; 34]);
+    }
+
+    /// An empty ring pads to its end so that the next frame starts at its
+    /// start, if the frame fits before where it would have gone; the
+    /// consumer skips exactly that padding and reads the frame.
+    #[test]
+    fn an_empty_ring_rewinds_to_its_start_through_padding() {
+        let mut mem = Vec::new();
+        let ring = ring_in(&mut mem, 64);
+        assert!(!ring.rewind(8, |_| [0u8; 4]), "already at the start");
+        assert_eq!(ring.write(&[1; 20]), 20);
+        assert!(!ring.rewind(8, |_| [0u8; 4]), "not empty");
+        let mut buf = [0u8; 64];
+        assert_eq!(ring.read(&mut buf[..20]), 20);
+        assert!(!ring.rewind(21, |_| [0u8; 4]), "a frame that does not fit before offset 20");
+        assert!(ring.rewind(20, |pad| [pad as u8; 4]));
+        assert_eq!(ring.write(&[3; 20]), 20, "the padding left 20 bytes free, at the start");
+        let mut header = [0u8; 4];
+        assert_eq!(ring.read(&mut header), 4);
+        assert_eq!(header, [40; 4], "64 - 20 - 4 bytes of padding follow the header");
+        assert!(!ring.skip_padding(39), "short of the end");
+        assert!(!ring.skip_padding(41), "past the end");
+        assert!(!ring.skip_padding(usize::MAX), "past the end");
+        assert!(ring.skip_padding(40));
+        assert_eq!(ring.read(&mut buf), 20);
+        assert_eq!(&buf[..20], &[3; 20]);
+    }
+
+    /// Padding is skipped only once all of it is published.
+    #[test]
+    fn padding_is_skipped_only_once_it_is_there() {
+        let mut mem = Vec::new();
+        let ring = ring_in(&mut mem, 64);
+        assert_eq!(ring.write(&[1; 40]), 40);
+        let mut buf = [0u8; 40];
+        assert_eq!(ring.read(&mut buf), 40);
+        assert!(!ring.skip_padding(24), "nothing published after offset 40");
+        assert_eq!(ring.write(&[2; 10]), 10);
+        assert!(!ring.skip_padding(24), "10 of the 24 bytes");
+        assert_eq!(ring.write(&[2; 14]), 14);
+        assert!(ring.skip_padding(24));
+        assert_eq!(ring.available(), 0);
     }
 }
 
