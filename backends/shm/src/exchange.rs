@@ -107,7 +107,7 @@ pub(crate) fn skip_padding(ring: &Ring) -> bool {
         return false;
     }
     let len = u64::from_le_bytes(header[8..16].try_into().expect("8 bytes"));
-    ring.skip_padding((len as usize).saturating_add(HEADER))
+    ring.skip_to_start((len as usize).saturating_add(HEADER))
 }
 
 /// What a turn of the table did with its sends to one peer.
@@ -844,7 +844,7 @@ impl ShmBackend {
                 let len = u64::from_le_bytes(st.hdr[8..16].try_into().expect("8 bytes"));
                 if tag == PADDING {
                     st.hdr_got = 0;
-                    if !ring.skip_padding(len as usize) {
+                    if !ring.skip_to_start(len as usize) {
                         let e = Error::backend(format!("shm: rank {peer} sent {len} bytes of padding that do not end at its ring's end"));
                         return Err(self.fail(e));
                     }

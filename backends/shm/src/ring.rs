@@ -382,9 +382,10 @@ impl<B: Bytes> Ring<B> {
     }
 
     /// Consumer: skip `n` bytes of padding ([`Ring::rewind`]) if they are
-    /// there and end at the buffer's end; whether they did (a peer that
-    /// says otherwise sent garbage).
-    pub fn skip_padding(&self, n: usize) -> bool {
+    /// there and run to the buffer's end, so that the next frame is read
+    /// from its start; whether they did (a peer that says otherwise sent
+    /// garbage).
+    pub fn skip_to_start(&self, n: usize) -> bool {
         let head = self.my_head.load(Ordering::Relaxed);
         let to_end = (self.cap - self.offset(head)) & (self.cap - 1);
         let fits = n == to_end && self.known_tail(head, n) - head >= n as u64;
@@ -528,10 +529,10 @@ mod tests {
         let mut header = [0u8; 4];
         assert_eq!(ring.read(&mut header), 4);
         assert_eq!(header, [40; 4], "64 - 20 - 4 bytes of padding follow the header");
-        assert!(!ring.skip_padding(39), "short of the end");
-        assert!(!ring.skip_padding(41), "past the end");
-        assert!(!ring.skip_padding(usize::MAX), "past the end");
-        assert!(ring.skip_padding(40));
+        assert!(!ring.skip_to_start(39), "short of the end");
+        assert!(!ring.skip_to_start(41), "past the end");
+        assert!(!ring.skip_to_start(usize::MAX), "past the end");
+        assert!(ring.skip_to_start(40));
         assert_eq!(ring.read(&mut buf), 20);
         assert_eq!(&buf[..20], &[3; 20]);
     }
@@ -544,11 +545,11 @@ mod tests {
         assert_eq!(ring.write(&[1; 40]), 40);
         let mut buf = [0u8; 40];
         assert_eq!(ring.read(&mut buf), 40);
-        assert!(!ring.skip_padding(24), "nothing published after offset 40");
+        assert!(!ring.skip_to_start(24), "nothing published after offset 40");
         assert_eq!(ring.write(&[2; 10]), 10);
-        assert!(!ring.skip_padding(24), "10 of the 24 bytes");
+        assert!(!ring.skip_to_start(24), "10 of the 24 bytes");
         assert_eq!(ring.write(&[2; 14]), 14);
-        assert!(ring.skip_padding(24));
+        assert!(ring.skip_to_start(24));
         assert_eq!(ring.available(), 0);
     }
 }
