@@ -13,6 +13,8 @@
 //!               38..56 shape, 16..38 sequence number (mod 2^22), 0..16 step
 //! window      : bit 62 = 1 (bit 63 = 0), bits 8..62 the window's number
 //!               in the group, 0..8 the channel (see `crate::window`)
+//! transport   : bit 61 = 1 (bits 62, 63 = 0): a transport's own frames,
+//!               never matched with a receive (shm's ring padding)
 //! ```
 //!
 //! The *shape* ([`crate::shape`]) packs what every rank must agree on about

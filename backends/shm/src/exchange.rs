@@ -33,8 +33,8 @@ const CANCEL_GRACE: Duration = Duration::from_millis(500);
 const RUNNING_GRACE: Duration = Duration::from_secs(10);
 
 /// The tag of a padding frame ([`Ring::rewind`](crate::ring::Ring::rewind)):
-/// bit 61 alone of the top three, which no user, collective or window tag
-/// has (`weft::tag`).
+/// a transport's own frame in `weft::tag`'s layout (bit 61 alone of the
+/// top three), which no user, collective or window tag is.
 const PADDING: u64 = 1 << 61;
 /// Frames from this size on start at their ring's start when it is empty
 /// (`rewind`): large enough that a padding frame costs nothing next to
