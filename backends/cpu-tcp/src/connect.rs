@@ -7,7 +7,7 @@
 //! and the acceptor keeps waiting for the right peer. Every wait, on both
 //! sides, ends at the setup deadline.
 //!
-//! With the job's key ([`weft::auth`]), the handshake is protocol version 2:
+//! With the job's key ([`weft::auth`]), the handshake is its keyed version:
 //! the connector adds its nonce, the acceptor answers with its own and its
 //! proof over the hello and both nonces, and the connector answers with
 //! its proof; a connection whose proof fails is dropped (a recorded
@@ -23,9 +23,10 @@ use weft::store::Store;
 use weft::{Error, Result};
 
 const MAGIC: u32 = 0x5746_4853; // "WFHS"
-/// The handshake without a key, and with one.
-const VERSION: u16 = 1;
-const VERSION_KEYED: u16 = 2;
+/// The handshake without a key, and with one. (1 and 2 before data frames
+/// carried lead padding, `wire::lead_for`: such a peer is refused here.)
+const VERSION: u16 = 3;
+const VERSION_KEYED: u16 = 4;
 const HELLO: usize = 22;
 /// Labels of the acceptor's proof and the connector's.
 const ACCEPTOR_PROOF: &str = "weft cpu-tcp acceptor";
@@ -389,7 +390,7 @@ mod tests {
             stranger.read_exact(&mut reply).unwrap();
             assert_eq!(reply[4], Status::Ok as u8);
             stranger.write_all(&[0u8; auth::PROOF]).unwrap();
-            // A stranger without a key speaking version 1 is refused outright.
+            // A stranger without a key speaking the unkeyed version is refused outright.
             let mut plain = std::net::TcpStream::connect(addr).unwrap();
             plain.write_all(&hello(1, 0, nonce, false)).unwrap();
             let mut ack = [0u8; 5];

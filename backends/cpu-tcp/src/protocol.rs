@@ -10,7 +10,7 @@
 //! only into a receive the peer has posted; a send waiting for that never
 //! holds up another send to the same peer with another tag.
 
-use crate::wire::{Header, Kind, EAGER_LIMIT, HEADER, MAX_ABORT};
+use crate::wire::{lead_for, Header, Kind, EAGER_LIMIT, HEADER, MAX_ABORT, MAX_LEAD};
 use smallvec::{smallvec, SmallVec};
 use std::collections::HashMap;
 use std::io::IoSlice;
@@ -24,6 +24,8 @@ use weft::{Error, Result};
 pub struct Peer {
     hdr: [u8; HEADER],
     hdr_got: usize,
+    /// Bytes of the current data frame's lead padding still to skip.
+    lead: usize,
     inbound: Inbound,
     /// The peer said goodbye (or its stream ended cleanly after one).
     pub left: bool,
@@ -50,6 +52,7 @@ impl Peer {
         Peer {
             hdr: [0; HEADER],
             hdr_got: 0,
+            lead: 0,
             inbound: Inbound::with_early_limit(EAGER_LIMIT).with_budget(budget),
             left: false,
             torn: false,
@@ -61,7 +64,7 @@ impl Peer {
     }
 
     fn queue_control(&mut self, kind: Kind, tag: u64, len: usize) {
-        self.ctl.extend_from_slice(&Header { kind, tag, len: len as u64 }.encode());
+        self.ctl.extend_from_slice(&Header { kind, tag, len: len as u64, lead: 0 }.encode());
     }
 
     /// Write queued control frames as far as the connection takes them;
@@ -127,13 +130,17 @@ pub trait Wire {
     fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<Got>;
 }
 
-/// Write as much of a frame (header, then payload, from offset `sent`) as
-/// the connection takes now; the new offset.
-pub fn write_frame(wire: &mut impl Wire, peer: usize, hdr: &[u8; HEADER], data: &[u8], sent: usize) -> Result<usize> {
+/// Write as much of a frame (header, `lead` bytes of padding, then the
+/// payload, from offset `sent`) as the connection takes now; the new offset.
+pub fn write_frame(wire: &mut impl Wire, peer: usize, hdr: &[u8; HEADER], lead: usize, data: &[u8], sent: usize) -> Result<usize> {
+    static PADDING: [u8; MAX_LEAD] = [0; MAX_LEAD];
+    let head = HEADER + lead;
     let parts = if sent < HEADER {
-        [IoSlice::new(&hdr[sent..]), IoSlice::new(data)]
+        [IoSlice::new(&hdr[sent..]), IoSlice::new(&PADDING[..lead]), IoSlice::new(data)]
+    } else if sent < head {
+        [IoSlice::new(&PADDING[sent - HEADER..lead]), IoSlice::new(data), IoSlice::new(&[])]
     } else {
-        [IoSlice::new(&data[sent - HEADER..]), IoSlice::new(&[])]
+        [IoSlice::new(&data[sent - head..]), IoSlice::new(&[]), IoSlice::new(&[])]
     };
     Ok(sent + wire.send(peer, &parts)?)
 }
@@ -149,7 +156,7 @@ pub trait Watch {
 
 /// The protocol's state for one posted op.
 pub struct OpState {
-    /// Bytes of a send written (header included).
+    /// Bytes of a send written (header and lead included).
     sent: usize,
     /// A long send waits for the receiver's Ready.
     awaits_ready: bool,
@@ -159,6 +166,20 @@ pub struct OpState {
     announced: bool,
     /// A send's frame header.
     header: [u8; HEADER],
+    /// A send's lead padding (see `wire::lead_for`).
+    lead: usize,
+}
+
+impl OpState {
+    /// Whether all of a send of `len` bytes is written.
+    fn written(&self, len: usize) -> bool {
+        self.sent == HEADER + self.lead + len
+    }
+    /// Whether a send of `len` bytes is part written: its stream cannot
+    /// carry another frame until the rest follows.
+    fn mid_frame(&self, len: usize) -> bool {
+        self.sent > 0 && !self.written(len)
+    }
 }
 
 /// Every connection's protocol state and every posted op.
@@ -191,13 +212,17 @@ impl Protocol {
     /// The state of a new op.
     fn state_of(op: &P2p<'_>) -> OpState {
         match op {
-            P2p::Send { tag, data, .. } => OpState {
-                sent: 0,
-                awaits_ready: data.len() > EAGER_LIMIT,
-                announced: false,
-                header: Header { kind: Kind::Data, tag: *tag, len: data.len() as u64 }.encode(),
-            },
-            P2p::Recv { .. } => OpState { sent: 0, awaits_ready: false, announced: false, header: [0; HEADER] },
+            P2p::Send { tag, data, .. } => {
+                let lead = lead_for(data.as_ptr() as usize, data.len());
+                OpState {
+                    sent: 0,
+                    awaits_ready: data.len() > EAGER_LIMIT,
+                    announced: false,
+                    header: Header { kind: Kind::Data, tag: *tag, len: data.len() as u64, lead }.encode(),
+                    lead,
+                }
+            }
+            P2p::Recv { .. } => OpState { sent: 0, awaits_ready: false, announced: false, header: [0; HEADER], lead: 0 },
         }
     }
 
@@ -259,7 +284,7 @@ impl Protocol {
         }
         for (i, op) in ops.iter().enumerate() {
             if let P2p::Send { peer, data, .. } = op {
-                if which(i) && !done[i] && state[i].sent > 0 && state[i].sent < HEADER + data.len() {
+                if which(i) && !done[i] && state[i].mid_frame(data.len()) {
                     if let Some(p) = self.peers[*peer].as_mut() {
                         p.torn = true;
                     }
@@ -395,7 +420,7 @@ impl Protocol {
             let Table { ops, state, .. } = &self.table;
             torn = torn.or_else(|| {
                 pending.iter().find_map(|&i| match &ops[i] {
-                    P2p::Send { peer, data, .. } if state[i].sent > 0 && state[i].sent < HEADER + data.len() => Some(*peer),
+                    P2p::Send { peer, data, .. } if state[i].mid_frame(data.len()) => Some(*peer),
                     _ => None,
                 })
             });
@@ -531,9 +556,9 @@ fn pass(me: usize, proto: &mut Protocol, wire: &mut impl Wire, flags: &mut Flags
             continue;
         }
         let before = st.sent;
-        st.sent = write_frame(wire, peer, &st.header, data, st.sent)?;
+        st.sent = write_frame(wire, peer, &st.header, st.lead, data, st.sent)?;
         moved |= st.sent != before;
-        if st.sent < HEADER + data.len() {
+        if !st.written(data.len()) {
             stopped[peer] = true;
             flags.busy[peer] = true;
             held.push((peer, tag));
@@ -630,6 +655,7 @@ fn drain(
                     if let Some(i) = p.inbound.begin(me, peer, h.tag, h.len as usize, ops, done)? {
                         matching::bind(ops, i, peer);
                     }
+                    p.lead = h.lead;
                 }
                 Kind::Announce => {
                     // A receive from any rank takes this message: tell
@@ -646,6 +672,18 @@ fn drain(
                 }
                 Kind::Ready => {
                     *p.ready.entry(h.tag).or_default() += 1;
+                    continue;
+                }
+            }
+        }
+        if p.lead > 0 {
+            let mut padding = [0u8; MAX_LEAD];
+            match wire.recv(peer, &mut padding[..p.lead])? {
+                Got::None => return Ok(moved),
+                Got::Eof => return Err(Error::peer_lost(peer, format!("connection to peer rank {peer} closed in the middle of a frame"))),
+                Got::Some(k) => {
+                    p.lead -= k;
+                    moved = true;
                     continue;
                 }
             }

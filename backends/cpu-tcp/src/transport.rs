@@ -153,7 +153,7 @@ impl TcpBackend {
             }
             let mut sent = 0;
             while sent < hdr.len() + payload.len() && Instant::now() < until {
-                match protocol::write_frame(sockets, r, &hdr, payload, sent) {
+                match protocol::write_frame(sockets, r, &hdr, 0, payload, sent) {
                     Ok(s) if s == sent => std::thread::yield_now(),
                     Ok(s) => sent = s,
                     Err(_) => break,
@@ -207,7 +207,7 @@ impl Backend for TcpBackend {
             let mut payload = (blame as u32).to_le_bytes().to_vec();
             payload.extend_from_slice(why.as_bytes());
             payload.truncate(MAX_ABORT as usize);
-            Self::tell_all(&mut eng, Header { kind: Kind::Abort, tag: 0, len: payload.len() as u64 }, &payload);
+            Self::tell_all(&mut eng, Header { kind: Kind::Abort, tag: 0, len: payload.len() as u64, lead: 0 }, &payload);
         }
         self.close(Shutdown::Both);
         self.wake.wake_now();
@@ -215,7 +215,7 @@ impl Backend for TcpBackend {
 
     fn shutdown(&self) {
         let mut eng = self.engine.lock();
-        Self::tell_all(&mut eng, Header { kind: Kind::Goodbye, tag: 0, len: 0 }, &[]);
+        Self::tell_all(&mut eng, Header { kind: Kind::Goodbye, tag: 0, len: 0, lead: 0 }, &[]);
         self.close(Shutdown::Write);
         // Drain until each peer closes too (or goes quiet), so that unread
         // bytes never turn our close into a reset that loses what we sent.
@@ -265,7 +265,7 @@ mod tests {
         let (b, mut raw) = backend_with_raw_peer();
         // 2^40 bytes announced by a bare data frame (no rendezvous), with no
         // receive posted for it.
-        raw.write_all(&Header { kind: Kind::Data, tag: 9, len: 1 << 40 }.encode()).unwrap();
+        raw.write_all(&Header { kind: Kind::Data, tag: 9, len: 1 << 40, lead: 0 }.encode()).unwrap();
         let mut buf = [0u8; 4];
         let e = b.exchange(&mut [P2p::Recv { peer: 1, tag: 1, buf: &mut buf }], &Deadline::after(Duration::from_secs(5))).unwrap_err();
         assert!(e.to_string().contains("peer rank 1 sent a 1099511627776-byte message"), "{e}");
@@ -275,7 +275,7 @@ mod tests {
     #[test]
     fn a_frame_then_eof_delivers_the_frame_then_reports_peer_lost() {
         let (b, mut raw) = backend_with_raw_peer();
-        let h = Header { kind: Kind::Data, tag: 7, len: 3 };
+        let h = Header { kind: Kind::Data, tag: 7, len: 3, lead: 0 };
         raw.write_all(&h.encode()).unwrap();
         raw.write_all(b"abc").unwrap();
         drop(raw);
@@ -310,14 +310,17 @@ mod tests {
                 let data = vec![7u8; long];
                 b.exchange(&mut [P2p::Send { peer: 1, tag: 3, data: &data }], &deadline)
             });
-            assert_eq!(read_header(&mut raw), Header { kind: Kind::Announce, tag: 3, len: long as u64 });
+            assert_eq!(read_header(&mut raw), Header { kind: Kind::Announce, tag: 3, len: long as u64, lead: 0 });
             let mut byte = [0u8; 1];
             assert!(raw.read(&mut byte).is_err(), "data must wait for Ready");
-            raw.write_all(&Header { kind: Kind::Ready, tag: 3, len: long as u64 }.encode()).unwrap();
+            raw.write_all(&Header { kind: Kind::Ready, tag: 3, len: long as u64, lead: 0 }.encode()).unwrap();
             raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-            assert_eq!(read_header(&mut raw), Header { kind: Kind::Data, tag: 3, len: long as u64 });
-            let mut payload = vec![0u8; long];
+            // The payload follows the padding its lead names (wire::lead_for).
+            let h = read_header(&mut raw);
+            assert_eq!((h.kind, h.tag, h.len), (Kind::Data, 3, long as u64));
+            let mut payload = vec![0u8; h.lead + long];
             raw.read_exact(&mut payload).unwrap();
+            let payload = &payload[h.lead..];
             assert!(payload.iter().all(|x| *x == 7));
             sender.join().unwrap().unwrap();
         });
@@ -327,13 +330,15 @@ mod tests {
                 let mut buf = vec![0u8; long];
                 b.exchange(&mut [P2p::Recv { peer: 1, tag: 4, buf: &mut buf }], &deadline).map(|_| buf)
             });
-            assert_eq!(read_header(&mut raw), Header { kind: Kind::Ready, tag: 4, len: long as u64 });
-            raw.write_all(&Header { kind: Kind::Data, tag: 4, len: long as u64 }.encode()).unwrap();
+            assert_eq!(read_header(&mut raw), Header { kind: Kind::Ready, tag: 4, len: long as u64, lead: 0 });
+            // With padding between header and payload, which is skipped.
+            raw.write_all(&Header { kind: Kind::Data, tag: 4, len: long as u64, lead: 40 }.encode()).unwrap();
+            raw.write_all(&[0xee; 40]).unwrap();
             raw.write_all(&vec![9u8; long]).unwrap();
             assert!(receiver.join().unwrap().unwrap().iter().all(|x| *x == 9));
         });
         // An announcement that does not fit the posted receive fails it.
-        raw.write_all(&Header { kind: Kind::Announce, tag: 5, len: long as u64 }.encode()).unwrap();
+        raw.write_all(&Header { kind: Kind::Announce, tag: 5, len: long as u64, lead: 0 }.encode()).unwrap();
         let mut small = [0u8; 4];
         let e = b.exchange(&mut [P2p::Recv { peer: 1, tag: 5, buf: &mut small }], &deadline).unwrap_err();
         assert!(e.to_string().contains(&format!("sent {long} bytes, rank 0 expected 4 bytes")), "{e}");
