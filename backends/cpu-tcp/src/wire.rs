@@ -58,15 +58,15 @@ pub struct Header {
 
 /// The lead padding for a data frame whose payload starts at `addr`.
 ///
-/// The kernel copies a payload between the user's buffer and the pages
-/// of its socket buffers with `rep movsb`, and on AMD's Zen cores that
-/// copy runs some 15 times slower when its destination lies 1 to 31 bytes
-/// past its source within a page (measured here: 1 MiB in 31-39 us, or
-/// 480-590 us). A quiet connection's next frame starts at a page's start
-/// (the kernel reuses a page fragment once everything in it has been
-/// read), so a bare 24-byte header put every payload from a page-aligned
-/// buffer 24 bytes past its source: a 1 MiB send cost 390 us of copying,
-/// and at W=4 a chain of 1 MiB sends took 1.6 ms instead of 0.55.
+/// The kernel copies a payload between the user's buffer and the pages of
+/// its socket buffers, and a copy whose destination lies 1 to 31 bytes
+/// past its source within a page is some 15 times slower on AMD's Zen
+/// cores ([`weft::kernels::slow_kernel_copy`]). A quiet connection's next
+/// frame starts at a page's start (the kernel reuses a page fragment once
+/// everything in it has been read), so a bare 24-byte header put every
+/// payload from a page-aligned buffer 24 bytes past its source: a 1 MiB
+/// send cost 390 µs of copying, and at W=4 a chain of 1 MiB sends took
+/// 1.6 ms instead of 0.6.
 ///
 /// The lead puts the payload at its buffer's page offset, or at least 32
 /// bytes from it either way, so the sender's copy is fast, and so is the
@@ -75,16 +75,12 @@ pub struct Header {
 /// or 16 bytes in (glibc's large `malloc`) is behind any payload offset
 /// (at least 24) and copies fast whatever the lead.
 pub fn lead_for(addr: usize, len: usize) -> usize {
-    const PAGE: usize = 4096;
+    use weft::kernels::slow_kernel_copy as slow;
     if len < LEAD_FROM {
         return 0;
     }
-    let src = addr % PAGE;
-    let near = |at: usize| {
-        let d = (at + PAGE - src) % PAGE;
-        d != 0 && !(32..=PAGE - 32).contains(&d)
-    };
-    (0..=MAX_LEAD).find(|lead| !near(HEADER + lead)).unwrap_or(0)
+    let src = addr % 4096;
+    (0..=MAX_LEAD).find(|lead| !slow(HEADER + lead, src) && !slow(src, HEADER + lead)).unwrap_or(0)
 }
 
 impl Header {
@@ -144,13 +140,9 @@ mod tests {
         assert!(Header::decode(&ready.encode(), 2).unwrap_err().to_string().contains("padding"));
     }
 
-    /// (dst - src) mod 4096 in 1..=31: the slow distance.
-    fn slow(dst: usize, src: usize) -> bool {
-        (1..32).contains(&((dst + 4096 - src) % 4096))
-    }
-
     #[test]
     fn leads_keep_both_copies_off_the_slow_distance() {
+        use weft::kernels::slow_kernel_copy as slow;
         for src in (0..4096).step_by(4).chain([4095, 4093]) {
             let lead = lead_for(src, 1 << 20);
             assert!(lead <= MAX_LEAD);

@@ -15,6 +15,13 @@
 //!            └─ receiver cannot read ──────> REFUSED: payload follows inline
 //! ```
 //!
+//! A receiver also refuses (declines) one offer whose copy would run at
+//! the distance where the kernel's copy is slow
+//! ([`weft::kernels::slow_kernel_copy`]: its destination 1 to 31 bytes
+//! past the sender's buffer within a page; a 1 MiB read 462-672 µs
+//! instead of 102-116): that message goes inline through the ring (whose
+//! `memcpy`s do not care), and later ones are offered again.
+//!
 //! The sender returns (and its buffer is the caller's again) only at DONE,
 //! REVOKED or REFUSED-and-sent-inline, so the receiver never reads memory
 //! the sender has given back.
@@ -192,6 +199,10 @@ pub const DONE: u64 = 2;
 pub const REVOKED: u64 = 3;
 pub const REFUSED: u64 = 4;
 
+/// The destination word of a refused transfer that the receiver declined
+/// (that message only, see the module's notes), not refused for good.
+const DECLINED: u64 = u64::MAX;
+
 /// The state of one ordered pair's transfer, on its own cache line.
 #[repr(C, align(64))]
 pub struct Cell {
@@ -252,6 +263,18 @@ impl Cell {
                 None
             }
         })
+    }
+    /// Receiver: refuse `seq` while it is POSTED (the phase found if it was
+    /// not): for good, or with `declined` this message only.
+    pub fn refuse(&self, seq: u64, declined: bool) -> std::result::Result<(), Option<u64>> {
+        // Published by the phase's release.
+        self.dst.store(if declined { DECLINED } else { 0 }, Ordering::Relaxed);
+        self.advance(seq, REFUSED)
+    }
+    /// Sender, once it has seen REFUSED: whether the receiver declined only
+    /// that message.
+    pub fn declined(&self) -> bool {
+        self.dst.load(Ordering::Relaxed) == DECLINED
     }
     /// Receiver: leave READING for `to` (REFUSED when it cannot read).
     pub fn advance_from_reading(&self, seq: u64, to: u64) {
@@ -480,6 +503,17 @@ mod tests {
         c.post(6);
         assert!(c.advance(6, REVOKED).is_ok());
         assert_eq!(c.advance(6, READING), Err(Some(REVOKED)));
+        // Declining one message, then refusing for good: the sender tells
+        // them apart (and a revoked offer cannot be refused).
+        c.post(7);
+        assert!(c.refuse(7, true).is_ok());
+        assert_eq!((c.phase(7), c.declined()), (Some(REFUSED), true));
+        c.post(8);
+        assert!(c.refuse(8, false).is_ok());
+        assert_eq!((c.phase(8), c.declined()), (Some(REFUSED), false));
+        c.post(9);
+        assert!(c.advance(9, REVOKED).is_ok());
+        assert_eq!(c.refuse(9, true), Err(Some(REVOKED)));
     }
 
     #[test]

@@ -495,7 +495,7 @@ impl ShmBackend {
                         continue;
                     }
                     Some(cma::REFUSED) => {
-                        incoming[peer].refused = true;
+                        incoming[peer].refused |= !self.cell(me, peer).declined();
                         inline = true;
                     }
                     Some(cma::READING)
@@ -629,14 +629,17 @@ impl ShmBackend {
     fn read_offer(&self, peer: usize, offer: cma::Offer, st: &mut Peer, ops: &mut [P2p<'_>], until: Instant) -> Result<()> {
         let seq = offer.seq;
         let cell = self.cell(peer, self.rank);
-        if !self.cma.load(Ordering::Relaxed) {
-            if cell.advance(seq, cma::REFUSED).is_err() {
+        let dst = st.inbound.payload(ops).as_mut_ptr() as u64;
+        let slow = weft::kernels::slow_kernel_copy(dst as usize, offer.addr as usize);
+        let cma = self.cma.load(Ordering::Relaxed);
+        if !cma || slow {
+            if cell.refuse(seq, cma).is_err() {
                 return Err(self.withdrawn(peer));
             }
             self.wake(peer);
             return Ok(());
         }
-        cell.open_chunks(seq, st.inbound.payload(ops).as_mut_ptr() as u64);
+        cell.open_chunks(seq, dst);
         if cell.advance(seq, cma::READING).is_err() {
             return Err(self.withdrawn(peer));
         }
