@@ -71,17 +71,29 @@ pub struct Header {
 /// The lead puts the payload at its buffer's page offset, or at least 32
 /// bytes from it either way, so the sender's copy is fast, and so is the
 /// receiver's into a buffer placed as the sender's (the same allocator,
-/// or a collective's matching offsets). A receive buffer at a page's start
-/// or 16 bytes in (glibc's large `malloc`) is behind any payload offset
-/// (at least 24) and copies fast whatever the lead.
+/// or a collective's matching offsets); among those leads, the first that
+/// also suits the receive buffers of `LIKELY_RECEIVES`.
 pub fn lead_for(addr: usize, len: usize) -> usize {
     use weft::kernels::slow_kernel_copy as slow;
     if len < LEAD_FROM {
         return 0;
     }
     let src = addr % 4096;
-    (0..=MAX_LEAD).find(|lead| !slow(HEADER + lead, src) && !slow(src, HEADER + lead)).unwrap_or(0)
+    // (One suits every page offset: `leads_keep_both_copies_off...` tries them all.)
+    (0..=MAX_LEAD)
+        .find(|lead| {
+            let at = HEADER + lead;
+            !slow(at, src) && !slow(src, at) && !LIKELY_RECEIVES.iter().any(|&r| slow(r, at))
+        })
+        .unwrap_or(0)
 }
+
+/// Page offsets a large receive buffer most likely has: a page's start
+/// (page-aligned allocations), 16 bytes in (glibc's `malloc` from its own
+/// mapping) and 64 (glibc's `posix_memalign(64)`, as torch's CPU
+/// allocator asks). The first two lie behind any payload offset (at least
+/// 24), so only 64 constrains the lead.
+const LIKELY_RECEIVES: [usize; 3] = [0, 16, 64];
 
 impl Header {
     pub fn encode(&self) -> [u8; HEADER] {
@@ -143,14 +155,14 @@ mod tests {
     #[test]
     fn leads_keep_both_copies_off_the_slow_distance() {
         use weft::kernels::slow_kernel_copy as slow;
-        for src in (0..4096).step_by(4).chain([4095, 4093]) {
+        for src in 0..4096 {
             let lead = lead_for(src, 1 << 20);
             assert!(lead <= MAX_LEAD);
             let at = HEADER + lead;
             assert!(!slow(at, src), "send from page offset {src}: payload at {at}");
-            // A receive buffer placed as the send buffer is, page-aligned,
-            // or 16 bytes in.
-            for r in [src, 0, 16] {
+            // A receive buffer placed as the send buffer is, or as large
+            // buffers usually are.
+            for r in std::iter::once(src).chain(LIKELY_RECEIVES) {
                 assert!(!slow(r, at), "receive at {r} from {at} (send from {src})");
             }
         }
