@@ -127,8 +127,14 @@ pub fn pick(ctx: &OpContext, op: &'static str, bytes: usize, step_bytes: usize) 
         "all_reduce" if bytes <= step_bytes || ctx.size <= 1 => "recursive_doubling",
         // Medium sizes: a ring's 2(W-1) steps cost more than its bytes;
         // halving-doubling moves the same bytes in 2·log2(W) steps. Off a
-        // power of two its fold moves the whole buffer once more.
-        "all_reduce" if bytes <= 2 << 20 && ctx.size > 2 && ctx.size.is_power_of_two() => "halving_doubling",
+        // power of two its fold moves the whole buffer once more. Up to 8
+        // steps' worth: beyond, its large exchanges with ever farther
+        // partners lose to the ring's pipelined neighbours. Measured (W=4
+        // and 8 on 2 cores, halving-doubling against ring): shm (16 KiB a
+        // step) W=4 64 KiB 41.8 / 43.6 µs, 256 KiB 123 / 112, 1 MiB 473 /
+        // 381, 2 MiB 1577 / 960; W=8 1 MiB 2.61 / 1.81 ms, 2 MiB 5.92 /
+        // 4.51; cpu-tcp (64 KiB) W=4 256 KiB 441 / 516 µs, 1 and 2 MiB even.
+        "all_reduce" if bytes <= 8 * step_bytes && ctx.size > 2 && ctx.size.is_power_of_two() => "halving_doubling",
         "all_reduce" => "ring",
         // The root sends the whole buffer log2(W) times with a tree. A
         // pipelined chain moves the fewest bytes (each link carries the
@@ -188,6 +194,37 @@ pub fn segment_bytes(ctx: &OpContext, esize: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn ctx(size: usize) -> OpContext {
+        OpContext {
+            rank: 0,
+            size,
+            name: "all_reduce",
+            kind: OpKind::AllReduce,
+            seq: 0,
+            shape: 0,
+            deadline: crate::backend::Deadline::after(std::time::Duration::from_secs(1)),
+            hints: Default::default(),
+            algorithm: None,
+            segment_bytes: None,
+            stream: None,
+            completion: Default::default(),
+        }
+    }
+
+    #[test]
+    fn all_reduce_takes_halving_doubling_for_up_to_eight_steps_worth() {
+        let pick = |w: usize, bytes: usize, step: usize| pick(&ctx(w), "all_reduce", bytes, step).unwrap();
+        // shm's steps (16 KiB): the ring from 256 KiB; sockets' (64 KiB): from 1 MiB.
+        assert_eq!(pick(4, 16 << 10, 16 << 10), "recursive_doubling");
+        assert_eq!(pick(4, 128 << 10, 16 << 10), "halving_doubling");
+        assert_eq!(pick(4, 256 << 10, 16 << 10), "ring");
+        assert_eq!(pick(8, 512 << 10, 64 << 10), "halving_doubling");
+        assert_eq!(pick(8, 1 << 20, 64 << 10), "ring");
+        // Off a power of two, or two ranks: never.
+        assert_eq!(pick(6, 128 << 10, 16 << 10), "ring");
+        assert_eq!(pick(2, 128 << 10, 16 << 10), "ring");
+    }
 
     #[test]
     fn an_op_hint_beats_the_groups_hint_which_beats_the_environment() {
