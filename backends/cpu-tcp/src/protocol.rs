@@ -582,6 +582,22 @@ pub fn awaited(ops: &[P2p<'_>], done: &[bool], peer: usize) -> bool {
     ops.iter().zip(done).any(|(op, d)| !d && matches!(op, P2p::Recv { peer: q, .. } if *q == peer || *q == ANY_SOURCE))
 }
 
+/// The error for a connection that ended inside a frame.
+fn torn_off(peer: usize) -> Error {
+    Error::peer_lost(peer, format!("connection to peer rank {peer} closed in the middle of a frame"))
+}
+
+/// Read the next bytes of a frame begun from `peer` into `buf` (not
+/// empty): how many came (`None`: none yet); the stream ending here is
+/// an error.
+fn read_within_frame(wire: &mut impl Wire, peer: usize, buf: &mut [u8]) -> Result<Option<usize>> {
+    match wire.recv(peer, buf)? {
+        Got::None => Ok(None),
+        Got::Eof => Err(torn_off(peer)),
+        Got::Some(k) => Ok(Some(k)),
+    }
+}
+
 /// Read what `peer` has sent; true if any byte moved. Unless `eager`, stop
 /// at a frame boundary once no receive of `ops` awaits this peer: a frame
 /// left in the socket costs nothing, one read early is copied twice.
@@ -620,9 +636,7 @@ fn drain(
                             ),
                         ))
                     }
-                    Got::Eof => {
-                        return Err(Error::peer_lost(peer, format!("connection to peer rank {peer} closed in the middle of a frame")))
-                    }
+                    Got::Eof => return Err(torn_off(peer)),
                     Got::Some(k) => p.hdr_got += k,
                 }
                 moved = true;
@@ -677,27 +691,16 @@ fn drain(
             }
         }
         if p.lead > 0 {
-            let mut padding = [0u8; MAX_LEAD];
-            match wire.recv(peer, &mut padding[..p.lead])? {
-                Got::None => return Ok(moved),
-                Got::Eof => return Err(Error::peer_lost(peer, format!("connection to peer rank {peer} closed in the middle of a frame"))),
-                Got::Some(k) => {
-                    p.lead -= k;
-                    moved = true;
-                    continue;
-                }
-            }
+            let Some(k) = read_within_frame(wire, peer, &mut [0u8; MAX_LEAD][..p.lead])? else { return Ok(moved) };
+            p.lead -= k;
+            moved = true;
+            continue;
         }
         let dst = p.inbound.payload(ops);
         if !dst.is_empty() {
-            match wire.recv(peer, dst)? {
-                Got::None => return Ok(moved),
-                Got::Eof => return Err(Error::peer_lost(peer, format!("connection to peer rank {peer} closed in the middle of a frame"))),
-                Got::Some(k) => {
-                    p.inbound.advance(k);
-                    moved = true;
-                }
-            }
+            let Some(k) = read_within_frame(wire, peer, dst)? else { return Ok(moved) };
+            p.inbound.advance(k);
+            moved = true;
         }
         if let Some(payload) = p.inbound.finish(me, peer, ops, done)? {
             // An abort report: the rank to blame, then why.
