@@ -268,7 +268,7 @@ impl Inbound {
         match msg {
             Some(Stashed::Message(msg)) if msg.len() != buf.len() => Err(size_mismatch(peer, me, msg.len(), buf.len(), tag)),
             Some(Stashed::Message(msg)) => {
-                buf.copy_from_slice(&msg);
+                crate::kernels::copy(buf, &msg);
                 self.recycle(msg);
                 Ok(Early::Served)
             }
@@ -387,7 +387,7 @@ impl Inbound {
                     if buf.len() != msg.len() {
                         return Err(size_mismatch(peer, me, msg.len(), buf.len(), f.tag));
                     }
-                    buf.copy_from_slice(&msg);
+                    crate::kernels::copy(buf, &msg);
                     self.recycle(msg);
                     done[i] = true;
                     bind(ops, i, peer);

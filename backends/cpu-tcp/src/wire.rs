@@ -61,7 +61,7 @@ pub struct Header {
 /// The kernel copies a payload between the user's buffer and the pages of
 /// its socket buffers, and a copy whose destination lies 1 to 31 bytes
 /// past its source within a page is some 15 times slower on AMD's Zen
-/// cores ([`weft::kernels::slow_kernel_copy`]). A quiet connection's next
+/// cores ([`weft::kernels::slow_copy_distance`]). A quiet connection's next
 /// frame starts at a page's start (the kernel reuses a page fragment once
 /// everything in it has been read), so a bare 24-byte header put every
 /// payload from a page-aligned buffer 24 bytes past its source: a 1 MiB
@@ -74,7 +74,7 @@ pub struct Header {
 /// or a collective's matching offsets); among those leads, the first that
 /// also suits the receive buffers of `LIKELY_RECEIVES`.
 pub fn lead_for(addr: usize, len: usize) -> usize {
-    use weft::kernels::slow_kernel_copy as slow;
+    use weft::kernels::slow_copy_distance as slow;
     if len < LEAD_FROM {
         return 0;
     }
@@ -154,7 +154,7 @@ mod tests {
 
     #[test]
     fn leads_keep_both_copies_off_the_slow_distance() {
-        use weft::kernels::slow_kernel_copy as slow;
+        use weft::kernels::slow_copy_distance as slow;
         for src in 0..4096 {
             let lead = lead_for(src, 1 << 20);
             assert!(lead <= MAX_LEAD);

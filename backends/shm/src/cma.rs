@@ -17,7 +17,7 @@
 //!
 //! A receiver also refuses (declines) one offer whose copy would run at
 //! the distance where the kernel's copy is slow
-//! ([`weft::kernels::slow_kernel_copy`]: its destination 1 to 31 bytes
+//! ([`weft::kernels::slow_copy_distance`]: its destination 1 to 31 bytes
 //! past the sender's buffer within a page; a 1 MiB read 462-672 µs
 //! instead of 102-116): that message goes inline through the ring (whose
 //! `memcpy`s do not care), and later ones are offered again.

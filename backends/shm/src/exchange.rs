@@ -630,7 +630,7 @@ impl ShmBackend {
         let seq = offer.seq;
         let cell = self.cell(peer, self.rank);
         let dst = st.inbound.payload(ops).as_mut_ptr() as u64;
-        let slow = weft::kernels::slow_kernel_copy(dst as usize, offer.addr as usize);
+        let slow = weft::kernels::slow_copy_distance(dst as usize, offer.addr as usize);
         let cma = self.cma.load(Ordering::Relaxed);
         if !cma || slow {
             if cell.refuse(seq, cma).is_err() {

@@ -182,6 +182,11 @@ impl<B: Bytes> Ring<B> {
         unsafe { &(*self.tail).0 }
     }
 
+    /// Bytes the ring holds when full.
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
     /// Bytes waiting to be read.
     pub fn available(&self) -> usize {
         (self.tail().load(Ordering::Acquire) - self.my_head.load(Ordering::Relaxed)) as usize
@@ -203,7 +208,7 @@ impl<B: Bytes> Ring<B> {
     /// are published every [`PUBLISH`] bytes, so the consumer copies out
     /// while the rest is copied in.
     pub fn write(&self, src: &[u8]) -> usize {
-        self.write_with(src.len(), |at, piece| piece.copy_from_slice(&src[at..at + piece.len()]))
+        self.write_with(src.len(), |at, piece| weft::kernels::copy(piece, &src[at..at + piece.len()]))
     }
 
     /// Producer: write as much of `len` bytes as fits, each piece of free
@@ -260,7 +265,7 @@ impl<B: Bytes> Ring<B> {
             let split = head.len().min(n);
             piece[..split].copy_from_slice(&head[..split]);
             let from = (at + split).saturating_sub(first.len());
-            piece[split..].copy_from_slice(&then[from..from + n - split]);
+            weft::kernels::copy(&mut piece[split..], &then[from..from + n - split]);
         });
         true
     }

@@ -39,7 +39,7 @@ pub fn all_reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> R
             step += 1;
         }
         if in_tmp {
-            buf.copy_from_slice(tmp);
+            crate::kernels::copy(buf, tmp);
         }
         finish(buf, dtype, op, c.size());
     }

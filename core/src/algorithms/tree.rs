@@ -45,7 +45,7 @@ pub fn reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, root: us
     let scaled = matches!(op, ReduceOp::PremulSum(_));
     let mut own = (r != root && children > 0 || scaled).then(|| {
         let mut a = Scratch::take(buf.len());
-        a.copy_from_slice(buf);
+        crate::kernels::copy(&mut a, buf);
         prescale(&mut a, dtype, op);
         a
     });
@@ -77,7 +77,7 @@ pub fn reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, root: us
     }
     finish(acc, dtype, op, w);
     if let Some(a) = &own {
-        buf.copy_from_slice(a);
+        crate::kernels::copy(buf, a);
     }
     Ok(())
 }

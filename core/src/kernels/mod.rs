@@ -14,7 +14,7 @@ mod buffers;
 mod copy;
 
 pub use buffers::{AlignedBuf, Scratch};
-pub use copy::{copy, prefetch, slow_kernel_copy, STREAM_COPY_BYTES};
+pub use copy::{copy, prefetch, slow_copy_distance, STREAM_COPY_BYTES};
 
 /// Arithmetic each element type provides for the reductions.
 trait Arith: Copy {
