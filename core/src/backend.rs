@@ -446,8 +446,9 @@ pub struct OpContext {
     /// ([`Backend::native_algorithms`]).
     pub algorithm: Option<&'static str>,
     /// Bytes per segment of pipelined steps: the op's hint `segment_bytes`,
-    /// else the group's, checked when the op was issued (`None`: core's
-    /// default, [`crate::algorithms::select::SEGMENT_BYTES`]).
+    /// else the group's, checked when the op was issued, else one that fits
+    /// what the backend buffers ([`Backend::buffered_bytes`]; `None`:
+    /// core's default, [`crate::algorithms::select::SEGMENT_BYTES`]).
     pub segment_bytes: Option<usize>,
     /// Device ops: the caller's stream, captured at issue (`None`: the
     /// device's default stream).
@@ -660,6 +661,25 @@ pub trait Backend: Send + Sync {
         64 << 10
     }
 
+    /// How many bytes a send to one peer can hand over before that peer
+    /// has received any (shm: one ring), where the transport has such a
+    /// bound; `None` (the default): no fixed one (sockets). Pipelined
+    /// algorithms keep their segments small enough that the few they keep
+    /// in flight fit ([`crate::algorithms::select::segment_for`]): a send
+    /// that does not fit waits for its receiver to run.
+    fn buffered_bytes(&self) -> Option<usize> {
+        None
+    }
+
+    /// The group's ranks in an order where neighbours share a core or its
+    /// caches (shm: ranks bound to the same CPU next to each other), the
+    /// same on every rank; algorithms that pass data along a line (the
+    /// chain broadcast) follow it, so fewer hops cross cores. `None` (the
+    /// default): rank order.
+    fn rank_order(&self) -> Option<&[usize]> {
+        None
+    }
+
     /// This rank's side of a new window (`spec`), where the backend moves
     /// one-sided bytes itself (shm: shared memory); `None` lets core build
     /// it over [`Backend::post`]ed messages (`crate::window::over_p2p`).
@@ -676,7 +696,7 @@ pub trait Backend: Send + Sync {
 
 /// The transport methods of [`Backend`] for a backend that moves its bytes
 /// with another one (a wrapper: host staging, sparse): `exchange`,
-/// `exchange_gathered`, `progress`, `abort`, `step_bytes` and `native_algorithms`, forwarded to
+/// `exchange_gathered`, `progress`, `abort`, `step_bytes`, `buffered_bytes`, `rank_order` and `native_algorithms`, forwarded to
 /// `self.$inner()`, a method of the wrapper returning `&Arc<dyn Backend>`.
 /// Use inside its `impl Backend`:
 ///
@@ -708,6 +728,12 @@ macro_rules! forward_transport {
         }
         fn step_bytes(&self) -> usize {
             self.$inner().step_bytes()
+        }
+        fn buffered_bytes(&self) -> Option<usize> {
+            self.$inner().buffered_bytes()
+        }
+        fn rank_order(&self) -> Option<&[usize]> {
+            self.$inner().rank_order()
         }
         fn native_algorithms(&self, family: &str) -> &'static [&'static str] {
             self.$inner().native_algorithms(family)

@@ -245,6 +245,12 @@ impl Backend for HierBackend {
     fn step_bytes(&self) -> usize {
         self.flat.backend.step_bytes()
     }
+    fn buffered_bytes(&self) -> Option<usize> {
+        self.flat.backend.buffered_bytes()
+    }
+    fn rank_order(&self) -> Option<&[usize]> {
+        self.flat.backend.rank_order()
+    }
 }
 
 static HIERARCHICAL: Hierarchical = Hierarchical;

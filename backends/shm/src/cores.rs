@@ -1,6 +1,7 @@
-//! Whether a group's ranks outnumber the cores they may run on: then a
-//! waiting rank yields at once instead of spinning (the peer it waits for
-//! may need its core).
+//! Where a group's ranks run: whether they outnumber the cores they may
+//! run on (then a waiting rank yields at once instead of spinning: the
+//! peer it waits for may need its core), and an order of the ranks in
+//! which those bound to the same CPUs follow each other (`Backend::rank_order`).
 //!
 //! Every rank publishes the CPUs it may run on and its own parallelism
 //! (which std caps by a cgroup CPU quota). The cores available to the
@@ -45,9 +46,25 @@ fn capacity(all: &[(Vec<usize>, Option<usize>)]) -> usize {
     union.len().min(quota.unwrap_or(usize::MAX)).max(1)
 }
 
-/// Collective over the group's store: whether its `size` ranks outnumber
-/// the cores they share.
-pub fn oversubscribed(store: &dyn Store, rank: usize, size: usize, timeout: Duration) -> Result<bool> {
+/// The ranks in the order of the CPUs they may run on (then by rank): ranks
+/// bound to one CPU follow each other; ranks that all may run anywhere
+/// (alike sets) stay in rank order.
+fn by_cpus(all: &[(Vec<usize>, Option<usize>)]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..all.len()).collect();
+    order.sort_by(|&a, &b| all[a].0.cmp(&all[b].0));
+    order
+}
+
+/// Where a group's ranks run, the same on every rank.
+pub struct Placement {
+    /// The ranks outnumber the cores they share.
+    pub oversubscribed: bool,
+    /// Ranks bound to the same CPUs next to each other.
+    pub order: Vec<usize>,
+}
+
+/// Collective over the group's store: where its `size` ranks run.
+pub fn placement(store: &dyn Store, rank: usize, size: usize, timeout: Duration) -> Result<Placement> {
     let all = weft::store::all_gather(store, "cpus", rank, size, timeout, encode(&local()).as_bytes())?
         .iter()
         .enumerate()
@@ -55,7 +72,7 @@ pub fn oversubscribed(store: &dyn Store, rank: usize, size: usize, timeout: Dura
             decode(&String::from_utf8_lossy(raw)).ok_or_else(|| Error::backend(format!("shm: rank {r} published a malformed CPU set")))
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(size > capacity(&all))
+    Ok(Placement { oversubscribed: size > capacity(&all), order: by_cpus(&all) })
 }
 
 /// The size of this CPU's level-2 cache (one core's, on current x86), from
@@ -103,6 +120,18 @@ mod tests {
         assert_eq!(decode(&encode(&me)), Some(me.clone()));
         assert!(capacity(&[me]) >= 1);
         assert_eq!(decode("x 1"), None);
+    }
+
+    #[test]
+    fn ranks_bound_to_one_cpu_follow_each_other() {
+        // Eight ranks bound alternately to two CPUs (as `weft run` binds).
+        let alternate: Vec<_> = (0..8).map(|r| (vec![r % 2], None)).collect();
+        assert_eq!(by_cpus(&alternate), [0, 2, 4, 6, 1, 3, 5, 7]);
+        // Unbound ranks, and ranks one per CPU in order: rank order.
+        assert_eq!(by_cpus(&[(vec![0, 1], None), (vec![0, 1], None), (vec![0, 1], None)]), [0, 1, 2]);
+        assert_eq!(by_cpus(&[(vec![0], None), (vec![1], None), (vec![2], None)]), [0, 1, 2]);
+        // Bound in reverse.
+        assert_eq!(by_cpus(&[(vec![3], None), (vec![2], None), (vec![1], None)]), [2, 1, 0]);
     }
 
     #[test]

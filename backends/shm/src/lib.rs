@@ -103,9 +103,9 @@ impl BackendFactory for ShmFactory {
         };
         let agreed = cma::Policy::agreed(&*ctx.store, ctx.rank, ctx.size, left(), forced.is_none())?;
         let cma = forced.unwrap_or(Some(agreed));
-        let oversubscribed = cores::oversubscribed(&*ctx.store, ctx.rank, ctx.size, left())?;
+        let placement = cores::placement(&*ctx.store, ctx.rank, ctx.size, left())?;
         let budget = weft::matching::EarlyBudget::from_env()?;
-        let backend = state::ShmBackend::new(ctx.rank, ctx.size, seg, cap, cma, oversubscribed, budget);
+        let backend = state::ShmBackend::new(ctx.rank, ctx.size, seg, cap, cma, placement, budget);
         Ok(Arc::new_cyclic(|me| backend.knowing(me.clone())))
     }
 }

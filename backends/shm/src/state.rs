@@ -109,6 +109,8 @@ pub struct ShmBackend {
     /// More ranks than cores: a waiting rank yields at once instead of
     /// spinning, since the peer it waits for may need its core.
     pub(crate) oversubscribed: bool,
+    /// Ranks bound to the same CPUs next to each other (`rank_order`).
+    pub(crate) order: Vec<usize>,
     /// This process passes the barrier a napping rank asks for
     /// (`membarrier.rs`): its sends tell their peers without a fence.
     fence_free: bool,
@@ -123,7 +125,7 @@ pub struct ShmBackend {
 impl ShmBackend {
     /// Wrap a mapped segment of `size` ranks with rings of `cap` bytes
     /// (zeroed by its creator); `cma`: which sends go single-copy, if any;
-    /// `oversubscribed`: see `cores`; `budget`: how much of what peers send
+    /// `placement`: see `cores`; `budget`: how much of what peers send
     /// early is kept (see `weft::matching::EarlyBudget`).
     pub fn new(
         rank: usize,
@@ -131,7 +133,7 @@ impl ShmBackend {
         seg: Segment,
         cap: usize,
         cma: Option<crate::cma::Policy>,
-        oversubscribed: bool,
+        placement: crate::cores::Placement,
         budget: weft::matching::EarlyBudget,
     ) -> Self {
         let ctl = rings_at(size);
@@ -156,7 +158,8 @@ impl ShmBackend {
             failed: std::sync::OnceLock::new(),
             cma: std::sync::atomic::AtomicBool::new(cma.is_some()),
             single_copy: cma.unwrap_or(crate::cma::Policy::FAST),
-            oversubscribed,
+            oversubscribed: placement.oversubscribed,
+            order: placement.order,
             fence_free: crate::membarrier::register(),
             l2: crate::cores::l2_bytes(),
             liveness: crate::liveness::Liveness::new(size),

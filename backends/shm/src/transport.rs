@@ -142,6 +142,18 @@ impl Backend for ShmBackend {
         16 << 10
     }
 
+    /// One ring (every ordered pair has one of the same size): 256 KiB at
+    /// W=8, so a chain broadcast's segments shrink to 64 KiB there (see
+    /// `weft::algorithms::select::segment_for`).
+    fn buffered_bytes(&self) -> Option<usize> {
+        Some(self.ring(self.rank, (self.rank + 1) % self.size).capacity())
+    }
+
+    /// By the CPUs the ranks are bound to (`cores::placement`).
+    fn rank_order(&self) -> Option<&[usize]> {
+        Some(&self.order)
+    }
+
     /// Windows in shared memory (`window.rs`).
     fn window(&self, spec: &weft::window::WindowSpec) -> Option<Result<Arc<dyn weft::window::WindowTransport>>> {
         let me = self.me.upgrade()?;

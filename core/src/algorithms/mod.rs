@@ -24,6 +24,7 @@ mod barrier;
 mod chain;
 mod fold;
 mod halving_doubling;
+mod line;
 mod linear;
 mod pairwise;
 mod pipeline;
@@ -101,6 +102,11 @@ impl<'a> Comm<'a> {
     /// The backend's [`Backend::step_bytes`].
     pub fn step_bytes(&self) -> usize {
         self.backend.step_bytes()
+    }
+    /// Where this rank sits along rings and chains (the backend's
+    /// [`Backend::rank_order`]).
+    pub fn line(&self) -> line::Line<'a> {
+        line::Line::new(self.backend.rank_order(), self.size(), self.rank())
     }
     /// Run a batch of point-to-point ops.
     pub fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()> {

@@ -1,6 +1,8 @@
 //! Ring algorithms: reduce-scatter, all-gather, and all-reduce as the two in
 //! sequence. Every rank sends to its right neighbour and receives from its
-//! left, W-1 steps each; blocks may have any size, zero included.
+//! left, W-1 steps each; blocks may have any size, zero included. The ring
+//! runs along [`Comm::line`] (ranks sharing a core next to each other), so
+//! block indices are ranks at positions relative to this rank's.
 
 use super::pipeline::{pipelined_step, split_blocks, Landing, Segments};
 use super::Comm;
@@ -21,7 +23,8 @@ fn reduce_scatter_blocks<'b>(
     op: ReduceOp,
     step0: u32,
 ) -> Result<()> {
-    let (w, r) = (c.size(), c.rank());
+    let (w, line) = (c.size(), c.line());
+    let me = line.me;
     // PremulSum scales each rank's own contribution once, before it is used.
     let scaled: Option<Vec<AlignedBuf>> = matches!(op, ReduceOp::PremulSum(_)).then(|| {
         (0..w)
@@ -48,11 +51,11 @@ fn reduce_scatter_blocks<'b>(
         let mut send_len = 0;
         let c = &c.combining();
         for k in 0..w - 1 {
-            let rb = (r + 2 * w - k - 2) % w;
+            let rb = line.rank(me + 2 * w - k - 2);
             let rlen = block(rb).len();
-            let send: &[u8] = if k == 0 { block((r + w - 1) % w) } else { &sending[..send_len] };
+            let send: &[u8] = if k == 0 { block(line.rank(me + w - 1)) } else { &sending[..send_len] };
             let land: &mut [u8] = if k == w - 2 { &mut *out } else { &mut receiving[..rlen] };
-            pipelined_step(c, step0 + k as u32, ((r + 1) % w, send), ((r + w - 1) % w, rlen, Landing::InPlace(land)), seg, |rp, got| {
+            pipelined_step(c, step0 + k as u32, (line.right(), send), (line.left(), rlen, Landing::InPlace(land)), seg, |rp, got| {
                 reduce_into(got, &block(rb)[rp], dtype, op)
             })?;
             std::mem::swap(&mut sending, &mut receiving);
@@ -68,13 +71,13 @@ fn reduce_scatter_blocks<'b>(
 /// step but an `own` block's sends a block this rank has just written (it
 /// reduced it, or received it in the step before).
 fn all_gather_blocks(c: &Comm<'_>, blocks: &mut [&mut [u8]], own: Option<&[u8]>, step0: u32) -> Result<()> {
-    let (w, r) = (c.size(), c.rank());
-    let (right, left) = ((r + 1) % w, (r + w - 1) % w);
+    let (w, r, line) = (c.size(), c.rank(), c.line());
+    let (right, left, me) = (line.right(), line.left(), line.me);
     if let Some(own) = own {
         crate::kernels::copy(blocks[r], own);
     }
     for k in 0..w.saturating_sub(1) {
-        let (sb, rb) = ((r + w - k) % w, (r + 2 * w - k - 1) % w);
+        let (sb, rb) = (line.rank(me + w - k), line.rank(me + 2 * w - k - 1));
         let [send, recv] = blocks.get_disjoint_mut([sb, rb]).expect("distinct blocks when w > 1");
         // Only step 0 sends this rank's own block.
         let (send, c) = match own {
@@ -111,13 +114,14 @@ pub fn all_reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> R
     // Block i covers elements [n*i/w, n*(i+1)/w): sizes differ by at most one.
     let bounds: Vec<usize> = (0..=w).map(|i| n * i / w * esize).collect();
     prescale(buf, dtype, op);
-    let (right, left) = ((r + 1) % w, (r + w - 1) % w);
+    let line = c.line();
+    let (right, left, me) = (line.right(), line.left(), line.me);
     let largest = bounds[1..].iter().zip(&bounds).map(|(b, a)| b - a).max().unwrap_or(0);
     let seg = Segments::new(c, largest, esize)?;
     let mut tmp = Scratch::take(seg.bytes.min(largest));
     let mut blocks = split_blocks(buf, &bounds);
     for k in 0..w.saturating_sub(1) {
-        let (sb, rb) = ((r + 2 * w - k - 1) % w, (r + 2 * w - k - 2) % w);
+        let (sb, rb) = (line.rank(me + 2 * w - k - 1), line.rank(me + 2 * w - k - 2));
         let [send, acc] = blocks.get_disjoint_mut([sb, rb]).expect("distinct blocks when w > 1");
         let rlen = acc.len();
         pipelined_step(&c.combining(), k as u32, (right, send), (left, rlen, Landing::Scratch(&mut tmp)), seg, |rp, got| {
@@ -170,7 +174,7 @@ pub fn reduce_scatter_gather(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: Red
         return g.send(0, root, &mine);
     }
     let mut blocks = split_blocks(buf, &bounds);
-    blocks[r].copy_from_slice(&mine);
+    crate::kernels::copy(blocks[r], &mine);
     let tag = g.tag(0);
     let mut ops: Vec<crate::backend::P2p<'_>> =
         blocks.iter_mut().enumerate().filter(|(i, _)| *i != r).map(|(peer, b)| crate::backend::P2p::Recv { peer, tag, buf: b }).collect();

@@ -14,11 +14,15 @@ type Queues = HashMap<(usize, usize, u64), VecDeque<Vec<u8>>>;
 pub struct Mailboxes {
     queues: Mutex<Queues>,
     cv: Condvar,
+    /// (source, destination) of every message with a payload.
+    pub hops: Mutex<std::collections::BTreeSet<(usize, usize)>>,
 }
 
 pub struct MailBackend {
     pub rank: usize,
     pub boxes: Arc<Mailboxes>,
+    /// What [`Backend::rank_order`] says.
+    pub order: Option<Vec<usize>>,
 }
 
 impl Backend for MailBackend {
@@ -30,6 +34,9 @@ impl Backend for MailBackend {
         for op in ops.iter() {
             if let P2p::Send { peer, tag, data } = op {
                 self.boxes.queues.lock().unwrap().entry((self.rank, *peer, *tag)).or_default().push_back(data.to_vec());
+                if !data.is_empty() {
+                    self.boxes.hops.lock().unwrap().insert((self.rank, *peer));
+                }
                 self.boxes.cv.notify_all();
             }
         }
@@ -55,6 +62,9 @@ impl Backend for MailBackend {
         Ok(())
     }
     fn abort(&self, _: &Error) {}
+    fn rank_order(&self) -> Option<&[usize]> {
+        self.order.as_deref()
+    }
 }
 
 /// Run `f(rank, backend, ctx)` on `w` threads and collect the results in rank order.
@@ -76,12 +86,24 @@ pub fn run_ranks_with<T: Send>(
     hints: &[(&str, &str)],
     f: impl Fn(usize, &dyn Backend, &OpContext) -> T + Sync,
 ) -> Vec<T> {
+    run_ranks_on(&Arc::default(), None, w, kind, hints, f)
+}
+
+/// As [`run_ranks_with`], over `boxes` (which then show the hops taken),
+/// with a backend that gives `order` as its [`Backend::rank_order`].
+pub fn run_ranks_on<T: Send>(
+    boxes: &Arc<Mailboxes>,
+    order: Option<&[usize]>,
+    w: usize,
+    kind: OpKind,
+    hints: &[(&str, &str)],
+    f: impl Fn(usize, &dyn Backend, &OpContext) -> T + Sync,
+) -> Vec<T> {
     let hints: std::collections::HashMap<String, String> = hints.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-    let boxes = Arc::new(Mailboxes::default());
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..w)
             .map(|rank| {
-                let b = MailBackend { rank, boxes: boxes.clone() };
+                let b = MailBackend { rank, boxes: boxes.clone(), order: order.map(<[usize]>::to_vec) };
                 let (f, hints) = (&f, &hints);
                 s.spawn(move || {
                     let ctx = OpContext {
@@ -217,7 +239,7 @@ mod algorithm_tests {
     use crate::algorithms::run;
     use crate::backend::Op;
     use crate::reduce_op::ReduceOp;
-    use crate::tensor::TensorMut;
+    use crate::tensor::{Tensor, TensorMut};
 
     #[test]
     fn every_all_reduce_and_broadcast_algorithm_at_every_world_size() {
@@ -272,6 +294,80 @@ mod algorithm_tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Rings and chains go along the backend's rank order: data moves only
+    /// between neighbours in it (a chain from its root on, a ring all
+    /// round), and every result is what rank order gives, uneven blocks
+    /// included.
+    #[test]
+    fn rings_and_chains_follow_the_rank_order() {
+        let order = [0, 2, 4, 6, 1, 3, 5, 7];
+        let (w, n) = (8, 1000);
+        let ring: std::collections::BTreeSet<(usize, usize)> = (0..w).map(|k| (order[k], order[(k + 1) % w])).collect();
+        let data = |r: usize, len: usize| -> Vec<i64> { (0..len).map(|i| (r * 1000 + i * 7) as i64).collect() };
+        let on = |kind, hints: &[(&str, &str)], f: &(dyn Fn(usize, &dyn Backend, &OpContext) -> Vec<i64> + Sync)| {
+            let boxes = Arc::default();
+            let out = run_ranks_on(&boxes, Some(&order), w, kind, hints, f);
+            let hops = boxes.hops.lock().unwrap().clone();
+            (out, hops)
+        };
+        for root in 0..w {
+            let (out, hops) = on(OpKind::Broadcast, &[("algorithm", "chain"), ("segment_bytes", "96")], &|r, b, c| {
+                let mut v = data(r, n);
+                run(b, &mut Op::Broadcast { buf: TensorMut::from_slice(&mut v), root }, c).unwrap();
+                v
+            });
+            assert!(out.iter().all(|o| *o == data(root, n)), "chain root {root}");
+            let start = order.iter().position(|&r| r == root).unwrap();
+            let line: std::collections::BTreeSet<_> = (0..w - 1).map(|k| (order[(start + k) % w], order[(start + k + 1) % w])).collect();
+            assert_eq!(hops, line, "chain root {root}: data went between other ranks");
+        }
+        let sum: Vec<i64> = (0..n).map(|i| (0..w).map(|r| data(r, n)[i]).sum()).collect();
+        let (out, hops) = on(OpKind::AllReduce, &[("algorithm", "ring"), ("segment_bytes", "96")], &|r, b, c| {
+            let mut v = data(r, n);
+            run(b, &mut Op::AllReduce { buf: TensorMut::from_slice(&mut v), op: ReduceOp::Sum }, c).unwrap();
+            v
+        });
+        assert!(out.iter().all(|o| *o == sum) && hops == ring, "all_reduce: {hops:?}");
+        // Uneven blocks: rank r gathers i + 3 elements from rank i, and
+        // reduces block i of i + 3 elements.
+        let (out, hops) = on(OpKind::AllGather, &[("algorithm", "ring")], &|r, b, c| {
+            let input = data(r, r + 3);
+            let mut outs: Vec<Vec<i64>> = (0..w).map(|i| vec![0; i + 3]).collect();
+            let views = outs.iter_mut().map(|o| TensorMut::from_slice(o)).collect();
+            run(b, &mut Op::AllGather { input: Tensor::from_slice(&input), outputs: views }, c).unwrap();
+            outs.concat()
+        });
+        let gathered: Vec<i64> = (0..w).flat_map(|i| data(i, i + 3)).collect();
+        assert!(out.iter().all(|o| *o == gathered) && hops == ring, "all_gather: {hops:?}");
+        let (out, hops) = on(OpKind::ReduceScatter, &[], &|r, b, c| {
+            let ins: Vec<Vec<i64>> = (0..w).map(|i| data(r + i, i + 3)).collect();
+            let mut o = vec![0i64; r + 3];
+            let views = ins.iter().map(|v| Tensor::from_slice(v)).collect();
+            run(b, &mut Op::ReduceScatter { inputs: views, output: TensorMut::from_slice(&mut o), op: ReduceOp::Sum }, c).unwrap();
+            o
+        });
+        for (r, o) in out.iter().enumerate() {
+            let e: Vec<i64> = (0..r + 3).map(|i| (0..w).map(|s| data(s + r, r + 3)[i]).sum()).collect();
+            assert_eq!(*o, e, "reduce_scatter rank {r}");
+        }
+        assert_eq!(hops, ring, "reduce_scatter");
+        // Rooted forms over the ring: their last step goes to or from the root.
+        for root in [0, 5] {
+            let (out, _) = on(OpKind::Broadcast, &[("algorithm", "scatter_allgather")], &|r, b, c| {
+                let mut v = data(r, n);
+                run(b, &mut Op::Broadcast { buf: TensorMut::from_slice(&mut v), root }, c).unwrap();
+                v
+            });
+            assert!(out.iter().all(|o| *o == data(root, n)), "scatter_allgather root {root}");
+            let (out, _) = on(OpKind::Reduce, &[("algorithm", "reduce_scatter_gather")], &|r, b, c| {
+                let mut v = data(r, n);
+                run(b, &mut Op::Reduce { buf: TensorMut::from_slice(&mut v), root, op: ReduceOp::Sum }, c).unwrap();
+                v
+            });
+            assert_eq!(out[root], sum, "reduce_scatter_gather root {root}");
         }
     }
 

@@ -1,7 +1,8 @@
 //! What is settled about an op when it is issued, before anything runs:
 //! the algorithm it was told to use (see [`crate::algorithms::select`]),
 //! checked against core's algorithms and those of the backend that serves
-//! it, and the segment size of its pipelined steps. A name that is not
+//! it, and the segment size of its pipelined steps (the op's hint, the
+//! group's, or one that fits what the backend buffers). A name that is not
 //! among them, or a size that is not one, is `InvalidArgument` from the
 //! call that issued the op, on every rank alike, before any byte moves.
 
@@ -19,11 +20,12 @@ impl GroupCore {
         let fail = |e: crate::Error| e.with_op(job.name).with_rank(self.rank);
         // (`is_empty` first: no hashing on the common path.)
         let hint = |key: &str| if opts.hints.is_empty() { None } else { opts.hints.get(key).map(String::as_str) };
-        let natives = self.backend(job.route).map_or(&[][..], |b| b.native_algorithms(family));
+        let backend = self.backend(job.route);
+        let natives = backend.map_or(&[][..], |b| b.native_algorithms(family));
         let algorithm = select::forced(family, hint("algorithm"), &self.algorithms, natives).map_err(fail)?;
         let segment_bytes = match hint("segment_bytes") {
             Some(v) => Some(select::parse_segment_bytes(v).map_err(fail)?),
-            None => self.algorithms.segment_bytes,
+            None => self.algorithms.segment_bytes.or_else(|| select::segment_for(backend.and_then(|b| b.buffered_bytes()))),
         };
         (job.algorithm, job.segment_bytes) = (algorithm, segment_bytes);
         Ok(())
