@@ -15,7 +15,8 @@
 //! | sparse all_reduce | all-gather, recursive doubling with merging, key-range split, or dense | `sparse/` |
 //!
 //! Shared pieces: `pipeline.rs` (segments, a pipelined step, blocks of a
-//! buffer) and `fold.rs` (folding onto a power of two). `select.rs` is the
+//! buffer), `line.rs` (the order rings and chains visit ranks in) and
+//! `fold.rs` (folding onto a power of two). `select.rs` is the
 //! one place an op's algorithm is decided: a name the op, its group or
 //! `WEFT_ALGORITHM` gives (settled and checked when the op is issued,
 //! `group/decide.rs`), else a choice by size.
