@@ -673,9 +673,9 @@ pub trait Backend: Send + Sync {
 
     /// The group's ranks in an order where neighbours share a core or its
     /// caches (shm: ranks bound to the same CPU next to each other), the
-    /// same on every rank; algorithms that pass data along a line (the
-    /// chain broadcast) follow it, so fewer hops cross cores. `None` (the
-    /// default): rank order.
+    /// same on every rank; algorithms that pass data to a neighbour (ring
+    /// and chain: [`crate::algorithms`]' `line.rs`) follow it, so fewer
+    /// hops cross cores. `None` (the default): rank order.
     fn rank_order(&self) -> Option<&[usize]> {
         None
     }

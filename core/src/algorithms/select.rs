@@ -186,7 +186,7 @@ pub fn parse_segment_bytes(v: &str) -> Result<usize> {
 /// The segment size for a transport that hands over at most `buffered`
 /// bytes to a peer before it receives ([`Backend::buffered_bytes`]), where
 /// that calls for less than [`SEGMENT_BYTES`]: a chain keeps
-/// [`super::chain::WINDOW`] segments in flight, so they must fit together,
+/// four segments in flight (`chain.rs`), so they must fit together,
 /// or every send waits for its receiver to run, which oversubscribed
 /// ranks wait long for. Never below 16 KiB (a step's fixed cost).
 ///

@@ -16,18 +16,20 @@ impl GroupCore {
     /// Settle `job`'s algorithm and segment size from `opts` and the
     /// group's setting.
     pub(crate) fn decide(&self, job: &mut Job<'_>, opts: &OpOptions) -> Result<()> {
-        let Some(family) = select::family(job.kind) else { return Ok(()) };
         let fail = |e: crate::Error| e.with_op(job.name).with_rank(self.rank);
         // (`is_empty` first: no hashing on the common path.)
         let hint = |key: &str| if opts.hints.is_empty() { None } else { opts.hints.get(key).map(String::as_str) };
         let backend = self.backend(job.route);
-        let natives = backend.map_or(&[][..], |b| b.native_algorithms(family));
-        let algorithm = select::forced(family, hint("algorithm"), &self.algorithms, natives).map_err(fail)?;
-        let segment_bytes = match hint("segment_bytes") {
+        // Every op with pipelined steps (reduce_scatter too, which has no
+        // choice of algorithm).
+        job.segment_bytes = match hint("segment_bytes") {
             Some(v) => Some(select::parse_segment_bytes(v).map_err(fail)?),
             None => self.algorithms.segment_bytes.or_else(|| select::segment_for(backend.and_then(|b| b.buffered_bytes()))),
         };
-        (job.algorithm, job.segment_bytes) = (algorithm, segment_bytes);
+        if let Some(family) = select::family(job.kind) {
+            let natives = backend.map_or(&[][..], |b| b.native_algorithms(family));
+            job.algorithm = select::forced(family, hint("algorithm"), &self.algorithms, natives).map_err(fail)?;
+        }
         Ok(())
     }
 }
