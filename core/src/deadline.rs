@@ -38,7 +38,21 @@ impl Deadline {
     pub fn get_from(&self, now: Instant) -> Instant {
         *self.at.get_or_init(|| saturating_add(now, self.timeout))
     }
+
+    /// How long a failed op may wait for the device work it queued before
+    /// it returns (that work touches the caller's memory, which is the
+    /// caller's again once the op returns): the deadline, or
+    /// `CLEANUP_GRACE` (5 s) from now if that is later. A timed-out op's own
+    /// deadline has passed, and waiting to it would not wait at all.
+    pub fn for_cleanup(&self) -> Instant {
+        self.get().max(instant_after(CLEANUP_GRACE))
+    }
 }
+
+/// At least this long to let a failed op's queued device work finish
+/// ([`Deadline::for_cleanup`]): copies already queued take milliseconds
+/// unless the device itself hangs.
+pub const CLEANUP_GRACE: Duration = Duration::from_secs(5);
 
 /// `timeout` from now; a timeout past what the clock can hold (a peer's
 /// `u64::MAX` milliseconds, `Duration::MAX`) is a century.
@@ -80,5 +94,14 @@ mod tests {
         let d = Deadline::after(Duration::from_secs(5));
         assert_eq!(d.get_from(fixed), fixed + Duration::from_secs(5));
         assert_eq!(d.get(), fixed + Duration::from_secs(5), "fixed by get_from");
+    }
+
+    #[test]
+    fn cleanup_waits_at_least_the_grace_even_past_the_deadline() {
+        let now = Instant::now();
+        let passed = Deadline::at(now - Duration::from_secs(1));
+        assert!(passed.for_cleanup() >= now + CLEANUP_GRACE, "a timed-out op still waits for its queued work");
+        let far = Deadline::at(now + Duration::from_secs(60));
+        assert_eq!(far.for_cleanup(), now + Duration::from_secs(60));
     }
 }

@@ -160,10 +160,16 @@ fn a_rank_killed_during_cuda_all_reduce_is_reported_by_the_others() {
     }
 }
 
-/// Device memory on the emulated GPU, filled from `data` on `stream`.
-fn upload(g: &dyn Gpu, stream: StreamHandle, data: &[f32]) -> u64 {
+/// Device memory on the emulated GPU, filled from `data` on `stream`
+/// (the copy may still be in flight when this returns).
+///
+/// # Safety
+/// `data` stays alive until `stream` has run the copy (a `download` or
+/// `free` synchronises it): a temporary freed at once would be read after
+/// its memory went to other allocations.
+unsafe fn upload(g: &dyn Gpu, stream: StreamHandle, data: &[f32]) -> u64 {
     let addr = g.alloc(0, data.len() * 4).unwrap();
-    // SAFETY: `data` outlives the synchronisation done by `download`/`free`.
+    // SAFETY: the caller keeps `data` alive until the stream has copied it.
     unsafe { g.copy_htod(stream, addr, data.as_ptr() as *const u8, data.len() * 4).unwrap() };
     addr
 }
@@ -188,7 +194,9 @@ fn ops_are_ordered_after_the_callers_stream_and_wait_orders_it_back() {
             // is issued; the op must see its data, not zeros.
             let n = 4 << 20;
             let data = vec![pg.rank() as f32 + 1.0; n];
-            let addr = upload(&*g, stream, &data);
+            // SAFETY: `data` lives to the end of the closure, after the
+            // stream is synchronised.
+            let addr = unsafe { upload(&*g, stream, &data) };
             // SAFETY: n f32 of device memory, freed below after the stream's work.
             let t = unsafe { weft_cuda_driver::tensor_mut_from_raw(addr, DType::F32, 0, &[n]) }.unwrap();
             let work = pg.all_reduce(t, ReduceOp::Sum, &OpOptions::default().stream(stream)).unwrap();
@@ -216,7 +224,9 @@ fn dropping_an_unwaited_work_blocks_until_the_device_side_is_done() {
         let stream = g.new_stream(0).unwrap();
         let n = 1 << 20;
         let data = vec![1f32; n];
-        let addr = upload(&*g, stream, &data);
+        // SAFETY: `data` lives to the end of the closure, after the stream
+        // is synchronised.
+        let addr = unsafe { upload(&*g, stream, &data) };
         weft::stream::set_current_stream(Some(stream));
         {
             // SAFETY: n f32 of device memory.
@@ -295,8 +305,12 @@ fn cuda_errors_are_typed_and_nothing_hangs() {
             let g = weft_cuda_driver::gpu().unwrap();
             let stream = g.new_stream(0).unwrap();
             let n = if pg.rank() == 0 { 1000 } else { 1100 };
-            // A guard of 64 floats after rank 0's tensor.
-            let addr = upload(&*g, stream, &vec![1f32; n + 64]);
+            // A guard of 64 floats after rank 0's tensor. (`data` outlives
+            // the upload: a temporary freed here, its memory reused before
+            // the stream's late copy ran, once left a guard of garbage.)
+            let data = vec![1f32; n + 64];
+            // SAFETY: `data` lives until after `download` synchronises the stream.
+            let addr = unsafe { upload(&*g, stream, &data) };
             // SAFETY: n f32 of device memory.
             let t = unsafe { weft_cuda_driver::tensor_mut_from_raw(addr, DType::F32, 0, &[n]) }.unwrap();
             let o = OpOptions::default().stream(stream).timeout(Duration::from_secs(5));

@@ -100,7 +100,7 @@ impl DeviceBackend {
         };
         if let Err(e) = r {
             // Nothing queued may outlive the failed op (it touches the caller's memory).
-            let _ = done.synchronize(ctx.deadline.get());
+            let _ = done.synchronize(ctx.deadline.for_cleanup());
             return Err(done.explain(e));
         }
         ctx.completion.set(Arc::new(done));

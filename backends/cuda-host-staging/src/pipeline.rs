@@ -140,7 +140,7 @@ impl Staging {
 
     fn drain(&self, st: &DeviceState, ctx: &OpContext) {
         for s in [st.d2h, st.h2d] {
-            let _ = synchronize_stream(&*self.gpu, st.device, s, ctx.deadline.get(), ctx.name);
+            let _ = synchronize_stream(&*self.gpu, st.device, s, ctx.deadline.for_cleanup(), ctx.name);
         }
     }
 
