@@ -19,9 +19,9 @@ impl<'a> Line<'a> {
     /// `rank`. An `order` that is not a permutation of the ranks is
     /// ignored.
     pub fn new(order: Option<&'a [usize]>, size: usize, rank: usize) -> Line<'a> {
-        let order = order.filter(|o| is_permutation(o, size));
-        let me = order.and_then(|o| o.iter().position(|&r| r == rank)).unwrap_or(rank);
-        Line { order, size, me }
+        let mut line = Line { order: order.filter(|o| is_permutation(o, size)), size, me: 0 };
+        line.me = line.position(rank);
+        line
     }
 
     /// The rank at position `p` (taken modulo the group's size).

@@ -4,6 +4,7 @@
 //! runs along [`Comm::line`] (ranks sharing a core next to each other), so
 //! block indices are ranks at positions relative to this rank's.
 
+use super::line::Line;
 use super::pipeline::{pipelined_step, split_blocks, Landing, Segments};
 use super::Comm;
 use crate::dtype::DType;
@@ -66,12 +67,13 @@ fn reduce_scatter_blocks<'b>(
     Ok(())
 }
 
-/// Ring all-gather: `blocks[rank]` already holds this rank's data, or
-/// `own` does (it is copied in first, but sent from `own` itself). Every
-/// step but an `own` block's sends a block this rank has just written (it
-/// reduced it, or received it in the step before).
-fn all_gather_blocks(c: &Comm<'_>, blocks: &mut [&mut [u8]], own: Option<&[u8]>, step0: u32) -> Result<()> {
-    let (w, r, line) = (c.size(), c.rank(), c.line());
+/// Ring all-gather along `line` (the op's, built once): `blocks[rank]`
+/// already holds this rank's data, or `own` does (it is copied in first,
+/// but sent from `own` itself). Every step but an `own` block's sends a
+/// block this rank has just written (it reduced it, or received it in the
+/// step before).
+fn all_gather_blocks(c: &Comm<'_>, line: Line<'_>, blocks: &mut [&mut [u8]], own: Option<&[u8]>, step0: u32) -> Result<()> {
+    let (w, r) = (c.size(), c.rank());
     let (right, left, me) = (line.right(), line.left(), line.me);
     if let Some(own) = own {
         crate::kernels::copy(blocks[r], own);
@@ -94,7 +96,7 @@ fn all_gather_blocks(c: &Comm<'_>, blocks: &mut [&mut [u8]], own: Option<&[u8]>,
 /// rank has just written pulls every line out of this core's cache, which
 /// measured twice as slow as reading one at rest.
 pub fn all_gather(c: &Comm<'_>, input: &[u8], outputs: &mut [&mut [u8]]) -> Result<()> {
-    all_gather_blocks(c, outputs, Some(input), 0)
+    all_gather_blocks(c, c.line(), outputs, Some(input), 0)
 }
 
 /// `output` = reduction over ranks of their `inputs[rank]`.
@@ -131,7 +133,7 @@ pub fn all_reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> R
     // After W-1 steps this rank holds the full reduction of block r.
     finish(blocks[r], dtype, op, w);
     drop(tmp);
-    all_gather_blocks(c, &mut blocks, None, w as u32)
+    all_gather_blocks(c, line, &mut blocks, None, w as u32)
 }
 
 /// Broadcast for large buffers: the root scatters W blocks (one to each
@@ -152,7 +154,7 @@ pub fn broadcast_scatter_allgather(c: &Comm<'_>, buf: &mut [u8], root: usize) ->
         c.recv(0, root, &mut buf[bounds[r]..bounds[r + 1]])?;
     }
     let mut blocks = split_blocks(buf, &bounds);
-    all_gather_blocks(c, &mut blocks, None, 1)
+    all_gather_blocks(c, c.line(), &mut blocks, None, 1)
 }
 
 /// Reduce for large buffers: a ring reduce-scatter leaves block i reduced on
