@@ -23,6 +23,7 @@ that time over weft's (1.0: the op costs one plain copy of its buffer).
 
 Usage: bench/compare/compare.py [--world 2] [--rounds 5] [--backend cpu-tcp]
        [--ops all_reduce,...] [--sizes 8,1048576,67108864] [--iters 10]
+       [--tools weft,gloo,mpi-tcp,mpi-shm,copy]
        [--warmup 20] [--timing window|span]
 Needs: apt-get install libgloo-dev openmpi-bin libopenmpi-dev g++
 """
@@ -30,6 +31,10 @@ import argparse, os, statistics, subprocess, sys, tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+# Every tool compare.py can run, in the order each round runs them.
+TOOLS = ["weft", "gloo", "mpi-tcp", "mpi-shm", "copy"]
 
 
 def sh(cmd, **kw):
@@ -107,6 +112,8 @@ def main():
     p.add_argument("--backend", default="cpu-tcp")
     p.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,p2p,sendrecv,barrier")
     p.add_argument("--sizes", default="8,1048576,67108864")
+    p.add_argument("--tools", default=",".join(TOOLS),
+                   help="which tools run, comma-separated (weft always does): e.g. weft,mpi-shm for the shm anchor alone")
     p.add_argument("--out", default=os.path.join(ROOT, "target", "compare"))
     p.add_argument("--timing", choices=["window", "span"], default="window",
                    help="window: the slowest rank's own time; span: first rank's start to last rank's end (one host)")
@@ -115,6 +122,9 @@ def main():
     p.add_argument("--bind", action="store_true",
                    help="bind every tool's ranks to cores round-robin (Open MPI: --bind-to core:overload-allowed --map-by core)")
     a = p.parse_args()
+    chosen = set(a.tools.split(",")) | {"weft"}
+    if chosen - set(TOOLS):
+        p.error(f"unknown tools {sorted(chosen - set(TOOLS))}; known: {', '.join(TOOLS)}")
     build(a.out)
     weft = os.path.join(ROOT, "target", "release", "weft")
     tools = {
@@ -124,6 +134,7 @@ def main():
         "mpi-shm": lambda s: run_mpi(a, s, a.out, "vader,self"),
         "copy": lambda s: run_copy(a, s, weft),
     }
+    tools = {t: run for t, run in tools.items() if t in chosen}
     samples = {}  # (tool, op, bytes) -> [median_us per round]
     for rnd in range(a.rounds):
         for size in [int(s) for s in a.sizes.split(",")]:
