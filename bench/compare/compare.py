@@ -41,11 +41,15 @@ def sh(cmd, **kw):
     return subprocess.run(cmd, check=True, capture_output=True, text=True, **kw).stdout
 
 
-def build(out):
+def build(out, tools):
+    """Build weft and the anchors among `tools` (so a run without Gloo
+    needs no libgloo-dev)."""
     os.makedirs(out, exist_ok=True)
     sh(["cargo", "build", "--release", "-q", "-p", "weft-cli"], cwd=ROOT)
-    sh(["g++", "-O2", "-std=c++17", "-o", f"{out}/gloo_bench", f"{HERE}/gloo_bench.cc", "-lgloo", "-lpthread"])
-    sh(["mpicc", "-O2", "-o", f"{out}/mpi_bench", f"{HERE}/mpi_bench.c"])
+    if "gloo" in tools:
+        sh(["g++", "-O2", "-std=c++17", "-o", f"{out}/gloo_bench", f"{HERE}/gloo_bench.cc", "-lgloo", "-lpthread"])
+    if tools & {"mpi-tcp", "mpi-shm"}:
+        sh(["mpicc", "-O2", "-o", f"{out}/mpi_bench", f"{HERE}/mpi_bench.c"])
 
 
 def parse_lines(text):
@@ -125,7 +129,7 @@ def main():
     chosen = set(a.tools.split(",")) | {"weft"}
     if chosen - set(TOOLS):
         p.error(f"unknown tools {sorted(chosen - set(TOOLS))}; known: {', '.join(TOOLS)}")
-    build(a.out)
+    build(a.out, chosen)
     weft = os.path.join(ROOT, "target", "release", "weft")
     tools = {
         "weft": lambda s: run_weft(a, s, weft),
