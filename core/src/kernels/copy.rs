@@ -163,11 +163,10 @@ mod tests {
             src.iter_mut().enumerate().for_each(|(i, b)| *b = (i * 13 + i / 509) as u8 | 1);
             // `dst` starts `room` (whole pages) past `src`: `dist` more is
             // that far past it within a page.
-            let at = dist;
-            assert!(slow_copy_distance(dst[at..].as_ptr() as usize, src.as_ptr() as usize), "{len}/{dist}");
-            copy(&mut dst[at..at + len], &src[..len]);
-            assert!(dst[at..at + len] == src[..len], "len {len}, distance {dist}");
-            assert!(dst[..at].iter().chain(&dst[at + len..]).all(|b| *b == 0), "len {len}: wrote outside");
+            assert!(slow_copy_distance(dst[dist..].as_ptr() as usize, src.as_ptr() as usize), "{len}/{dist}");
+            copy(&mut dst[dist..dist + len], &src[..len]);
+            assert!(dst[dist..dist + len] == src[..len], "len {len}, distance {dist}");
+            assert!(dst[..dist].iter().chain(&dst[dist + len..]).all(|b| *b == 0), "len {len}: wrote outside");
         }
     }
 }
