@@ -59,13 +59,21 @@ fn killing_any_rank_at_any_moment_of_shm_setup_leaves_nothing_behind() {
             .collect();
         (server, ranks)
     };
-    // How long a whole run takes here.
-    let start = std::time::Instant::now();
-    let (_store, ranks) = world();
-    for mut r in ranks {
-        assert!(r.wait().expect("wait").success());
-    }
-    let run = start.elapsed().as_micros() as u64;
+    // How long a whole run takes here: the fastest of three, as the
+    // trials run warm (in one CI run a first, cold run took 51 ms where
+    // warm ones take 18-26, and only 21 of the 60 kills, spread over
+    // 51 ms, came before the victim's end).
+    let run = (0..3)
+        .map(|_| {
+            let start = std::time::Instant::now();
+            let (_store, ranks) = world();
+            for mut r in ranks {
+                assert!(r.wait().expect("wait").success());
+            }
+            start.elapsed().as_micros() as u64
+        })
+        .min()
+        .expect("three runs");
     // One rank (each in turn) is killed at a moment spread over that time
     // (the store rendezvous, the segment's creation and opening, the
     // first ops), the others a little later, as a launcher tears a failed
