@@ -6,6 +6,7 @@
 //! rest, as for Rust callers.
 
 use crate::errors::{setup_to_py, to_py};
+use crate::health::Health;
 use crate::store::PyStore;
 use crate::tensor::{views, views_mut, Desc};
 use crate::work::PyWork;
@@ -20,6 +21,14 @@ use weft::{Collectives, GroupOptions, OpOptions, P2pOp, ProcessGroup, ReduceOp, 
 #[pyclass(frozen, module = "weft._weft", name = "Group")]
 pub struct PyGroup {
     pg: ProcessGroup,
+    /// The worst communication error its ops have met (`get_error`).
+    health: Health,
+}
+
+impl From<ProcessGroup> for PyGroup {
+    fn from(pg: ProcessGroup) -> Self {
+        PyGroup { pg, health: Health::default() }
+    }
 }
 
 /// `store` under the prefix of the group called `name`, claimed by its
@@ -97,6 +106,7 @@ impl PyGroup {
             // It has finished: its error is the call's, as for a blocking
             // torch call.
             if let Some(e) = work.error() {
+                self.health.record(e.kind());
                 return Err(to_py(e));
             }
             work
@@ -106,7 +116,7 @@ impl PyGroup {
             // has finished; the Python side does not touch them meanwhile.
             op(&Issuer::Background(unsafe { self.pg.unscoped() }), &options)?
         };
-        Ok(PyWork::new(work, keep, None))
+        Ok(PyWork::new(work, keep, None).watched(&self.health))
     }
 }
 
@@ -149,7 +159,7 @@ impl PyGroup {
                 ProcessGroup::new(store, rank, size, options)
             })
             .map_err(setup_to_py)?;
-        Ok(PyGroup { pg })
+        Ok(PyGroup::from(pg))
     }
 
     /// This rank.
@@ -181,7 +191,7 @@ impl PyGroup {
         // after numbering the split, so every rank stays in step).
         let ranks: Vec<usize> = ranks.iter().map(|&r| usize::try_from(r).unwrap_or(usize::MAX)).collect();
         let sub = py.detach(|| self.pg.join_split(&ranks)).map_err(setup_to_py)?;
-        Ok(sub.map(|pg| PyGroup { pg }))
+        Ok(sub.map(PyGroup::from))
     }
 
     /// A window whose memory starts as a copy of `init` (a host or CUDA
@@ -196,6 +206,43 @@ impl PyGroup {
     /// End every in-flight op with an error and fail later ones.
     fn abort(&self) {
         self.pg.abort();
+    }
+
+    /// The worst communication error this group's ops have met, as torch's
+    /// `ErrorType` value: 0 none, 1 timeout, 2 a transport failure or an
+    /// abort, 3 a peer lost. A bad argument does not count.
+    fn error_code(&self) -> u8 {
+        self.health.code()
+    }
+
+    /// Fail this rank's pending and later ops, and make peers' ops with it
+    /// fail (see `ProcessGroup::revoke`): what comes before a shrink that
+    /// must not wait for ops in flight.
+    fn revoke(&self) {
+        self.pg.revoke();
+    }
+
+    /// A new group of the survivors (see `ProcessGroup::shrink`), leaving
+    /// out `exclude` and every rank found dead, waiting at most `wait`
+    /// seconds for ranks not heard from; with the ranks of this group it
+    /// holds (in their new order). Every survivor calls it.
+    #[pyo3(signature = (exclude, wait = None))]
+    fn shrink(&self, py: Python<'_>, exclude: Vec<usize>, wait: Option<f64>) -> PyResult<(PyGroup, Vec<usize>)> {
+        let mut opts = weft::ShrinkOptions::default().exclude(exclude);
+        if let Some(w) = wait.filter(|w| *w > 0.0) {
+            opts = opts.wait(Duration::from_secs_f64(w));
+        }
+        let rank = self.pg.rank() as u64;
+        let (pg, members) = py
+            .detach(|| {
+                let pg = self.pg.shrink(&opts)?;
+                // Who is in it: each member's rank in this group.
+                let mut members = vec![0u64; pg.size()];
+                pg.all_gather_single(&mut members[..], &[rank][..], &OpOptions::default())?.wait()?;
+                Ok::<_, weft::Error>((pg, members))
+            })
+            .map_err(to_py)?;
+        Ok((PyGroup::from(pg), members.into_iter().map(|r| r as usize).collect()))
     }
 
     /// Send `t` to `dst` under `tag`.
@@ -348,6 +395,6 @@ impl PyGroup {
         // SAFETY: as `issue`.
         let u = unsafe { self.pg.unscoped() };
         let work = u.all_reduce_sparse(slot, input, op, &call.options).map_err(to_py)?;
-        Ok(PyWork::new(work, call.keep, Some(out)))
+        Ok(PyWork::new(work, call.keep, Some(out)).watched(&self.health))
     }
 }

@@ -5,6 +5,7 @@
 
 mod errors;
 mod group;
+mod health;
 mod store;
 mod tensor;
 mod window;

@@ -7,6 +7,7 @@
 //! torch futures.
 
 use crate::errors::to_py;
+use crate::health::Health;
 use pyo3::prelude::*;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -27,13 +28,30 @@ struct Flight {
 #[pyclass(frozen, module = "weft._weft", name = "Work")]
 pub struct PyWork {
     flight: Option<Flight>,
+    /// The group's error record, which this op's failure updates once
+    /// Python learns of it.
+    health: Option<Health>,
 }
 
 impl PyWork {
     /// The handle of `work`, which uses the tensors `keep` holds (and
     /// writes `sparse`, if any) until it has finished.
     pub fn new(work: weft::Work<'static>, keep: Py<PyAny>, sparse: Option<Box<SparseCoo>>) -> PyWork {
-        PyWork { flight: Some(Flight { work, sparse, _keep: keep }) }
+        PyWork { flight: Some(Flight { work, sparse, _keep: keep }), health: None }
+    }
+
+    /// The same, recording a failure in `health` (the group's).
+    pub fn watched(mut self, health: &Health) -> PyWork {
+        self.health = Some(health.clone());
+        self
+    }
+
+    /// `e` as a Python exception, recorded in the group's health first.
+    fn fail(&self, e: weft::Error) -> PyErr {
+        if let Some(h) = &self.health {
+            h.record(e.kind());
+        }
+        to_py(e)
     }
 
     fn work(&self) -> &weft::Work<'static> {
@@ -52,13 +70,13 @@ impl PyWork {
         if w.is_completed() {
             // Nothing to block on (a direct op; a CUDA op's wait only
             // orders torch's stream): no hand-over of the GIL.
-            return w.wait().map(|()| true).map_err(to_py);
+            return w.wait().map(|()| true).map_err(|e| self.fail(e));
         }
         py.detach(|| match timeout {
             None => w.wait().map(|()| true),
             Some(t) => w.wait_timeout(Duration::from_secs_f64(t.max(0.0))),
         })
-        .map_err(to_py)
+        .map_err(|e| self.fail(e))
     }
 
     /// As `wait`, then block the host until the device side of a CUDA op
@@ -75,7 +93,7 @@ impl PyWork {
 
     /// The op's error once it has failed, else None.
     fn exception(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        self.work().error().map(|e| to_py(e).into_value(py).into_any())
+        self.work().error().map(|e| self.fail(e).into_value(py).into_any())
     }
 
     /// For a receive from any rank: the sender, once it has finished.

@@ -64,18 +64,22 @@ def device_spec(rank, world, spec):
     t = torch.ones(5)
     w = dist.all_reduce(t, async_op=True)
     w.wait()
-    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
-    shape = type(backend).__module__ + "." + type(backend).__name__
+    group = type(dist.group.WORLD).__module__ + "." + type(dist.group.WORLD).__name__
+    backend = type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__
+    types = sorted(d.type for d in dist.group.WORLD._device_types)
     dist.destroy_process_group()
-    return t[0].item(), shape
+    return t[0].item(), group, backend, types
 
 
 def test_device_specs():
-    """Where weft serves every device it is the whole group; in a mixed spec
-    it is the CPU backend inside c10d's group."""
-    assert run(device_spec, 2, "cpu:weft", init=False)[0] == (2.0, "weft._backend.ProcessGroup")
-    assert run(device_spec, 2, "cuda:weft", init=False)[0] == (2.0, "weft._backend.ProcessGroup")
-    assert run(device_spec, 2, "cpu:weft,cuda:gloo", init=False)[0] == (2.0, "weft._backend.Backend")
+    """Where weft serves every device it is the whole group, with its
+    Backend registered for each device weft serves (CPU always); in a mixed
+    spec it is the CPU backend inside c10d's group."""
+    for spec in ("cpu:weft", "cuda:weft"):
+        value, group, backend, types = run(device_spec, 2, spec, init=False)[0]
+        assert (value, group, backend) == (2.0, "weft._backend.ProcessGroup", "Backend") and "cpu" in types
+    value, group, backend, types = run(device_spec, 2, "cpu:weft,cuda:gloo", init=False)[0]
+    assert (value, backend) == (2.0, "Backend") and group.endswith("ProcessGroup") and not group.startswith("weft")
 
 
 def options(rank, world):

@@ -272,7 +272,7 @@ class Comm:
         direct = not async_op and not p2p
         call = (s.keep, _seconds(timeout), _hints(hints), direct)
         native = self._guard(fn, *args, call)
-        w = Ops._work(s, [native], outputs, call, self._failed if self._abort else None)
+        w = Ops._work_of(s, [native], outputs, call, self._failed if self._abort else None)
         if direct:
             return w
         if len(self._inflight) >= 64:

@@ -104,10 +104,35 @@ class Ops:
         return (s.keep, self._timeout, None, False)
 
     @staticmethod
-    def _work(s: Staged, natives, outputs, call: tuple, on_error=None) -> Work:
+    def _work_of(s: Staged, natives, outputs, call: tuple, on_error=None) -> Work:
         """The Work of ops issued with `call` (finished already if direct);
         `on_error` sees a failure of one that was not."""
         return Work(natives, outputs, s.finish if s.needs_finish else None, done=call[3], on_error=on_error)
+
+    def _work(self, s: Staged, natives, outputs, call: tuple) -> Work:
+        """`_work_of` for this group's ops: while the group coalesces, the
+        batch's Work covers them too."""
+        batch = self._shared.get("batch")
+        if batch is not None:
+            batch.natives.extend(natives)
+        return Work(natives, outputs, s.finish if s.needs_finish else None, done=call[3])
+
+    # -- coalescing (see `start_coalescing`) ---------------------------------
+
+    @staticmethod
+    def _new_batch() -> _Batch:
+        return _Batch()
+
+    def _issue_batch(self, batch: _Batch) -> Work:
+        """Issue a batch's sends and receives as one native batch; its Work
+        (the one its sends and receives returned) covers them and the
+        collectives issued while it was open."""
+        s = batch.staged
+        natives = list(batch.natives)
+        if batch.p2p:
+            natives.append(self._native.batch_p2p(batch.p2p, (s.keep, self._timeout, None, False)))
+        batch.work._rebind(natives, batch.outputs, s.finish if s.needs_finish else None)
+        return batch.work
 
     # -- collectives -------------------------------------------------------
 
@@ -121,7 +146,29 @@ class Ops:
         return self._work(s, natives, list(tensors), call)
 
     def allreduce_coalesced(self, tensors, opts=None):
-        return self.allreduce(tensors, opts or c10d.AllreduceCoalescedOptions())
+        """Several tensors reduced as one op (torch's coalesced all_reduce
+        and `_coalescing_manager`): tensors of one dtype and device are
+        packed into one buffer, reduced once, and unpacked, as gloo does;
+        else one op per tensor under one Work."""
+        opts = opts or c10d.AllreduceCoalescedOptions()
+        if len(tensors) < 2 or tensors[0].is_sparse or any(t.dtype != tensors[0].dtype or t.device != tensors[0].device for t in tensors):
+            return self.allreduce(tensors, opts)
+        name = reduce_name(opts.reduceOp)
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        s, call = self._begin(opts)
+        native = self._native.all_reduce(s.output(flat), name, call)
+
+        def unpack():
+            at = 0
+            for t in tensors:
+                n = t.numel()
+                t.copy_(flat[at : at + n].view_as(t))
+                at += n
+
+        batch = self._shared.get("batch")
+        if batch is not None:
+            batch.natives.append(native)
+        return Work([native], list(tensors), unpack, done=call[3])
 
     def _allreduce_sparse(self, tensors, name, opts):
         if len(tensors) != 1:
@@ -234,6 +281,26 @@ class Ops:
         native = self._native.gather(outs, s.input(x), opts.rootRank, call)
         return self._work(s, [native], list(output_lists), call)
 
+    def gather_single(self, output, input, opts=None):
+        """At the root, `output` (``[W * n]`` or ``[W, *input.shape]``)
+        receives rank i's `input` in its i-th part; elsewhere `output` is
+        not touched (torch's ``gather_single`` / ``gather_into_tensor``)."""
+        opts = opts or c10d.GatherOptions()
+        s, call = self._begin(opts)
+        root = opts.rootRank
+        if self.rank() == root:
+            world = self.size()
+            if output.numel() != input.numel() * world:
+                raise ValueError(f"weft: gather_single's output has {output.numel()} elements, not {world} x {input.numel()}")
+            if output.dtype != input.dtype:
+                raise TypeError(f"weft: gather_single's output is {output.dtype}, its input {input.dtype}")
+            parts = list(s.staged_output(output).view(world, -1).unbind(0))
+            outs = [s.output(p) for p in parts]
+        else:
+            outs = []
+        native = self._native.gather(outs, s.input(input), root, call)
+        return self._work(s, [native], [output], call)
+
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts or c10d.ScatterOptions()
         s, call = self._begin(opts)
@@ -249,12 +316,18 @@ class Ops:
     # -- point to point ----------------------------------------------------
 
     def send(self, tensors, dst, tag=0):
+        batch = self._shared.get("batch")
+        if batch is not None:
+            return batch.add(True, tensors, dst, tag)
         s = Staged()
         call = self._p2p_call(s)
         natives = [self._native.send(s.input(x), dst, tag, call) for x in tensors]
         return self._work(s, natives, list(tensors), call)
 
     def recv(self, tensors, src, tag=0):
+        batch = self._shared.get("batch")
+        if batch is not None:
+            return batch.add(False, tensors, src, tag)
         s = Staged()
         call = self._p2p_call(s)
         natives = [self._native.recv(s.output(x), src, tag, call) for x in tensors]
@@ -265,6 +338,28 @@ class Ops:
         call = self._p2p_call(s)
         natives = [self._native.recv_any(s.output(x), tag, call) for x in tensors]
         return self._work(s, natives, list(tensors), call)
+
+
+class _Batch:
+    """Sends and receives collected while a group coalesces, issued as one
+    native batch at its end. Each returns the batch's Work, which completes
+    with the whole batch (ask it after the batch has ended)."""
+
+    __slots__ = ("p2p", "staged", "natives", "outputs", "work")
+
+    def __init__(self):
+        self.p2p: list = []
+        self.staged = Staged()
+        self.natives: list = []
+        self.outputs: list = []
+        self.work = Work([], [])
+
+    def add(self, send: bool, tensors, peer: int, tag: int) -> Work:
+        for x in tensors:
+            desc = self.staged.input(x) if send else self.staged.output(x)
+            self.p2p.append((send, desc, peer, tag))
+            self.outputs.append(x)
+        return self.work
 
 
 def _replace_sparse(x: torch.Tensor, out: torch.Tensor) -> None:

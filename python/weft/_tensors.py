@@ -81,6 +81,19 @@ class Staged:
         self.keep.append(t)
         return desc(t)
 
+    def staged_output(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` itself if contiguous, else a contiguous copy copied back by
+        `finish` (for an output weft writes through views of its parts)."""
+        if t.layout is not _STRIDED:
+            raise ValueError(f"weft: expected a dense tensor, got layout {t.layout}")
+        if t.is_contiguous():
+            return t
+        c = t.contiguous()
+        if self._back is None:
+            self._back = []
+        self._back.append((t, c))
+        return c
+
     def inputs(self, ts) -> list:
         return [self.input(t) for t in ts]
 

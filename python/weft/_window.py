@@ -1,4 +1,6 @@
-"""TorchComm's windows (``comm.new_window()``) on weft's one-sided windows.
+"""One-sided windows on weft's: TorchComm's (``comm.new_window()``) and
+torch.distributed's (``pg.new_window()`` on a weft group), one class for
+both.
 
 A window registers one tensor per rank, collectively
 (:meth:`Window.tensor_register`). Peers then :meth:`~Window.put` into it
@@ -22,13 +24,19 @@ ordered on torch's current stream, a signal is ordered after the work
 queued on it, and once ``wait_signal`` returns, work queued on the current
 stream sees the origin's puts. Every call raises the torch.distributed
 exception types of ``weft._errors``.
+
+torch's option objects (``PutOptions``, ``SignalOptions``,
+``WaitSignalOptions``) are taken where torch passes them, after
+``async_op``: their ``timeout`` bounds the call (unset: the group's), and
+hints weft does not know are ignored. ``tensor_register``'s ``owning``
+changes nothing on weft: the window's memory is weft's own either way, and
+the registered tensor views it until deregistration.
 """
 
 from __future__ import annotations
 
 import ctypes
-import enum
-from dataclasses import dataclass
+import threading
 
 import torch
 
@@ -36,21 +44,84 @@ from . import _weft
 from ._tensors import Staged
 from ._work import Work, _seconds
 
-
-class WindowAccessType(enum.Enum):
-    """How a peer's registered memory is reached from this rank."""
-
-    #: Mapped in this process: :meth:`Window.map_remote_tensor` works.
-    UNIFIED = "unified"
-    #: Reached by puts and gets only.
-    SEPARATE = "separate"
+_c10d = torch._C._distributed_c10d
 
 
-@dataclass(frozen=True)
-class WindowAttr:
-    """What :meth:`Window.get_attr` says about a peer."""
+def _timeout_of(opts, timeout):
+    """A call's timeout in seconds: `timeout` (TorchComm's keyword), else
+    that of torch's option object `opts`, else None (the group's)."""
+    if timeout is None and opts is not None:
+        timeout = getattr(opts, "timeout", None)
+    return _seconds(timeout)
 
-    access_type: WindowAccessType
+
+class _Waiting:
+    """A window's `wait_signal` running on a thread of its own, as the
+    native op a Work watches (`is_completed`, `wait`, `exception`)."""
+
+    def __init__(self, fn, *args):
+        self._error = None
+        self._done = threading.Event()
+        self._notify = None
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, args=(fn, args), name="weft-wait-signal", daemon=True).start()
+
+    def _run(self, fn, args):
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - reported through the work
+            self._error = e
+        with self._lock:
+            self._done.set()
+            notify = self._notify
+        if notify is not None:
+            notify()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout=None) -> bool:
+        if not self._done.wait(timeout):
+            return False
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def exception(self):
+        return self._error
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def source(self):
+        return None
+
+    def notify(self, wid: int) -> None:
+        from ._work import _completer
+
+        with self._lock:
+            if not self._done.is_set():
+                self._notify = lambda: _completer._finish(wid)
+                return
+        _completer._finish(wid)
+
+
+#: How a peer's registered memory is reached from this rank: torch's
+#: enum, ``UNIFIED`` (mapped in this process: :meth:`Window.map_remote_tensor`
+#: works) or ``SEPARATE`` (reached by puts and gets only).
+WindowAccessType = _c10d.WindowAccessType
+
+#: What :meth:`Window.get_attr` says about a peer (torch's type):
+#: ``access_type``.
+WindowAttr = _c10d.WindowAttr
+
+_ACCESS = {"unified": WindowAccessType.UNIFIED, "separate": WindowAccessType.SEPARATE}
+
+
+def _attr(access: str) -> WindowAttr:
+    a = WindowAttr()
+    a.access_type = _ACCESS[access]
+    return a
 
 
 class _DeviceBytes:
@@ -89,16 +160,19 @@ class Window:
     :meth:`weft.Comm.new_window`, used once a tensor is registered."""
 
     def __init__(self, comm):
+        # `comm`: a weft.Comm or a weft torch group (its `_native` group
+        # and `_guard`, which calls a native method).
         self._comm = comm
         self._native = None
         self._tensor: torch.Tensor | None = None
 
     # -- registration ------------------------------------------------------
 
-    def tensor_register(self, tensor: torch.Tensor) -> None:
+    def tensor_register(self, tensor: torch.Tensor, owning: bool = True) -> None:
         """Register ``tensor`` (collective: every rank registers one; sizes
         may differ). Its contents move into the window's memory and the
-        tensor views that memory from now on."""
+        tensor views that memory from now on (so ``owning`` changes
+        nothing)."""
         if self._native is not None:
             raise ValueError("weft: this window already has a registered tensor")
         if not isinstance(tensor, torch.Tensor) or not (tensor.is_cpu or tensor.is_cuda):
@@ -140,42 +214,47 @@ class Window:
 
     # -- one-sided ops -----------------------------------------------------
 
-    def put(self, tensor: torch.Tensor, dst_rank: int, target_offset_nelems: int, async_op: bool, hints=None, timeout=None) -> Work:
+    def put(self, tensor: torch.Tensor, dst_rank: int, target_offset_nelems: int, async_op: bool, opts=None, hints=None, timeout=None) -> Work:
         """Write ``tensor`` into rank ``dst_rank``'s registered tensor from
         element ``target_offset_nelems`` on (of the registered dtype). The
         Work finishes once ``tensor`` may be reused; the target sees the
-        data after a later :meth:`signal`."""
+        data after a later :meth:`signal`. A put past the end of the
+        target's tensor is refused (``ValueError``)."""
         native = self._registered()
         s = Staged()
-        op = self._comm._guard(native.put, s.input(tensor), dst_rank, self._offset(target_offset_nelems), s.keep, _seconds(timeout))
+        op = self._comm._guard(native.put, s.input(tensor), dst_rank, self._offset(target_offset_nelems), s.keep, _timeout_of(opts, timeout))
         return self._work(op, async_op)
 
-    def get(self, tensor: torch.Tensor, src_rank: int, source_offset_nelems: int, async_op: bool, hints=None, timeout=None) -> Work:
+    def get(self, tensor: torch.Tensor, src_rank: int, source_offset_nelems: int, async_op: bool, opts=None, hints=None, timeout=None) -> Work:
         """Read rank ``src_rank``'s registered tensor from element
         ``source_offset_nelems`` into ``tensor`` (a weft extension)."""
         native = self._registered()
         s = Staged()
         out = s.output(tensor)
-        op = self._comm._guard(native.get, out, src_rank, self._offset(source_offset_nelems), s.keep, _seconds(timeout))
+        op = self._comm._guard(native.get, out, src_rank, self._offset(source_offset_nelems), s.keep, _timeout_of(opts, timeout))
         work = Work([op], [tensor], s.finish if s.needs_finish else None)
         if not async_op:
             work.wait()
         return work
 
-    def signal(self, dst_rank: int, async_op: bool, hints=None, timeout=None) -> Work:
+    def signal(self, dst_rank: int, async_op: bool, opts=None, hints=None, timeout=None) -> Work:
         """Tell ``dst_rank`` that this rank's earlier puts to it are done."""
         native = self._registered()
         self._on_stream()
-        return self._work(self._comm._guard(native.signal, dst_rank, None, _seconds(timeout)), async_op)
+        return self._work(self._comm._guard(native.signal, dst_rank, None, _timeout_of(opts, timeout)), async_op)
 
-    def wait_signal(self, peer_rank: int, async_op: bool, hints=None, timeout=None) -> Work:
+    def wait_signal(self, peer_rank: int, async_op: bool, opts=None, hints=None, timeout=None) -> Work:
         """Wait for a signal from ``peer_rank`` (one no earlier wait took);
-        then its puts before the signal are in the registered tensor. The
-        wait happens in this call (the GIL released) either way; the Work
-        returned has finished."""
+        then its puts before the signal are in the registered tensor.
+        Synchronous, the call waits (the GIL released); with ``async_op``
+        it returns at once and its Work completes once the signal has
+        arrived (wait on it before reading the data)."""
         native = self._registered()
         self._on_stream()
-        self._comm._guard(native.wait_signal, peer_rank, 1, _seconds(timeout))
+        secs = _timeout_of(opts, timeout)
+        if async_op:
+            return Work([_Waiting(self._comm._guard, native.wait_signal, peer_rank, 1, secs)], [])
+        self._comm._guard(native.wait_signal, peer_rank, 1, secs)
         return Work([], [], done=True)
 
     def _work(self, op, async_op: bool) -> Work:
@@ -199,12 +278,14 @@ class Window:
         return _memory(native, address, self._tensor.dtype, (n,), self._tensor.device)
 
     def get_attr(self, peer_rank: int) -> WindowAttr:
-        """How ``peer_rank``'s memory is reached from this rank."""
-        return WindowAttr(WindowAccessType(self._comm._guard(self._registered().access, peer_rank)))
+        """How ``peer_rank``'s memory is reached from this rank
+        (``access_type`` is torch's ``WindowAccessType`` too: see
+        :class:`WindowAttr`)."""
+        return _attr(self._comm._guard(self._registered().access, peer_rank))
 
     def __repr__(self) -> str:
         state = "unregistered" if self._native is None else f"{tuple(self._tensor.shape)} {self._tensor.dtype}"
-        return f"weft.Window({self._comm.get_name()!r}, {state})"
+        return f"weft.Window({self._comm!r}, {state})"
 
 
 __all__ = ["Window", "WindowAccessType", "WindowAttr"]

@@ -42,14 +42,18 @@ class _Completer:
     def _run(self) -> None:
         while True:
             wid = _weft.next_completed(1.0)
-            if wid is None:
-                continue
+            if wid is not None:
+                self._finish(wid)
+
+    def _finish(self, wid: int) -> None:
+        """One of work `wid`'s ops finished: settle it if all have (also
+        called by ops that are not native: a window's async wait)."""
+        with self._lock:
+            work = self._works.get(wid)
+        if work is not None and work._all_done():
             with self._lock:
-                work = self._works.get(wid)
-            if work is not None and work._all_done():
-                with self._lock:
-                    self._works.pop(wid, None)
-                work._settle()
+                self._works.pop(wid, None)
+            work._settle()
 
 
 _completer = _Completer()
@@ -125,6 +129,17 @@ class Work(dist._Work):
                 self._settle()
             else:
                 _completer.watch(self)
+
+    def _rebind(self, natives, outputs, finish: Callable[[], None] | None) -> None:
+        """Make this Work (handed out before its ops were issued: a
+        coalesced batch's) the Work of `natives`."""
+        with _settle_lock:
+            self._natives, self._outputs, self._settled = natives, outputs, False
+        self._finish_fn = finish
+        if self._all_done():
+            self._settle()
+        elif finish is not None or self._future is not None:
+            _completer.watch(self)
 
     def _all_done(self) -> bool:
         return all(n.is_completed() for n in self._natives)
