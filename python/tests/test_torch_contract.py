@@ -382,3 +382,93 @@ def test_windows_through_torchs_api(inner, world):
             assert access.endswith("UNIFIED") and mapped == [0.0, 1.0, 2.0]
         else:
             assert access.endswith("SEPARATE") and mapped is None
+
+
+# -- async checkpointing ---------------------------------------------------
+
+
+def dcp_async_round_trip(rank, world, where):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    mesh = init_device_mesh("cpu", (world,))
+    m = fully_shard(model(), mesh=mesh)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(float(rank + 1))  # sharded: each rank moves its own shard
+    saved = {k: v.full_tensor().clone() for k, v in get_model_state_dict(m).items()}
+    fut = dcp.async_save(get_model_state_dict(m), checkpoint_id=where)
+    fut.result()
+    fresh = fully_shard(model(), mesh=mesh)
+    state = get_model_state_dict(fresh)
+    dcp.load(state, checkpoint_id=where)
+    set_model_state_dict(fresh, state)
+    loaded = {k: v.full_tensor() for k, v in get_model_state_dict(fresh).items()}
+    return all(torch.equal(saved[k], loaded[k]) for k in saved) and saved.keys() == loaded.keys()
+
+
+@pytest.mark.parametrize("spec", ["weft", "cpu:weft"])
+def test_dcp_async_save_then_load_of_an_fsdp2_model(spec, tmp_path):
+    assert run(dcp_async_round_trip, 2, str(tmp_path / "ckpt"), backend=spec) == [True, True]
+
+
+# -- pipelining over per-edge communicators --------------------------------
+
+STAGES = 4
+
+
+def _pipeline_layers():
+    torch.manual_seed(1)
+    return [torch.nn.Linear(6, 6) for _ in range(STAGES)]
+
+
+def _pipeline_data():
+    torch.manual_seed(2)
+    return torch.randn(8, 6), torch.randn(8, 6)
+
+
+def pipeline_1f1b(rank, world, per_edge):
+    import torch.distributed.config as dist_config
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    dist_config.pipeline_per_edge_p2p = per_edge
+    layer = _pipeline_layers()[rank]
+    x, y = _pipeline_data()
+    stage = PipelineStage(layer, rank, world, torch.device("cpu"))
+    losses = []
+    sched = Schedule1F1B(stage, n_microbatches=4, loss_fn=torch.nn.functional.mse_loss)
+    if rank == 0:
+        sched.step(x)
+    elif rank == world - 1:
+        sched.step(target=y, losses=losses)
+    else:
+        sched.step()
+    from torch.distributed.pipelining import _p2p
+
+    edges = sum(len(groups) for groups, _ in (v for cache in _p2p._PP_EDGE_GROUP_CACHE.values() for v in cache.values()))
+    return [float(v) for v in losses], [p.grad.clone() for p in layer.parameters()], edges
+
+
+@pytest.mark.parametrize("per_edge", [True, False])
+def test_1f1b_pipeline_gives_the_loss_and_gradients_of_one_process(per_edge):
+    layers = _pipeline_layers()
+    model = torch.nn.Sequential(*layers)
+    x, y = _pipeline_data()
+    want_losses = []
+    for xm, ym in zip(x.chunk(4), y.chunk(4)):
+        loss = torch.nn.functional.mse_loss(model(xm), ym)
+        (loss / 4).backward()  # the schedule averages over its microbatches
+        want_losses.append(loss.item())
+    out = run(pipeline_1f1b, STAGES, per_edge)
+    assert out[-1][0] == pytest.approx(want_losses, rel=1e-5)
+    for r, (_, grads, edges) in enumerate(out):
+        # Per edge: each stage holds the groups of its edges (to its neighbours).
+        assert (edges > 0) == per_edge, edges
+        for g, p in zip(grads, layers[r].parameters()):
+            assert torch.allclose(g, p.grad, rtol=1e-5, atol=1e-6), r
