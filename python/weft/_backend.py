@@ -32,6 +32,7 @@ from torch._C import _distributed_c10d as c10d
 
 from . import _errors, _weft
 from ._ops import Ops
+from ._tensors import Staged
 from ._window import Window
 from ._work import _seconds
 
@@ -276,8 +277,7 @@ class _Common(Ops):
             w.wait()
 
     def _monitored_p2p(self, kind: str, t: torch.Tensor, peer: int, tag: int, secs: float):
-        from ._tensors import Staged
-
+        """A send or receive of monitored_barrier's, bounded by `secs`."""
         s = Staged()
         desc = s.input(t) if kind == "send" else s.output(t)
         native = getattr(self._native, kind)(desc, peer, tag, (s.keep, secs, None, False))
