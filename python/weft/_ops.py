@@ -131,7 +131,8 @@ class Ops:
         natives = list(batch.natives)
         if batch.p2p:
             natives.append(self._native.batch_p2p(batch.p2p, (s.keep, self._timeout, None, False)))
-        batch.work._rebind(natives, batch.outputs, s.finish if s.needs_finish else None)
+        finishes = ([s.finish] if s.needs_finish else []) + batch.finishes
+        batch.work._rebind(natives, batch.outputs, (lambda: [f() for f in finishes]) if finishes else None)
         return batch.work
 
     # -- collectives -------------------------------------------------------
@@ -167,7 +168,10 @@ class Ops:
 
         batch = self._shared.get("batch")
         if batch is not None:
+            # torch hands out the batch's Work instead of this one: it
+            # unpacks too (again if this one did: the same bytes).
             batch.natives.append(native)
+            batch.finishes.append(unpack)
         return Work([native], list(tensors), unpack, done=call[3])
 
     def _allreduce_sparse(self, tensors, name, opts):
@@ -345,12 +349,14 @@ class _Batch:
     native batch at its end. Each returns the batch's Work, which completes
     with the whole batch (ask it after the batch has ended)."""
 
-    __slots__ = ("p2p", "staged", "natives", "outputs", "work")
+    __slots__ = ("p2p", "staged", "natives", "finishes", "outputs", "work")
 
     def __init__(self):
         self.p2p: list = []
         self.staged = Staged()
         self.natives: list = []
+        #: What the batch's Work runs once every op has succeeded.
+        self.finishes: list = []
         self.outputs: list = []
         self.work = Work([], [])
 
