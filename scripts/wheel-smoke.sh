@@ -34,7 +34,8 @@ assert "cpu" in [d.type for d in dist.group.WORLD._device_types]
 dist.destroy_process_group()
 print("smoke ok")
 PY
-out=$(python -m torch.distributed.run --nproc-per-node 2 --master-port 29611 smoke.py 2>&1) || { echo "$out"; exit 1; }
+port=$(python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+out=$(python -m torch.distributed.run --nproc-per-node 2 --master-port "$port" smoke.py 2>&1) || { echo "$out"; exit 1; }
 [ "$(grep -o "smoke ok" <<<"$out" | wc -l)" = 2 ] || { echo "$out"; exit 1; }
 weft info > info.txt && head -3 info.txt
 weft bench --world 2 --ops all_reduce -b 8 -e 1K -n 20 > bench.txt && tail -3 bench.txt
