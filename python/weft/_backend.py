@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from . import _errors, _weft
-from ._ops import Ops
+from ._ops import Ops, _Batch
 from ._tensors import Staged
 from ._window import Window
 from ._work import _seconds
@@ -215,7 +215,7 @@ class _Common(Ops):
         usual and join the batch's Work."""
         if self._shared.get("batch") is not None:
             raise ValueError("weft: this group is already coalescing")
-        self._shared["batch"] = self._new_batch()
+        self._shared["batch"] = _Batch()
 
     def end_coalescing(self):
         """Issue the collected sends and receives as one batch: one Work for
@@ -280,8 +280,8 @@ class _Common(Ops):
         """A send or receive of monitored_barrier's, bounded by `secs`."""
         s = Staged()
         desc = s.input(t) if kind == "send" else s.output(t)
-        native = getattr(self._native, kind)(desc, peer, tag, (s.keep, secs, None, False))
-        return self._work(s, [native], [t], (s.keep, secs, None, False))
+        call = (s.keep, secs, None, False)
+        return self._work(s, [getattr(self._native, kind)(desc, peer, tag, call)], [t], call)
 
     # -- new groups --------------------------------------------------------
 

@@ -109,19 +109,21 @@ class Ops:
         `on_error` sees a failure of one that was not."""
         return Work(natives, outputs, s.finish if s.needs_finish else None, done=call[3], on_error=on_error)
 
-    def _work(self, s: Staged, natives, outputs, call: tuple) -> Work:
-        """`_work_of` for this group's ops: while the group coalesces, the
-        batch's Work covers them too."""
+    def _work(self, s: Staged, natives, outputs, call: tuple, finish=None) -> Work:
+        """The Work of this group's ops issued with `call`; `finish` (else
+        the staging's copy-back) runs once they have succeeded. While the
+        group coalesces, the batch's Work covers them too, finish included:
+        torch hands out the batch's Work instead of this one."""
+        if finish is None and s.needs_finish:
+            finish = s.finish
         batch = self._shared.get("batch")
         if batch is not None:
             batch.natives.extend(natives)
-        return Work(natives, outputs, s.finish if s.needs_finish else None, done=call[3])
+            if finish is not None:
+                batch.finishes.append(finish)  # again if this Work ran it: the same bytes
+        return Work(natives, outputs, finish, done=call[3])
 
     # -- coalescing (see `start_coalescing`) ---------------------------------
-
-    @staticmethod
-    def _new_batch() -> _Batch:
-        return _Batch()
 
     def _issue_batch(self, batch: _Batch) -> Work:
         """Issue a batch's sends and receives as one native batch; its Work
@@ -166,13 +168,7 @@ class Ops:
                 t.copy_(flat[at : at + n].view_as(t))
                 at += n
 
-        batch = self._shared.get("batch")
-        if batch is not None:
-            # torch hands out the batch's Work instead of this one: it
-            # unpacks too (again if this one did: the same bytes).
-            batch.natives.append(native)
-            batch.finishes.append(unpack)
-        return Work([native], list(tensors), unpack, done=call[3])
+        return self._work(s, [native], list(tensors), call, finish=unpack)
 
     def _allreduce_sparse(self, tensors, name, opts):
         if len(tensors) != 1:
