@@ -137,6 +137,16 @@ impl Error {
         self.0.rank.get_or_insert(rank);
         self
     }
+    /// The same error with the peer it names (lost, or stalled on)
+    /// renumbered by `map`: an error of a transport shared with another
+    /// group, told in this group's ranks.
+    pub(crate) fn renumbered(mut self, map: impl Fn(usize) -> usize) -> Self {
+        if let ErrorKind::PeerLost { rank } = &mut self.0.kind {
+            *rank = map(*rank);
+        }
+        self.0.stalled = self.0.stalled.map(&map);
+        self
+    }
     /// Prefix the message with more context.
     pub fn context(mut self, context: impl fmt::Display) -> Self {
         self.0.message = format!("{context}: {}", self.0.message);

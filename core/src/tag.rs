@@ -8,14 +8,22 @@
 //!
 //! ```text
 //! bit 63      : 1 = internal (collective), 0 = user send/recv
-//! user        : low 32 bits = the user's tag
+//! user        : bits 32..40 space, low 32 bits = the user's tag
 //! collective  : bits 58..63 op code, bit 57 combines, bit 56 fresh,
-//!               38..56 shape, 16..38 sequence number (mod 2^22), 0..16 step
-//! window      : bit 62 = 1 (bit 63 = 0), bits 8..62 the window's number
-//!               in the group, 0..8 the channel (see `crate::window`)
+//!               38..56 shape, 30..38 space, 16..30 sequence number
+//!               (mod 2^14), 0..16 step
+//! window      : bit 62 = 1 (bit 63 = 0), bits 54..62 space, 8..54 the
+//!               window's number in the group, 0..8 the channel (see
+//!               `crate::window`)
 //! transport   : bit 61 = 1 (bits 62, 63 = 0): a transport's own frames,
 //!               never matched with a receive (shm's ring padding)
 //! ```
+//!
+//! The *space* keeps apart the messages of groups that share one transport:
+//! a group has space 0 on the transports it created, and a sub-group that
+//! runs over its parent's (`group/shared.rs`) has a space of its own there
+//! ([`in_space`]), so its user tags, collective slots and windows never
+//! meet the parent's or another sub-group's.
 //!
 //! The *shape* ([`crate::shape`]) packs what every rank must agree on about
 //! the collective (dtype, reduce op, a hash of its element counts and
@@ -48,7 +56,13 @@ pub const FRESH: u64 = 1 << 56;
 pub const SHAPE_BITS: u32 = 18;
 const SHAPE_MASK: u64 = (1 << SHAPE_BITS) - 1;
 /// A collective tag's sequence number bits (after shifting out the step).
-const SEQ_MASK: u64 = (1 << 22) - 1;
+const SEQ_MASK: u64 = (1 << 14) - 1;
+/// A collective tag's slot (space and sequence number) bits (after
+/// shifting out the step).
+const SLOT_MASK: u64 = (1 << 22) - 1;
+/// How many spaces there are: space 0 (a group on its own transports) and
+/// 255 for sub-groups sharing them ([`in_space`]).
+pub const SPACES: usize = 256;
 
 /// Tag of step `step` of collective number `seq` (op code `op`, below 32)
 /// whose shape is `shape`.
@@ -59,7 +73,23 @@ pub const fn collective(op: u8, seq: u64, shape: u32, step: u32) -> u64 {
 /// Tag of channel `channel` of the group's window number `id` (one-sided
 /// frames: never a user tag, which is below 2^31, nor a collective's).
 pub const fn window(id: u64, channel: u8) -> u64 {
-    (1 << 62) | ((id & ((1 << 54) - 1)) << 8) | channel as u64
+    (1 << 62) | ((id & ((1 << 46) - 1)) << 8) | channel as u64
+}
+
+/// `tag` (made in space 0 by [`user`], [`collective`] or [`window`]) in
+/// space `space`: what a sub-group sharing its parent's transport sends and
+/// receives there. A transport's own frames are left as they are.
+pub const fn in_space(tag: u64, space: u8) -> u64 {
+    let space = space as u64;
+    if is_collective(tag) {
+        tag | (space << 30)
+    } else if is_window(tag) {
+        tag | (space << 54)
+    } else if tag >> 61 == 0 {
+        tag | (space << 32)
+    } else {
+        tag
+    }
 }
 
 /// Whether `tag` carries a window's frames.
@@ -77,9 +107,14 @@ pub const fn step(tag: u64) -> u32 {
     (tag & 0xffff) as u32
 }
 
-/// The sequence number of a collective tag (mod 2^22).
+/// The sequence number of a collective tag (mod 2^14).
 pub const fn seq(tag: u64) -> u64 {
     (tag >> 16) & SEQ_MASK
+}
+
+/// The slot of a collective tag: its space and sequence number.
+const fn slot(tag: u64) -> u64 {
+    (tag >> 16) & SLOT_MASK
 }
 
 /// The shape of a collective tag.
@@ -99,12 +134,12 @@ pub const fn fresh(tag: u64) -> bool {
     is_collective(tag) && tag & FRESH != 0
 }
 
-/// True when two tags belong to the same collective slot (same sequence
-/// number) but different ops or shapes: the two ranks disagree on which
-/// collective they are in, or on its dtype, reduce op, sizes or root.
+/// True when two tags belong to the same collective slot (same space and
+/// sequence number) but different ops or shapes: the two ranks disagree on
+/// which collective they are in, or on its dtype, reduce op, sizes or root.
 /// Transports use this to fail at once instead of waiting.
 pub const fn conflicts(a: u64, b: u64) -> bool {
-    is_collective(a) && is_collective(b) && seq(a) == seq(b) && (op_code(a) != op_code(b) || shape(a) != shape(b))
+    is_collective(a) && is_collective(b) && slot(a) == slot(b) && (op_code(a) != op_code(b) || shape(a) != shape(b))
 }
 
 /// Op code from a collective tag.
@@ -130,6 +165,31 @@ mod tests {
     }
 
     #[test]
+    fn spaces_keep_shared_transports_apart() {
+        let tags = [user(MAX_USER_TAG), collective(31, SEQ_MASK, SHAPE_MASK as u32, 0xffff) | COMBINES | FRESH, window(3, 255)];
+        for t in tags {
+            assert_eq!(in_space(t, 0), t);
+            assert_ne!(in_space(t, 1), t);
+            assert_ne!(in_space(t, 1), in_space(t, 255));
+            // The kind and the fields of the tag are kept.
+            let s = in_space(t, 255);
+            assert_eq!((is_collective(s), is_window(s), s >> 61 == 0), (is_collective(t), is_window(t), t >> 61 == 0));
+            if is_collective(t) {
+                let fields = |t| (seq(t), op_code(t), shape(t), step(t), combines(t), fresh(t));
+                assert_eq!(fields(s), fields(t));
+            } else {
+                assert_eq!(s & 0xffff_ffff, t & 0xffff_ffff, "the user's tag, the window's channel and number");
+            }
+        }
+        // The same collective in two spaces is two slots, not a conflict.
+        let (a, b) = (collective(3, 9, 1, 0), collective(4, 9, 2, 0));
+        assert!(conflicts(a, b) && !conflicts(in_space(a, 1), b) && conflicts(in_space(a, 1), in_space(b, 1)));
+        // A sequence number past the mask does not spill into the space.
+        assert_eq!(collective(3, SEQ_MASK + 1, 1, 0), collective(3, 0, 1, 0));
+        assert_eq!(in_space(1 << 61, 7), 1 << 61, "a transport's own frames");
+    }
+
+    #[test]
     fn another_shape_in_the_same_slot_conflicts() {
         let (a, b) = (collective(3, 9, 0x2_1234, 0), collective(3, 9, 0x2_1235, 4));
         assert!(conflicts(a, b));
@@ -139,7 +199,7 @@ mod tests {
 
     #[test]
     fn locality_bits_are_apart_from_sequence_and_op() {
-        let t = collective(3, (1 << 22) + 7, SHAPE_MASK as u32, 2);
+        let t = collective(3, (1 << 14) + 7, SHAPE_MASK as u32, 2);
         assert!(!combines(t) && combines(t | COMBINES) && !fresh(t | COMBINES));
         assert!(!fresh(t) && fresh(t | FRESH) && !combines(t | FRESH));
         for bits in [COMBINES, FRESH, COMBINES | FRESH] {

@@ -8,6 +8,7 @@ mod ops;
 mod p2p;
 mod scope;
 mod setup;
+mod shared;
 mod shrink;
 mod work;
 
@@ -58,6 +59,11 @@ pub(crate) struct GroupCore {
     /// Progress threads of the transports background p2p ops are posted to.
     lanes: std::sync::Mutex<Vec<Arc<p2p::Lane>>>,
     debug_detail: bool,
+    /// The transports this group runs on, shut down once it and every
+    /// sub-group sharing them let go (`shared.rs`); taken when it is dropped.
+    transports: std::sync::Mutex<Option<Arc<shared::Transports>>>,
+    /// Whether its backends are views of its parent's (`shared.rs`).
+    shares: bool,
     aborted: AtomicBool,
     /// The `ProcessGroup` was dropped (what outlives it, a window, fails).
     dropped: AtomicBool,
@@ -108,11 +114,27 @@ impl ProcessGroup {
         self.core.backend(route).map(|b| b.name().to_string())
     }
 
+    /// Whether this group runs over its parent's transports (a sub-group
+    /// made by a split that shares them: see [`ProcessGroup::split`]).
+    pub fn shares_parent_transports(&self) -> bool {
+        self.core.shares
+    }
+
     /// A sub-group of the given ranks of this group (in that order: the
     /// i-th listed rank becomes rank i). Every rank of this group must call
     /// it, in the same order relative to other splits, with the same list;
     /// ranks not listed get `None`. An empty list, a rank out of range or a
     /// duplicate is `InvalidArgument`.
+    ///
+    /// Where this group's backends all move host bytes, the sub-group runs
+    /// over its transports (no new connections or segments: a split costs
+    /// its members a few store round trips), with core's algorithms and
+    /// without the transport's fast path, and shares its fate: an error
+    /// that poisons one aborts the transports of both. The first 255
+    /// splits of a group share; later ones, splits of a sub-group that
+    /// shares, splits of a group with a device backend and splits of a
+    /// group with the hint `split=new` set up their own transports, as
+    /// [`ProcessGroup::new`] does.
     pub fn split(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>> {
         self.check_split_list(ranks)?;
         let n = self.core.splits.fetch_add(1, Ordering::Relaxed);
@@ -165,15 +187,18 @@ impl ProcessGroup {
     /// Set up split `n`'s sub-group `ranks` as its rank `sub_rank`, on the
     /// store under a prefix of its own (sub-groups of one split are
     /// disjoint, so their lowest ranks differ). Each member publishes its
-    /// list and reads every listed member's: members that disagree (on
-    /// who, or in which order) all fail, naming the first that differs.
+    /// list and reads every other listed member's: members that disagree
+    /// (on who, in which order, or on sharing transports) all fail, naming
+    /// the first that differs. The sub-group runs over this group's
+    /// transports where it can (`shared.rs`), else sets up its own.
     fn form_split(&self, n: u64, ranks: &[usize], sub_rank: usize) -> Result<ProcessGroup> {
         let c = &self.core;
         let lowest = ranks.iter().min().copied().unwrap_or_default();
         let store: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("split{n}.{lowest}"), c.store.clone()));
-        let list = format!("{ranks:?}");
+        let space = c.share_space(n);
+        let list = format!("{ranks:?}{}", if space.is_some() { " over the parent's transports" } else { "" });
         store.set(&format!("members/{}", c.rank), list.as_bytes())?;
-        for &r in ranks {
+        for &r in ranks.iter().filter(|&&r| r != c.rank) {
             let theirs = store.get(&format!("members/{r}"), c.options.timeout).map_err(|e| e.with_op("split"))?;
             if theirs != list.as_bytes() {
                 let e = Error::invalid(format!(
@@ -183,7 +208,10 @@ impl ProcessGroup {
                 return Err(e.with_op("split").with_rank(c.rank));
             }
         }
-        Self::new(store, sub_rank, ranks.len(), c.options.clone())
+        match space {
+            Some(space) => setup::shared(c, store, sub_rank, ranks, space).map(|core| ProcessGroup { core: Arc::new(core) }),
+            None => Self::new(store, sub_rank, ranks.len(), c.options.clone()),
+        }
     }
 
     /// What a new window on a `device` takes from this group: its number,
@@ -243,9 +271,7 @@ impl Drop for ProcessGroup {
         for lane in self.core.lanes.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
             lane.stop();
         }
-        for b in self.core.backends() {
-            b.shutdown();
-        }
+        drop(self.core.transports.lock().unwrap_or_else(|p| p.into_inner()).take());
     }
 }
 
@@ -294,6 +320,16 @@ impl Job<'_> {
 }
 
 impl GroupCore {
+    /// The tag space split `n`'s sub-groups get on this group's transports,
+    /// if they can share them (`shared.rs`): not a sub-group's, nor one
+    /// with a device backend; not past the last space; not where the
+    /// group's hint `split` is `new`.
+    fn share_space(&self, n: u64) -> Option<u8> {
+        let host_only = self.routes.iter().all(|(r, _)| r.0 == crate::tensor::DeviceKind::Cpu);
+        let wanted = self.options.hints.get("split").is_none_or(|v| v != "new");
+        u8::try_from(n + 1).ok().filter(|_| !self.shares && host_only && wanted)
+    }
+
     fn backends(&self) -> Vec<Arc<dyn Backend>> {
         let mut v: Vec<Arc<dyn Backend>> = Vec::new();
         for (_, b) in &self.routes {

@@ -1,6 +1,8 @@
-//! Creating a group: namespacing the store, agreeing on backends, creating them.
+//! Creating a group: namespacing the store, agreeing on backends, creating
+//! them; or a sub-group over its parent's (`shared.rs`).
 
 use super::executor::Executor;
+use super::shared::{Shared, Transports};
 use super::GroupCore;
 use crate::backend::{Backend, BackendContext};
 use crate::error::{Error, ErrorKind, Result};
@@ -10,7 +12,7 @@ use crate::store::{PrefixStore, Store};
 use crate::tensor::DeviceKind;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 pub(super) fn create(store: Arc<dyn Store>, rank: usize, size: usize, options: GroupOptions) -> Result<GroupCore> {
     let fail = |e: Error| e.with_op("init").with_rank(rank);
@@ -94,17 +96,75 @@ pub(super) fn create(store: Arc<dyn Store>, rank: usize, size: usize, options: G
     let debug_detail =
         std::env::var("WEFT_DEBUG").ok().or_else(|| options.hints.get("debug").cloned()).is_some_and(|v| v.eq_ignore_ascii_case("detail"));
     let routes: Vec<_> = routes.into_iter().collect();
-    Ok(GroupCore {
+    let transports = Some(Arc::new(Transports(made.into_values().collect())));
+    Ok(assemble(Parts { rank, size, options, store, routes, missing, algorithms, debug_detail, transports, shares: false }))
+}
+
+/// The sub-group `ranks` of `parent` (this rank is its `rank`), running over
+/// the parent's transports in tag space `space` (`shared.rs`).
+pub(super) fn shared(parent: &GroupCore, store: Arc<dyn Store>, rank: usize, ranks: &[usize], space: u8) -> Result<GroupCore> {
+    let transports = parent.transports.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    if transports.is_none() {
+        return Err(Error::aborted("the parent group was closed").with_op("split").with_rank(parent.rank));
+    }
+    let mut views: Vec<(Arc<dyn Backend>, Arc<dyn Backend>)> = Vec::new();
+    let routes = parent
+        .routes
+        .iter()
+        .map(|(route, b)| {
+            let view = match views.iter().find(|(of, _)| Arc::ptr_eq(of, b)) {
+                Some((_, v)) => v.clone(),
+                None => {
+                    let v: Arc<dyn Backend> = Arc::new(Shared::new(b.clone(), parent.size, ranks, space));
+                    views.push((b.clone(), v.clone()));
+                    v
+                }
+            };
+            (*route, view)
+        })
+        .collect();
+    Ok(assemble(Parts {
         rank,
-        size,
-        debug_detail,
-        host: super::fast::HostLanes::new(&routes, &options, &algorithms, debug_detail),
-        options,
+        size: ranks.len(),
+        options: parent.options.clone(),
         store,
         routes,
-        missing,
+        missing: parent.missing.clone(),
+        algorithms: parent.algorithms.clone(),
+        debug_detail: parent.debug_detail,
+        transports,
+        shares: true,
+    }))
+}
+
+/// What a group is made of, before it runs anything.
+struct Parts {
+    rank: usize,
+    size: usize,
+    options: GroupOptions,
+    store: Arc<dyn Store>,
+    routes: Vec<(Route, Arc<dyn Backend>)>,
+    missing: HashMap<Route, String>,
+    algorithms: crate::algorithms::select::Setting,
+    debug_detail: bool,
+    transports: Option<Arc<Transports>>,
+    shares: bool,
+}
+
+fn assemble(p: Parts) -> GroupCore {
+    GroupCore {
+        rank: p.rank,
+        size: p.size,
+        debug_detail: p.debug_detail,
+        host: super::fast::HostLanes::new(&p.routes, &p.options, &p.algorithms, p.debug_detail),
+        options: p.options,
+        store: p.store,
+        routes: p.routes,
+        missing: p.missing,
         exec: Arc::new(Executor::default()),
         lanes: Default::default(),
+        transports: Mutex::new(p.transports),
+        shares: p.shares,
         aborted: AtomicBool::new(false),
         dropped: AtomicBool::new(false),
         poisoned: OnceLock::new(),
@@ -113,8 +173,8 @@ pub(super) fn create(store: Arc<dyn Store>, rank: usize, size: usize, options: G
         surveys: AtomicU64::new(0),
         revoked: AtomicBool::new(false),
         hasher: Default::default(),
-        algorithms,
-    })
+        algorithms: p.algorithms,
+    }
 }
 
 fn probe(name: &str) -> std::result::Result<(), String> {

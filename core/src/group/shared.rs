@@ -1,0 +1,211 @@
+//! Sub-groups that run over their parent's transports.
+//!
+//! A split ([`super::ProcessGroup::split`]) of a group whose backends all
+//! move host bytes does not connect anew: each of the sub-group's backends
+//! is a [`Shared`] view of the parent's, which numbers peers in the
+//! sub-group's ranks and puts every tag in a space of the sub-group's own
+//! ([`crate::tag::in_space`]), so its messages never meet the parent's or
+//! another sub-group's. Setting one up costs the members' agreement on the
+//! list (a few store round trips), not a new mesh of sockets or segments.
+//!
+//! What the view gives up, and why:
+//! - the transport's native collectives and fast path (`native_op`,
+//!   `fast_op`, `native_algorithms`) and its own windows: they involve
+//!   every rank of the parent. The sub-group runs core's algorithms over
+//!   the transport's point-to-point `exchange` and `post`, and builds its
+//!   windows over posted messages (`crate::window::over_p2p`);
+//! - independence from the parent: the transport is one, so an error that
+//!   poisons the sub-group aborts the parent's transport too, and the
+//!   reverse (what NCCL's `ncclCommSplit` children sharing resources do).
+//!
+//! A parent has [`crate::tag::SPACES`]` - 1` spaces to hand out, one per
+//! split in its order; later splits, splits of a sub-group and splits of
+//! a group with a device backend are set up in full
+//! ([`super::ProcessGroup::new`]). The transports are shut down once the
+//! parent and every sub-group sharing them are dropped ([`Transports`]).
+
+use crate::backend::{Backend, Deadline, GatherSend, P2p, ANY_SOURCE};
+use crate::error::{Error, Result};
+use crate::progress::Post;
+use smallvec::SmallVec;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// A group's transports, shut down when the last group using them (the
+/// group that made them, or a sub-group sharing them) lets go.
+pub(crate) struct Transports(pub(crate) Vec<Arc<dyn Backend>>);
+
+impl Drop for Transports {
+    fn drop(&mut self) {
+        for b in &self.0 {
+            b.shutdown();
+        }
+    }
+}
+
+/// How a sub-group's ranks sit in its parent's.
+struct RankMap {
+    /// The sub-group's rank i is the parent's `parent[i]`.
+    parent: Vec<usize>,
+    /// The parent's rank p is the sub-group's `sub[p]` (`usize::MAX`: not a member).
+    sub: Vec<usize>,
+}
+
+impl RankMap {
+    /// A sub-group rank as the parent's (`ANY_SOURCE` stays so).
+    fn up(&self, peer: usize) -> usize {
+        self.parent.get(peer).copied().unwrap_or(peer)
+    }
+    /// A parent rank as the sub-group's (a non-member stays as it is).
+    fn down(&self, peer: usize) -> usize {
+        self.sub.get(peer).copied().filter(|&s| s != usize::MAX).unwrap_or(peer)
+    }
+    /// A parent's error as the sub-group's: the peer it names renumbered,
+    /// the message told which ranks it counts in.
+    fn told(&self, e: Error) -> Error {
+        e.renumbered(|p| self.down(p))
+            .context(format_args!("on the transport shared with the parent group (this group's ranks are its {:?})", self.parent))
+    }
+}
+
+/// One of a sub-group's backends: a view of the parent's (see the module docs).
+pub(crate) struct Shared {
+    parent: Arc<dyn Backend>,
+    ranks: Arc<RankMap>,
+    space: u8,
+    /// The parent's preferred rank order, members only, in sub-group ranks.
+    order: Option<Vec<usize>>,
+}
+
+impl Shared {
+    /// A view of `parent` for the sub-group of the parent's ranks `ranks`
+    /// (in the sub-group's order), sending in tag space `space` (not 0).
+    pub(crate) fn new(parent: Arc<dyn Backend>, parent_size: usize, ranks: &[usize], space: u8) -> Self {
+        let mut sub = vec![usize::MAX; parent_size];
+        for (i, &p) in ranks.iter().enumerate() {
+            sub[p] = i;
+        }
+        let order = parent.rank_order().map(|o| o.iter().filter(|&&p| sub[p] != usize::MAX).map(|&p| sub[p]).collect());
+        Shared { parent, ranks: Arc::new(RankMap { parent: ranks.to_vec(), sub }), space, order }
+    }
+
+    /// Renumber and re-tag `ops` for the parent's transport; returns what
+    /// to put back after.
+    fn enter(&self, ops: &mut [P2p<'_>]) -> SmallVec<[(usize, u64); 8]> {
+        ops.iter_mut()
+            .map(|op| {
+                let (peer, tag) = fields(op);
+                let was = (*peer, *tag);
+                *peer = self.ranks.up(*peer);
+                *tag = crate::tag::in_space(*tag, self.space);
+                was
+            })
+            .collect()
+    }
+
+    /// A gathered send, renumbered and re-tagged.
+    fn gathered<'g>(&self, g: &GatherSend<'g>) -> GatherSend<'g> {
+        GatherSend { peer: self.ranks.up(g.peer), tag: crate::tag::in_space(g.tag, self.space), src: g.src }
+    }
+}
+
+fn fields<'o>(op: &'o mut P2p<'_>) -> (&'o mut usize, &'o mut u64) {
+    match op {
+        P2p::Send { peer, tag, .. } | P2p::Recv { peer, tag, .. } => (peer, tag),
+    }
+}
+
+fn restore(ops: &mut [P2p<'_>], was: &[(usize, u64)]) {
+    for (op, &(p, t)) in ops.iter_mut().zip(was) {
+        let (peer, tag) = fields(op);
+        (*peer, *tag) = (p, t);
+    }
+}
+
+impl Backend for Shared {
+    fn name(&self) -> &str {
+        self.parent.name()
+    }
+
+    fn exchange(&self, ops: &mut [P2p<'_>], deadline: &Deadline) -> Result<()> {
+        let was = self.enter(ops);
+        let r = self.parent.exchange(ops, deadline);
+        restore(ops, &was);
+        r.map_err(|e| self.ranks.told(e))
+    }
+
+    fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: &Deadline) -> Result<()> {
+        let was = self.enter(ops);
+        let gathered: SmallVec<[GatherSend<'_>; 4]> = gathered.iter().map(|g| self.gathered(g)).collect();
+        let r = self.parent.exchange_gathered(ops, &gathered, deadline);
+        restore(ops, &was);
+        r.map_err(|e| self.ranks.told(e))
+    }
+
+    fn posts(&self) -> bool {
+        self.parent.posts()
+    }
+
+    fn post(&self, mut post: Post) {
+        self.enter(&mut post.ops);
+        for g in &mut post.gathered {
+            *g = self.gathered(g);
+        }
+        let ranks = self.ranks.clone();
+        let (done, theirs) = (post.done, post.source.take());
+        // The sender of an any-source receive, learnt in the parent's ranks.
+        let learnt = theirs.as_ref().map(|_| Arc::new(AtomicUsize::new(ANY_SOURCE)));
+        post.source = learnt.clone();
+        post.done = Box::new(move |r| {
+            if let (Some(cell), Some(learnt)) = (theirs, learnt) {
+                let p = learnt.load(Ordering::Acquire);
+                cell.store(if p == ANY_SOURCE { p } else { ranks.down(p) }, Ordering::Release);
+            }
+            done(r.map_err(|e| ranks.told(e)))
+        });
+        self.parent.post(post)
+    }
+
+    fn receives_from_any(&self) -> bool {
+        self.parent.receives_from_any()
+    }
+
+    fn progress(&self, until: &dyn Fn() -> bool) {
+        self.parent.progress(until)
+    }
+
+    /// The transport is the parent's: what fails this group fails it.
+    fn abort(&self, reason: &Error) {
+        self.parent.abort(reason)
+    }
+
+    fn step_bytes(&self) -> usize {
+        self.parent.step_bytes()
+    }
+
+    fn buffered_bytes(&self) -> Option<usize> {
+        self.parent.buffered_bytes()
+    }
+
+    fn rank_order(&self) -> Option<&[usize]> {
+        self.order.as_deref()
+    }
+
+    // `shutdown`: the parent's transports close with their last user (`Transports`).
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_map_both_ways_and_errors_are_renumbered() {
+        let m = RankMap { parent: vec![3, 1], sub: vec![usize::MAX, 1, usize::MAX, 0] };
+        assert_eq!((m.up(0), m.up(1), m.up(ANY_SOURCE)), (3, 1, ANY_SOURCE));
+        assert_eq!((m.down(3), m.down(1), m.down(2)), (0, 1, 2));
+        let e = m.told(Error::peer_lost(3, "peer rank 3 closed its socket"));
+        assert_eq!(e.kind(), &crate::ErrorKind::PeerLost { rank: 0 });
+        assert!(e.to_string().contains("its [3, 1]"), "{e}");
+        assert_eq!(m.told(Error::timeout("t").stalled_on(Some(1))).stalled_peer(), Some(1));
+    }
+}
