@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run
+from harness import run, weft_backend
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool]
 FLOATS = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
@@ -178,7 +178,7 @@ def test_inner_backends(inner):
     """WEFT_BACKEND picks what runs inside; the default on one host is shm."""
 
     def check(rank, world):
-        name = dist.group.WORLD.weft_backend_name()
+        name = weft_backend().weft_backend_name()
         t = torch.ones(1000)
         dist.all_reduce(t)
         assert torch.equal(t, torch.full((1000,), 2.0))

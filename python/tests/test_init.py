@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import free_port, run
+from harness import free_port, run, weft_backend
 
 import weft
 
@@ -23,7 +23,7 @@ PROGRAM = textwrap.dedent(
     t = torch.full((3,), float(dist.get_rank() + 1))
     dist.all_reduce(t)
     assert t.tolist() == [3.0, 3.0, 3.0], t
-    assert type(dist.group.WORLD).__module__ == "weft._backend"
+    assert type(dist.group.WORLD._get_backend(torch.device("cpu"))).__module__ == "weft._backend"
     dist.destroy_process_group()
     print("rank", dist.get_rank() if dist.is_initialized() else "ok", "done")
     """
@@ -64,31 +64,45 @@ def device_spec(rank, world, spec):
     t = torch.ones(5)
     w = dist.all_reduce(t, async_op=True)
     w.wait()
+    done = w.is_completed()
     group = type(dist.group.WORLD).__module__ + "." + type(dist.group.WORLD).__name__
-    backend = type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__
+    backend = type(weft_backend())
     types = sorted(d.type for d in dist.group.WORLD._device_types)
     dist.destroy_process_group()
-    return t[0].item(), group, backend, types
+    return t[0].item(), done, group, backend.__name__, [b.__module__ for b in backend.__mro__], types
 
 
 def test_device_specs():
-    """Where weft serves every device it is the whole group, with its
-    Backend registered for each device weft serves (CPU always); in a mixed
-    spec it is the CPU backend inside c10d's group."""
+    """With weft's C++ backend, torch's own group holds weft's Backend for
+    each device of the spec, and a Work is whole (``is_completed()``)."""
+    for spec in ("weft", "cpu:weft", "cpu:weft,cuda:gloo"):
+        value, done, group, backend, bases, types = run(device_spec, 2, spec, init=False)[0]
+        assert (value, done, group, backend) == (2.0, True, "torch.distributed.distributed_c10d.ProcessGroup", "Backend"), spec
+        assert "_weft_c10d" in bases and "cpu" in types, (spec, bases, types)
+
+
+def test_device_specs_on_the_python_api():
+    """Without the C++ backend (``WEFT_TORCH_CPP=0``: no compiler), where
+    weft serves every device it is the whole group, with its Backend
+    registered for each device weft serves (CPU always); in a mixed spec
+    it is the CPU backend inside c10d's group, whose Works torch wraps."""
+    env = {"WEFT_TORCH_CPP": "0"}
     for spec in ("cpu:weft", "cuda:weft"):
-        value, group, backend, types = run(device_spec, 2, spec, init=False)[0]
-        assert (value, group, backend) == (2.0, "weft._backend.ProcessGroup", "Backend") and "cpu" in types
-    value, group, backend, types = run(device_spec, 2, "cpu:weft,cuda:gloo", init=False)[0]
+        value, done, group, backend, bases, types = run(device_spec, 2, spec, init=False, env=env)[0]
+        assert (value, done, group, backend) == (2.0, True, "weft._backend.ProcessGroup", "Backend") and "cpu" in types
+        assert "_weft_c10d" not in bases
+    value, done, group, backend, bases, types = run(device_spec, 2, "cpu:weft,cuda:gloo", init=False, env=env)[0]
     assert (value, backend) == (2.0, "Backend") and group.endswith("ProcessGroup") and not group.startswith("weft")
+    assert not done, "torch's wrapper of a Python backend's Work forwards only wait() and get_future()"
 
 
 def options(rank, world):
     dist.init_process_group("weft", pg_options=weft.Options(backend="cpu-tcp", hints={"algorithm": "all_reduce=ring"}))
-    name = dist.group.WORLD.weft_backend_name()
+    name = weft_backend().weft_backend_name()
     sub = dist.new_group([0, 1], backend="weft", pg_options=weft.Options(backend="shm"))
     t = torch.ones(2)
     dist.all_reduce(t, group=sub)
-    sub_name = sub.weft_backend_name()
+    sub_name = weft_backend(sub).weft_backend_name()
     dist.destroy_process_group()
     return name, sub_name, t.tolist()
 
@@ -111,7 +125,7 @@ def plugin_all_reduce(rank, world):
     dist.all_reduce(t)
     outs = [torch.zeros(3) for _ in range(world)]
     dist.all_gather(outs, torch.full((3,), float(rank)))
-    return dist.group.WORLD.weft_backend_name(), t[0].item(), [o[0].item() for o in outs]
+    return weft_backend().weft_backend_name(), t[0].item(), [o[0].item() for o in outs]
 
 
 def test_a_plugin_from_weft_plugin_path(tmp_path):

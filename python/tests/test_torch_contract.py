@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run
+from harness import run, weft_backend
 
 import weft
 
@@ -55,9 +55,47 @@ def is_completed_and_source(rank, world):
     return done, None, None
 
 
-def test_works_keep_is_completed_and_recv_from_any_rank():
-    out = run(is_completed_and_source, 2)
+@pytest.mark.parametrize("spec", ["weft", "cpu:weft,cuda:gloo"])
+def test_works_keep_is_completed_and_recv_from_any_rank(spec):
+    out = run(is_completed_and_source, 2, backend=spec)
     assert out[0] == (True, 1, [7.0, 7.0]) and out[1][0] is True
+
+
+def hooks_and_recorder(rank, world):
+    import json
+
+    from torch._C._distributed_c10d import _dump_fr_trace_json
+
+    pg = dist.group.WORLD
+    seen = []
+    pg.register_pre_hook(3, lambda a: seen.append(("pre", a.name.name)))
+    pg.register_post_hook(3, lambda a: seen.append(("post", a.name.name, a.work is not None)))
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    dist.broadcast(t, 0, async_op=True).wait()
+    pg.unregister_pre_hook(3)
+    pg.unregister_post_hook(3)
+    entries = json.loads(_dump_fr_trace_json(True, False, backend="weft"))["entries"]
+    recorded = [(e["profiling_name"], e["state"]) for e in entries]
+    aborted = []
+    pg.register_abort_hook(1, lambda: aborted.append("second"))
+    pg.register_abort_hook(0, lambda: aborted.append("first"))
+    pg.register_abort_hook(2, lambda: aborted.append("dropped"))
+    pg.unregister_abort_hook(2)
+    pg.abort()
+    try:
+        dist.all_reduce(t)
+        after = "no error"
+    except Exception as e:  # noqa: BLE001
+        after = type(e).__name__
+    return seen, recorded, pg.supports_abort_hooks, aborted, after
+
+
+def test_per_op_hooks_the_flight_recorder_and_abort_hooks_see_weft():
+    for seen, recorded, supported, aborted, after in run(hooks_and_recorder, 2, allow_fail=True):
+        assert seen == [("pre", "ALLREDUCE"), ("post", "ALLREDUCE", True), ("pre", "BROADCAST"), ("post", "BROADCAST", True)], seen
+        assert recorded == [("weft:all_reduce", "completed"), ("weft:broadcast", "completed")], recorded
+        assert supported and aborted == ["first", "second"] and after != "no error", (supported, aborted, after)
 
 
 # -- ops torch 2.15 made public -------------------------------------------------
@@ -121,8 +159,12 @@ def coalesced(rank, world, async_ops):
     from torch.distributed.distributed_c10d import _coalescing_manager
 
     pg = dist.group.WORLD
-    counting = _Counting(pg._native)
-    pg._native = counting
+    # Every object holding the native group (weft's Backend; its group too
+    # where weft is the whole group) counts through the proxy.
+    holders = [o for o in (pg, weft_backend()) if hasattr(o, "_native")]
+    counting = _Counting(holders[-1]._native)
+    for o in holders:
+        o._native = counting
     ts = [torch.full((n,), float(rank + 1)) for n in (3, 1, 5)]
     with _coalescing_manager(pg, CPU, async_ops=async_ops) as cm:
         for t in ts:
@@ -138,7 +180,8 @@ def coalesced(rank, world, async_ops):
     reqs = dist.batch_isend_irecv([dist.P2POp(dist.irecv, got, peer), dist.P2POp(dist.isend, torch.full((4,), float(rank)), peer)])
     for r in reqs:
         r.wait()
-    pg._native = counting._n
+    for o in holders:
+        o._native = counting._n
     return [t.tolist() for t in ts], counting.calls, len(works) if works is not None else None, len(reqs), got.tolist()
 
 
@@ -299,7 +342,13 @@ def shrink_after_kill(rank, world, victim, flags, list_victim):
     dist.all_reduce(x, group=new)
     w = dist.all_reduce(torch.ones(2), async_op=True)
     w.wait()
-    return ready, x.tolist(), new.size(), new is dist.group.WORLD, dist.get_rank()
+    # The shrunk group (torch's own, around weft's Backend) keeps weft's Work.
+    src = None
+    if dist.get_rank() == 0:
+        src = dist.recv(torch.zeros(1))
+    elif dist.get_rank() == 1:
+        dist.send(torch.ones(1), 0)
+    return ready, x.tolist(), new.size(), new is dist.group.WORLD, dist.get_rank(), w.is_completed(), src
 
 
 @pytest.mark.parametrize("inner", ["shm", "cpu-tcp"])
@@ -310,9 +359,9 @@ def test_shrink_group_after_a_rank_is_killed(inner, world):
     survivors = [r for r in range(world) if r != victim]
     want = float(sum(survivors))
     for r in survivors:
-        ready, x, size, is_world, new_rank = out[r]
-        assert x == [want] * 5 and size == world - 1 and is_world, out[r]
-        assert new_rank == survivors.index(r)
+        ready, x, size, is_world, new_rank, done, src = out[r]
+        assert x == [want] * 5 and size == world - 1 and is_world and done, out[r]
+        assert new_rank == survivors.index(r) and src == (1 if new_rank == 0 else None)
         assert ready < 5.0, ready
 
 

@@ -1,28 +1,33 @@
 """weft as a torch.distributed backend: the creator c10d calls per group,
 and the objects torch sees.
 
-Every weft group is a :class:`Backend` (``torch.distributed._Backend``),
-the object torch asks for by device (``pg._get_backend(device)``): its
-capabilities, errors, timeouts, splits, shrinks and windows.
+Every weft group is a :class:`Backend`, the object torch asks for by
+device (``pg._get_backend(device)``): its ops, capabilities, errors,
+timeouts, splits, shrinks, windows and abort hooks. Its shape depends on
+whether weft's C++ ``c10d::Backend`` (``weft/_c10d``, built against the
+installed torch on first use) is available:
 
-- Where weft serves every device of the group (``"weft"``,
-  ``"cpu:weft"``, ``"cuda:weft"``), the creator returns a
+- With it (the default), the Backend's class derives from that C++ class,
+  and torch builds its own ProcessGroup around it for every spec
+  (``"weft"``, ``"cpu:weft"``, ``"cpu:weft,cuda:nccl"``) and for shrunk
+  groups: ops go through torch's dispatcher (per-op hooks, the flight
+  recorder, NaN checks see them) and the C++ side hands out weft's Work
+  whole (``is_completed()``, ``source_rank()`` for ``recv(src=None)``,
+  ``exception()``).
+- Without it (no C++ compiler, or ``WEFT_TORCH_CPP=0``), the Backend is a
+  ``torch.distributed._Backend`` (torch's Python trampoline, which wraps
+  its Works and forwards only ``wait`` and ``get_future``). Where weft
+  serves every device of the group, the creator then returns a
   :class:`ProcessGroup` (a ``torch.distributed.ProcessGroup`` subclass)
-  with that Backend registered for each device weft serves, so
-  ``_device_types`` lists them and torch's device checks (async
-  checkpointing, ``monitored_barrier``, ``split_group``) pass. c10d uses
-  the ProcessGroup as the group itself, so its callers get weft's Work
-  objects, with ``is_completed()`` and ``source_rank()``
-  (``recv(src=None)``).
-- In a mixed spec (``"cpu:weft,cuda:nccl"``), and in the group torch
-  builds around a shrunk Backend, the Backend sits inside c10d's own
-  ProcessGroup, which wraps the works it returns and forwards only
-  ``wait`` and ``get_future`` (a limit of torch's Python backend API).
+  with that Backend registered for each device weft serves, so its callers
+  still get weft's Work; in a mixed spec and in a shrunk group they get
+  torch's wrappers.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import sys
 
@@ -30,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from . import _errors, _weft
+from . import _c10d, _errors, _weft
 from ._ops import Ops, _Batch
 from ._tensors import Staged
 from ._window import Window
@@ -107,6 +112,8 @@ def create(opts, backend_options=None):
     """c10d's creator (extended API): one weft group per c10d group."""
     timeout = _timeout_seconds(opts.timeout)
     native = _native_group(opts.store, opts.group_rank, opts.group_size, backend_options, timeout)
+    if _cpp_backend_class() is not None:
+        return _backend(native, timeout)
     devices = _device_map()
     whole = devices is not None and set(devices.values()) == {"weft"}
     return _wrap(native, timeout, _DEVICES if whole else None, opts.store)
@@ -120,8 +127,7 @@ def _wrap(native: _weft.Group, timeout: float, devices, store=None):
     """The object torch gets for `native`: a :class:`ProcessGroup` with its
     Backend registered for those of `devices` weft has a backend for, or
     with None the :class:`Backend` alone."""
-    backend = Backend(native.rank, native.size, native, timeout)
-    _alive.append(backend)
+    backend = _backend(native, timeout)
     if devices is None:
         return backend
     pg = ProcessGroup(native, backend, store)
@@ -161,6 +167,7 @@ class _Common(Ops):
     # offered (see the README).
     supports_splitting = supports_coalescing = supports_shrinking = supports_window = property(lambda self: True)
     supports_reconfigure = _supports_time_estimate = property(lambda self: False)
+    supports_abort_hooks = property(lambda self: True)
 
     def supports_tensor_alloc(self, device) -> bool:
         """weft allocates no tensors for torch (torch's own allocator serves)."""
@@ -194,8 +201,29 @@ class _Common(Ops):
         return _ERROR_TYPES[self._native.error_code()]
 
     def abort(self) -> None:
-        """Fail every in-flight and later op of this group on this rank."""
+        """Fail every in-flight and later op of this group on this rank
+        (the group's abort hooks run first)."""
+        self._run_abort_hooks()
         self._native.abort()
+
+    def register_abort_hook(self, hook_id: int, hook) -> None:
+        """Run `hook()` before this group is aborted (by ``abort()``, or by
+        ``shrink_group(..., SHRINK_ABORT)``); replaces the hook of that id."""
+        self._shared.setdefault("abort_hooks", {})[hook_id] = hook
+
+    def unregister_abort_hook(self, hook_id: int) -> None:
+        """Forget the abort hook `hook_id` (an unknown id is ignored)."""
+        self._shared.get("abort_hooks", {}).pop(hook_id, None)
+
+    def _run_abort_hooks(self) -> None:
+        """Run the abort hooks once, in id order; one that raises is
+        reported and the others still run."""
+        hooks = self._shared.pop("abort_hooks", {})
+        for hook_id in sorted(hooks):
+            try:
+                hooks[hook_id]()
+            except Exception as e:  # noqa: BLE001 - a hook must not stop the abort
+                print(f"weft: abort hook {hook_id} raised {e!r}", file=sys.stderr)
 
     def shutdown(self) -> None:
         """Release the group (c10d's destroy_process_group)."""
@@ -309,6 +337,7 @@ class _Common(Ops):
         than asked."""
         excluded = sorted(int(r) for r in ranks_to_exclude)
         if shrink_flags & 0x01:  # torch's SHRINK_ABORT
+            self._run_abort_hooks()
             self._native.revoke()
         sub, members = self._native.shrink(excluded)
         expected = [r for r in range(self.size()) if r not in excluded]
@@ -337,8 +366,8 @@ class _Common(Ops):
         return win
 
 
-class Backend(_Common, dist._Backend):
-    """weft as a device's backend of a torch group (see the module docs)."""
+class _Backend(_Common):
+    """What both Backend classes hold: a weft group as a device's backend."""
 
     def __init__(self, rank: int, size: int, native: _weft.Group, timeout: float):
         super().__init__(rank, size)
@@ -346,6 +375,30 @@ class Backend(_Common, dist._Backend):
 
     def __repr__(self) -> str:
         return f"weft.Backend(rank {self.rank()} of {self.size()}, {self._native.backend_name()})"
+
+
+class Backend(_Backend, dist._Backend):
+    """weft as a device's backend of a torch group, on torch's Python
+    backend API (where weft's C++ one cannot be built: see the module docs)."""
+
+
+@functools.cache
+def _cpp_backend_class():
+    """weft's Backend over its C++ ``c10d::Backend`` (``weft/_c10d``), or
+    None where that cannot be built here."""
+    native = _c10d.load()
+    if native is None:
+        return None
+    doc = "weft as a torch backend, over weft's C++ c10d::Backend (see the module docs)."
+    return type("Backend", (_Backend, native.Backend), {"__doc__": doc, "__module__": __name__})
+
+
+def _backend(native: _weft.Group, timeout: float):
+    """A Backend of `native` (kept alive with the module: see `_alive`)."""
+    cls = _cpp_backend_class() or Backend
+    backend = cls(native.rank, native.size, native, timeout)
+    _alive.append(backend)
+    return backend
 
 
 class ProcessGroup(_Common, dist.ProcessGroup):

@@ -247,6 +247,11 @@ class Work(dist._Work):
                 pass  # wait raises it
         self.wait()
 
+    def block_current_stream(self) -> None:
+        """Make torch's current stream wait for the op (what ``wait()``
+        does for a CUDA op; for host tensors it waits on the host)."""
+        self.wait()
+
     def source_rank(self) -> int:
         """For a receive from any rank: the rank the message came from."""
         self.wait()
