@@ -123,10 +123,10 @@ def single_ops(rank, world, async_op):
     return out
 
 
-@pytest.mark.parametrize("async_op", [False, True])
-def test_gather_single_gather_into_tensor_and_the_single_ops(async_op):
+@pytest.mark.parametrize("spec,async_op", [("weft", False), ("weft", True), ("cpu:weft,cuda:gloo", True)])
+def test_gather_single_gather_into_tensor_and_the_single_ops(spec, async_op):
     world = 3
-    out = run(single_ops, world, async_op)
+    out = run(single_ops, world, async_op, backend=spec)
     rows = [[float(i + 10 * r) for i in range(3)] for r in range(world)]
     flat = [v for row in rows for v in row]
     for r, o in enumerate(out):
@@ -391,11 +391,13 @@ def test_an_excluded_rank_calling_shrink_group_gets_torchs_runtime_error():
 # -- windows through torch ---------------------------------------------------
 
 
-def torch_windows(rank, world, inner):
+def torch_windows(rank, world, inner, spec):
     pg = dist.group.WORLD
     right, left = (rank + 1) % world, (rank - 1) % world
     buf = torch.zeros(100 + rank)
-    win = pg.new_window()
+    # In a mixed spec the group's new_window asks its default backend (the
+    # CUDA one); weft's is the CPU backend's.
+    win = pg.new_window() if spec == "weft" else pg._get_backend(CPU).new_window()
     win.tensor_register(buf, owning=False)
     n = 100 + right
     c10d = torch._C._distributed_c10d
@@ -425,7 +427,9 @@ def torch_windows(rank, world, inner):
 @pytest.mark.parametrize("inner", ["shm", "cpu-tcp"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_windows_through_torchs_api(inner, world):
-    for ok, early, past_end, access, mapped in run(torch_windows, world, inner, env={"WEFT_BACKEND": inner}):
+    # The mixed spec too: torch's group reaches weft's window through the C++ backend.
+    spec = "cpu:weft,cuda:gloo" if world == 3 else "weft"
+    for ok, early, past_end, access, mapped in run(torch_windows, world, inner, spec, env={"WEFT_BACKEND": inner}, backend=spec):
         assert ok and past_end != "accepted", past_end
         if inner == "shm":
             assert access.endswith("UNIFIED") and mapped == [0.0, 1.0, 2.0]

@@ -4,9 +4,9 @@
 //
 // Why it exists: torch's Python backend trampoline (PyBackend) wraps every
 // Work a Python backend returns in a holder that forwards only wait() and
-// get_future(), so is_completed(), source_rank() (recv from any rank),
-// exception() and _get_duration() are lost wherever torch builds the group
-// around the backend (a mixed device spec, a shrunk group). This class is
+// get_future(), so is_completed(), source_rank() (recv from any rank) and
+// exception() are lost wherever torch builds the group around the backend
+// (a mixed device spec, a shrunk group). This file is
 // such a trampoline with each op's Work kept whole: `Work` below forwards
 // every query to weft's Python Work, `Window` every call to weft's Python
 // Window, and `Backend` every virtual to the Python object it is the C++
@@ -216,8 +216,6 @@ using Tensors = std::vector<at::Tensor>;
 using TensorLists = std::vector<std::vector<at::Tensor>>;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 using BackendPtr = c10::intrusive_ptr<c10d::Backend>;
-
-class Backend;
 
 // An op: call the Python method `pyname` of this backend and keep its Work
 // whole; without one, c10d's base method (which says it is unsupported).
