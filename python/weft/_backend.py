@@ -167,7 +167,8 @@ class _Common(Ops):
     # offered (see the README).
     supports_splitting = supports_coalescing = supports_shrinking = supports_window = property(lambda self: True)
     supports_reconfigure = _supports_time_estimate = property(lambda self: False)
-    supports_abort_hooks = property(lambda self: True)
+    # Abort hooks live in weft's C++ backend (see `_run_abort_hooks`).
+    supports_abort_hooks = property(lambda self: hasattr(self, "_fire_abort_hooks"))
 
     def supports_tensor_alloc(self, device) -> bool:
         """weft allocates no tensors for torch (torch's own allocator serves)."""
@@ -203,27 +204,16 @@ class _Common(Ops):
     def abort(self) -> None:
         """Fail every in-flight and later op of this group on this rank
         (the group's abort hooks run first)."""
-        self._run_abort_hooks()
         self._native.abort()
 
-    def register_abort_hook(self, hook_id: int, hook) -> None:
-        """Run `hook()` before this group is aborted (by ``abort()``, or by
-        ``shrink_group(..., SHRINK_ABORT)``); replaces the hook of that id."""
-        self._shared.setdefault("abort_hooks", {})[hook_id] = hook
-
-    def unregister_abort_hook(self, hook_id: int) -> None:
-        """Forget the abort hook `hook_id` (an unknown id is ignored)."""
-        self._shared.get("abort_hooks", {}).pop(hook_id, None)
-
-    def _run_abort_hooks(self) -> None:
-        """Run the abort hooks once, in id order; one that raises is
-        reported and the others still run."""
-        hooks = self._shared.pop("abort_hooks", {})
-        for hook_id in sorted(hooks):
-            try:
-                hooks[hook_id]()
-            except Exception as e:  # noqa: BLE001 - a hook must not stop the abort
-                print(f"weft: abort hook {hook_id} raised {e!r}", file=sys.stderr)
+    def _run_abort_hooks(self, why: str = "") -> None:
+        """What weft's group calls just before it aborts (with why): run
+        torch's abort hooks, kept and run by weft's C++ backend without the
+        GIL (torch's flight recorder dumps from one). The Python API has no
+        abort hooks (``supports_abort_hooks`` False there)."""
+        fire = getattr(self, "_fire_abort_hooks", None)
+        if fire is not None:
+            fire()
 
     def shutdown(self) -> None:
         """Release the group (c10d's destroy_process_group)."""
@@ -337,7 +327,6 @@ class _Common(Ops):
         than asked."""
         excluded = sorted(int(r) for r in ranks_to_exclude)
         if shrink_flags & 0x01:  # torch's SHRINK_ABORT
-            self._run_abort_hooks()
             self._native.revoke()
         sub, members = self._native.shrink(excluded)
         expected = [r for r in range(self.size()) if r not in excluded]
@@ -397,6 +386,7 @@ def _backend(native: _weft.Group, timeout: float):
     """A Backend of `native` (kept alive with the module: see `_alive`)."""
     cls = _cpp_backend_class() or Backend
     backend = cls(native.rank, native.size, native, timeout)
+    native.on_abort(backend._run_abort_hooks)
     _alive.append(backend)
     return backend
 

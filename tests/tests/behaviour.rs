@@ -314,3 +314,29 @@ fn algorithm_hints_select_and_unknown_names_are_clear_errors() {
         pg.barrier(&o()).unwrap().wait().unwrap();
     });
 }
+
+/// The abort hook runs once, before the transports are aborted: when an
+/// op's timeout makes the group unusable, and not again on `abort`; a
+/// second hook is refused.
+#[test]
+fn the_abort_hook_runs_once_when_the_group_fails() {
+    run_threads(2, options("cpu-tcp"), |pg| {
+        let told = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let t = told.clone();
+        pg.on_abort(move |e| t.lock().unwrap().push(e.kind().clone())).unwrap();
+        assert_eq!(pg.on_abort(|_| {}).unwrap_err().kind(), &ErrorKind::InvalidArgument);
+        if pg.rank() == 0 {
+            let mut v = [0u8; 4];
+            let quick = OpOptions::default().timeout(Duration::from_millis(300));
+            let e = pg.recv(&mut v[..], 1, 3, &quick).unwrap().wait().unwrap_err();
+            assert!(e.is_timeout(), "{e}");
+            assert_eq!(*told.lock().unwrap(), vec![ErrorKind::Timeout]);
+            pg.abort();
+            assert_eq!(told.lock().unwrap().len(), 1, "once");
+        } else {
+            // Rank 0 gives up on this rank and tells it so.
+            let e = pg.barrier(&o()).unwrap().wait().unwrap_err();
+            assert!(!told.lock().unwrap().is_empty(), "{e}");
+        }
+    });
+}

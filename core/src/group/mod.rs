@@ -64,6 +64,9 @@ pub(crate) struct GroupCore {
     transports: std::sync::Mutex<Option<Arc<shared::Transports>>>,
     /// Whether its backends are views of its parent's (`shared.rs`).
     shares: bool,
+    /// Told why, once, before the group's transports are aborted
+    /// ([`ProcessGroup::on_abort`]).
+    on_abort: OnceLock<AbortHook>,
     aborted: AtomicBool,
     /// The `ProcessGroup` was dropped (what outlives it, a window, fails).
     dropped: AtomicBool,
@@ -249,9 +252,24 @@ impl ProcessGroup {
     pub fn abort(&self) {
         self.core.aborted.store(true, Ordering::Release);
         let e = Error::aborted(format!("rank {} aborted the group", self.core.rank));
+        self.core.tell_abort(&e);
         for b in self.core.backends() {
             b.abort(&e);
         }
+    }
+
+    /// Call `hook` with the reason, once, just before this group aborts its
+    /// transports: on [`ProcessGroup::abort`], and when an op's error (a
+    /// timeout, a lost peer, a revoke) makes the group unusable, before
+    /// the peers are told. It runs on the thread that found the error (an
+    /// op's caller, or a thread of weft's), so it must be short and must
+    /// not wait for this group's ops. One hook per group: a second call
+    /// is `InvalidArgument`.
+    pub fn on_abort(&self, hook: impl Fn(&Error) + Send + Sync + 'static) -> Result<()> {
+        self.core
+            .on_abort
+            .set(AbortHook { hook: Box::new(hook), told: AtomicBool::new(false) })
+            .map_err(|_| Error::invalid("this group has an abort hook already").with_op("on_abort").with_rank(self.core.rank))
     }
 }
 
@@ -317,6 +335,12 @@ impl Job<'_> {
     pub(crate) fn is_collective(&self) -> bool {
         self.op.is_collective()
     }
+}
+
+/// A group's abort hook ([`ProcessGroup::on_abort`]) and whether it ran.
+struct AbortHook {
+    hook: Box<dyn Fn(&Error) + Send + Sync>,
+    told: AtomicBool,
 }
 
 impl GroupCore {
@@ -480,9 +504,19 @@ impl GroupCore {
         Ok(())
     }
 
+    /// Run the abort hook, if any and not yet run.
+    fn tell_abort(&self, e: &Error) {
+        if let Some(h) = self.on_abort.get() {
+            if !h.told.swap(true, Ordering::AcqRel) {
+                (h.hook)(e);
+            }
+        }
+    }
+
     fn poison(&self, e: Error) {
         if self.poisoned.set(e.clone()).is_ok() {
             crate::log::info(format_args!("group poisoned on rank {}: {e}", self.rank));
+            self.tell_abort(&e);
             for b in self.backends() {
                 b.abort(&e);
             }

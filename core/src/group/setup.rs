@@ -165,6 +165,7 @@ fn assemble(p: Parts) -> GroupCore {
         lanes: Default::default(),
         transports: Mutex::new(p.transports),
         shares: p.shares,
+        on_abort: OnceLock::new(),
         aborted: AtomicBool::new(false),
         dropped: AtomicBool::new(false),
         poisoned: OnceLock::new(),

@@ -24,6 +24,7 @@
 #include <torch/csrc/distributed/c10d/Hooks.hpp>
 
 #include <atomic>
+#include <iostream>
 #include <map>
 #include <mutex>
 
@@ -66,6 +67,45 @@ class CompletionHooks {
  private:
   std::mutex mutex_;
   std::map<int64_t, c10d::CompletionHook> hooks_;
+};
+
+// A backend's abort hooks (c10d's AbortHook), run once, in id order,
+// without the GIL: torch's flight recorder dumps its trace from one, and
+// that dump takes the GIL on other threads.
+class AbortHooks {
+ public:
+  void add(int64_t id, c10d::AbortHook hook) {
+    std::lock_guard<std::mutex> g(mutex_);
+    hooks_[id] = std::move(hook);
+  }
+  void remove(int64_t id) {
+    std::lock_guard<std::mutex> g(mutex_);
+    hooks_.erase(id);
+  }
+  void fire() {
+    std::map<int64_t, c10d::AbortHook> now;
+    {
+      std::lock_guard<std::mutex> g(mutex_);
+      if (fired_) {
+        return;
+      }
+      fired_ = true;
+      now.swap(hooks_);
+    }
+    for (auto& [id, hook] : now) {
+      try {
+        hook();
+      } catch (const std::exception& e) {
+        // One hook's failure must not stop the abort, nor the other hooks.
+        std::cerr << "weft: abort hook " << id << " failed: " << e.what() << std::endl;
+      }
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<int64_t, c10d::AbortHook> hooks_;
+  bool fired_ = false;
 };
 
 // One op's Work as c10d sees it: weft's Python Work, every query forwarded.
@@ -349,8 +389,7 @@ class Backend : public c10d::Backend {
     return flag("_supports_time_estimate");
   }
   bool supportsAbortHooks() const override {
-    py::gil_scoped_acquire gil;
-    return flag("supports_abort_hooks");
+    return true;
   }
   bool supportsTensorAlloc(c10::DeviceIndex device) override {
     py::gil_scoped_acquire gil;
@@ -388,12 +427,15 @@ class Backend : public c10d::Backend {
     call("set_timeout", timeout);
   }
   void registerAbortHook(int64_t id, c10d::AbortHook hook) override {
-    py::gil_scoped_acquire gil;
-    call("register_abort_hook", id, py::cpp_function(std::move(hook)));
+    aborts_->add(id, std::move(hook));
   }
   void unregisterAbortHook(int64_t id) override {
-    py::gil_scoped_acquire gil;
-    call("unregister_abort_hook", id);
+    aborts_->remove(id);
+  }
+  // Run the abort hooks (once): weft's group calls this, through the
+  // Python Backend, just before it aborts its transports.
+  void fireAbortHooks() {
+    aborts_->fire();
   }
   bool supportsCompletionHooks() const override {
     return true;
@@ -442,6 +484,7 @@ class Backend : public c10d::Backend {
   }
 
   std::shared_ptr<CompletionHooks> hooks_ = std::make_shared<CompletionHooks>();
+  std::shared_ptr<AbortHooks> aborts_ = std::make_shared<AbortHooks>();
 };
 
 #undef WEFT_OP
@@ -453,5 +496,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // torch's Backend class must be bound before this one derives from it.
   py::module_::import("torch.distributed");
   py::class_<weft_c10d::Backend, c10d::Backend, c10::intrusive_ptr<weft_c10d::Backend>>(m, "Backend", "weft's c10d::Backend: subclass it in Python")
-      .def(py::init<int, int>(), py::arg("rank"), py::arg("size"));
+      .def(py::init<int, int>(), py::arg("rank"), py::arg("size"))
+      .def("_fire_abort_hooks", &weft_c10d::Backend::fireAbortHooks, py::call_guard<py::gil_scoped_release>(), "Run the abort hooks, once.");
 }
