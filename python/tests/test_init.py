@@ -73,19 +73,27 @@ def device_spec(rank, world, spec):
 
 
 def test_device_specs():
-    """With weft's C++ backend, torch's own group holds weft's Backend for
-    each device of the spec, and a Work is whole (``is_completed()``)."""
-    for spec in ("weft", "cpu:weft", "cpu:weft,cuda:gloo"):
-        value, done, group, backend, bases, types = run(device_spec, 2, spec, init=False)[0]
-        assert (value, done, group, backend) == (2.0, True, "torch.distributed.distributed_c10d.ProcessGroup", "Backend"), spec
+    """Where weft serves every device it is the whole group (its ops skip
+    torch's dispatcher), with its Backend (over weft's C++ backend)
+    registered for each device weft serves (CPU always); in a mixed spec,
+    and for every spec with WEFT_TORCH_HOOKS=1, torch's own group holds
+    weft's Backend, and its Works are whole (``is_completed()``)."""
+    torch_group = "torch.distributed.distributed_c10d.ProcessGroup"
+    for spec, env, group_type in (
+        ("weft", {}, "weft._backend.ProcessGroup"),
+        ("cpu:weft", {}, "weft._backend.ProcessGroup"),
+        ("cpu:weft,cuda:gloo", {}, torch_group),
+        ("weft", {"WEFT_TORCH_HOOKS": "1"}, torch_group),
+    ):
+        value, done, group, backend, bases, types = run(device_spec, 2, spec, init=False, env=env)[0]
+        assert (value, done, group, backend) == (2.0, True, group_type, "Backend"), (spec, env, group)
         assert "_weft_c10d" in bases and "cpu" in types, (spec, bases, types)
 
 
 def test_device_specs_on_the_python_api():
-    """Without the C++ backend (``WEFT_TORCH_CPP=0``: no compiler), where
-    weft serves every device it is the whole group, with its Backend
-    registered for each device weft serves (CPU always); in a mixed spec
-    it is the CPU backend inside c10d's group, whose Works torch wraps."""
+    """Without the C++ backend (``WEFT_TORCH_CPP=0``: no compiler) the
+    shapes are the same, but in a mixed spec torch wraps the Python
+    Backend's Works, forwarding only wait() and get_future()."""
     env = {"WEFT_TORCH_CPP": "0"}
     for spec in ("cpu:weft", "cuda:weft"):
         value, done, group, backend, bases, types = run(device_spec, 2, spec, init=False, env=env)[0]

@@ -3,25 +3,27 @@ and the objects torch sees.
 
 Every weft group is a :class:`Backend`, the object torch asks for by
 device (``pg._get_backend(device)``): its ops, capabilities, errors,
-timeouts, splits, shrinks, windows and abort hooks. Its shape depends on
-whether weft's C++ ``c10d::Backend`` (``weft/_c10d``, built against the
-installed torch on first use) is available:
+timeouts, splits, shrinks, windows and abort hooks. Its class derives from
+weft's C++ ``c10d::Backend`` (``weft/_c10d``, built against the installed
+torch on first use), which hands torch weft's Work whole
+(``is_completed()``, ``source_rank()`` for ``recv(src=None)``,
+``exception()``) wherever torch's own group calls it; without a C++
+compiler (or with ``WEFT_TORCH_CPP=0``) it is a ``torch.distributed._Backend``
+(torch's Python trampoline, which wraps its Works and forwards only
+``wait`` and ``get_future``).
 
-- With it (the default), the Backend's class derives from that C++ class,
-  and torch builds its own ProcessGroup around it for every spec
-  (``"weft"``, ``"cpu:weft"``, ``"cpu:weft,cuda:nccl"``) and for shrunk
-  groups: ops go through torch's dispatcher (per-op hooks, the flight
-  recorder, NaN checks see them) and the C++ side hands out weft's Work
-  whole (``is_completed()``, ``source_rank()`` for ``recv(src=None)``,
-  ``exception()``).
-- Without it (no C++ compiler, or ``WEFT_TORCH_CPP=0``), the Backend is a
-  ``torch.distributed._Backend`` (torch's Python trampoline, which wraps
-  its Works and forwards only ``wait`` and ``get_future``). Where weft
-  serves every device of the group, the creator then returns a
+- Where weft serves every device of the group (``"weft"``,
+  ``"cpu:weft"``, ``"cuda:weft"``), the creator returns a
   :class:`ProcessGroup` (a ``torch.distributed.ProcessGroup`` subclass)
-  with that Backend registered for each device weft serves, so its callers
-  still get weft's Work; in a mixed spec and in a shrunk group they get
-  torch's wrappers.
+  with the Backend registered for each device weft serves: torch's calls
+  reach weft's ops without torch's dispatcher (the cheapest path), and
+  callers get weft's Work. torch's per-op hooks and flight recorder see
+  only ops that go through the dispatcher: with ``WEFT_TORCH_HOOKS=1``
+  (and the C++ backend) these specs get torch's own group instead.
+- In a mixed spec (``"cpu:weft,cuda:nccl"``), and in the groups torch
+  builds around a shrunk Backend, the Backend sits inside torch's own
+  ProcessGroup: ops go through the dispatcher (hooks, flight recorder),
+  and the Works are whole with the C++ backend.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from ._work import _seconds
 
 ENV_BACKEND = "WEFT_BACKEND"
 ENV_TIMEOUT = "WEFT_TIMEOUT_SECONDS"
+# "1": weft-only specs too get torch's own group around weft's C++ backend,
+# so torch's per-op hooks and flight recorder see their ops.
+ENV_HOOKS = "WEFT_TORCH_HOOKS"
 
 # c10d may drop its last reference to the Python half of a backend while
 # the C++ half lives on (TORCH_DISTRIBUTED_DEBUG=DETAIL wraps it, and a
@@ -112,11 +117,10 @@ def create(opts, backend_options=None):
     """c10d's creator (extended API): one weft group per c10d group."""
     timeout = _timeout_seconds(opts.timeout)
     native = _native_group(opts.store, opts.group_rank, opts.group_size, backend_options, timeout)
-    if _cpp_backend_class() is not None:
-        return _backend(native, timeout)
     devices = _device_map()
     whole = devices is not None and set(devices.values()) == {"weft"}
-    return _wrap(native, timeout, _DEVICES if whole else None, opts.store)
+    through_torch = os.environ.get(ENV_HOOKS) == "1" and _cpp_backend_class() is not None
+    return _wrap(native, timeout, _DEVICES if whole and not through_torch else None, opts.store)
 
 
 # The devices a weft group may serve (those it has a backend for).
@@ -168,7 +172,7 @@ class _Common(Ops):
     supports_splitting = supports_coalescing = supports_shrinking = supports_window = property(lambda self: True)
     supports_reconfigure = _supports_time_estimate = property(lambda self: False)
     # Abort hooks live in weft's C++ backend (see `_run_abort_hooks`).
-    supports_abort_hooks = property(lambda self: hasattr(self, "_fire_abort_hooks"))
+    supports_abort_hooks = property(lambda self: any(hasattr(m, "_fire_abort_hooks") for m in self._shared["members"]))
 
     def supports_tensor_alloc(self, device) -> bool:
         """weft allocates no tensors for torch (torch's own allocator serves)."""
