@@ -15,8 +15,11 @@
 //! group's progress thread for that transport (a [`Lane`]), which steps
 //! aside while a thread waits.
 //!
-//! Elsewhere (plugins, the CUDA backends) point-to-point ops run as
-//! collectives do: one at a time, in issue order (a batch as one exchange).
+//! Device tensors go the same way where the backend posts them
+//! ([`Backend::posts_device`]: the CUDA backends), as do a plugin's that
+//! declares it progresses concurrently. Elsewhere point-to-point ops run
+//! as collectives do: one at a time, in issue order (a batch as one
+//! exchange).
 
 use super::work::{Work, WorkState};
 use super::{GroupCore, Job};
