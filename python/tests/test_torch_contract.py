@@ -297,8 +297,9 @@ def split_pairs(rank, world):
     return mine.tolist(), parent.tolist(), got.tolist(), peer, dist.get_world_size(pairs), type(pairs).__name__
 
 
-def test_split_group_into_pairs_used_with_the_parent():
-    out = run(split_pairs, 4)
+@pytest.mark.parametrize("spec", ["weft", "cpu:weft,cuda:gloo"])
+def test_split_group_into_pairs_used_with_the_parent(spec):
+    out = run(split_pairs, 4, backend=spec)
     for r, (mine, parent, got, peer, size, cls) in enumerate(out):
         low = r & ~1
         assert mine == [float(low + 1 + low + 2)] * 3 and parent == [4.0, 4.0]
