@@ -3,6 +3,7 @@ its group's backend per device (async checkpointing, monitored_barrier),
 gather_single, coalescing as one batch, per-group timeouts, get_error,
 split_group and shrink_group, windows through torch's API."""
 
+import gc
 import os
 import signal
 import time
@@ -536,3 +537,32 @@ def test_1f1b_pipeline_gives_the_loss_and_gradients_of_one_process(per_edge):
         assert (edges > 0) == per_edge, edges
         for g, p in zip(grads, layers[r].parameters()):
             assert torch.allclose(g, p.grad, rtol=1e-5, atol=1e-6), r
+
+
+# -- lifecycle -------------------------------------------------------------------
+
+
+def groups_made_and_destroyed(rank, world):
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    def one():
+        g = dist.new_group([0, 1], backend="weft")
+        dist.all_reduce(torch.ones(1), group=g)
+        dist.destroy_process_group(g)
+
+    one()
+    gc.collect()
+    before = fds()
+    for _ in range(10):
+        one()
+    gc.collect()
+    return fds() - before
+
+
+@pytest.mark.parametrize("cpp", ["1", "0"])
+def test_destroying_a_group_closes_its_connections(cpp):
+    """destroy_process_group lets weft's group go: its sockets close (each
+    cpu-tcp group holds some), in both of weft's shapes."""
+    grew = run(groups_made_and_destroyed, 2, env={"WEFT_BACKEND": "cpu-tcp", "WEFT_TORCH_CPP": cpp})
+    assert grew == [0, 0], grew

@@ -32,6 +32,7 @@ import datetime
 import functools
 import os
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -220,10 +221,15 @@ class _Common(Ops):
             fire()
 
     def shutdown(self) -> None:
-        """Release the group (c10d's destroy_process_group)."""
-        for m in self._shared["members"]:
+        """Release the group (c10d's destroy_process_group): once torch
+        lets go of it too, weft's group closes its connections."""
+        members = self._shared["members"]
+        for m in members:
             if m in _alive:
                 _alive.remove(m)
+        # The members hold each other through this list, and Python's
+        # collector does not free objects of torch's classes in a cycle.
+        members.clear()
 
     def _guard(self, fn, *args):
         """Call a native method (a window's): errors propagate as they are."""
@@ -390,9 +396,22 @@ def _backend(native: _weft.Group, timeout: float):
     """A Backend of `native` (kept alive with the module: see `_alive`)."""
     cls = _cpp_backend_class() or Backend
     backend = cls(native.rank, native.size, native, timeout)
-    native.on_abort(backend._run_abort_hooks)
+    native.on_abort(_abort_hooks_of(weakref.ref(backend)))
     _alive.append(backend)
     return backend
+
+
+def _abort_hooks_of(backend):
+    """What the native group calls before it aborts: the Backend's abort
+    hooks, through a weak reference (a strong one, held by the native group
+    the Backend holds, would keep both alive for good)."""
+
+    def run(why: str) -> None:
+        b = backend()
+        if b is not None:
+            b._run_abort_hooks(why)
+
+    return run
 
 
 class ProcessGroup(_Common, dist.ProcessGroup):
