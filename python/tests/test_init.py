@@ -80,8 +80,8 @@ def test_device_specs():
     weft's Backend, and its Works are whole (``is_completed()``)."""
     torch_group = "torch.distributed.distributed_c10d.ProcessGroup"
     for spec, env, group_type in (
-        ("weft", {}, "weft._backend.ProcessGroup"),
-        ("cpu:weft", {}, "weft._backend.ProcessGroup"),
+        ("weft", {"WEFT_TORCH_HOOKS": "0"}, "weft._backend.ProcessGroup"),
+        ("cpu:weft", {"WEFT_TORCH_HOOKS": "0"}, "weft._backend.ProcessGroup"),
         ("cpu:weft,cuda:gloo", {}, torch_group),
         ("weft", {"WEFT_TORCH_HOOKS": "1"}, torch_group),
     ):
