@@ -78,6 +78,11 @@ def hooks_and_recorder(rank, world):
     pg.unregister_post_hook(3)
     entries = json.loads(_dump_fr_trace_json(True, False, backend="weft"))["entries"]
     recorded = [(e["profiling_name"], e["state"]) for e in entries]
+    try:  # torch's NaN check (TORCH_DIST_NAN_CHECK) is a pre-hook too
+        dist.all_reduce(torch.tensor([float("nan")]))
+        nan = "passed"
+    except RuntimeError as e:
+        nan = str(e)
     aborted = []
     pg.register_abort_hook(1, lambda: aborted.append("second"))
     pg.register_abort_hook(0, lambda: aborted.append("first"))
@@ -89,16 +94,18 @@ def hooks_and_recorder(rank, world):
         after = "no error"
     except Exception as e:  # noqa: BLE001
         after = type(e).__name__
-    return seen, recorded, pg.supports_abort_hooks, aborted, after
+    return seen, recorded, nan, pg.supports_abort_hooks, aborted, after
 
 
 def test_per_op_hooks_the_flight_recorder_and_abort_hooks_see_weft():
     # Per-op hooks and the recorder see ops that go through torch's
     # dispatcher: torch's own group, which weft-only specs get with
     # WEFT_TORCH_HOOKS=1 (mixed specs always).
-    for seen, recorded, supported, aborted, after in run(hooks_and_recorder, 2, allow_fail=True, env={"WEFT_TORCH_HOOKS": "1"}):
+    env = {"WEFT_TORCH_HOOKS": "1", "TORCH_DIST_NAN_CHECK": "1"}
+    for seen, recorded, nan, supported, aborted, after in run(hooks_and_recorder, 2, allow_fail=True, env=env):
         assert seen == [("pre", "ALLREDUCE"), ("post", "ALLREDUCE", True), ("pre", "BROADCAST"), ("post", "BROADCAST", True)], seen
         assert recorded == [("weft:all_reduce", "completed"), ("weft:broadcast", "completed")], recorded
+        assert "NaN" in nan, nan
         assert supported and aborted == ["first", "second"] and after != "no error", (supported, aborted, after)
 
 
