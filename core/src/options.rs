@@ -96,16 +96,39 @@ impl Default for GroupOptions {
     }
 }
 
-/// The timeout from `WEFT_TIMEOUT_SECONDS` (fractions allowed), or 600 s.
+/// The timeout from `WEFT_TIMEOUT_SECONDS` (see [`parse_timeout`]), or
+/// 600 s where it is unset or empty.
 pub fn timeout_from_env() -> Result<Duration> {
     match std::env::var(ENV_TIMEOUT) {
-        Err(_) => Ok(DEFAULT_TIMEOUT),
-        Ok(v) => v
-            .trim()
-            .parse::<f64>()
-            .ok()
-            .filter(|s| *s > 0.0)
-            .and_then(|s| Duration::try_from_secs_f64(s).ok())
-            .ok_or_else(|| Error::invalid(format!("{ENV_TIMEOUT}={v:?} is not a positive number of seconds the clock can hold"))),
+        Ok(v) if !v.trim().is_empty() => parse_timeout(&v),
+        _ => Ok(DEFAULT_TIMEOUT),
+    }
+}
+
+/// A timeout as `WEFT_TIMEOUT_SECONDS` gives it: a positive number of
+/// seconds (fractions allowed) the clock can hold; anything else (0, a
+/// negative number, text) is `InvalidArgument`. The one parser: the
+/// Python package calls it too.
+pub fn parse_timeout(text: &str) -> Result<Duration> {
+    text.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|s| *s > 0.0)
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .ok_or_else(|| Error::invalid(format!("{ENV_TIMEOUT}={text:?} is not a positive number of seconds the clock can hold")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_are_positive_seconds_the_clock_can_hold() {
+        assert_eq!(parse_timeout(" 2.5 ").unwrap(), Duration::from_millis(2500));
+        for bad in ["0", "-1", "soon", "", "inf", "1e300"] {
+            let e = parse_timeout(bad).unwrap_err();
+            assert_eq!(e.kind(), &crate::ErrorKind::InvalidArgument, "{bad}");
+            assert!(e.to_string().contains(ENV_TIMEOUT), "{e}");
+        }
     }
 }

@@ -44,6 +44,13 @@ fn launch_ranks() -> PyResult<(usize, usize)> {
     weft::launch::LaunchEnv::rank_and_size().map_err(errors::to_py)
 }
 
+/// `WEFT_TIMEOUT_SECONDS`'s value in seconds, parsed as weft's Rust API
+/// parses it (`weft::parse_timeout`); a bad one is a `ValueError`.
+#[pyfunction]
+fn parse_timeout(text: &str) -> PyResult<f64> {
+    weft::parse_timeout(text).map(|d| d.as_secs_f64()).map_err(errors::to_py)
+}
+
 /// The extension module.
 #[pymodule]
 fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -55,6 +62,7 @@ fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(errors::set_error_types, m)?)?;
     m.add_function(wrap_pyfunction!(launch_env, m)?)?;
     m.add_function(wrap_pyfunction!(launch_ranks, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_timeout, m)?)?;
     m.add("WeftError", m.py().get_type::<errors::WeftError>())?;
     m.add("TIMEOUT_DEFAULT", weft::DEFAULT_TIMEOUT.as_secs_f64())?;
     Ok(())

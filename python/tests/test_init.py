@@ -119,6 +119,16 @@ def test_backend_options_pick_the_inner_backend_per_group():
     assert run(options, 2, init=False) == [("cpu-tcp", "shm", [2.0, 2.0])] * 2
 
 
+def test_a_bad_timeout_is_refused_as_weft_refuses_it():
+    """WEFT_TIMEOUT_SECONDS goes through weft's one parser: 0, a negative
+    number or text is a ValueError naming it (as for Rust programs and
+    weft.new_comm), not a timeout of 1 ms."""
+    for value in ("0", "-1", "soon"):
+        out = run(lambda r, w: dist.init_process_group("weft"), 2, init=False, env={"WEFT_TIMEOUT_SECONDS": value}, allow_fail=True)
+        for kind, text in out:
+            assert kind == "err" and "ValueError" in text and "WEFT_TIMEOUT_SECONDS" in text, (value, text)
+
+
 def test_an_unknown_inner_backend_fails_setup_clearly():
     out = run(lambda r, w: dist.init_process_group("weft"), 2, init=False, env={"WEFT_BACKEND": "no-such-backend"}, allow_fail=True)
     for kind, text in out:

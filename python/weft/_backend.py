@@ -86,9 +86,9 @@ def _weft_spec(backend_options) -> str:
 
 def _timeout_seconds(timeout) -> float:
     """WEFT_TIMEOUT_SECONDS if set, else the group's timeout from c10d."""
-    env = os.environ.get(ENV_TIMEOUT)
+    env = os.environ.get(ENV_TIMEOUT, "").strip()
     if env:
-        return float(env)
+        return _weft.parse_timeout(env)
     if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
         return timeout.total_seconds()
     return float(_weft.TIMEOUT_DEFAULT)

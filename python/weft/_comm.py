@@ -58,16 +58,10 @@ def _abort_default() -> bool:
 def _default_timeout() -> float:
     """``WEFT_TIMEOUT_SECONDS`` (else ``TORCHCOMM_TIMEOUT_SECONDS``), else
     weft's default (600 s)."""
-    value = _env(ENV_TIMEOUT)
-    if value is None:
+    value = (_env(ENV_TIMEOUT) or "").strip()
+    if not value:
         return float(_weft.TIMEOUT_DEFAULT)
-    try:
-        secs = float(value)
-    except ValueError:
-        secs = 0.0
-    if not secs > 0:
-        raise ValueError(f"weft: {ENV_TIMEOUT}={value!r} is not a positive number of seconds")
-    return secs
+    return _weft.parse_timeout(value)
 
 
 def _hints(hints) -> dict[str, str] | None:
