@@ -154,7 +154,10 @@ class _Common(Ops):
         self._native = native
         self._timeout = timeout
         self._shared = shared
-        shared.setdefault("members", []).append(self)
+        # Weakly: the members refer to each other through it, and Python's
+        # collector does not free torch's objects caught in a cycle (a
+        # destroyed group would keep its connections open).
+        shared.setdefault("members", weakref.WeakSet()).add(self)
 
     def getBackendName(self) -> str:
         return "weft"
@@ -223,13 +226,9 @@ class _Common(Ops):
     def shutdown(self) -> None:
         """Release the group (c10d's destroy_process_group): once torch
         lets go of it too, weft's group closes its connections."""
-        members = self._shared["members"]
-        for m in members:
+        for m in list(self._shared["members"]):
             if m in _alive:
                 _alive.remove(m)
-        # The members hold each other through this list, and Python's
-        # collector does not free objects of torch's classes in a cycle.
-        members.clear()
 
     def _guard(self, fn, *args):
         """Call a native method (a window's): errors propagate as they are."""
