@@ -208,24 +208,6 @@ impl PyGroup {
         self.pg.abort();
     }
 
-    /// Call `hook(reason)` once, just before this group aborts its
-    /// transports: on `abort()`, or when an op's error (a timeout, a lost
-    /// peer, a revoke) makes the group unusable (`ProcessGroup::on_abort`).
-    /// It runs on the thread that found the error; what it raises is
-    /// printed, not propagated. One hook per group.
-    fn on_abort(&self, hook: Py<PyAny>) -> PyResult<()> {
-        self.pg
-            .on_abort(move |e| {
-                let why = e.to_string();
-                Python::attach(|py| {
-                    if let Err(err) = hook.call1(py, (why,)) {
-                        err.print(py);
-                    }
-                });
-            })
-            .map_err(to_py)
-    }
-
     /// The worst communication error this group's ops have met, as torch's
     /// `ErrorType` value: 0 none, 1 timeout, 2 a transport failure or an
     /// abort, 3 a peer lost. A bad argument does not count.

@@ -215,27 +215,20 @@ def late_peer(rank, world):
     if rank == 1:
         time.sleep(12)
         return None
-    hooked = []
-    pg.register_abort_hook(0, lambda: hooked.append(time.monotonic()))
     start = time.monotonic()
     try:
         dist.all_reduce(t)
     except Exception as e:  # noqa: BLE001 - the test looks at it
         took = time.monotonic() - start
-        ran = [round(h - start, 1) for h in hooked]
-        return took, type(e).__name__, isinstance(e, dist.DistBackendError), str(pg._get_backend(CPU).get_error()), ran
+        return took, type(e).__name__, isinstance(e, dist.DistBackendError), str(pg._get_backend(CPU).get_error())
     return "no error"
 
 
 def test_set_timeout_bounds_the_groups_later_ops_and_get_error_reads_timeout():
-    # torch's flight recorder dumps its trace from the abort hook; with C++
-    # stack traces that dump alone takes about 1 s here.
-    out = run(late_peer, 2, env={"WEFT_TIMEOUT_SECONDS": "", "TORCH_INCLUDE_STACK_TRACE": "0"}, allow_fail=True)
-    took, kind, backend_error, error, hooked = out[0]
+    out = run(late_peer, 2, env={"WEFT_TIMEOUT_SECONDS": ""}, allow_fail=True)
+    took, kind, backend_error, error = out[0]
     assert 2.5 < took < 4.0 and backend_error, (took, kind)
     assert error.endswith("TIMEOUT"), error
-    # The abort hook ran once, when the timeout made the group unusable.
-    assert len(hooked) == 1 and 2.5 < hooked[0] < 4.0, hooked
 
 
 def killed_peer_error(rank, world, inner):

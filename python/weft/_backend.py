@@ -212,13 +212,14 @@ class _Common(Ops):
     def abort(self) -> None:
         """Fail every in-flight and later op of this group on this rank
         (the group's abort hooks run first)."""
+        self._run_abort_hooks()
         self._native.abort()
 
-    def _run_abort_hooks(self, why: str = "") -> None:
-        """What weft's group calls just before it aborts (with why): run
-        torch's abort hooks, kept and run by weft's C++ backend without the
-        GIL (torch's flight recorder dumps from one). The Python API has no
-        abort hooks (``supports_abort_hooks`` False there)."""
+    def _run_abort_hooks(self) -> None:
+        """Before this rank aborts the group (``abort()``, ``SHRINK_ABORT``):
+        run torch's abort hooks, kept and run by weft's C++ backend without
+        the GIL (torch's flight recorder dumps from one). The Python API has
+        no abort hooks (``supports_abort_hooks`` False there)."""
         fire = getattr(self, "_fire_abort_hooks", None)
         if fire is not None:
             fire()
@@ -336,6 +337,7 @@ class _Common(Ops):
         than asked."""
         excluded = sorted(int(r) for r in ranks_to_exclude)
         if shrink_flags & 0x01:  # torch's SHRINK_ABORT
+            self._run_abort_hooks()
             self._native.revoke()
         sub, members = self._native.shrink(excluded)
         expected = [r for r in range(self.size()) if r not in excluded]
@@ -395,22 +397,8 @@ def _backend(native: _weft.Group, timeout: float):
     """A Backend of `native` (kept alive with the module: see `_alive`)."""
     cls = _cpp_backend_class() or Backend
     backend = cls(native.rank, native.size, native, timeout)
-    native.on_abort(_abort_hooks_of(weakref.ref(backend)))
     _alive.append(backend)
     return backend
-
-
-def _abort_hooks_of(backend):
-    """What the native group calls before it aborts: the Backend's abort
-    hooks, through a weak reference (a strong one, held by the native group
-    the Backend holds, would keep both alive for good)."""
-
-    def run(why: str) -> None:
-        b = backend()
-        if b is not None:
-            b._run_abort_hooks(why)
-
-    return run
 
 
 class ProcessGroup(_Common, dist.ProcessGroup):
