@@ -135,7 +135,7 @@ pub fn run_on(pg: &ProcessGroup, n: usize, placement: Option<SharedPlacement>) -
 }
 
 /// Run `f` with the ops issued on `placement`'s stream.
-fn on_stream_of(placement: Option<SharedPlacement>, f: impl FnOnce(Option<SharedPlacement>) -> Vec<Check>) -> Vec<Check> {
+pub(crate) fn on_stream_of(placement: Option<SharedPlacement>, f: impl FnOnce(Option<SharedPlacement>) -> Vec<Check>) -> Vec<Check> {
     let previous = weft::stream::current_stream();
     weft::stream::set_current_stream(placement.as_ref().map(|p| p.stream()));
     let checks = f(placement);

@@ -237,9 +237,13 @@ fn counted_signals(pg: &ProcessGroup, _: usize) -> Result<(), String> {
 }
 
 /// Window cases on device memory (`placement`'s device, its stream the
-/// caller's): puts of odd sizes at odd offsets then one signal, a get,
-/// every peer's memory mapped.
+/// caller's current one, as torch's would be): puts of odd sizes at odd
+/// offsets then one signal, a get, every peer's memory mapped.
 pub fn run_windows_on(pg: &ProcessGroup, placement: crate::SharedPlacement) -> Vec<Check> {
+    crate::suite::on_stream_of(Some(placement), |placement| device_window_cases(pg, placement.expect("a placement")))
+}
+
+fn device_window_cases(pg: &ProcessGroup, placement: crate::SharedPlacement) -> Vec<Check> {
     let r = (|| -> Result<(), String> {
         let (r, right, left) = neighbours(pg);
         let o = OpOptions::default().stream(placement.stream());
@@ -257,7 +261,10 @@ pub fn run_windows_on(pg: &ProcessGroup, placement: crate::SharedPlacement) -> V
         let mut got = vec![0u8; n + r];
         placement.download(win.local().as_ptr() as u64, &mut got).map_err(e("download"))?;
         first_difference(&got, &pattern(left, 0, n + r))?;
-        // A window made from a device tensor holds its bytes everywhere.
+        // A window made from a device tensor holds its bytes everywhere,
+        // though the stream is still busy with a long copy before `init`'s
+        // upload: the window's copy must follow the current stream.
+        let _busy = crate::Buf::zeros(DType::U8, 64 << 20).place(Some(&placement)).map_err(e("upload"))?;
         let init = crate::Buf::from_bytes(DType::U8, &pattern(r, 0, 5000)).place(Some(&placement)).map_err(e("upload"))?;
         let from = pg.new_window_from(init.t()).map_err(e("new_window_from"))?;
         let mut first = vec![0u8; 5000];

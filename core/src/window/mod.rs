@@ -207,8 +207,11 @@ impl ProcessGroup {
 
     /// A window whose memory starts as a copy of `init` (on `init`'s
     /// device; its size is this rank's registered size): TorchComm's
-    /// `tensor_register`. Collective; no rank returns before every rank's
-    /// memory holds its `init`, so no put can land before that copy.
+    /// `tensor_register`. The copy from a device tensor runs on this
+    /// thread's current stream ([`crate::stream::set_current_stream`]), so
+    /// it follows the work that wrote `init` there. Collective; no rank
+    /// returns before every rank's memory holds its `init`, so no put can
+    /// land before that copy.
     pub fn new_window_from<'t>(&self, init: impl Into<Tensor<'t>>) -> Result<Window> {
         let init = init.into();
         let win = self.new_window_on(init.nbytes(), init.device())?;

@@ -127,9 +127,15 @@ impl EmulatedGpu {
     }
 }
 
+/// A xorshift generator per thread, each thread seeded apart (by process
+/// and by a counter): ranks that are threads of one process issue the same
+/// sequence of copies, and equal delays would hide the races between them.
 fn pseudo_random() -> u64 {
     use std::cell::Cell;
-    thread_local!(static STATE: Cell<u64> = Cell::new(0x9e37_79b9_7f4a_7c15 ^ u64::from(std::process::id())));
+    static THREADS: AtomicU64 = AtomicU64::new(1);
+    thread_local!(static STATE: Cell<u64> = Cell::new(
+        0x9e37_79b9_7f4a_7c15 ^ u64::from(std::process::id()) ^ THREADS.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x2545_f491_4f6c_dd1d)
+    ));
     STATE.with(|s| {
         let mut x = s.get();
         x ^= x << 13;
