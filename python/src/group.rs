@@ -101,6 +101,7 @@ impl PyGroup {
         op: impl FnOnce(&Issuer<'_>, &OpOptions) -> PyResult<weft::Work<'static>> + Send,
     ) -> PyResult<PyWork> {
         let Call { keep, options, direct } = call;
+        let issued = std::time::Instant::now();
         let work = if direct {
             let work = py.detach(|| op(&Issuer::Direct(&self.pg), &options))?;
             // It has finished: its error is the call's, as for a blocking
@@ -116,7 +117,7 @@ impl PyGroup {
             // has finished; the Python side does not touch them meanwhile.
             op(&Issuer::Background(unsafe { self.pg.unscoped() }), &options)?
         };
-        Ok(PyWork::new(work, keep, None).watched(&self.health))
+        Ok(PyWork::new(work, keep, None).issued_at(issued).watched(&self.health))
     }
 }
 

@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Wake, Waker};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use weft::SparseCoo;
 
 /// What an op holds while it runs: its handle, the Python objects keeping
@@ -31,13 +31,26 @@ pub struct PyWork {
     /// The group's error record, which this op's failure updates once
     /// Python learns of it.
     health: Option<Health>,
+    /// When the op was issued, and when it ended if it ran on the caller's
+    /// thread (else weft's Work knows): for `duration`.
+    issued: Instant,
+    ran: Option<Instant>,
 }
 
 impl PyWork {
     /// The handle of `work`, which uses the tensors `keep` holds (and
     /// writes `sparse`, if any) until it has finished.
     pub fn new(work: weft::Work<'static>, keep: Py<PyAny>, sparse: Option<Box<SparseCoo>>) -> PyWork {
-        PyWork { flight: Some(Flight { work, sparse, _keep: keep }), health: None }
+        let now = Instant::now();
+        // A finished op with no end of its own ran on this thread: it ended now.
+        let ran = (work.finished_at().is_none() && work.is_completed()).then_some(now);
+        PyWork { flight: Some(Flight { work, sparse, _keep: keep }), health: None, issued: now, ran }
+    }
+
+    /// The same, issued at `at` (before the op ran, for its duration).
+    pub fn issued_at(mut self, at: Instant) -> PyWork {
+        self.issued = at;
+        self
     }
 
     /// The same, recording a failure in `health` (the group's).
@@ -89,6 +102,13 @@ impl PyWork {
     /// Whether the op has finished, successfully or not.
     fn is_completed(&self) -> bool {
         self.work().is_completed()
+    }
+
+    /// Milliseconds from the op's issue to the end of its host side; None
+    /// while it runs.
+    fn duration(&self) -> Option<f64> {
+        let end = self.ran.or_else(|| self.work().finished_at())?;
+        Some(end.saturating_duration_since(self.issued).as_secs_f64() * 1e3)
     }
 
     /// The op's error once it has failed, else None.

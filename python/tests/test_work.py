@@ -50,6 +50,30 @@ def wait_with_a_timeout(rank, world):
         dist.send(torch.full((4,), 7.0), 0)
 
 
+def durations(rank, world):
+    # A receive whose sender sends 300 ms after it was issued lasts at
+    # least that long, and its duration is known only once it has finished.
+    t = torch.zeros(4)
+    if rank == 0:
+        w = dist.irecv(t, 1)
+        dist.send(torch.ones(1), 1)  # issued: go ahead
+        with pytest.raises(RuntimeError, match="finished"):
+            w._get_duration()
+        w.wait()
+        assert 300 <= w._get_duration() < 30_000, w._get_duration()
+    else:
+        dist.recv(torch.zeros(1), 0)
+        time.sleep(0.3)
+        dist.send(torch.ones(4), 0)
+    # An op waited for late: its duration ends when it did, not at the wait.
+    dist.barrier()
+    s = dist.all_reduce(torch.ones(8), async_op=True)
+    time.sleep(0.3)
+    s.wait()
+    assert 0 <= s._get_duration() < 250, s._get_duration()
+    dist.barrier()
+
+
 def errors_from_wait(rank, world):
     # Sizes differ between ranks: both fail, and the error names the op.
     t = torch.zeros(4 if rank == 0 else 8)
@@ -158,6 +182,10 @@ def test_futures_and_completion():
 
 def test_wait_with_a_timeout_raises_and_the_op_goes_on():
     run(wait_with_a_timeout, 2, env={"WEFT_BACKEND": "cpu-tcp"})
+
+
+def test_get_duration_covers_the_op_from_issue_to_end():
+    run(durations, 2)
 
 
 def test_a_size_mismatch_is_an_error_on_every_rank():

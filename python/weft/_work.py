@@ -247,6 +247,14 @@ class Work(dist._Work):
                 pass  # wait raises it
         self.wait()
 
+    def _get_duration(self) -> float:
+        """Milliseconds from the op's issue to the end of its host side (the
+        slowest, for several ops issued as one; a CUDA op's device side may
+        end later). Raises until the op has finished, as torch's backends do."""
+        if not self.is_completed():
+            raise RuntimeError("weft: an op's duration is known once it has finished")
+        return max((d for d in (n.duration() for n in self._natives) if d is not None), default=0.0)
+
     def block_current_stream(self) -> None:
         """Make torch's current stream wait for the op (what ``wait()``
         does for a CUDA op; for host tensors it waits on the host)."""

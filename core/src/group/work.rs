@@ -21,6 +21,8 @@ struct Inner {
     waiters: usize,
     /// The rank an any-source receive took its message from.
     source: Option<usize>,
+    /// When the host side finished (bindings report an op's duration).
+    finished: Option<Instant>,
 }
 
 /// Completion state shared by a [`Work`] and the thread that runs its op
@@ -55,6 +57,7 @@ impl WorkState {
         let (wakers, blocked) = {
             let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
             g.result = Some(result);
+            g.finished = Some(Instant::now());
             g.device = device;
             (std::mem::take(&mut g.wakers), g.waiters > 0)
         };
@@ -291,6 +294,16 @@ impl<'t> Work<'t> {
         }
     }
 
+    /// When the host side of an op that ran in the background finished;
+    /// `None` while it runs, and for an op that ran on the caller's thread
+    /// (it had finished when its handle was made).
+    pub fn finished_at(&self) -> Option<Instant> {
+        match &self.handle {
+            Handle::Done { .. } => None,
+            Handle::Pending(s) => s.inner.lock().unwrap_or_else(|p| p.into_inner()).finished,
+        }
+    }
+
     /// Have `waker` woken, on the thread that finishes the op, once its
     /// host side has finished: for bindings that learn of completion
     /// without blocking a thread. `false` if it already has (then nothing
@@ -393,5 +406,16 @@ mod tests {
         drop(work);
         let waited = device.0.lock().unwrap().take().expect("settled") - start;
         assert!(waited >= Duration::from_secs(3) && waited < Duration::from_secs(4), "{waited:?}");
+    }
+
+    #[test]
+    fn a_background_op_knows_when_it_finished() {
+        assert_eq!(Work::done(Ok(()), None).finished_at(), None, "a direct op finished before its handle");
+        let (work, done) = Work::later(|e| e);
+        assert_eq!(work.finished_at(), None, "still running");
+        let before = Instant::now();
+        done(Ok(()));
+        let at = work.finished_at().expect("finished");
+        assert!(at >= before && at <= Instant::now());
     }
 }

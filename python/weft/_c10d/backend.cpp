@@ -170,6 +170,10 @@ class Work : public c10d::Work {
     call("block_current_stream");
   }
 
+  float getDuration() const override {
+    return call<float>("_get_duration");
+  }
+
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     py::gil_scoped_acquire gil;
     py::object f = work_.attr("get_future")();
