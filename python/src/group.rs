@@ -27,7 +27,13 @@ pub struct PyGroup {
 
 impl From<ProcessGroup> for PyGroup {
     fn from(pg: ProcessGroup) -> Self {
-        PyGroup { pg, health: Health::default() }
+        let health = Health::default();
+        let told = health.clone();
+        // Only noted here (core calls it on whichever thread found the
+        // error); the Python side's callback runs later (`Health`). A new
+        // group has no hook yet, so this cannot fail.
+        let _ = pg.on_abort(move |_| told.aborted());
+        PyGroup { pg, health }
     }
 }
 
@@ -214,6 +220,13 @@ impl PyGroup {
     /// abort, 3 a peer lost. A bad argument does not count.
     fn error_code(&self) -> u8 {
         self.health.code()
+    }
+
+    /// Call `callback()` once, on a Python thread, after this group has
+    /// aborted (`abort`, a revoke, or an op's error that made it
+    /// unusable): when Python first learns of an error after that.
+    fn set_abort_callback(&self, callback: Py<PyAny>) {
+        self.health.set_abort_callback(callback);
     }
 
     /// Fail this rank's pending and later ops, and make peers' ops with it

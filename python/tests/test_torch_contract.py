@@ -232,6 +232,9 @@ def test_set_timeout_bounds_the_groups_later_ops_and_get_error_reads_timeout():
 
 
 def killed_peer_error(rank, world, inner):
+    pg = dist.group.WORLD
+    aborted = []
+    pg.register_abort_hook(0, lambda: aborted.append(pg.rank()))
     t = torch.ones(1 << 16)
     dist.all_reduce(t)
     if rank == 1:
@@ -240,13 +243,21 @@ def killed_peer_error(rank, world, inner):
         while True:
             dist.all_reduce(t)
     except Exception:  # noqa: BLE001
-        return str(dist.group.WORLD._get_backend(CPU).get_error())
+        # The hooks ran before the error reached here, once.
+        fired = list(aborted)
+        for _ in range(2):
+            with pytest.raises(Exception):  # noqa: B017, PT011
+                dist.all_reduce(t)
+        return str(pg._get_backend(CPU).get_error()), fired, aborted
 
 
+@pytest.mark.parametrize("shape", ["own", "torch"])
 @pytest.mark.parametrize("inner", ["shm", "cpu-tcp"])
-def test_get_error_reads_a_remote_error_after_a_peer_is_killed(inner):
-    out = run(killed_peer_error, 2, inner, env={"WEFT_BACKEND": inner}, allow_fail=True)
-    assert out[0].endswith("REMOTE_ERROR") or out[0].endswith("COMM_ERROR"), out[0]
+def test_a_peer_killed_gives_a_remote_error_and_runs_the_abort_hooks(inner, shape):
+    env = {"WEFT_BACKEND": inner, "WEFT_TORCH_HOOKS": "1" if shape == "torch" else "0"}
+    error, fired, aborted = run(killed_peer_error, 2, inner, env=env, allow_fail=True)[0]
+    assert error.endswith("REMOTE_ERROR") or error.endswith("COMM_ERROR"), error
+    assert fired == [0] and aborted == [0], (fired, aborted)
 
 
 def monitored(rank, world, absent, wait_all):

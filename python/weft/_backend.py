@@ -393,10 +393,24 @@ def _cpp_backend_class():
     return type("Backend", (_Backend, native.Backend), {"__doc__": doc, "__module__": __name__})
 
 
+def _abort_callback(backend: weakref.ref):
+    """What weft calls once `backend`'s group has aborted by itself (a
+    timeout or a lost peer made it unusable): torch's abort hooks. Weakly,
+    so the native group does not keep its backend alive."""
+
+    def run() -> None:
+        b = backend()
+        if b is not None:
+            b._run_abort_hooks()
+
+    return run
+
+
 def _backend(native: _weft.Group, timeout: float):
     """A Backend of `native` (kept alive with the module: see `_alive`)."""
     cls = _cpp_backend_class() or Backend
     backend = cls(native.rank, native.size, native, timeout)
+    native.set_abort_callback(_abort_callback(weakref.ref(backend)))
     _alive.append(backend)
     return backend
 
