@@ -644,7 +644,7 @@ pub trait Backend: Send + Sync {
     fn abort(&self, reason: &Error);
 
     /// Algorithms this backend runs natively for the op family `family`
-    /// (`"all_reduce"`, ...; see [`crate::algorithms::select::family`]),
+    /// (`"all_reduce"`, ...: a [`crate::algorithms::select::Family`]'s name),
     /// beyond core's generic ones: names an `algorithm` hint may give
     /// (hierarchical's `"hierarchical"` all_reduce).
     fn native_algorithms(&self, family: &str) -> &'static [&'static str] {

@@ -10,6 +10,7 @@ mod p2p;
 mod parts;
 mod pipeline;
 mod sparse;
+mod streams;
 
 pub use pipeline::{Staging, DEFAULT_CHUNK_BYTES};
 

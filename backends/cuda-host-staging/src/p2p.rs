@@ -7,7 +7,6 @@
 
 use crate::parts::{parts, Part};
 use crate::pipeline::Staging;
-use std::collections::HashMap;
 use std::time::Instant;
 use weft::backend::{Op, P2p};
 use weft::progress::{Done, Post};
@@ -23,30 +22,7 @@ struct Staged {
     host: Vec<Vec<u8>>,
 }
 
-/// Per device: a stream for the copies of posted ops, and an event that
-/// orders it after the caller's stream.
-#[derive(Default)]
-pub(crate) struct P2pStreams(std::sync::Mutex<HashMap<usize, (StreamHandle, weft_cuda_driver::Event)>>);
-
 impl Staging {
-    /// The copy stream of `device` for posted ops, made after `caller`'s
-    /// work so far.
-    fn p2p_stream(&self, device: usize, caller: StreamHandle) -> Result<StreamHandle> {
-        let g = self.gpu();
-        let mut streams = self.p2p.0.lock().unwrap_or_else(|p| p.into_inner());
-        let (stream, event) = match streams.get(&device) {
-            Some(s) => *s,
-            None => {
-                let s = (g.new_stream(device)?, g.new_event(device, false)?);
-                streams.insert(device, s);
-                s
-            }
-        };
-        g.record(event, caller)?;
-        g.wait_event(stream, event)?;
-        Ok(stream)
-    }
-
     /// Post a send, a receive or a batch of them whose tensors are on one
     /// CUDA device; `done` is called once every receive's bytes are on the
     /// device (or the op failed).
@@ -90,7 +66,7 @@ impl Staging {
     fn stage(&self, op: &Op<'_>, caller: StreamHandle, deadline: Instant) -> Result<Staged> {
         let (parts, device) = parts(op, 0)?;
         let g = self.gpu();
-        let stream = self.p2p_stream(device, caller)?;
+        let stream = self.p2p.after(&*self.gpu(), device, caller)?;
         let mut host: Vec<Vec<u8>> = parts.iter().map(|p| vec![0u8; p.numel * p.dtype.size()]).collect();
         for (p, h) in parts.iter().zip(&mut host).filter(|(p, _)| p.role.downloads()) {
             // SAFETY: `h` is ours and outlives the synchronization below;
@@ -99,16 +75,6 @@ impl Staging {
         }
         synchronize_stream(&*g, device, stream, deadline, "staging a send")?;
         Ok(Staged { parts, device, stream, host })
-    }
-
-    /// Destroy the copy streams (their work is done: every posted op has
-    /// completed before its group goes).
-    pub(crate) fn close_p2p(&self) {
-        let g = self.gpu();
-        for (_, (stream, event)) in self.p2p.0.lock().unwrap_or_else(|p| p.into_inner()).drain() {
-            g.destroy_event(event);
-            g.destroy_stream(stream);
-        }
     }
 }
 

@@ -49,8 +49,8 @@ pub struct Staging {
     gpu: Arc<dyn Gpu>,
     cpu: Arc<dyn Backend>,
     devices: Mutex<HashMap<usize, DeviceState>>,
-    /// Copy streams of posted point-to-point ops (`p2p.rs`).
-    pub(crate) p2p: crate::p2p::P2pStreams,
+    /// Copy streams of posted point-to-point ops (`p2p.rs`, `streams.rs`).
+    pub(crate) p2p: crate::streams::P2pStreams,
 }
 
 impl Staging {
@@ -265,7 +265,7 @@ const MAX_CHUNKS: usize = 4096;
 
 impl Drop for Staging {
     fn drop(&mut self) {
-        self.close_p2p();
+        self.p2p.close(&*self.gpu);
         let devices = std::mem::take(&mut *self.devices.lock().unwrap_or_else(|p| p.into_inner()));
         for (_, st) in devices {
             // Let queued copies finish before their pinned memory goes.

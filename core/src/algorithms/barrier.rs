@@ -1,7 +1,7 @@
 //! Dissemination barrier: ceil(log2 W) rounds of empty messages; after round
 //! k every rank has (transitively) heard from 2^(k+1) ranks.
 
-use super::Comm;
+use super::comm::Comm;
 use crate::error::Result;
 
 /// Return once every rank has entered.

@@ -18,8 +18,8 @@
 //!
 //! [`rank_order`]: crate::backend::Backend::rank_order
 
+use super::comm::Comm;
 use super::pipeline::Segments;
-use super::Comm;
 use crate::backend::P2p;
 use crate::error::Result;
 use smallvec::{smallvec, SmallVec};

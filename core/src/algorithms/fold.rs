@@ -3,7 +3,7 @@
 //! sparse all-reduce's exchanges. The ranks beyond it hand their data to a
 //! partner first and get the result back at the end.
 
-use super::Comm;
+use super::comm::Comm;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::reduce_into;

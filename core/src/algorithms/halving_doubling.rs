@@ -5,9 +5,9 @@
 //! 2·(p-1): the choice for medium messages. Ranks beyond the power of two
 //! fold in first ([`Fold`]).
 
+use super::comm::Comm;
 use super::fold::Fold;
 use super::pipeline::{pipelined_step, Landing, Segments};
-use super::Comm;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::{finish, prescale, reduce_into, Scratch};

@@ -2,7 +2,7 @@
 //! the same one-batch exchange between every pair of ranks at once (an
 //! all-gather's too).
 
-use super::Comm;
+use super::comm::Comm;
 use crate::backend::{Gather, GatherSend, P2p};
 use crate::error::Result;
 

@@ -3,7 +3,7 @@
 //! send and receive at once, for the transport to move in whatever order
 //! its peers allow (`select.rs` chooses).
 
-use super::Comm;
+use super::comm::Comm;
 use crate::error::Result;
 
 /// `outputs[i]` receives rank i's `inputs[rank]`, pairwise.

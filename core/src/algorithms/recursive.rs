@@ -4,8 +4,8 @@
 //! result back at the end (as MPICH does; `fold.rs`). At every step both partners combine the same two
 //! partial values, so all ranks end bit-identical.
 
+use super::comm::Comm;
 use super::fold::Fold;
-use super::Comm;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::{finish, prescale, reduce_into, Scratch};

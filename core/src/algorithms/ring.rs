@@ -4,9 +4,9 @@
 //! runs along [`Comm::line`] (ranks sharing a core next to each other), so
 //! block indices are ranks at positions relative to this rank's.
 
+use super::comm::Comm;
 use super::line::Line;
 use super::pipeline::{pipelined_step, split_blocks, Landing, Segments};
-use super::Comm;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::{finish, prescale, reduce_into, AlignedBuf, Scratch};

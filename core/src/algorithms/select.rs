@@ -6,8 +6,14 @@
 //! algorithms and the serving backend's own ([`Backend::native_algorithms`]).
 //! The op carries it in [`OpContext::algorithm`]: a backend's fast path
 //! steps aside for a name it does not offer (shm's fast path for small ops,
-//! hierarchical's two-level all_reduce unless it is named), and [`pick`]
-//! runs the name or, with none, chooses by message size and world size.
+//! hierarchical's two-level all_reduce unless it is named), and the
+//! family's choice ([`all_reduce`], [`broadcast`], ...) runs the name or,
+//! with none, chooses by message size and world size.
+//!
+//! The families and core's algorithms are one table (`families!` below):
+//! each family an enum whose variants the runner (`mod.rs`) matches
+//! without a default, so a new algorithm is a line here, its rule in its
+//! family's choice, and the arm the compiler then asks for in `mod.rs`.
 //! (cuda-device's own hint, `cuda_algorithm`, chooses its all_reduce;
 //! without it a named `ring` is its device ring, and any other of core's
 //! names runs on the host, staged.)
@@ -20,20 +26,63 @@ use crate::error::{Error, Result};
 /// Environment variable with `op=algorithm` pairs for the whole group.
 pub const ENV_ALGORITHM: &str = "WEFT_ALGORITHM";
 
-/// The op families an algorithm is chosen for.
-pub const FAMILIES: [&str; 5] = ["all_reduce", "broadcast", "reduce", "all_to_all", "all_gather"];
+/// Declares the op families with a choice of algorithm and core's
+/// algorithms for each, from one table: the [`Family`] enum, one enum per
+/// family (its variants core's algorithms, matched exhaustively where they
+/// run, `mod.rs`), and the names and choices derived from them.
+macro_rules! families {
+    ($($family:ident $fname:literal $kind:ident => $alg:ident { $($variant:ident = $name:literal),+ $(,)? })+) => {
+        /// An op family whose algorithm is chosen (other ops have one way to run).
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub enum Family { $(#[doc = $fname] $family),+ }
 
-/// The family an op of `kind` belongs to, if an algorithm is chosen for it
-/// (other ops have one way to run, and ignore an `algorithm` hint).
-pub fn family(kind: OpKind) -> Option<&'static str> {
-    Some(match kind {
-        OpKind::AllReduce => "all_reduce",
-        OpKind::Broadcast => "broadcast",
-        OpKind::Reduce => "reduce",
-        OpKind::AllToAll => "all_to_all",
-        OpKind::AllGather => "all_gather",
-        _ => return None,
-    })
+        impl Family {
+            /// Every family.
+            pub const ALL: &'static [Family] = &[$(Family::$family),+];
+
+            /// Its name (`WEFT_ALGORITHM`'s keys; what backends are asked about).
+            pub fn name(self) -> &'static str {
+                match self { $(Family::$family => $fname),+ }
+            }
+
+            /// The family an op of `kind` belongs to, if an algorithm is
+            /// chosen for it (other ops ignore an `algorithm` hint).
+            pub fn of(kind: OpKind) -> Option<Family> {
+                match kind { $(OpKind::$kind => Some(Family::$family),)+ _ => None }
+            }
+
+            /// The names its ops accept from core: `"auto"` (the choice by
+            /// size, the default) first, then its algorithms'.
+            pub fn choices(self) -> &'static [&'static str] {
+                match self { $(Family::$family => &["auto", $($name),+]),+ }
+            }
+        }
+
+        $(
+            #[doc = concat!("Core's algorithms for ", $fname, ".")]
+            #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+            pub enum $alg { $(#[doc = $name] $variant),+ }
+
+            impl $alg {
+                /// The algorithm of that name, if core has it.
+                pub fn named(name: &str) -> Option<$alg> {
+                    match name { $($name => Some($alg::$variant),)+ _ => None }
+                }
+                /// Its name.
+                pub fn name(self) -> &'static str {
+                    match self { $($alg::$variant => $name),+ }
+                }
+            }
+        )+
+    };
+}
+
+families! {
+    AllReduce "all_reduce" AllReduce => AllReduceAlgorithm { Ring = "ring", RecursiveDoubling = "recursive_doubling", HalvingDoubling = "halving_doubling" }
+    Broadcast "broadcast" Broadcast => BroadcastAlgorithm { Binomial = "binomial", ScatterAllgather = "scatter_allgather", Chain = "chain" }
+    Reduce "reduce" Reduce => ReduceAlgorithm { Binomial = "binomial", ReduceScatterGather = "reduce_scatter_gather" }
+    AllToAll "all_to_all" AllToAll => AllToAllAlgorithm { Pairwise = "pairwise", AtOnce = "at_once" }
+    AllGather "all_gather" AllGather => AllGatherAlgorithm { Ring = "ring", AtOnce = "at_once" }
 }
 
 /// A group's setting: its hint `algorithm` (every family) and
@@ -42,7 +91,7 @@ pub fn family(kind: OpKind) -> Option<&'static str> {
 #[derive(Clone, Debug, Default)]
 pub struct Setting {
     every: Option<String>,
-    per_family: Vec<(&'static str, String)>,
+    per_family: Vec<(Family, String)>,
     /// The group's segment size for pipelined steps, if it sets one.
     pub segment_bytes: Option<usize>,
 }
@@ -55,10 +104,10 @@ impl Setting {
         for entry in env.unwrap_or("").split(',').map(str::trim).filter(|e| !e.is_empty()) {
             let bad = |why: String| Error::invalid(format!("{ENV_ALGORITHM}: entry {entry:?} {why}"));
             let (op, name) = entry.split_once('=').ok_or_else(|| bad("is not op=algorithm".into()))?;
-            let family = FAMILIES
-                .iter()
-                .find(|f| **f == op.trim())
-                .ok_or_else(|| bad(format!("names no op with a choice of algorithm ({})", FAMILIES.join(", "))))?;
+            let family = Family::ALL.iter().find(|f| f.name() == op.trim()).ok_or_else(|| {
+                let all: Vec<&str> = Family::ALL.iter().map(|f| f.name()).collect();
+                bad(format!("names no op with a choice of algorithm ({})", all.join(", ")))
+            })?;
             per_family.push((*family, name.trim().to_string()));
         }
         Ok(Setting { every: hint.map(str::to_string), per_family, segment_bytes: None })
@@ -71,7 +120,7 @@ impl Setting {
         Ok(s)
     }
 
-    fn for_family(&self, family: &str) -> Option<&str> {
+    fn for_family(&self, family: Family) -> Option<&str> {
         self.every.as_deref().or_else(|| self.per_family.iter().find(|(f, _)| *f == family).map(|(_, n)| n.as_str()))
     }
 }
@@ -80,51 +129,45 @@ impl Setting {
 /// `algorithm` hint), else the group's `setting`; checked against core's
 /// algorithms and `natives` (the serving backend's). `None`: none named,
 /// or `"auto"`.
-pub fn forced(family: &str, hint: Option<&str>, setting: &Setting, natives: &'static [&'static str]) -> Result<Option<&'static str>> {
+pub fn forced(family: Family, hint: Option<&str>, setting: &Setting, natives: &'static [&'static str]) -> Result<Option<&'static str>> {
     let Some(name) = hint.or_else(|| setting.for_family(family)) else { return Ok(None) };
-    let list = choices(family);
+    let list = family.choices();
     match list.iter().chain(natives).find(|c| **c == name) {
         Some(&"auto") => Ok(None),
         Some(c) => Ok(Some(*c)),
         None => {
             let all: Vec<&str> = list.iter().chain(natives).copied().collect();
-            Err(Error::invalid(format!("{family} has no algorithm {name:?} (choices: {})", all.join(", "))))
+            Err(Error::invalid(format!("{} has no algorithm {name:?} (choices: {})", family.name(), all.join(", "))))
         }
     }
 }
 
-/// The algorithm names each op accepts, the default first.
-pub fn choices(op: &str) -> &'static [&'static str] {
-    match op {
-        "all_reduce" => &["auto", "ring", "recursive_doubling", "halving_doubling"],
-        "broadcast" => &["auto", "binomial", "scatter_allgather", "chain"],
-        "reduce" => &["auto", "binomial", "reduce_scatter_gather"],
-        "all_to_all" => &["auto", "pairwise", "at_once"],
-        "all_gather" => &["auto", "ring", "at_once"],
-        _ => &["auto"],
-    }
+/// Core's algorithm the op was told to use ([`OpContext::algorithm`],
+/// checked when it was issued), parsed with `named`; `None` if none.
+fn told<A>(ctx: &OpContext, family: Family, named: fn(&str) -> Option<A>) -> Result<Option<A>> {
+    let Some(name) = ctx.algorithm else { return Ok(None) };
+    // A backend's own name reaches here only if that backend declined the op.
+    named(name).map(Some).ok_or_else(|| {
+        let core = &family.choices()[1..];
+        Error::invalid(format!("{}: algorithm {name:?} is not one of core's ({})", family.name(), core.join(", ")))
+    })
 }
 
-/// The algorithm `op` should use for `bytes` bytes, on a transport where a
-/// message step costs about as much as `step_bytes` bytes
-/// ([`Backend::step_bytes`](crate::backend::Backend::step_bytes)): the one
-/// the op was told to use ([`OpContext::algorithm`]), else a choice by size.
-pub fn pick(ctx: &OpContext, op: &'static str, bytes: usize, step_bytes: usize) -> Result<&'static str> {
-    if let Some(name) = ctx.algorithm {
-        // Checked at issue; a backend's own name reaches here only if that
-        // backend declined the op.
-        return match choices(op).iter().find(|c| **c == name) {
-            Some(c) => Ok(*c),
-            None => Err(Error::invalid(format!("{op}: algorithm {name:?} is not one of core's ({})", choices(op).join(", ")))),
-        };
-    }
-    Ok(match op {
+// Each family's choice: the algorithm the op was told to use, else one
+// by size, on a transport where a message step costs about as much as
+// `step_bytes` bytes ([`Backend::step_bytes`](crate::backend::Backend::step_bytes)).
+
+/// All-reduce of `bytes` bytes.
+pub fn all_reduce(ctx: &OpContext, bytes: usize, step_bytes: usize) -> Result<AllReduceAlgorithm> {
+    use AllReduceAlgorithm::*;
+    Ok(told(ctx, Family::AllReduce, AllReduceAlgorithm::named)?.unwrap_or({
         // Few, latency-bound steps for messages no larger than what a step
         // costs; bandwidth-optimal ring for large. (Measured at W=2: over
         // sockets recursive doubling wins up to 128 KiB; through shared
         // memory the ring wins from 32 KiB, where messages go single-copy
         // and its all-gather half is pushed by the rank that reduced it.)
-        "all_reduce" if bytes <= step_bytes || ctx.size <= 1 => "recursive_doubling",
+        if bytes <= step_bytes || ctx.size <= 1 {
+            RecursiveDoubling
         // Medium sizes: a ring's 2(W-1) steps cost more than its bytes;
         // halving-doubling moves the same bytes in 2·log2(W) steps. Off a
         // power of two its fold moves the whole buffer once more. Up to 8
@@ -134,46 +177,66 @@ pub fn pick(ctx: &OpContext, op: &'static str, bytes: usize, step_bytes: usize) 
         // step) W=4 64 KiB 41.8 / 43.6 µs, 256 KiB 123 / 112, 1 MiB 473 /
         // 381, 2 MiB 1577 / 960; W=8 1 MiB 2.61 / 1.81 ms, 2 MiB 5.92 /
         // 4.51; cpu-tcp (64 KiB) W=4 256 KiB 441 / 516 µs, 1 and 2 MiB even.
-        "all_reduce" if bytes <= 8 * step_bytes && ctx.size > 2 && ctx.size.is_power_of_two() => "halving_doubling",
-        "all_reduce" => "ring",
-        // The root sends the whole buffer log2(W) times with a tree. A
-        // pipelined chain moves the fewest bytes (each link carries the
-        // buffer once) once the buffer is long enough to fill the pipe;
-        // between, scatter + all-gather needs only two phases (measured,
-        // cpu-tcp and shm, W=4 and 8: the chain is 10-20 % faster from
-        // 4 MiB, slower at 1 MiB on W=8).
-        "broadcast" if bytes >= 4 << 20 && ctx.size > 2 => "chain",
-        "broadcast" if bytes >= 512 << 10 && ctx.size > 2 => "scatter_allgather",
-        "broadcast" => "binomial",
-        // Likewise a tree reduce moves the whole buffer log2(W) times.
-        "reduce" if bytes >= 512 << 10 && ctx.size > 2 => "reduce_scatter_gather",
-        "reduce" => "binomial",
-        // All-to-all (`bytes`: the largest block) posts every send and
-        // receive at once: no rank waits on one peer while another could be
-        // served. Measured with weft bench, shm, 64 MiB: W=4 24.0-27.8 ms
-        // pairwise against 18.2-19.0 ms at once, W=8 63 against 40 ms;
-        // W=4 1 MiB 96-99 against 82-83 µs; cpu-tcp W=4 1 MiB 475-484
-        // against 323-334 µs. Only large blocks over sockets went the other
-        // way (cpu-tcp W=4 64 MiB: 22.6-24.7 pairwise against 25.1-27.2 ms
-        // at once): there, one stream per direction at a time.
-        // (Two ranks: one peer, so nothing to overlap; pairwise as before.)
-        "all_to_all" if ctx.size <= 2 || (bytes > 1 << 20 && step_bytes > 16 << 10) => "pairwise",
-        "all_to_all" => "at_once",
-        // All-gather (`bytes`: the largest block) likewise, where the ring's
-        // W-1 steps each wait for a neighbour: through shared memory, with
-        // blocks from 8 MiB (shm, 64 MiB in all: W=4 20.5-20.8 ring against
-        // 16.9-18.3 ms at once, W=8 51-54 against 38 ms; 4 MiB blocks and
-        // sockets showed no clear winner, and the ring stays).
-        "all_gather" if ctx.size > 2 && bytes >= 8 << 20 && step_bytes <= 16 << 10 => "at_once",
-        "all_gather" => "ring",
-        _ => "auto",
-    })
+        } else if bytes <= 8 * step_bytes && ctx.size > 2 && ctx.size.is_power_of_two() {
+            HalvingDoubling
+        } else {
+            Ring
+        }
+    }))
 }
 
-/// Default bytes per pipelined segment of a ring step: small enough that a
-/// received segment is still in the L2 cache when it is reduced (measured
-/// on 64 MiB all_reduce, W=2: 256 KiB beat 64 KiB, 1 MiB and unsegmented).
-pub const SEGMENT_BYTES: usize = 256 << 10;
+/// Broadcast of `bytes` bytes.
+pub fn broadcast(ctx: &OpContext, bytes: usize) -> Result<BroadcastAlgorithm> {
+    use BroadcastAlgorithm::*;
+    // The root sends the whole buffer log2(W) times with a tree. A
+    // pipelined chain moves the fewest bytes (each link carries the
+    // buffer once) once the buffer is long enough to fill the pipe;
+    // between, scatter + all-gather needs only two phases (measured,
+    // cpu-tcp and shm, W=4 and 8: the chain is 10-20 % faster from
+    // 4 MiB, slower at 1 MiB on W=8).
+    Ok(told(ctx, Family::Broadcast, BroadcastAlgorithm::named)?.unwrap_or(match bytes {
+        _ if ctx.size <= 2 => Binomial,
+        b if b >= 4 << 20 => Chain,
+        b if b >= 512 << 10 => ScatterAllgather,
+        _ => Binomial,
+    }))
+}
+
+/// Reduce of `bytes` bytes.
+pub fn reduce(ctx: &OpContext, bytes: usize) -> Result<ReduceAlgorithm> {
+    // Likewise a tree reduce moves the whole buffer log2(W) times.
+    let by_size = if bytes >= 512 << 10 && ctx.size > 2 { ReduceAlgorithm::ReduceScatterGather } else { ReduceAlgorithm::Binomial };
+    Ok(told(ctx, Family::Reduce, ReduceAlgorithm::named)?.unwrap_or(by_size))
+}
+
+/// All-to-all whose largest block is `bytes` bytes.
+pub fn all_to_all(ctx: &OpContext, bytes: usize, step_bytes: usize) -> Result<AllToAllAlgorithm> {
+    // Posts every send and receive at once: no rank waits on one peer while
+    // another could be served. Measured with weft bench, shm, 64 MiB: W=4
+    // 24.0-27.8 ms pairwise against 18.2-19.0 ms at once, W=8 63 against
+    // 40 ms; W=4 1 MiB 96-99 against 82-83 µs; cpu-tcp W=4 1 MiB 475-484
+    // against 323-334 µs. Only large blocks over sockets went the other
+    // way (cpu-tcp W=4 64 MiB: 22.6-24.7 pairwise against 25.1-27.2 ms
+    // at once): there, one stream per direction at a time.
+    // (Two ranks: one peer, so nothing to overlap; pairwise as before.)
+    let pairwise = ctx.size <= 2 || (bytes > 1 << 20 && step_bytes > 16 << 10);
+    let by_size = if pairwise { AllToAllAlgorithm::Pairwise } else { AllToAllAlgorithm::AtOnce };
+    Ok(told(ctx, Family::AllToAll, AllToAllAlgorithm::named)?.unwrap_or(by_size))
+}
+
+/// All-gather whose largest block is `bytes` bytes.
+pub fn all_gather(ctx: &OpContext, bytes: usize, step_bytes: usize) -> Result<AllGatherAlgorithm> {
+    // Likewise, where the ring's W-1 steps each wait for a neighbour:
+    // through shared memory, with blocks from 8 MiB (shm, 64 MiB in all:
+    // W=4 20.5-20.8 ring against 16.9-18.3 ms at once, W=8 51-54 against
+    // 38 ms; 4 MiB blocks and sockets showed no clear winner, and the ring
+    // stays).
+    let at_once = ctx.size > 2 && bytes >= 8 << 20 && step_bytes <= 16 << 10;
+    let by_size = if at_once { AllGatherAlgorithm::AtOnce } else { AllGatherAlgorithm::Ring };
+    Ok(told(ctx, Family::AllGather, AllGatherAlgorithm::named)?.unwrap_or(by_size))
+}
+
+pub use super::pipeline::SEGMENT_BYTES;
 
 /// The hint `segment_bytes`: a positive byte count.
 pub fn parse_segment_bytes(v: &str) -> Result<usize> {
@@ -200,14 +263,6 @@ pub fn parse_segment_bytes(v: &str) -> Result<usize> {
 pub fn segment_for(buffered: Option<usize>) -> Option<usize> {
     let fitting = buffered? / super::chain::WINDOW;
     (fitting < SEGMENT_BYTES).then_some(fitting.max(16 << 10))
-}
-
-/// Bytes per segment of a pipelined ring step: the op's
-/// [`OpContext::segment_bytes`] (its hint, the group's or the transport's,
-/// settled when it was issued), else [`SEGMENT_BYTES`]; rounded down to
-/// whole elements of `esize` bytes.
-pub fn segment_bytes(ctx: &OpContext, esize: usize) -> usize {
-    (ctx.segment_bytes.unwrap_or(SEGMENT_BYTES) / esize).max(1) * esize
 }
 
 #[cfg(test)]
@@ -242,7 +297,7 @@ mod tests {
 
     #[test]
     fn all_reduce_takes_halving_doubling_for_up_to_eight_steps_worth() {
-        let pick = |w: usize, bytes: usize, step: usize| pick(&ctx(w), "all_reduce", bytes, step).unwrap();
+        let pick = |w: usize, bytes: usize, step: usize| all_reduce(&ctx(w), bytes, step).unwrap().name();
         // shm's steps (16 KiB): the ring from 256 KiB; sockets' (64 KiB): from 1 MiB.
         assert_eq!(pick(4, 16 << 10, 16 << 10), "recursive_doubling");
         assert_eq!(pick(4, 128 << 10, 16 << 10), "halving_doubling");
@@ -257,24 +312,50 @@ mod tests {
     #[test]
     fn an_op_hint_beats_the_groups_hint_which_beats_the_environment() {
         let env = Setting::new(None, Some(" all_reduce = ring , broadcast=chain")).unwrap();
-        assert_eq!(forced("all_reduce", None, &env, &[]).unwrap(), Some("ring"));
-        assert_eq!(forced("broadcast", None, &env, &[]).unwrap(), Some("chain"));
-        assert_eq!(forced("reduce", None, &env, &[]).unwrap(), None);
-        assert_eq!(forced("all_reduce", Some("recursive_doubling"), &env, &[]).unwrap(), Some("recursive_doubling"));
-        assert_eq!(forced("all_reduce", Some("auto"), &env, &[]).unwrap(), None);
+        assert_eq!(forced(Family::AllReduce, None, &env, &[]).unwrap(), Some("ring"));
+        assert_eq!(forced(Family::Broadcast, None, &env, &[]).unwrap(), Some("chain"));
+        assert_eq!(forced(Family::Reduce, None, &env, &[]).unwrap(), None);
+        assert_eq!(forced(Family::AllReduce, Some("recursive_doubling"), &env, &[]).unwrap(), Some("recursive_doubling"));
+        assert_eq!(forced(Family::AllReduce, Some("auto"), &env, &[]).unwrap(), None);
         let group = Setting::new(Some("halving_doubling"), Some("all_reduce=ring")).unwrap();
-        assert_eq!(forced("all_reduce", None, &group, &[]).unwrap(), Some("halving_doubling"));
+        assert_eq!(forced(Family::AllReduce, None, &group, &[]).unwrap(), Some("halving_doubling"));
     }
 
     #[test]
     fn unknown_names_are_invalid_arguments_listing_the_choices() {
-        let e = forced("all_reduce", Some("butterfly"), &Setting::default(), &[]).unwrap_err();
+        let e = forced(Family::AllReduce, Some("butterfly"), &Setting::default(), &[]).unwrap_err();
         assert_eq!(e.kind(), &crate::ErrorKind::InvalidArgument);
         assert!(e.to_string().contains("no algorithm \"butterfly\" (choices: auto, ring, recursive_doubling, halving_doubling)"), "{e}");
         // A backend's own name is a choice where that backend serves the op.
-        assert_eq!(forced("all_reduce", Some("hierarchical"), &Setting::default(), &["hierarchical"]).unwrap(), Some("hierarchical"));
-        let e = forced("all_reduce", Some("hierarchical"), &Setting::default(), &[]).unwrap_err();
+        assert_eq!(forced(Family::AllReduce, Some("hierarchical"), &Setting::default(), &["hierarchical"]).unwrap(), Some("hierarchical"));
+        let e = forced(Family::AllReduce, Some("hierarchical"), &Setting::default(), &[]).unwrap_err();
         assert!(e.to_string().contains("hierarchical"), "{e}");
+    }
+
+    #[test]
+    fn names_parse_to_their_algorithms_and_an_unknown_one_is_refused_at_run_time() {
+        for family in Family::ALL {
+            assert_eq!(family.choices()[0], "auto");
+            assert_eq!(
+                Family::of(match family {
+                    Family::AllReduce => OpKind::AllReduce,
+                    Family::Broadcast => OpKind::Broadcast,
+                    Family::Reduce => OpKind::Reduce,
+                    Family::AllToAll => OpKind::AllToAll,
+                    Family::AllGather => OpKind::AllGather,
+                }),
+                Some(*family)
+            );
+        }
+        assert_eq!(Family::of(OpKind::Barrier), None);
+        assert_eq!(BroadcastAlgorithm::named("chain"), Some(BroadcastAlgorithm::Chain));
+        assert_eq!(ReduceAlgorithm::named("chain"), None, "another family's name");
+        let mut c = ctx(4);
+        c.algorithm = Some("chain");
+        assert_eq!(broadcast(&c, 8).unwrap(), BroadcastAlgorithm::Chain, "a told name beats the size");
+        c.algorithm = Some("hierarchical");
+        let e = all_reduce(&c, 8, 1).unwrap_err();
+        assert!(e.to_string().contains("not one of core's (ring, recursive_doubling, halving_doubling)"), "{e}");
     }
 
     #[test]

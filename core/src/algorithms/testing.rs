@@ -75,7 +75,7 @@ pub fn run_ranks<T: Send>(w: usize, kind: OpKind, f: impl Fn(usize, &dyn Backend
 /// The algorithm a hint names for an op of `kind`, as a group settles it
 /// when the op is issued.
 fn algorithm(kind: OpKind, hints: &std::collections::HashMap<String, String>) -> Option<&'static str> {
-    let family = super::select::family(kind)?;
+    let family = super::select::Family::of(kind)?;
     super::select::forced(family, Some(hints.get("algorithm")?), &Default::default(), &[]).expect("a known algorithm")
 }
 

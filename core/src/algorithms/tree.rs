@@ -1,7 +1,7 @@
 //! Binomial trees rooted at any rank: broadcast and reduce in log2(W) rounds.
 
+use super::comm::Comm;
 use super::pipeline::Segments;
-use super::Comm;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::{finish, prescale, reduce_into, Scratch};

@@ -26,8 +26,8 @@ impl GroupCore {
             Some(v) => Some(select::parse_segment_bytes(v).map_err(fail)?),
             None => self.algorithms.segment_bytes.or_else(|| select::segment_for(backend.and_then(|b| b.buffered_bytes()))),
         };
-        if let Some(family) = select::family(job.kind) {
-            let natives = backend.map_or(&[][..], |b| b.native_algorithms(family));
+        if let Some(family) = select::Family::of(job.kind) {
+            let natives = backend.map_or(&[][..], |b| b.native_algorithms(family.name()));
             job.algorithm = select::forced(family, hint("algorithm"), &self.algorithms, natives).map_err(fail)?;
         }
         Ok(())

@@ -37,7 +37,7 @@ mod sketch;
 
 pub use coalesce::{merge_k, Rows, Run, RunRef, Sorted, SortedRows};
 
-use super::Comm;
+use super::comm::Comm;
 use crate::error::{Error, Result};
 use crate::reduce_op::ReduceOp;
 use crate::tensor::{SparseCoo, SparseCooTensor};
