@@ -2,7 +2,6 @@
 
 mod bench;
 mod conformance;
-mod demo;
 mod info;
 
 use anyhow::Result;
@@ -11,7 +10,7 @@ use std::time::Duration;
 use weft_cli::launcher::{self, Launch};
 
 #[derive(Parser)]
-#[command(name = "weft", version, about = "Collective communication for Rust: launcher, backend info, demo")]
+#[command(name = "weft", version, about = "Collective communication for Rust: launcher, benchmark, backend info")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -78,7 +77,8 @@ enum Cmd {
         #[arg(long, default_value = "cpu")]
         device: String,
     },
-    /// All-reduce across local ranks: sizes, times, bandwidth, verified results.
+    /// A short `weft bench --ops all_reduce` (sizes from 8 B, x8 a step, up
+    /// to --max-bytes; verified) on a local world.
     Demo {
         /// Local ranks (ignored when already started by a launcher).
         #[arg(short = 'n', long = "nproc", default_value_t = 4)]
@@ -93,6 +93,13 @@ enum Cmd {
         #[arg(long, default_value_t = 5)]
         iters: usize,
     },
+}
+
+/// `weft bench`'s flags on their own, for `weft demo`.
+#[derive(Parser)]
+struct DemoBench {
+    #[command(flatten)]
+    args: bench::BenchArgs,
 }
 
 fn main() -> Result<()> {
@@ -120,7 +127,12 @@ fn main() -> Result<()> {
         Cmd::Info => info::print()?,
         Cmd::Bench(args) => bench::main(*args)?,
         Cmd::Conformance { nproc, backend, count, device } => conformance::main(nproc, &backend, count, &device)?,
-        Cmd::Demo { nproc, backend, max_bytes, iters } => demo::main(nproc, &backend, max_bytes, iters)?,
+        Cmd::Demo { nproc, backend, max_bytes, iters } => {
+            // A short `weft bench --ops all_reduce`: one sweep, one code path.
+            let (n, e, i) = (nproc.to_string(), max_bytes.to_string(), iters.to_string());
+            let flags = ["--world", &n, "--backend", &backend, "--ops", "all_reduce", "-f", "8", "-e", &e, "-n", &i];
+            bench::main(DemoBench::parse_from(std::iter::once("weft demo").chain(flags)).args)?
+        }
     };
     std::process::exit(code)
 }

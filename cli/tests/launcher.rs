@@ -66,7 +66,8 @@ fn demo_runs_a_verified_all_reduce_on_a_local_world() {
     let out = Command::new(WEFT).args(["demo", "-n", "3", "--max-bytes", "65536", "--iters", "2"]).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(text.contains("on 3 ranks") && text.contains("#wrong"), "{text}");
+    // It is `weft bench --ops all_reduce`: its rows, checked.
+    assert!(text.contains("all_reduce") && text.contains("# total wrong: 0") && text.contains("32768"), "{text}");
 }
 
 #[test]

@@ -7,13 +7,13 @@
 
 use crate::errors::{setup_to_py, to_py};
 use crate::health::Health;
+use crate::options::{seconds, Call};
 use crate::store::PyStore;
 use crate::tensor::{views, views_mut, Desc};
 use crate::work::PyWork;
 use pyo3::prelude::*;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 use weft::store::{PrefixStore, Store};
 use weft::{Collectives, GroupOptions, OpOptions, P2pOp, ProcessGroup, ReduceOp, SparseCoo, SparseCooTensor, Unscoped};
 
@@ -47,14 +47,6 @@ fn named(store: Arc<dyn Store>, name: &str, rank: usize) -> weft::Result<Arc<dyn
     Ok(store)
 }
 
-/// An op's hints.
-type Hints = HashMap<String, String>;
-
-/// The options of one op: a timeout in seconds and hints.
-fn op_options(timeout: Option<f64>, hints: Option<Hints>) -> OpOptions {
-    OpOptions { timeout: timeout.filter(|t| *t > 0.0).map(Duration::from_secs_f64), hints: hints.unwrap_or_default(), stream: None }
-}
-
 fn reduce_op(op: &str) -> PyResult<ReduceOp> {
     op.parse().map_err(to_py)
 }
@@ -75,24 +67,6 @@ macro_rules! via {
             Issuer::Background($c) => $call,
         }
     };
-}
-
-/// What every op takes besides its tensors, as one Python tuple
-/// `(keep, timeout, hints, direct)`: the objects keeping the tensors alive,
-/// the timeout in seconds (None: the group's), hints (or None), and whether
-/// the op runs directly (a synchronous torch call) or in the background.
-struct Call {
-    keep: Py<PyAny>,
-    options: OpOptions,
-    direct: bool,
-}
-
-impl<'a, 'py> FromPyObject<'a, 'py> for Call {
-    type Error = PyErr;
-    fn extract(ob: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        let (keep, timeout, hints, direct): (Py<PyAny>, Option<f64>, Option<Hints>, bool) = ob.extract()?;
-        Ok(Call { keep, options: op_options(timeout, hints), direct })
-    }
 }
 
 impl PyGroup {
@@ -150,7 +124,7 @@ impl PyGroup {
         name: Option<String>,
     ) -> PyResult<Self> {
         weft_builtin::link();
-        let timeout = Duration::from_secs_f64(timeout.max(0.001));
+        let timeout = seconds(timeout.max(0.001))?;
         let mut options = GroupOptions::default().backend(backend).timeout(timeout);
         options.hints = hints.unwrap_or_default();
         let pg = py
@@ -244,7 +218,7 @@ impl PyGroup {
     fn shrink(&self, py: Python<'_>, exclude: Vec<usize>, wait: Option<f64>) -> PyResult<(PyGroup, Vec<usize>)> {
         let mut opts = weft::ShrinkOptions::default().exclude(exclude);
         if let Some(w) = wait.filter(|w| *w > 0.0) {
-            opts = opts.wait(Duration::from_secs_f64(w));
+            opts = opts.wait(seconds(w)?);
         }
         let rank = self.pg.rank() as u64;
         let (pg, members) = py

@@ -6,6 +6,7 @@
 mod errors;
 mod group;
 mod health;
+mod options;
 mod store;
 mod tensor;
 mod window;

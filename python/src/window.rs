@@ -4,12 +4,12 @@
 //! Python views as tensors while this object (and so the memory) lives.
 
 use crate::errors::to_py;
+use crate::options::{op_options, Hints};
 use crate::tensor::Desc;
 use crate::work::PyWork;
 use pyo3::prelude::*;
 use std::sync::Arc;
-use std::time::Duration;
-use weft::{AccessType, OpOptions, Window};
+use weft::{AccessType, Window};
 
 /// A window of a group (made by `Group.new_window`).
 #[pyclass(frozen, module = "weft._weft", name = "Window")]
@@ -37,19 +37,6 @@ impl Drop for PyWindow {
             Python::attach(|py| py.detach(move || drop(win)));
         }
     }
-}
-
-/// An op's options from a timeout in seconds (None or not positive: the
-/// group's).
-fn timed(timeout: Option<f64>) -> PyResult<OpOptions> {
-    let timeout = match timeout.filter(|t| *t > 0.0) {
-        None => None,
-        Some(t) => Some(
-            Duration::try_from_secs_f64(t)
-                .map_err(|_| pyo3::exceptions::PyValueError::new_err(format!("weft: timeout {t} is not a number of seconds")))?,
-        ),
-    };
-    Ok(OpOptions { timeout, ..OpOptions::default() })
 }
 
 #[pymethods]
@@ -85,33 +72,33 @@ impl PyWindow {
 
     /// Put `t` at byte `offset` of rank `dst`'s memory; `keep` holds `t`
     /// until the returned work has finished.
-    #[pyo3(signature = (t, dst, offset, keep, timeout = None))]
-    fn put(&self, t: Desc, dst: usize, offset: usize, keep: Py<PyAny>, timeout: Option<f64>) -> PyResult<PyWork> {
+    #[pyo3(signature = (t, dst, offset, keep, timeout = None, hints = None))]
+    fn put(&self, t: Desc, dst: usize, offset: usize, keep: Py<PyAny>, timeout: Option<f64>, hints: Option<Hints>) -> PyResult<PyWork> {
         // SAFETY: `keep` holds the tensor until the work has finished (the
         // PyWork keeps it, and parks it if dropped early).
-        let work = self.win().put(unsafe { t.view() }?, dst, offset, &timed(timeout)?).map_err(to_py)?;
+        let work = self.win().put(unsafe { t.view() }?, dst, offset, &op_options(timeout, hints)?).map_err(to_py)?;
         Ok(PyWork::new(work, keep, None))
     }
 
     /// Read rank `src`'s memory at byte `offset` into `t`.
-    #[pyo3(signature = (t, src, offset, keep, timeout = None))]
-    fn get(&self, t: Desc, src: usize, offset: usize, keep: Py<PyAny>, timeout: Option<f64>) -> PyResult<PyWork> {
+    #[pyo3(signature = (t, src, offset, keep, timeout = None, hints = None))]
+    fn get(&self, t: Desc, src: usize, offset: usize, keep: Py<PyAny>, timeout: Option<f64>, hints: Option<Hints>) -> PyResult<PyWork> {
         // SAFETY: as in `put`.
-        let work = self.win().get(unsafe { t.view_mut() }?, src, offset, &timed(timeout)?).map_err(to_py)?;
+        let work = self.win().get(unsafe { t.view_mut() }?, src, offset, &op_options(timeout, hints)?).map_err(to_py)?;
         Ok(PyWork::new(work, keep, None))
     }
 
     /// Signal `peer` (after this rank's earlier puts to it).
-    #[pyo3(signature = (peer, keep, timeout = None))]
-    fn signal(&self, peer: usize, keep: Py<PyAny>, timeout: Option<f64>) -> PyResult<PyWork> {
-        let work = self.win().signal(peer, &timed(timeout)?).map_err(to_py)?;
+    #[pyo3(signature = (peer, keep, timeout = None, hints = None))]
+    fn signal(&self, peer: usize, keep: Py<PyAny>, timeout: Option<f64>, hints: Option<Hints>) -> PyResult<PyWork> {
+        let work = self.win().signal(peer, &op_options(timeout, hints)?).map_err(to_py)?;
         Ok(PyWork::new(work, keep, None))
     }
 
     /// Wait (the GIL released) for `count` signals from `peer`.
-    #[pyo3(signature = (peer, count = 1, timeout = None))]
-    fn wait_signal(&self, py: Python<'_>, peer: usize, count: u64, timeout: Option<f64>) -> PyResult<()> {
-        let opts = timed(timeout)?;
+    #[pyo3(signature = (peer, count = 1, timeout = None, hints = None))]
+    fn wait_signal(&self, py: Python<'_>, peer: usize, count: u64, timeout: Option<f64>, hints: Option<Hints>) -> PyResult<()> {
+        let opts = op_options(timeout, hints)?;
         py.detach(|| self.win().wait_signals(peer, count, &opts)).map_err(to_py)
     }
 

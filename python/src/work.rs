@@ -85,9 +85,10 @@ impl PyWork {
             // orders torch's stream): no hand-over of the GIL.
             return w.wait().map(|()| true).map_err(|e| self.fail(e));
         }
+        let timeout = timeout.map(|t| crate::options::seconds(t.max(0.0))).transpose()?;
         py.detach(|| match timeout {
             None => w.wait().map(|()| true),
-            Some(t) => w.wait_timeout(Duration::from_secs_f64(t.max(0.0))),
+            Some(t) => w.wait_timeout(t),
         })
         .map_err(|e| self.fail(e))
     }

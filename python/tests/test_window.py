@@ -123,7 +123,14 @@ def timeout_names_the_peer(rank, world, backend):
     win = comm.new_window()
     win.tensor_register(torch.zeros(4))
     with pytest.raises(weft.WeftTimeoutError, match=f"rank {(rank + 1) % world}"):
-        win.wait_signal((rank + 1) % world, async_op=False, timeout=0.2)
+        win.wait_signal((rank + 1) % world, async_op=False, timeout=0.2, hints={"no_such_key": "1"})
+    # Hints go to weft, which ignores keys it does not know; a timeout that
+    # is not a number of seconds is refused, on every window call.
+    peer = (rank + 1) % world
+    win.put(torch.ones(1), peer, 0, async_op=False, hints={"no_such_key": "1"})
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="not a number of seconds"):
+            win.signal(peer, async_op=False, timeout=bad)
     comm.barrier(False)
     win.tensor_deregister()
     comm.finalize()

@@ -92,6 +92,10 @@ def bad_arguments(rank, world):
         dist.all_reduce(torch.zeros(2, dtype=torch.int32), op=dist.ReduceOp.AVG)
     with pytest.raises(TypeError, match="int16"):
         dist.all_reduce(torch.zeros(2, dtype=torch.int16))
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    for bad in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match="positive number of seconds"):
+            backend.set_timeout(bad)
     # The group is still usable after errors caught before any byte moved.
     t = torch.ones(3)
     dist.all_reduce(t)

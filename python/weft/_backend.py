@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import os
 import sys
 import weakref
@@ -196,8 +197,8 @@ class _Common(Ops):
     def set_timeout(self, timeout) -> None:
         """The timeout of this group's later ops (`timedelta` or seconds)."""
         secs = _seconds(timeout)
-        if secs is None:
-            raise ValueError(f"weft: a timeout must be positive, not {timeout}")
+        if secs is None or not math.isfinite(secs):
+            raise ValueError(f"weft: a timeout must be a positive number of seconds, not {timeout}")
         for m in self._shared["members"]:
             m._timeout = secs
 

@@ -12,6 +12,7 @@ return the same Work (`_work.py`).
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 import os
 import sys
@@ -121,8 +122,8 @@ def new_comm(
     """
     abort = _abort_default() if abort_process_on_timeout_or_error is None else bool(abort_process_on_timeout_or_error)
     secs = _default_timeout() if timeout is None else _seconds(timeout)
-    if secs is None:
-        raise ValueError(f"weft: timeout must be positive, not {timeout!r}")
+    if secs is None or not math.isfinite(secs):
+        raise ValueError(f"weft: timeout must be a positive number of seconds, not {timeout!r}")
     name = f"comm{next(_unnamed)}" if name is None else str(name)
     if store is None:
         store, rank, size = _bootstrap.store_from_env(secs)

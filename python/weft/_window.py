@@ -28,7 +28,8 @@ exception types of ``weft._errors``.
 torch's option objects (``PutOptions``, ``SignalOptions``,
 ``WaitSignalOptions``) are taken where torch passes them, after
 ``async_op``: their ``timeout`` bounds the call (unset: the group's), and
-hints weft does not know are ignored. ``tensor_register``'s ``owning``
+their hints (or ``hints=``) go to weft, which applies the keys it knows
+and ignores the others, as for every op. ``tensor_register``'s ``owning``
 changes nothing on weft: the window's memory is weft's own either way, and
 the registered tensor views it until deregistration.
 """
@@ -53,6 +54,14 @@ def _timeout_of(opts, timeout):
     if timeout is None and opts is not None:
         timeout = getattr(opts, "timeout", None)
     return _seconds(timeout)
+
+
+def _hints_of(opts, hints):
+    """A call's hints: `hints` (TorchComm's keyword), else those of torch's
+    option object `opts`; weft applies the keys it knows, as for every op."""
+    if hints is None and opts is not None:
+        hints = getattr(opts, "hints", None)
+    return dict(hints) if hints else None
 
 
 class _Waiting:
@@ -222,7 +231,8 @@ class Window:
         target's tensor is refused (``ValueError``)."""
         native = self._registered()
         s = Staged()
-        op = self._comm._guard(native.put, s.input(tensor), dst_rank, self._offset(target_offset_nelems), s.keep, _timeout_of(opts, timeout))
+        offset, secs = self._offset(target_offset_nelems), _timeout_of(opts, timeout)
+        op = self._comm._guard(native.put, s.input(tensor), dst_rank, offset, s.keep, secs, _hints_of(opts, hints))
         return self._work(op, async_op)
 
     def get(self, tensor: torch.Tensor, src_rank: int, source_offset_nelems: int, async_op: bool, opts=None, hints=None, timeout=None) -> Work:
@@ -231,7 +241,8 @@ class Window:
         native = self._registered()
         s = Staged()
         out = s.output(tensor)
-        op = self._comm._guard(native.get, out, src_rank, self._offset(source_offset_nelems), s.keep, _timeout_of(opts, timeout))
+        offset, secs = self._offset(source_offset_nelems), _timeout_of(opts, timeout)
+        op = self._comm._guard(native.get, out, src_rank, offset, s.keep, secs, _hints_of(opts, hints))
         work = Work([op], [tensor], s.finish if s.needs_finish else None)
         if not async_op:
             work.wait()
@@ -241,7 +252,8 @@ class Window:
         """Tell ``dst_rank`` that this rank's earlier puts to it are done."""
         native = self._registered()
         self._on_stream()
-        return self._work(self._comm._guard(native.signal, dst_rank, None, _timeout_of(opts, timeout)), async_op)
+        op = self._comm._guard(native.signal, dst_rank, None, _timeout_of(opts, timeout), _hints_of(opts, hints))
+        return self._work(op, async_op)
 
     def wait_signal(self, peer_rank: int, async_op: bool, opts=None, hints=None, timeout=None) -> Work:
         """Wait for a signal from ``peer_rank`` (one no earlier wait took);
@@ -251,10 +263,10 @@ class Window:
         arrived (wait on it before reading the data)."""
         native = self._registered()
         self._on_stream()
-        secs = _timeout_of(opts, timeout)
+        secs, named = _timeout_of(opts, timeout), _hints_of(opts, hints)
         if async_op:
-            return Work([_Waiting(self._comm._guard, native.wait_signal, peer_rank, 1, secs)], [])
-        self._comm._guard(native.wait_signal, peer_rank, 1, secs)
+            return Work([_Waiting(self._comm._guard, native.wait_signal, peer_rank, 1, secs, named)], [])
+        self._comm._guard(native.wait_signal, peer_rank, 1, secs, named)
         return Work([], [], done=True)
 
     def _work(self, op, async_op: bool) -> Work:

@@ -66,12 +66,14 @@ _torch_work_init = dist._Work.__init__
 
 
 def _seconds(timeout) -> float | None:
-    """A c10d timeout (timedelta, seconds, or negative/None for unset)."""
+    """A c10d timeout (timedelta, seconds, or negative/None for unset).
+    NaN passes, for weft to refuse with the other values that are not a
+    number of seconds."""
     if timeout is None:
         return None
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
-    return timeout if timeout > 0 else None
+    return timeout if timeout > 0 or timeout != timeout else None
 
 
 class Work(dist._Work):

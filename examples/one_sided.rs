@@ -8,7 +8,7 @@
 //! cpu-tcp a progress thread waits in poll() for frames; on shm nothing
 //! runs).
 //!
-//! Run: `cargo build --release -p weft-tests --example one_sided &&
+//! Run: `cargo build --release --example one_sided &&
 //!       WEFT_BACKEND=cpu-tcp weft run -n 4 -- target/release/examples/one_sided`
 
 use std::time::{Duration, Instant};

@@ -7,7 +7,7 @@
 //!
 //! Run (the launcher must not stop the survivors, and hosts the store so
 //! it outlives any rank):
-//! `cargo build -p weft-tests --example elastic_data_parallel &&
+//! `cargo build --example elastic_data_parallel &&
 //!  weft run --keep-going -n 4 -- target/debug/examples/elastic_data_parallel`
 //! Rank 2 kills itself during step 3 (`ELASTIC_VICTIM` picks another rank,
 //! `none` nobody).

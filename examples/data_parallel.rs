@@ -2,7 +2,7 @@
 //! shard, all-reduces them (overlapping the reduction of one layer with the
 //! backward pass of the next), and applies the same update.
 //!
-//! Run: `cargo build -p weft-tests --example data_parallel &&
+//! Run: `cargo build --example data_parallel &&
 //!       weft run -n 4 -- target/debug/examples/data_parallel`
 
 use weft::prelude::*;
