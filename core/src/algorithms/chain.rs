@@ -2,9 +2,8 @@
 //! segment, each rank forwarding segment j-1 while it receives segment j.
 //! "+1" is the next rank in the backend's [`rank_order`], where it gives
 //! one: ranks that share a core follow each other, so a hop rarely
-//! crosses cores (shm at W=8 on 2 cores, ranks bound alternately, 64 MiB:
-//! 64-90 ms in 9 runs, against 67-89 ms or, in a third of the runs,
-//! 129-137 ms in rank order, which crosses cores at every hop).
+//! crosses cores (in rank order every hop may cross, and a third of the
+//! runs were twice as slow: bench/RESULTS.md, "Algorithm choices").
 //! Every byte crosses W-1 links once, the fewest bytes any broadcast moves
 //! (what counts where ranks share cores and each copy costs CPU time), and
 //! the time is about N/B plus W-2 segments to fill the pipe (NCCL's
@@ -26,10 +25,9 @@ use smallvec::{smallvec, SmallVec};
 
 /// How far a sender goes past the last segment acknowledged (the ack of
 /// segment i comes once segment i + 1 is awaited). Four of the default
-/// 256 KiB fill one shm ring at W=4. Measured with shm, W=4 on 2 cores,
-/// 64 MiB: ranks bound to cores 38.7-40.2 ms without acks (the second rank
-/// copied aside nearly the whole buffer) and 12.4-12.8 ms with; unbound
-/// 13.6-26.3 and 10.0-12.3 ms.
+/// 256 KiB fill one shm ring at W=4. Without acknowledgements a receiver
+/// that falls behind copies aside nearly the whole buffer, three times
+/// slower with ranks bound to cores (figures: bench/RESULTS.md, "Algorithm choices").
 pub(crate) const WINDOW: usize = 4;
 
 /// Root's `buf` is copied to every rank.

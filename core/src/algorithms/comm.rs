@@ -37,7 +37,7 @@ impl<'a> Comm<'a> {
     /// transport that can move a message with either side's core moves it
     /// with the sender's, whose cache holds it. Read by the receiver's
     /// core, every line would come out of the sender's cache one by one
-    /// (measured, shm W=2: all_reduce 1 MiB 167 against 69 us).
+    /// (2.4 times slower: bench/RESULTS.md, "Algorithm choices").
     pub fn sending_fresh(&self) -> Self {
         Comm { locality: crate::tag::FRESH, ..*self }
     }

@@ -9,8 +9,8 @@ use crate::error::Result;
 use std::ops::Range;
 
 /// Default bytes per pipelined segment of a ring step: small enough that a
-/// received segment is still in the L2 cache when it is reduced (measured
-/// on 64 MiB all_reduce, W=2: 256 KiB beat 64 KiB, 1 MiB and unsegmented).
+/// received segment is still in the L2 cache when it is reduced
+/// (figures: bench/RESULTS.md, "Algorithm choices").
 pub const SEGMENT_BYTES: usize = 256 << 10;
 
 /// Bytes per segment of a pipelined ring step: the op's

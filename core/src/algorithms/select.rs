@@ -162,21 +162,16 @@ pub fn all_reduce(ctx: &OpContext, bytes: usize, step_bytes: usize) -> Result<Al
     use AllReduceAlgorithm::*;
     Ok(told(ctx, Family::AllReduce, AllReduceAlgorithm::named)?.unwrap_or({
         // Few, latency-bound steps for messages no larger than what a step
-        // costs; bandwidth-optimal ring for large. (Measured at W=2: over
-        // sockets recursive doubling wins up to 128 KiB; through shared
-        // memory the ring wins from 32 KiB, where messages go single-copy
-        // and its all-gather half is pushed by the rank that reduced it.)
+        // costs; bandwidth-optimal ring for large (through shared memory
+        // the ring wins early: its messages go single-copy and its
+        // all-gather half is pushed by the rank that reduced it).
         if bytes <= step_bytes || ctx.size <= 1 {
             RecursiveDoubling
         // Medium sizes: a ring's 2(W-1) steps cost more than its bytes;
         // halving-doubling moves the same bytes in 2·log2(W) steps. Off a
         // power of two its fold moves the whole buffer once more. Up to 8
         // steps' worth: beyond, its large exchanges with ever farther
-        // partners lose to the ring's pipelined neighbours. Measured (W=4
-        // and 8 on 2 cores, halving-doubling against ring): shm (16 KiB a
-        // step) W=4 64 KiB 41.8 / 43.6 µs, 256 KiB 123 / 112, 1 MiB 473 /
-        // 381, 2 MiB 1577 / 960; W=8 1 MiB 2.61 / 1.81 ms, 2 MiB 5.92 /
-        // 4.51; cpu-tcp (64 KiB) W=4 256 KiB 441 / 516 µs, 1 and 2 MiB even.
+        // partners lose to the ring's pipelined neighbours (figures: bench/RESULTS.md, "Algorithm choices").
         } else if bytes <= 8 * step_bytes && ctx.size > 2 && ctx.size.is_power_of_two() {
             HalvingDoubling
         } else {
@@ -191,9 +186,7 @@ pub fn broadcast(ctx: &OpContext, bytes: usize) -> Result<BroadcastAlgorithm> {
     // The root sends the whole buffer log2(W) times with a tree. A
     // pipelined chain moves the fewest bytes (each link carries the
     // buffer once) once the buffer is long enough to fill the pipe;
-    // between, scatter + all-gather needs only two phases (measured,
-    // cpu-tcp and shm, W=4 and 8: the chain is 10-20 % faster from
-    // 4 MiB, slower at 1 MiB on W=8).
+    // between, scatter + all-gather needs only two phases (figures: bench/RESULTS.md, "Algorithm choices").
     Ok(told(ctx, Family::Broadcast, BroadcastAlgorithm::named)?.unwrap_or(match bytes {
         _ if ctx.size <= 2 => Binomial,
         b if b >= 4 << 20 => Chain,
@@ -212,12 +205,8 @@ pub fn reduce(ctx: &OpContext, bytes: usize) -> Result<ReduceAlgorithm> {
 /// All-to-all whose largest block is `bytes` bytes.
 pub fn all_to_all(ctx: &OpContext, bytes: usize, step_bytes: usize) -> Result<AllToAllAlgorithm> {
     // Posts every send and receive at once: no rank waits on one peer while
-    // another could be served. Measured with weft bench, shm, 64 MiB: W=4
-    // 24.0-27.8 ms pairwise against 18.2-19.0 ms at once, W=8 63 against
-    // 40 ms; W=4 1 MiB 96-99 against 82-83 µs; cpu-tcp W=4 1 MiB 475-484
-    // against 323-334 µs. Only large blocks over sockets went the other
-    // way (cpu-tcp W=4 64 MiB: 22.6-24.7 pairwise against 25.1-27.2 ms
-    // at once): there, one stream per direction at a time.
+    // another could be served. Only large blocks over sockets went the
+    // other way: there, one stream per direction at a time (figures: bench/RESULTS.md, "Algorithm choices").
     // (Two ranks: one peer, so nothing to overlap; pairwise as before.)
     let pairwise = ctx.size <= 2 || (bytes > 1 << 20 && step_bytes > 16 << 10);
     let by_size = if pairwise { AllToAllAlgorithm::Pairwise } else { AllToAllAlgorithm::AtOnce };
@@ -227,10 +216,8 @@ pub fn all_to_all(ctx: &OpContext, bytes: usize, step_bytes: usize) -> Result<Al
 /// All-gather whose largest block is `bytes` bytes.
 pub fn all_gather(ctx: &OpContext, bytes: usize, step_bytes: usize) -> Result<AllGatherAlgorithm> {
     // Likewise, where the ring's W-1 steps each wait for a neighbour:
-    // through shared memory, with blocks from 8 MiB (shm, 64 MiB in all:
-    // W=4 20.5-20.8 ring against 16.9-18.3 ms at once, W=8 51-54 against
-    // 38 ms; 4 MiB blocks and sockets showed no clear winner, and the ring
-    // stays).
+    // through shared memory, with blocks from 8 MiB (smaller blocks and
+    // sockets showed no clear winner, and the ring stays) (figures: bench/RESULTS.md, "Algorithm choices").
     let at_once = ctx.size > 2 && bytes >= 8 << 20 && step_bytes <= 16 << 10;
     let by_size = if at_once { AllGatherAlgorithm::AtOnce } else { AllGatherAlgorithm::Ring };
     Ok(told(ctx, Family::AllGather, AllGatherAlgorithm::named)?.unwrap_or(by_size))
@@ -252,12 +239,7 @@ pub fn parse_segment_bytes(v: &str) -> Result<usize> {
 /// four segments in flight (`chain.rs`), so they must fit together,
 /// or every send waits for its receiver to run, which oversubscribed
 /// ranks wait long for. Never below 16 KiB (a step's fixed cost).
-///
-/// Measured, shm at W=8 on 2 cores (rings of 256 KiB), 64 KiB segments
-/// against 256 KiB, ms: broadcast 64 MiB 71-85 against 145-178 (Open
-/// MPI's shared memory 93-110), all_reduce 64 MiB 246 against 325, 1 MiB
-/// 1.79 against 2.3-4.6; all_gather and reduce_scatter even or better.
-/// At W=4 (rings of 1 MiB) 64 and 128 KiB were no better than 256.
+/// (figures: bench/RESULTS.md, "Algorithm choices")
 ///
 /// [`Backend::buffered_bytes`]: crate::backend::Backend::buffered_bytes
 pub fn segment_for(buffered: Option<usize>) -> Option<usize> {
