@@ -643,11 +643,11 @@ pub trait Backend: Send + Sync {
     /// the error that poisoned the group); must return promptly.
     fn abort(&self, reason: &Error);
 
-    /// Algorithms this backend runs natively for the op family `family`
-    /// (`"all_reduce"`, ...: a [`crate::algorithms::select::Family`]'s name),
+    /// Algorithms this backend runs natively for the op family `family`,
     /// beyond core's generic ones: names an `algorithm` hint may give
-    /// (hierarchical's `"hierarchical"` all_reduce).
-    fn native_algorithms(&self, family: &str) -> &'static [&'static str] {
+    /// (hierarchical's `"hierarchical"` all_reduce). A name core also has
+    /// is the backend's where this backend serves the op.
+    fn native_algorithms(&self, family: crate::algorithms::select::Family) -> &'static [&'static str] {
         let _ = family;
         &[]
     }
@@ -735,7 +735,7 @@ macro_rules! forward_transport {
         fn rank_order(&self) -> Option<&[usize]> {
             self.$inner().rank_order()
         }
-        fn native_algorithms(&self, family: &str) -> &'static [&'static str] {
+        fn native_algorithms(&self, family: $crate::algorithms::select::Family) -> &'static [&'static str] {
             self.$inner().native_algorithms(family)
         }
     };

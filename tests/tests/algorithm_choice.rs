@@ -31,8 +31,8 @@ impl Backend for Recorder {
     fn abort(&self, reason: &weft::Error) {
         self.0.abort(reason)
     }
-    fn native_algorithms(&self, family: &str) -> &'static [&'static str] {
-        if family == "all_reduce" {
+    fn native_algorithms(&self, family: weft::algorithms::select::Family) -> &'static [&'static str] {
+        if family == weft::algorithms::select::Family::AllReduce {
             &["native"]
         } else {
             &[]

@@ -17,6 +17,7 @@ mod topology;
 use std::sync::Arc;
 use std::time::Duration;
 use topology::Topology;
+use weft::algorithms::select::Family;
 use weft::backend::{Backend, BackendContext, Deadline, GatherSend, Op, OpContext, P2p};
 use weft::progress::Post;
 use weft::registry::{BackendFactory, StaticBackend};
@@ -217,8 +218,8 @@ impl Backend for HierBackend {
     fn progress(&self, until: &dyn Fn() -> bool) {
         self.flat.backend.progress(until)
     }
-    fn native_algorithms(&self, family: &str) -> &'static [&'static str] {
-        if family == "all_reduce" {
+    fn native_algorithms(&self, family: Family) -> &'static [&'static str] {
+        if family == Family::AllReduce {
             &[ALGORITHM]
         } else {
             &[]

@@ -27,7 +27,7 @@ impl GroupCore {
             None => self.algorithms.segment_bytes.or_else(|| select::segment_for(backend.and_then(|b| b.buffered_bytes()))),
         };
         if let Some(family) = select::Family::of(job.kind) {
-            let natives = backend.map_or(&[][..], |b| b.native_algorithms(family.name()));
+            let natives = backend.map_or(&[][..], |b| b.native_algorithms(family));
             job.algorithm = select::forced(family, hint("algorithm"), &self.algorithms, natives).map_err(fail)?;
         }
         Ok(())

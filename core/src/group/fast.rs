@@ -77,7 +77,7 @@ impl HostLanes {
             _ if !options.hints.is_empty() || detail => false,
             (_, None) => false,
             (None, Some(_)) => true,
-            (Some(family), Some(b)) => matches!(select::forced(family, None, algorithms, b.native_algorithms(family.name())), Ok(None)),
+            (Some(family), Some(b)) => matches!(select::forced(family, None, algorithms, b.native_algorithms(family)), Ok(None)),
         };
         let kinds = KINDS.iter().enumerate().filter(|(_, k)| offered(**k)).fold(0u8, |bits, (i, _)| bits | 1 << i);
         HostLanes { backend, posts, kinds }
