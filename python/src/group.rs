@@ -97,7 +97,7 @@ impl PyGroup {
             // has finished; the Python side does not touch them meanwhile.
             op(&Issuer::Background(unsafe { self.pg.unscoped() }), &options)?
         };
-        Ok(PyWork::new(work, keep, None).issued_at(issued).watched(&self.health))
+        Ok(PyWork::new(work, issued, keep, None).watched(&self.health))
     }
 }
 
@@ -382,7 +382,8 @@ impl PyGroup {
         let slot: &'static mut SparseCoo = unsafe { &mut *(out.as_mut() as *mut SparseCoo) };
         // SAFETY: as `issue`.
         let u = unsafe { self.pg.unscoped() };
+        let issued = std::time::Instant::now();
         let work = u.all_reduce_sparse(slot, input, op, &call.options).map_err(to_py)?;
-        Ok(PyWork::new(work, call.keep, Some(out)).watched(&self.health))
+        Ok(PyWork::new(work, issued, call.keep, Some(out)).watched(&self.health))
     }
 }

@@ -9,6 +9,7 @@ use crate::tensor::Desc;
 use crate::work::PyWork;
 use pyo3::prelude::*;
 use std::sync::Arc;
+use std::time::Instant;
 use weft::{AccessType, Window};
 
 /// A window of a group (made by `Group.new_window`).
@@ -76,23 +77,26 @@ impl PyWindow {
     fn put(&self, t: Desc, dst: usize, offset: usize, keep: Py<PyAny>, timeout: Option<f64>, hints: Option<Hints>) -> PyResult<PyWork> {
         // SAFETY: `keep` holds the tensor until the work has finished (the
         // PyWork keeps it, and parks it if dropped early).
-        let work = self.win().put(unsafe { t.view() }?, dst, offset, &op_options(timeout, hints)?).map_err(to_py)?;
-        Ok(PyWork::new(work, keep, None))
+        let (opts, issued) = (op_options(timeout, hints)?, Instant::now());
+        let work = self.win().put(unsafe { t.view() }?, dst, offset, &opts).map_err(to_py)?;
+        Ok(PyWork::new(work, issued, keep, None))
     }
 
     /// Read rank `src`'s memory at byte `offset` into `t`.
     #[pyo3(signature = (t, src, offset, keep, timeout = None, hints = None))]
     fn get(&self, t: Desc, src: usize, offset: usize, keep: Py<PyAny>, timeout: Option<f64>, hints: Option<Hints>) -> PyResult<PyWork> {
         // SAFETY: as in `put`.
-        let work = self.win().get(unsafe { t.view_mut() }?, src, offset, &op_options(timeout, hints)?).map_err(to_py)?;
-        Ok(PyWork::new(work, keep, None))
+        let (opts, issued) = (op_options(timeout, hints)?, Instant::now());
+        let work = self.win().get(unsafe { t.view_mut() }?, src, offset, &opts).map_err(to_py)?;
+        Ok(PyWork::new(work, issued, keep, None))
     }
 
     /// Signal `peer` (after this rank's earlier puts to it).
     #[pyo3(signature = (peer, keep, timeout = None, hints = None))]
     fn signal(&self, peer: usize, keep: Py<PyAny>, timeout: Option<f64>, hints: Option<Hints>) -> PyResult<PyWork> {
-        let work = self.win().signal(peer, &op_options(timeout, hints)?).map_err(to_py)?;
-        Ok(PyWork::new(work, keep, None))
+        let (opts, issued) = (op_options(timeout, hints)?, Instant::now());
+        let work = self.win().signal(peer, &opts).map_err(to_py)?;
+        Ok(PyWork::new(work, issued, keep, None))
     }
 
     /// Wait (the GIL released) for `count` signals from `peer`.

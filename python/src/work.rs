@@ -38,19 +38,13 @@ pub struct PyWork {
 }
 
 impl PyWork {
-    /// The handle of `work`, which uses the tensors `keep` holds (and
-    /// writes `sparse`, if any) until it has finished.
-    pub fn new(work: weft::Work<'static>, keep: Py<PyAny>, sparse: Option<Box<SparseCoo>>) -> PyWork {
-        let now = Instant::now();
-        // A finished op with no end of its own ran on this thread: it ended now.
-        let ran = (work.finished_at().is_none() && work.is_completed()).then_some(now);
-        PyWork { flight: Some(Flight { work, sparse, _keep: keep }), health: None, issued: now, ran }
-    }
-
-    /// The same, issued at `at` (before the op ran, for its duration).
-    pub fn issued_at(mut self, at: Instant) -> PyWork {
-        self.issued = at;
-        self
+    /// The handle of `work`, issued at `issued` (before it ran: for its
+    /// duration), which uses the tensors `keep` holds (and writes
+    /// `sparse`, if any) until it has finished.
+    pub fn new(work: weft::Work<'static>, issued: Instant, keep: Py<PyAny>, sparse: Option<Box<SparseCoo>>) -> PyWork {
+        // An op that ran on this thread ended just now.
+        let ran = work.ran_on_caller().then(Instant::now);
+        PyWork { flight: Some(Flight { work, sparse, _keep: keep }), health: None, issued, ran }
     }
 
     /// The same, recording a failure in `health` (the group's).

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import math
 import os
 import sys
 import weakref
@@ -43,7 +42,7 @@ from . import _c10d, _errors, _weft
 from ._ops import Ops, _Batch
 from ._tensors import Staged
 from ._window import Window
-from ._work import _seconds
+from ._work import _positive_seconds, _seconds
 
 ENV_BACKEND = "WEFT_BACKEND"
 ENV_TIMEOUT = "WEFT_TIMEOUT_SECONDS"
@@ -196,9 +195,7 @@ class _Common(Ops):
 
     def set_timeout(self, timeout) -> None:
         """The timeout of this group's later ops (`timedelta` or seconds)."""
-        secs = _seconds(timeout)
-        if secs is None or not math.isfinite(secs):
-            raise ValueError(f"weft: a timeout must be a positive number of seconds, not {timeout}")
+        secs = _positive_seconds(timeout)
         for m in self._shared["members"]:
             m._timeout = secs
 

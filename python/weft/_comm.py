@@ -12,7 +12,6 @@ return the same Work (`_work.py`).
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 import os
 import sys
@@ -23,7 +22,7 @@ from . import _bootstrap, _errors, _weft
 from ._ops import Ops, reduce_name, split_elements
 from ._tensors import Staged
 from ._window import Window
-from ._work import Work, _seconds
+from ._work import Work, _positive_seconds, _seconds
 
 ENV_ABORT = "WEFT_ABORT_ON_ERROR"
 ENV_TIMEOUT = "WEFT_TIMEOUT_SECONDS"
@@ -121,9 +120,7 @@ def new_comm(
       true, as TorchComm's.
     """
     abort = _abort_default() if abort_process_on_timeout_or_error is None else bool(abort_process_on_timeout_or_error)
-    secs = _default_timeout() if timeout is None else _seconds(timeout)
-    if secs is None or not math.isfinite(secs):
-        raise ValueError(f"weft: timeout must be a positive number of seconds, not {timeout!r}")
+    secs = _default_timeout() if timeout is None else _positive_seconds(timeout)
     name = f"comm{next(_unnamed)}" if name is None else str(name)
     if store is None:
         store, rank, size = _bootstrap.store_from_env(secs)

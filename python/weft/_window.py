@@ -48,20 +48,14 @@ from ._work import Work, _seconds
 _c10d = torch._C._distributed_c10d
 
 
-def _timeout_of(opts, timeout):
-    """A call's timeout in seconds: `timeout` (TorchComm's keyword), else
-    that of torch's option object `opts`, else None (the group's)."""
-    if timeout is None and opts is not None:
-        timeout = getattr(opts, "timeout", None)
-    return _seconds(timeout)
-
-
-def _hints_of(opts, hints):
-    """A call's hints: `hints` (TorchComm's keyword), else those of torch's
-    option object `opts`; weft applies the keys it knows, as for every op."""
-    if hints is None and opts is not None:
-        hints = getattr(opts, "hints", None)
-    return dict(hints) if hints else None
+def _settings(opts, timeout, hints) -> tuple:
+    """A call's `(timeout in seconds, hints)` for weft: TorchComm's
+    keywords, else those of torch's option object `opts` (unset timeout:
+    the group's). weft applies the hint keys it knows, as for every op."""
+    if opts is not None:
+        timeout = getattr(opts, "timeout", None) if timeout is None else timeout
+        hints = getattr(opts, "hints", None) if hints is None else hints
+    return _seconds(timeout), (dict(hints) if hints else None)
 
 
 class _Waiting:
@@ -231,8 +225,8 @@ class Window:
         target's tensor is refused (``ValueError``)."""
         native = self._registered()
         s = Staged()
-        offset, secs = self._offset(target_offset_nelems), _timeout_of(opts, timeout)
-        op = self._comm._guard(native.put, s.input(tensor), dst_rank, offset, s.keep, secs, _hints_of(opts, hints))
+        offset = self._offset(target_offset_nelems)
+        op = self._comm._guard(native.put, s.input(tensor), dst_rank, offset, s.keep, *_settings(opts, timeout, hints))
         return self._work(op, async_op)
 
     def get(self, tensor: torch.Tensor, src_rank: int, source_offset_nelems: int, async_op: bool, opts=None, hints=None, timeout=None) -> Work:
@@ -241,8 +235,8 @@ class Window:
         native = self._registered()
         s = Staged()
         out = s.output(tensor)
-        offset, secs = self._offset(source_offset_nelems), _timeout_of(opts, timeout)
-        op = self._comm._guard(native.get, out, src_rank, offset, s.keep, secs, _hints_of(opts, hints))
+        offset = self._offset(source_offset_nelems)
+        op = self._comm._guard(native.get, out, src_rank, offset, s.keep, *_settings(opts, timeout, hints))
         work = Work([op], [tensor], s.finish if s.needs_finish else None)
         if not async_op:
             work.wait()
@@ -252,7 +246,7 @@ class Window:
         """Tell ``dst_rank`` that this rank's earlier puts to it are done."""
         native = self._registered()
         self._on_stream()
-        op = self._comm._guard(native.signal, dst_rank, None, _timeout_of(opts, timeout), _hints_of(opts, hints))
+        op = self._comm._guard(native.signal, dst_rank, None, *_settings(opts, timeout, hints))
         return self._work(op, async_op)
 
     def wait_signal(self, peer_rank: int, async_op: bool, opts=None, hints=None, timeout=None) -> Work:
@@ -263,10 +257,10 @@ class Window:
         arrived (wait on it before reading the data)."""
         native = self._registered()
         self._on_stream()
-        secs, named = _timeout_of(opts, timeout), _hints_of(opts, hints)
+        settings = _settings(opts, timeout, hints)
         if async_op:
-            return Work([_Waiting(self._comm._guard, native.wait_signal, peer_rank, 1, secs, named)], [])
-        self._comm._guard(native.wait_signal, peer_rank, 1, secs, named)
+            return Work([_Waiting(self._comm._guard, native.wait_signal, peer_rank, 1, *settings)], [])
+        self._comm._guard(native.wait_signal, peer_rank, 1, *settings)
         return Work([], [], done=True)
 
     def _work(self, op, async_op: bool) -> Work:

@@ -10,6 +10,7 @@ watched op finishes and then completes it on the Python side.
 from __future__ import annotations
 
 import datetime
+import math
 import threading
 from typing import Callable
 
@@ -74,6 +75,15 @@ def _seconds(timeout) -> float | None:
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
     return timeout if timeout > 0 or timeout != timeout else None
+
+
+def _positive_seconds(timeout) -> float:
+    """A timeout that must be given (`set_timeout`, `new_comm`): a positive,
+    finite number of seconds or a timedelta of one, else `ValueError`."""
+    secs = _seconds(timeout)
+    if secs is None or not math.isfinite(secs):
+        raise ValueError(f"weft: a timeout must be a positive number of seconds, not {timeout!r}")
+    return secs
 
 
 class Work(dist._Work):

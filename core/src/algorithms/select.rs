@@ -30,6 +30,16 @@ pub const ENV_ALGORITHM: &str = "WEFT_ALGORITHM";
 /// algorithms for each, from one table: the [`Family`] enum, one enum per
 /// family (its variants core's algorithms, matched exhaustively where they
 /// run, `mod.rs`), and the names and choices derived from them.
+/// One of core's algorithms, of one family (the enums `families!` makes).
+pub trait Algorithm: Sized + Copy {
+    /// The family it runs.
+    const FAMILY: Family;
+    /// The algorithm of that name, if core has it for this family.
+    fn named(name: &str) -> Option<Self>;
+    /// Its name.
+    fn name(self) -> &'static str;
+}
+
 macro_rules! families {
     ($($family:ident $fname:literal $kind:ident => $alg:ident { $($variant:ident = $name:literal),+ $(,)? })+) => {
         /// An op family whose algorithm is chosen (other ops have one way to run).
@@ -63,13 +73,12 @@ macro_rules! families {
             #[derive(Clone, Copy, Debug, PartialEq, Eq)]
             pub enum $alg { $(#[doc = $name] $variant),+ }
 
-            impl $alg {
-                /// The algorithm of that name, if core has it.
-                pub fn named(name: &str) -> Option<$alg> {
+            impl Algorithm for $alg {
+                const FAMILY: Family = Family::$family;
+                fn named(name: &str) -> Option<$alg> {
                     match name { $($name => Some($alg::$variant),)+ _ => None }
                 }
-                /// Its name.
-                pub fn name(self) -> &'static str {
+                fn name(self) -> &'static str {
                     match self { $($alg::$variant => $name),+ }
                 }
             }
@@ -143,13 +152,13 @@ pub fn forced(family: Family, hint: Option<&str>, setting: &Setting, natives: &'
 }
 
 /// Core's algorithm the op was told to use ([`OpContext::algorithm`],
-/// checked when it was issued), parsed with `named`; `None` if none.
-fn told<A>(ctx: &OpContext, family: Family, named: fn(&str) -> Option<A>) -> Result<Option<A>> {
-    let Some(name) = ctx.algorithm else { return Ok(None) };
+/// checked when it was issued), else `by_size`.
+fn told_or<A: Algorithm>(ctx: &OpContext, by_size: A) -> Result<A> {
+    let Some(name) = ctx.algorithm else { return Ok(by_size) };
     // A backend's own name reaches here only if that backend declined the op.
-    named(name).map(Some).ok_or_else(|| {
-        let core = &family.choices()[1..];
-        Error::invalid(format!("{}: algorithm {name:?} is not one of core's ({})", family.name(), core.join(", ")))
+    A::named(name).ok_or_else(|| {
+        let core = &A::FAMILY.choices()[1..];
+        Error::invalid(format!("{}: algorithm {name:?} is not one of core's ({})", A::FAMILY.name(), core.join(", ")))
     })
 }
 
@@ -160,7 +169,7 @@ fn told<A>(ctx: &OpContext, family: Family, named: fn(&str) -> Option<A>) -> Res
 /// All-reduce of `bytes` bytes.
 pub fn all_reduce(ctx: &OpContext, bytes: usize, step_bytes: usize) -> Result<AllReduceAlgorithm> {
     use AllReduceAlgorithm::*;
-    Ok(told(ctx, Family::AllReduce, AllReduceAlgorithm::named)?.unwrap_or({
+    told_or(ctx, {
         // Few, latency-bound steps for messages no larger than what a step
         // costs; bandwidth-optimal ring for large (through shared memory
         // the ring wins early: its messages go single-copy and its
@@ -171,13 +180,14 @@ pub fn all_reduce(ctx: &OpContext, bytes: usize, step_bytes: usize) -> Result<Al
         // halving-doubling moves the same bytes in 2·log2(W) steps. Off a
         // power of two its fold moves the whole buffer once more. Up to 8
         // steps' worth: beyond, its large exchanges with ever farther
-        // partners lose to the ring's pipelined neighbours (figures: bench/RESULTS.md, "Algorithm choices").
+        // partners lose to the ring's pipelined neighbours (figures:
+        // bench/RESULTS.md, "Algorithm choices").
         } else if bytes <= 8 * step_bytes && ctx.size > 2 && ctx.size.is_power_of_two() {
             HalvingDoubling
         } else {
             Ring
         }
-    }))
+    })
 }
 
 /// Broadcast of `bytes` bytes.
@@ -186,41 +196,47 @@ pub fn broadcast(ctx: &OpContext, bytes: usize) -> Result<BroadcastAlgorithm> {
     // The root sends the whole buffer log2(W) times with a tree. A
     // pipelined chain moves the fewest bytes (each link carries the
     // buffer once) once the buffer is long enough to fill the pipe;
-    // between, scatter + all-gather needs only two phases (figures: bench/RESULTS.md, "Algorithm choices").
-    Ok(told(ctx, Family::Broadcast, BroadcastAlgorithm::named)?.unwrap_or(match bytes {
-        _ if ctx.size <= 2 => Binomial,
-        b if b >= 4 << 20 => Chain,
-        b if b >= 512 << 10 => ScatterAllgather,
-        _ => Binomial,
-    }))
+    // between, scatter + all-gather needs only two phases (figures:
+    // bench/RESULTS.md, "Algorithm choices").
+    told_or(
+        ctx,
+        match bytes {
+            _ if ctx.size <= 2 => Binomial,
+            b if b >= 4 << 20 => Chain,
+            b if b >= 512 << 10 => ScatterAllgather,
+            _ => Binomial,
+        },
+    )
 }
 
 /// Reduce of `bytes` bytes.
 pub fn reduce(ctx: &OpContext, bytes: usize) -> Result<ReduceAlgorithm> {
     // Likewise a tree reduce moves the whole buffer log2(W) times.
     let by_size = if bytes >= 512 << 10 && ctx.size > 2 { ReduceAlgorithm::ReduceScatterGather } else { ReduceAlgorithm::Binomial };
-    Ok(told(ctx, Family::Reduce, ReduceAlgorithm::named)?.unwrap_or(by_size))
+    told_or(ctx, by_size)
 }
 
 /// All-to-all whose largest block is `bytes` bytes.
 pub fn all_to_all(ctx: &OpContext, bytes: usize, step_bytes: usize) -> Result<AllToAllAlgorithm> {
     // Posts every send and receive at once: no rank waits on one peer while
     // another could be served. Only large blocks over sockets went the
-    // other way: there, one stream per direction at a time (figures: bench/RESULTS.md, "Algorithm choices").
+    // other way: there, one stream per direction at a time (figures:
+    // bench/RESULTS.md, "Algorithm choices").
     // (Two ranks: one peer, so nothing to overlap; pairwise as before.)
     let pairwise = ctx.size <= 2 || (bytes > 1 << 20 && step_bytes > 16 << 10);
     let by_size = if pairwise { AllToAllAlgorithm::Pairwise } else { AllToAllAlgorithm::AtOnce };
-    Ok(told(ctx, Family::AllToAll, AllToAllAlgorithm::named)?.unwrap_or(by_size))
+    told_or(ctx, by_size)
 }
 
 /// All-gather whose largest block is `bytes` bytes.
 pub fn all_gather(ctx: &OpContext, bytes: usize, step_bytes: usize) -> Result<AllGatherAlgorithm> {
     // Likewise, where the ring's W-1 steps each wait for a neighbour:
     // through shared memory, with blocks from 8 MiB (smaller blocks and
-    // sockets showed no clear winner, and the ring stays) (figures: bench/RESULTS.md, "Algorithm choices").
+    // sockets showed no clear winner, and the ring stays; figures:
+    // bench/RESULTS.md, "Algorithm choices").
     let at_once = ctx.size > 2 && bytes >= 8 << 20 && step_bytes <= 16 << 10;
     let by_size = if at_once { AllGatherAlgorithm::AtOnce } else { AllGatherAlgorithm::Ring };
-    Ok(told(ctx, Family::AllGather, AllGatherAlgorithm::named)?.unwrap_or(by_size))
+    told_or(ctx, by_size)
 }
 
 pub use super::pipeline::SEGMENT_BYTES;

@@ -294,9 +294,15 @@ impl<'t> Work<'t> {
         }
     }
 
+    /// Whether the op ran on the caller's thread: its host side had
+    /// finished when this handle was made (no lock, no device query).
+    pub fn ran_on_caller(&self) -> bool {
+        matches!(self.handle, Handle::Done { .. })
+    }
+
     /// When the host side of an op that ran in the background finished;
-    /// `None` while it runs, and for an op that ran on the caller's thread
-    /// (it had finished when its handle was made).
+    /// `None` while it runs, and for an op that [ran on the
+    /// caller's](Work::ran_on_caller) thread.
     pub fn finished_at(&self) -> Option<Instant> {
         match &self.handle {
             Handle::Done { .. } => None,
@@ -410,8 +416,11 @@ mod tests {
 
     #[test]
     fn a_background_op_knows_when_it_finished() {
-        assert_eq!(Work::done(Ok(()), None).finished_at(), None, "a direct op finished before its handle");
+        let direct = Work::done(Ok(()), None);
+        assert!(direct.ran_on_caller());
+        assert_eq!(direct.finished_at(), None, "a direct op finished before its handle");
         let (work, done) = Work::later(|e| e);
+        assert!(!work.ran_on_caller());
         assert_eq!(work.finished_at(), None, "still running");
         let before = Instant::now();
         done(Ok(()));
