@@ -9,6 +9,7 @@ mod health;
 mod options;
 mod store;
 mod tensor;
+mod torch_api;
 mod window;
 mod work;
 
@@ -65,6 +66,8 @@ fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(launch_ranks, m)?)?;
     m.add_function(wrap_pyfunction!(parse_timeout, m)?)?;
     m.add("WeftError", m.py().get_type::<errors::WeftError>())?;
+    m.add("TORCH_API", torch_api::capsule(m.py())?)?;
+    m.add("TORCH_API_VERSION", torch_api::VERSION)?;
     m.add("TIMEOUT_DEFAULT", weft::DEFAULT_TIMEOUT.as_secs_f64())?;
     Ok(())
 }

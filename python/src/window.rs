@@ -78,7 +78,7 @@ impl PyWindow {
         // SAFETY: `keep` holds the tensor until the work has finished (the
         // PyWork keeps it, and parks it if dropped early).
         let (opts, issued) = (op_options(timeout, hints)?, Instant::now());
-        let work = self.win().put(unsafe { t.view() }?, dst, offset, &opts).map_err(to_py)?;
+        let work = unsafe { t.view() }.and_then(|t| self.win().put(t, dst, offset, &opts)).map_err(to_py)?;
         Ok(PyWork::new(work, issued, keep, None))
     }
 
@@ -87,7 +87,7 @@ impl PyWindow {
     fn get(&self, t: Desc, src: usize, offset: usize, keep: Py<PyAny>, timeout: Option<f64>, hints: Option<Hints>) -> PyResult<PyWork> {
         // SAFETY: as in `put`.
         let (opts, issued) = (op_options(timeout, hints)?, Instant::now());
-        let work = self.win().get(unsafe { t.view_mut() }?, src, offset, &opts).map_err(to_py)?;
+        let work = unsafe { t.view_mut() }.and_then(|t| self.win().get(t, src, offset, &opts)).map_err(to_py)?;
         Ok(PyWork::new(work, issued, keep, None))
     }
 

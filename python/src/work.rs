@@ -15,21 +15,31 @@ use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
 use weft::SparseCoo;
 
-/// What an op holds while it runs: its handle, the Python objects keeping
-/// its tensors alive, and an output weft allocates (a sparse result).
+/// What keeps an op's tensors alive until it has finished: the Python
+/// objects holding them, or a C++ caller's release callback
+/// ([`crate::torch_api`]), called once the op can no longer touch them.
+#[allow(dead_code)] // held for what their drop does, never read
+pub(crate) enum Keep {
+    Py(Py<PyAny>),
+    Cpp(crate::torch_api::Release),
+}
+
+/// What an op holds while it runs: its handle, what keeps its tensors
+/// alive, and an output weft allocates (a sparse result).
 struct Flight {
     work: weft::Work<'static>,
     /// Dropped after `work` (field order), once the op cannot touch it.
     sparse: Option<Box<SparseCoo>>,
-    _keep: Py<PyAny>,
+    _keep: Keep,
 }
 
-/// A background op; see `weft/_work.py` for the torch-facing object.
-#[pyclass(frozen, module = "weft._weft", name = "Work")]
-pub struct PyWork {
+/// An issued op as any binding holds it: its flight, the group's error
+/// record, and its times. Dropped before it finished, it parks the flight
+/// until the op has finished instead of blocking.
+pub(crate) struct OpHandle {
     flight: Option<Flight>,
-    /// The group's error record, which this op's failure updates once
-    /// Python learns of it.
+    /// The group's error record, which this op's failure updates once a
+    /// caller learns of it.
     health: Option<Health>,
     /// When the op was issued, and when it ended if it ran on the caller's
     /// thread (else weft's Work knows): for `duration`.
@@ -37,32 +47,108 @@ pub struct PyWork {
     ran: Option<Instant>,
 }
 
-impl PyWork {
+impl OpHandle {
     /// The handle of `work`, issued at `issued` (before it ran: for its
     /// duration), which uses the tensors `keep` holds (and writes
     /// `sparse`, if any) until it has finished.
-    pub fn new(work: weft::Work<'static>, issued: Instant, keep: Py<PyAny>, sparse: Option<Box<SparseCoo>>) -> PyWork {
+    pub(crate) fn new(work: weft::Work<'static>, issued: Instant, keep: Keep, sparse: Option<Box<SparseCoo>>) -> OpHandle {
         // An op that ran on this thread ended just now.
         let ran = work.ran_on_caller().then(Instant::now);
-        PyWork { flight: Some(Flight { work, sparse, _keep: keep }), health: None, issued, ran }
+        OpHandle { flight: Some(Flight { work, sparse, _keep: keep }), health: None, issued, ran }
     }
 
     /// The same, recording a failure in `health` (the group's).
-    pub fn watched(mut self, health: &Health) -> PyWork {
+    pub(crate) fn watched(mut self, health: &Health) -> OpHandle {
         self.health = Some(health.clone());
         self
     }
 
-    /// `e` as a Python exception, recorded in the group's health first.
-    fn fail(&self, e: weft::Error) -> PyErr {
+    /// `e`, recorded in the group's health first.
+    pub(crate) fn fail(&self, e: weft::Error) -> weft::Error {
         if let Some(h) = &self.health {
             h.record(e.kind());
         }
-        to_py(e)
+        e
+    }
+
+    /// Keep what `keep` holds until the op has finished (instead of what
+    /// was given at issue).
+    pub(crate) fn keep_until_done(&mut self, keep: Keep) {
+        if let Some(f) = &mut self.flight {
+            f._keep = keep;
+        }
+    }
+
+    pub(crate) fn work(&self) -> &weft::Work<'static> {
+        &self.flight.as_ref().expect("set until dropped").work
+    }
+
+    /// Block until the op finishes: true; with a `timeout`, false if it is
+    /// still running then. The op's error (recorded) if it failed.
+    pub(crate) fn wait(&self, timeout: Option<Duration>) -> weft::Result<bool> {
+        let w = self.work();
+        match timeout {
+            None => w.wait().map(|()| true),
+            Some(t) => w.wait_timeout(t),
+        }
+        .map_err(|e| self.fail(e))
+    }
+
+    /// Milliseconds from the op's issue to the end of its host side; None
+    /// while it runs.
+    pub(crate) fn duration(&self) -> Option<f64> {
+        let end = self.ran.or_else(|| self.work().finished_at())?;
+        Some(end.saturating_duration_since(self.issued).as_secs_f64() * 1e3)
+    }
+
+    /// The op's error once it has failed (recorded), else None.
+    pub(crate) fn error(&self) -> Option<weft::Error> {
+        self.work().error().map(|e| self.fail(e))
+    }
+}
+
+impl Drop for OpHandle {
+    fn drop(&mut self) {
+        let Some(flight) = self.flight.take() else { return };
+        if flight.work.is_completed() {
+            return;
+        }
+        // Still running: the tensors must outlive the op, but the caller
+        // must not wait for it (an isend whose handle was dropped). Park
+        // the flight until the op finishes; what keeps the tensors goes
+        // then (Python references are released by PyO3 the next time a
+        // thread holds the GIL).
+        let parked = Arc::new(Parked(Mutex::new(None)));
+        let waker = Waker::from(parked.clone());
+        // Parked before the waker is registered, so a wake finds it.
+        let mut slot = parked.0.lock().unwrap_or_else(|p| p.into_inner());
+        let registered = flight.work.wake_when_done(&waker);
+        *slot = Some(flight);
+        drop(slot);
+        if !registered {
+            parked.wake_by_ref();
+        }
+    }
+}
+
+/// A background op; see `weft/_work.py` for the torch-facing object.
+#[pyclass(frozen, module = "weft._weft", name = "Work")]
+pub struct PyWork(OpHandle);
+
+impl PyWork {
+    /// The handle of `work` (see [`OpHandle::new`]), its tensors held by
+    /// the Python object `keep`.
+    pub fn new(work: weft::Work<'static>, issued: Instant, keep: Py<PyAny>, sparse: Option<Box<SparseCoo>>) -> PyWork {
+        PyWork(OpHandle::new(work, issued, Keep::Py(keep), sparse))
+    }
+
+    /// The same, recording a failure in `health` (the group's).
+    pub fn watched(self, health: &Health) -> PyWork {
+        PyWork(self.0.watched(health))
     }
 
     fn work(&self) -> &weft::Work<'static> {
-        &self.flight.as_ref().expect("set until dropped").work
+        self.0.work()
     }
 }
 
@@ -73,18 +159,13 @@ impl PyWork {
     /// op's error.
     #[pyo3(signature = (timeout = None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
-        let w = self.work();
-        if w.is_completed() {
+        if self.work().is_completed() {
             // Nothing to block on (a direct op; a CUDA op's wait only
             // orders torch's stream): no hand-over of the GIL.
-            return w.wait().map(|()| true).map_err(|e| self.fail(e));
+            return self.0.wait(None).map_err(to_py);
         }
         let timeout = timeout.map(|t| crate::options::seconds(t.max(0.0))).transpose()?;
-        py.detach(|| match timeout {
-            None => w.wait().map(|()| true),
-            Some(t) => w.wait_timeout(t),
-        })
-        .map_err(|e| self.fail(e))
+        py.detach(|| self.0.wait(timeout)).map_err(to_py)
     }
 
     /// As `wait`, then block the host until the device side of a CUDA op
@@ -102,13 +183,12 @@ impl PyWork {
     /// Milliseconds from the op's issue to the end of its host side; None
     /// while it runs.
     fn duration(&self) -> Option<f64> {
-        let end = self.ran.or_else(|| self.work().finished_at())?;
-        Some(end.saturating_duration_since(self.issued).as_secs_f64() * 1e3)
+        self.0.duration()
     }
 
     /// The op's error once it has failed, else None.
     fn exception(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        self.work().error().map(|e| self.fail(e).into_value(py).into_any())
+        self.0.error().map(|e| to_py(e).into_value(py).into_any())
     }
 
     /// For a receive from any rank: the sender, once it has finished.
@@ -129,7 +209,7 @@ impl PyWork {
     /// indices (i64, `[sparse_dims, nnz]`, as bytes), the values (bytes)
     /// and nnz.
     fn sparse_result<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, pyo3::types::PyBytes>, Bound<'py, pyo3::types::PyBytes>, usize)> {
-        let f = self.flight.as_ref().expect("set until dropped");
+        let f = self.0.flight.as_ref().expect("set until dropped");
         f.work.error().map_or(Ok(()), |e| Err(to_py(e)))?;
         if !f.work.is_completed() {
             return Err(pyo3::exceptions::PyRuntimeError::new_err("the sparse all-reduce has not finished"));
@@ -140,30 +220,7 @@ impl PyWork {
     }
 }
 
-impl Drop for PyWork {
-    fn drop(&mut self) {
-        let Some(flight) = self.flight.take() else { return };
-        if flight.work.is_completed() {
-            return;
-        }
-        // Still running: the tensors must outlive the op, but Python must
-        // not wait for it (an isend whose handle was dropped). Park the
-        // flight until the op finishes; the Python references go then
-        // (PyO3 releases them the next time a thread holds the GIL).
-        let parked = Arc::new(Parked(Mutex::new(None)));
-        let waker = Waker::from(parked.clone());
-        // Parked before the waker is registered, so a wake finds it.
-        let mut slot = parked.0.lock().unwrap_or_else(|p| p.into_inner());
-        let registered = flight.work.wake_when_done(&waker);
-        *slot = Some(flight);
-        drop(slot);
-        if !registered {
-            parked.wake_by_ref();
-        }
-    }
-}
-
-/// An unfinished op whose handle Python dropped.
+/// An unfinished op whose handle its caller dropped.
 struct Parked(Mutex<Option<Flight>>);
 
 impl Wake for Parked {

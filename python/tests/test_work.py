@@ -180,6 +180,61 @@ def sub_groups(rank, world):
     dist.destroy_process_group(evens if rank % 2 == 0 else odds)
 
 
+def dense_host_ops_skip_python(rank, world):
+    """With weft's Python ops made to fail, every op on dense contiguous
+    CPU tensors still runs (weft's C++ backend issues it through weft's C
+    API), and a tensor that needs staging still reaches the Python ops."""
+    from weft import _ops
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("weft's Python ops were called")
+
+    names = ("allreduce", "broadcast", "reduce", "allgather", "all_gather_single", "reduce_scatter_single")
+    for name in names + ("all_to_all_single", "alltoall", "send", "recv", "recv_anysource", "barrier"):
+        setattr(_ops.Ops, name, refuse)
+    x = torch.full((4,), float(rank + 1))
+    dist.all_reduce(x)
+    assert x.tolist() == [3.0] * 4
+    w = dist.all_reduce(x, op=dist.ReduceOp.MAX, async_op=True)
+    assert w.get_future().wait()[0] is x and w.is_completed()
+    b = torch.full((2,), float(rank))
+    dist.broadcast(b, src=1)
+    dist.reduce(x, dst=0)
+    gathered = [torch.zeros(2) for _ in range(world)]
+    dist.all_gather(gathered, torch.full((2,), float(rank)))
+    flat = torch.zeros(2 * world)
+    dist.all_gather_into_tensor(flat, torch.full((2,), float(rank)))
+    part = torch.zeros(1)
+    dist.reduce_scatter_tensor(part, torch.arange(2, dtype=torch.float32))
+    swapped = torch.zeros(2)
+    dist.all_to_all_single(swapped, torch.tensor([10.0 * rank, 10.0 * rank + 1]), [1, 1], [1, 1])
+    listed = [torch.zeros(1) for _ in range(world)]
+    dist.all_to_all(listed, [torch.tensor([float(rank)])] * world)
+    got = torch.zeros(1)
+    if rank == 0:
+        dist.send(torch.tensor([5.0]), 1)
+        src = dist.recv(got)
+    else:
+        dist.recv(got, 0)
+        dist.send(torch.tensor([6.0]), 0)
+        src = None
+    dist.barrier()
+    assert b.tolist() == [1.0, 1.0] and [g.tolist() for g in gathered] == [[0.0, 0.0], [1.0, 1.0]]
+    assert flat.tolist() == [0.0, 0.0, 1.0, 1.0] and part.tolist() == [2.0 * rank]
+    assert swapped.tolist() == [float(rank), 10.0 + rank] and [t.item() for t in listed] == [0.0, 1.0]
+    assert got.item() == (6.0 if rank == 0 else 5.0) and src in (None, 1)
+    with pytest.raises(RuntimeError, match="Python ops were called"):
+        dist.all_reduce(torch.ones(4, 2).t())  # not contiguous: staged in Python
+    return x.tolist() if rank == 0 else None
+
+
+@pytest.mark.parametrize("shape", ["torch", "own"])
+def test_dense_host_ops_reach_weft_without_python(shape):
+    env = {"WEFT_TORCH_HOOKS": "1" if shape == "torch" else "0"}
+    out = run(dense_host_ops_skip_python, 2, env=env)
+    assert out[0] == [6.0] * 4  # reduce (sum) of both ranks' max, at the root
+
+
 def test_futures_and_completion():
     run(futures_and_completion, 2)
 

@@ -5,25 +5,22 @@ Every weft group is a :class:`Backend`, the object torch asks for by
 device (``pg._get_backend(device)``): its ops, capabilities, errors,
 timeouts, splits, shrinks, windows and abort hooks. Its class derives from
 weft's C++ ``c10d::Backend`` (``weft/_c10d``, built against the installed
-torch on first use), which hands torch weft's Work whole
+torch on first use), which issues the common ops on dense CPU tensors
+through weft's C API without Python, and hands torch weft's Work whole
 (``is_completed()``, ``source_rank()`` for ``recv(src=None)``,
-``exception()``) wherever torch's own group calls it; without a C++
-compiler (or with ``WEFT_TORCH_CPP=0``) it is a ``torch.distributed._Backend``
-(torch's Python trampoline, which wraps its Works and forwards only
-``wait`` and ``get_future``).
+``exception()``) for the rest, which runs the Python ops here (``_ops.py``).
+Without a C++ compiler (or with ``WEFT_TORCH_CPP=0``) it is a
+``torch.distributed._Backend`` (torch's Python trampoline, which wraps its
+Works and forwards only ``wait`` and ``get_future``).
 
-- Where weft serves every device of the group (``"weft"``,
-  ``"cpu:weft"``, ``"cuda:weft"``), the creator returns a
-  :class:`ProcessGroup` (a ``torch.distributed.ProcessGroup`` subclass)
-  with the Backend registered for each device weft serves: torch's calls
-  reach weft's ops without torch's dispatcher (the cheapest path), and
-  callers get weft's Work. torch's per-op hooks and flight recorder see
-  only ops that go through the dispatcher: with ``WEFT_TORCH_HOOKS=1``
-  (and the C++ backend) these specs get torch's own group instead.
-- In a mixed spec (``"cpu:weft,cuda:nccl"``), and in the groups torch
-  builds around a shrunk Backend, the Backend sits inside torch's own
-  ProcessGroup: ops go through the dispatcher (hooks, flight recorder),
-  and the Works are whole with the C++ backend.
+- By default torch's own ProcessGroup holds the Backend, for every device
+  spec: ops go through torch's dispatcher, so per-op hooks and the flight
+  recorder see them.
+- With ``WEFT_TORCH_HOOKS=0`` (or on the Python API), weft-only specs
+  (``"weft"``, ``"cpu:weft"``, ``"cuda:weft"``) get a :class:`ProcessGroup`
+  (a ``torch.distributed.ProcessGroup`` subclass) instead, with the
+  Backend registered for each device weft serves: torch's calls reach the
+  Backend's ops without torch's dispatcher (the cheapest path).
 """
 
 from __future__ import annotations
@@ -46,8 +43,9 @@ from ._work import _positive_seconds, _seconds
 
 ENV_BACKEND = "WEFT_BACKEND"
 ENV_TIMEOUT = "WEFT_TIMEOUT_SECONDS"
-# "1": weft-only specs too get torch's own group around weft's C++ backend,
-# so torch's per-op hooks and flight recorder see their ops.
+# "0": weft-only specs get weft's own ProcessGroup, which skips torch's
+# dispatcher (and so its per-op hooks and flight recorder); by default
+# torch's own group holds weft's C++ backend for every spec.
 ENV_HOOKS = "WEFT_TORCH_HOOKS"
 
 # c10d may drop its last reference to the Python half of a backend while
@@ -120,12 +118,31 @@ def create(opts, backend_options=None):
     native = _native_group(opts.store, opts.group_rank, opts.group_size, backend_options, timeout)
     devices = _device_map()
     whole = devices is not None and set(devices.values()) == {"weft"}
-    through_torch = os.environ.get(ENV_HOOKS) == "1" and _cpp_backend_class() is not None
+    through_torch = os.environ.get(ENV_HOOKS) != "0" and _cpp_backend_class() is not None
     return _wrap(native, timeout, _DEVICES if whole and not through_torch else None, opts.store)
 
 
 # The devices a weft group may serve (those it has a backend for).
 _DEVICES = ("cpu", "cuda")
+
+# The ops torch's Python functions call a group with that weft's C++
+# backend issues without Python where it can (dense contiguous CPU tensors,
+# not while coalescing; the rest it hands to the Python ops): weft's own
+# ProcessGroup calls them there directly (`_native_<name>`).
+_NATIVE_OPS = (
+    "allreduce",
+    "broadcast",
+    "reduce",
+    "allgather",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_to_all_single",
+    "alltoall",
+    "send",
+    "recv",
+    "recv_anysource",
+    "barrier",
+)
 
 
 def _wrap(native: _weft.Group, timeout: float, devices, store=None):
@@ -141,6 +158,10 @@ def _wrap(native: _weft.Group, timeout: float, devices, store=None):
         if native.backend_name(d) is not None:
             pg._register_backend(torch.device(d), custom, backend)
     pg._set_default_backend(custom)
+    if hasattr(backend, "_bind_native"):
+        for name in _NATIVE_OPS:
+            setattr(pg, name, getattr(backend, "_native_" + name))
+        pg._allgather_base, pg._reduce_scatter_base, pg.alltoall_base = pg.all_gather_single, pg.reduce_scatter_single, pg.all_to_all_single
     _alive.append(pg)
     return pg
 
@@ -198,6 +219,8 @@ class _Common(Ops):
         secs = _positive_seconds(timeout)
         for m in self._shared["members"]:
             m._timeout = secs
+            if hasattr(m, "_set_native_timeout"):
+                m._set_native_timeout(secs)
 
     _set_default_timeout = set_timeout
 
@@ -242,6 +265,7 @@ class _Common(Ops):
         if self._shared.get("batch") is not None:
             raise ValueError("weft: this group is already coalescing")
         self._shared["batch"] = _Batch()
+        self._coalescing(True)
 
     def end_coalescing(self):
         """Issue the collected sends and receives as one batch: one Work for
@@ -249,7 +273,15 @@ class _Common(Ops):
         batch = self._shared.pop("batch", None)
         if batch is None:
             raise ValueError("weft: end_coalescing without start_coalescing")
+        self._coalescing(False)
         return self._issue_batch(batch)
+
+    def _coalescing(self, on: bool) -> None:
+        """Tell the C++ backend whether the group coalesces: meanwhile its
+        ops go through the Python ops, which batch them."""
+        for m in self._shared["members"]:
+            if hasattr(m, "_set_coalescing"):
+                m._set_coalescing(on)
 
     # -- monitored barrier -------------------------------------------------
 
@@ -408,6 +440,8 @@ def _backend(native: _weft.Group, timeout: float):
     """A Backend of `native` (kept alive with the module: see `_alive`)."""
     cls = _cpp_backend_class() or Backend
     backend = cls(native.rank, native.size, native, timeout)
+    if hasattr(backend, "_bind_native"):
+        backend._bind_native(native._torch_handle(), _weft.TORCH_API, timeout)
     native.set_abort_callback(_abort_callback(weakref.ref(backend)))
     _alive.append(backend)
     return backend

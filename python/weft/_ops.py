@@ -5,6 +5,11 @@ Here torch's conventions become weft's: option objects, reduce ops, split
 sizes in rows of dim 0, nested output lists, sparse tensors. Tensors are
 checked and staged in `_tensors.py`; weft itself validates sizes, roots,
 peers and tags.
+
+With weft's C++ backend, the common ops on dense contiguous CPU tensors
+do not come here: it issues them through weft's C API
+(`_c10d/native.hpp`), with the same conventions, and hands this module
+the rest (tensors to stage, CUDA and sparse tensors, coalescing).
 """
 
 from __future__ import annotations

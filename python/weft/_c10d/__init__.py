@@ -28,7 +28,10 @@ import torch
 
 ENV_SWITCH = "WEFT_TORCH_CPP"
 ENV_CACHE = "WEFT_CACHE_DIR"
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "backend.cpp")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOURCE = os.path.join(_HERE, "backend.cpp")
+# What it includes from here.
+_HEADERS = (os.path.join(_HERE, "native.hpp"),)
 _MODULE = "_weft_c10d"
 
 
@@ -48,8 +51,9 @@ def load():
 def _key() -> str:
     """What the binary depends on: the source, torch's build, Python."""
     h = hashlib.sha256()
-    with open(_SOURCE, "rb") as f:
-        h.update(f.read())
+    for path in (_SOURCE, *_HEADERS):
+        with open(path, "rb") as f:
+            h.update(f.read())
     h.update(f"{torch.__version__} {torch.version.git_version} {sys.version} {sys.platform}".encode())
     return h.hexdigest()[:20]
 
