@@ -73,17 +73,17 @@ def device_spec(rank, world, spec):
 
 
 def test_device_specs():
-    """Every spec gets torch's own group holding weft's Backend (over weft's
-    C++ backend), registered for each device weft serves (CPU always), and
-    its Works are whole (``is_completed()``); with WEFT_TORCH_HOOKS=0 a
-    weft-only spec gets weft's own group (its ops skip torch's dispatcher)."""
+    """Where weft serves every device it is the whole group (its ops skip
+    torch's dispatcher), with its Backend (over weft's C++ backend)
+    registered for each device weft serves (CPU always); in a mixed spec,
+    and for every spec with WEFT_TORCH_HOOKS=1, torch's own group holds
+    weft's Backend, and its Works are whole (``is_completed()``)."""
     torch_group = "torch.distributed.distributed_c10d.ProcessGroup"
     for spec, env, group_type in (
-        ("weft", {}, torch_group),
+        ("weft", {}, "weft._backend.ProcessGroup"),
+        ("cpu:weft", {}, "weft._backend.ProcessGroup"),
         ("cpu:weft,cuda:gloo", {}, torch_group),
-        ("weft", {"WEFT_TORCH_HOOKS": "0"}, "weft._backend.ProcessGroup"),
-        ("cpu:weft", {"WEFT_TORCH_HOOKS": "0"}, "weft._backend.ProcessGroup"),
-        ("cpu:weft,cuda:gloo", {"WEFT_TORCH_HOOKS": "0"}, torch_group),
+        ("weft", {"WEFT_TORCH_HOOKS": "1"}, torch_group),
     ):
         value, done, group, backend, bases, types = run(device_spec, 2, spec, init=False, env=env)[0]
         assert (value, done, group, backend) == (2.0, True, group_type, "Backend"), (spec, env, group)

@@ -99,8 +99,9 @@ def hooks_and_recorder(rank, world):
 
 def test_per_op_hooks_the_flight_recorder_and_abort_hooks_see_weft():
     # Per-op hooks and the recorder see ops that go through torch's
-    # dispatcher: torch's own group, which every spec gets by default.
-    env = {"TORCH_DIST_NAN_CHECK": "1"}
+    # dispatcher: torch's own group, which weft-only specs get with
+    # WEFT_TORCH_HOOKS=1 (mixed specs always).
+    env = {"WEFT_TORCH_HOOKS": "1", "TORCH_DIST_NAN_CHECK": "1"}
     for seen, recorded, nan, supported, aborted, after in run(hooks_and_recorder, 2, allow_fail=True, env=env):
         assert seen == [("pre", "ALLREDUCE"), ("post", "ALLREDUCE", True), ("pre", "BROADCAST"), ("post", "BROADCAST", True)], seen
         assert recorded == [("weft:all_reduce", "completed"), ("weft:broadcast", "completed")], recorded

@@ -3,6 +3,9 @@ is_completed, futures, errors raised from wait, non-contiguous and scalar
 tensors, object collectives, sub-groups used alongside the world group."""
 
 import datetime
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -233,6 +236,26 @@ def test_dense_host_ops_reach_weft_without_python(shape):
     env = {"WEFT_TORCH_HOOKS": "1" if shape == "torch" else "0"}
     out = run(dense_host_ops_skip_python, 2, env=env)
     assert out[0] == [6.0] * 4  # reduce (sum) of both ranks' max, at the root
+
+
+_EXIT_IN_FLIGHT = """
+import sys, torch, torch.distributed as dist
+dist.init_process_group("weft", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+t = torch.ones(16 << 20)
+for _ in range(5):
+    dist.all_reduce(t, async_op=True)  # the Work dropped at once, the op in flight
+"""
+
+
+@pytest.mark.parametrize("shape", ["torch", "own"])
+def test_exiting_with_dropped_ops_in_flight_is_clean(shape, tmp_path):
+    # The ops' tensors are freed after Python has begun to shut down; that
+    # must not kill the process (it once did: a thread of weft's C++
+    # backend asked for the GIL inside a tensor's destructor).
+    env = {**os.environ, "WEFT_TORCH_HOOKS": "1" if shape == "torch" else "0"}
+    for i in range(3):
+        r = subprocess.run([sys.executable, "-c", _EXIT_IN_FLIGHT, str(tmp_path / f"store{i}")], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "terminate" not in r.stderr, (r.returncode, r.stderr[-2000:])
 
 
 def test_futures_and_completion():

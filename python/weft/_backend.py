@@ -13,14 +13,18 @@ Without a C++ compiler (or with ``WEFT_TORCH_CPP=0``) it is a
 ``torch.distributed._Backend`` (torch's Python trampoline, which wraps its
 Works and forwards only ``wait`` and ``get_future``).
 
-- By default torch's own ProcessGroup holds the Backend, for every device
-  spec: ops go through torch's dispatcher, so per-op hooks and the flight
-  recorder see them.
-- With ``WEFT_TORCH_HOOKS=0`` (or on the Python API), weft-only specs
-  (``"weft"``, ``"cpu:weft"``, ``"cuda:weft"``) get a :class:`ProcessGroup`
-  (a ``torch.distributed.ProcessGroup`` subclass) instead, with the
-  Backend registered for each device weft serves: torch's calls reach the
-  Backend's ops without torch's dispatcher (the cheapest path).
+- Where weft serves every device of the group (``"weft"``,
+  ``"cpu:weft"``, ``"cuda:weft"``), the creator returns a
+  :class:`ProcessGroup` (a ``torch.distributed.ProcessGroup`` subclass)
+  with the Backend registered for each device weft serves: torch's calls
+  reach the Backend's ops without torch's dispatcher (the cheapest path:
+  the common ones go straight to the C++ backend's), and callers get
+  weft's Work. torch's per-op hooks and flight recorder see only ops that
+  go through the dispatcher: with ``WEFT_TORCH_HOOKS=1`` (and the C++
+  backend) these specs get torch's own group instead.
+- In a mixed spec (``"cpu:weft,cuda:nccl"``), and in the groups torch
+  builds around a shrunk Backend, the Backend sits inside torch's own
+  ProcessGroup: ops go through the dispatcher (hooks, flight recorder).
 """
 
 from __future__ import annotations
@@ -43,9 +47,9 @@ from ._work import _positive_seconds, _seconds
 
 ENV_BACKEND = "WEFT_BACKEND"
 ENV_TIMEOUT = "WEFT_TIMEOUT_SECONDS"
-# "0": weft-only specs get weft's own ProcessGroup, which skips torch's
-# dispatcher (and so its per-op hooks and flight recorder); by default
-# torch's own group holds weft's C++ backend for every spec.
+# "1": weft-only specs too get torch's own group around weft's C++ backend,
+# so torch's per-op hooks and flight recorder see their ops (at torch's
+# cost per op: its dispatcher and recorder).
 ENV_HOOKS = "WEFT_TORCH_HOOKS"
 
 # c10d may drop its last reference to the Python half of a backend while
@@ -118,7 +122,7 @@ def create(opts, backend_options=None):
     native = _native_group(opts.store, opts.group_rank, opts.group_size, backend_options, timeout)
     devices = _device_map()
     whole = devices is not None and set(devices.values()) == {"weft"}
-    through_torch = os.environ.get(ENV_HOOKS) != "0" and _cpp_backend_class() is not None
+    through_torch = os.environ.get(ENV_HOOKS) == "1" and _cpp_backend_class() is not None
     return _wrap(native, timeout, _DEVICES if whole and not through_torch else None, opts.store)
 
 

@@ -15,6 +15,8 @@
 
 #include <ATen/core/ivalue.h>
 
+#include <cxxabi.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -171,13 +173,34 @@ class Completer {
         task = std::move(tasks_.front());
         tasks_.pop_front();
       }
+      if (finalizing()) {
+        // The process is ending: leave the task's tensors and futures be
+        // (freeing a tensor may need the GIL, which is gone).
+        new std::function<void()>(std::move(task));
+        continue;
+      }
       try {
+        // With the GIL: a task frees tensors (torch may release their
+        // Python objects) and completes futures (whose callbacks may be
+        // Python). Taking it here, not inside a tensor's destructor, lets
+        // Python end this thread cleanly if it is shutting down.
+        py::gil_scoped_acquire gil;
         task();
+        task = nullptr;
+      } catch (const abi::__forced_unwind&) {
+        throw;  // Python is ending this thread: let it end
       } catch (...) {
         // A future's callback that throws has its error stored by torch;
         // nothing else queued here throws.
       }
     }
+  }
+  static bool finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing();
+#else
+    return _Py_IsFinalizing();
+#endif
   }
   std::mutex mutex_;
   std::condition_variable ready_;
