@@ -711,14 +711,15 @@ class Backend : public c10d::Backend {
           e.assign(world, static_cast<uint64_t>(t.numel()) / world);
         } else {
           for (auto s : splits) {
-            e.push_back(static_cast<uint64_t>(std::max<int64_t>(s, 0) * row));
+            e.push_back(s < 0 ? UINT64_MAX : static_cast<uint64_t>(s * row));
           }
         }
         return e;
       };
       outs = elements(out, out_splits);
       ins = elements(in, in_splits);
-      if (outs.size() != world || ins.size() != world) {
+      auto negative = [](const std::vector<uint64_t>& e) { return std::find(e.begin(), e.end(), UINT64_MAX) != e.end(); };
+      if (outs.size() != world || ins.size() != world || negative(outs) || negative(ins)) {
         return {};  // Python's, which says what is wrong
       }
       a.out_splits = outs.data();
