@@ -24,10 +24,11 @@ pub(crate) fn seconds(t: f64) -> PyResult<Duration> {
         .map_err(|_| pyo3::exceptions::PyValueError::new_err(format!("weft: timeout {t} is not a number of seconds")))
 }
 
-/// What every op takes besides its tensors, as one Python tuple
-/// `(keep, timeout, hints, direct)`: the objects keeping the tensors alive,
-/// the timeout in seconds (None: the group's), hints (or None), and whether
-/// the op runs directly (a synchronous torch call) or in the background.
+/// What every op takes besides its tensors, as the Python side's `Call`
+/// (`weft/_ops.py`, a named tuple `(keep, timeout, hints, direct)`): the
+/// objects keeping the tensors alive, the timeout in seconds (None: the
+/// group's), hints (or None), and whether the op runs directly (a
+/// synchronous torch call) or in the background.
 pub(crate) struct Call {
     pub(crate) keep: Py<PyAny>,
     pub(crate) options: OpOptions,

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from . import _c10d, _errors, _weft
-from ._ops import Ops, _Batch
+from ._ops import Call, Ops, _Batch
 from ._tensors import Staged
 from ._window import Window
 from ._work import _positive_seconds, _seconds
@@ -342,7 +342,7 @@ class _Common(Ops):
         """A send or receive of monitored_barrier's, bounded by `secs`."""
         s = Staged()
         desc = s.input(t) if kind == "send" else s.output(t)
-        call = (s.keep, secs, None, False)
+        call = Call(s.keep, secs, None, False)
         return self._work(s, [getattr(self._native, kind)(desc, peer, tag, call)], [t], call)
 
     # -- new groups --------------------------------------------------------

@@ -19,7 +19,7 @@ import sys
 import torch
 
 from . import _bootstrap, _errors, _weft
-from ._ops import Ops, reduce_name, split_elements
+from ._ops import Call, Ops, reduce_name, split_elements
 from ._tensors import Staged
 from ._window import Window
 from ._work import Work, _positive_seconds, _seconds
@@ -262,7 +262,7 @@ class Comm:
         always run in the background (a synchronous one is waited for), so
         their progress never depends on the order peers issue them."""
         direct = not async_op and not p2p
-        call = (s.keep, _seconds(timeout), _hints(hints), direct)
+        call = Call(s.keep, _seconds(timeout), _hints(hints), direct)
         native = self._guard(fn, *args, call)
         w = Ops._work_of(s, [native], outputs, call, self._failed if self._abort else None)
         if direct:

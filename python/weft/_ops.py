@@ -15,6 +15,7 @@ the rest (tensors to stage, CUDA and sparse tensors, coalescing).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,20 @@ _REDUCE_NAMES = {
     _RED.AVG: "avg",
 }
 _SUM = _RED.SUM
+
+
+class Call(NamedTuple):
+    """What every native op takes after its tensors, in the order
+    `python/src/options.rs` reads it."""
+
+    #: The objects keeping the op's tensors alive until it has finished.
+    keep: list
+    #: The op's timeout in seconds (None: the group's).
+    timeout: float | None
+    #: The op's hints (keys weft does not know are ignored), or None.
+    hints: dict | None
+    #: Run it on this thread (a synchronous call) instead of in the background.
+    direct: bool
 
 
 def reduce_name(op) -> str:
@@ -90,31 +105,31 @@ class Ops:
 
     # -- helpers -----------------------------------------------------------
 
-    def _begin(self, opts) -> tuple[Staged, tuple]:
-        """An op's staging and its native call tuple (see `_call`)."""
+    def _begin(self, opts) -> tuple[Staged, Call]:
+        """An op's staging and its native call settings (see `_call`)."""
         s = Staged()
         return s, self._call(s, opts)
 
-    def _call(self, s: Staged, opts) -> tuple:
-        """The native ops' last argument: `(keep, timeout, hints, direct)`.
-        A synchronous torch call (`opts.asyncOp` False) runs directly on
-        this thread, with no hand-over to weft's threads."""
+    def _call(self, s: Staged, opts) -> Call:
+        """The native ops' call settings. A synchronous torch call
+        (`opts.asyncOp` False) runs directly on this thread, with no
+        hand-over to weft's threads."""
         timeout = _seconds(getattr(opts, "timeout", None)) or self._timeout
-        return (s.keep, timeout, None, not getattr(opts, "asyncOp", True))
+        return Call(s.keep, timeout, None, not getattr(opts, "asyncOp", True))
 
-    def _p2p_call(self, s: Staged) -> tuple:
+    def _p2p_call(self, s: Staged) -> Call:
         """Sends and receives always run in the background: torch's
         `isend` and `irecv` must not block, and its blocking `send` and
         `recv` wait on the work."""
-        return (s.keep, self._timeout, None, False)
+        return Call(s.keep, self._timeout, None, False)
 
     @staticmethod
-    def _work_of(s: Staged, natives, outputs, call: tuple, on_error=None) -> Work:
+    def _work_of(s: Staged, natives, outputs, call: Call, on_error=None) -> Work:
         """The Work of ops issued with `call` (finished already if direct);
         `on_error` sees a failure of one that was not."""
-        return Work(natives, outputs, s.finish if s.needs_finish else None, done=call[3], on_error=on_error)
+        return Work(natives, outputs, s.finish if s.needs_finish else None, done=call.direct, on_error=on_error)
 
-    def _work(self, s: Staged, natives, outputs, call: tuple, finish=None) -> Work:
+    def _work(self, s: Staged, natives, outputs, call: Call, finish=None) -> Work:
         """The Work of this group's ops issued with `call`; `finish` (else
         the staging's copy-back) runs once they have succeeded. While the
         group coalesces, the batch's Work covers them too, finish included:
@@ -126,7 +141,7 @@ class Ops:
             batch.natives.extend(natives)
             if finish is not None:
                 batch.finishes.append(finish)  # again if this Work ran it: the same bytes
-        return Work(natives, outputs, finish, done=call[3])
+        return Work(natives, outputs, finish, done=call.direct)
 
     # -- coalescing (see `start_coalescing`) ---------------------------------
 
@@ -137,7 +152,7 @@ class Ops:
         s = batch.staged
         natives = list(batch.natives)
         if batch.p2p:
-            natives.append(self._native.batch_p2p(batch.p2p, (s.keep, self._timeout, None, False)))
+            natives.append(self._native.batch_p2p(batch.p2p, self._p2p_call(s)))
         finishes = ([s.finish] if s.needs_finish else []) + batch.finishes
         batch.work._rebind(natives, batch.outputs, (lambda: [f() for f in finishes]) if finishes else None)
         return batch.work
@@ -375,4 +390,4 @@ def _replace_sparse(x: torch.Tensor, out: torch.Tensor) -> None:
     x.copy_(out)
 
 
-__all__ = ["Ops", "reduce_name"]
+__all__ = ["Call", "Ops", "reduce_name"]
