@@ -29,7 +29,7 @@ pub fn frames(data: &[u8]) {
     let Some((&pick, rest)) = data.split_first() else { return };
     let (ours, _theirs) = pair_with(rest);
     let store = Arc::new(weft::store::MemoryStore::new(Duration::from_secs(1)));
-    let Ok(b) = TcpBackend::start(0, vec![None, Some(ours)], store) else { return };
+    let Ok(b) = TcpBackend::start(0, vec![None, Some(ours)], store, std::time::Duration::from_secs(1)) else { return };
     let sizes = [0usize, 1, 8, 24, 4096];
     let (mut a, mut c) = (vec![0u8; sizes[pick as usize % 5]], vec![0u8; sizes[(pick as usize / 5) % 5]]);
     let out = [7u8; 16];

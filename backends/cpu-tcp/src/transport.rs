@@ -1,13 +1,13 @@
 //! The cpu-tcp backend: one TCP connection per peer, driven by whichever
 //! thread runs the op (see `engine.rs`; what the bytes mean is
-//! `protocol.rs`). Bytes touch the wire only in the engine and here
-//! (goodbye, abort and shutdown).
+//! `protocol.rs`). Bytes touch the wire only in the engine, here (abort)
+//! and in `closing.rs` (goodbye and close).
 
+use crate::closing;
 use crate::engine::{self, Engine, Wake};
 use crate::protocol::{self, Watch};
 use crate::wire::{Header, Kind, MAX_ABORT};
 use socket2::Socket;
-use std::io::Read;
 use std::net::Shutdown;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -15,11 +15,6 @@ use weft::backend::{Backend, Deadline, GatherSend, P2p};
 use weft::progress::{self, DriverLock, Post, Posting};
 use weft::store::Store;
 use weft::{Error, ErrorKind, Result};
-
-/// How long a clean shutdown waits, at most, for peers to close their side.
-const CLOSE_GRACE: Duration = Duration::from_secs(2);
-/// A draining connection that stays quiet this long is closed.
-const QUIET: Duration = Duration::from_millis(100);
 
 pub struct TcpBackend {
     rank: usize,
@@ -34,6 +29,9 @@ pub struct TcpBackend {
     /// Duplicates of the sockets, to shut them down from any thread.
     handles: Vec<Option<Socket>>,
     failed: Mutex<Option<Error>>,
+    /// How long a clean shutdown waits, at most, for peers to close their
+    /// side (the group's timeout).
+    close_within: Duration,
 }
 
 impl Watch for TcpBackend {
@@ -83,7 +81,7 @@ impl progress::Engine for TcpBackend {
 
 impl TcpBackend {
     /// Take over connected sockets (`peers[r]` is the one to rank r).
-    pub fn start(rank: usize, peers: Vec<Option<Socket>>, store: Arc<dyn Store>) -> Result<Self> {
+    pub fn start(rank: usize, peers: Vec<Option<Socket>>, store: Arc<dyn Store>, close_within: Duration) -> Result<Self> {
         let budget = weft::matching::EarlyBudget::from_env()?;
         let mut handles = Vec::with_capacity(peers.len());
         for sock in &peers {
@@ -104,6 +102,7 @@ impl TcpBackend {
             wake,
             handles,
             failed: Mutex::new(None),
+            close_within,
         })
     }
 
@@ -214,32 +213,26 @@ impl Backend for TcpBackend {
     }
 
     fn shutdown(&self) {
-        let mut eng = self.engine.lock();
-        Self::tell_all(&mut eng, Header { kind: Kind::Goodbye, tag: 0, len: 0, lead: 0 }, &[]);
-        self.close(Shutdown::Write);
-        // Drain until each peer closes too (or goes quiet), so that unread
-        // bytes never turn our close into a reset that loses what we sent.
-        let until = Instant::now() + CLOSE_GRACE;
-        let mut buf = vec![0u8; 1 << 16];
-        for sock in eng.sockets.socks.iter().flatten() {
-            let mut quiet_since = Instant::now();
-            while Instant::now() < until && quiet_since.elapsed() < QUIET {
-                match (&*sock).read(&mut buf) {
-                    Ok(0) => break,
-                    Ok(_) => quiet_since = Instant::now(),
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(1)),
-                    Err(_) => break,
-                }
-            }
+        // Every op has finished: no frame is half written but on a
+        // connection marked torn, which gets no goodbye.
+        let eng = self.engine.lock();
+        let goodbye = Header { kind: Kind::Goodbye, tag: 0, len: 0, lead: 0 }.encode().to_vec();
+        let mut conns = Vec::new();
+        for (peer, h) in self.handles.iter().enumerate() {
+            let (Some(h), Some(p)) = (h, eng.protocol.peers[peer].as_ref()) else { continue };
+            let Ok(sock) = h.try_clone() else { continue };
+            let owed = !(p.torn || p.left);
+            conns.push(closing::Leaving { peer, sock, goodbye: if owed { goodbye.clone() } else { Vec::new() } });
         }
-        self.close(Shutdown::Both);
+        drop(eng);
+        closing::close_after_peers(self.rank, conns, Deadline::after(self.close_within).get());
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
+    use std::io::{Read, Write};
 
     /// A rank-0 backend whose only peer is a raw socket the test controls.
     fn backend_with_raw_peer() -> (TcpBackend, std::net::TcpStream) {
@@ -247,7 +240,7 @@ mod tests {
         let raw = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (ours, _) = l.accept().unwrap();
         let store: Arc<dyn Store> = Arc::new(weft::store::MemoryStore::new(Duration::from_secs(1)));
-        let b = TcpBackend::start(0, vec![None, Some(Socket::from(ours))], store).unwrap();
+        let b = TcpBackend::start(0, vec![None, Some(Socket::from(ours))], store, Duration::from_secs(5)).unwrap();
         (b, raw)
     }
 

@@ -118,6 +118,37 @@ fn run(scenario: &str) -> anyhow::Result<()> {
                 }
             }
         }
+        "straggler" | "stuck_at_exit" => {
+            // The last rank stops itself (SIGSTOP) once every rank is past a
+            // barrier; with "straggler" a child resumes it 6 s later, with
+            // "stuck_at_exit" never (it kills it after 30 s). The others run
+            // the last collectives (a broadcast from rank 0, whose sends end
+            // in socket buffers and rings, and an all_gather the stopped rank
+            // sent its part of first) and leave. A straggler must then read
+            // everything and finish with exact data; a stuck rank must not
+            // keep the others past the group's timeout (plus a margin).
+            let victim = w - 1;
+            let mut mine = vec![r as f32 + 1.0; 1 << 12];
+            let mut all = vec![0f32; mine.len() * w];
+            pg.barrier(&o)?.wait()?;
+            if r == victim {
+                let me = std::process::id();
+                let later = if scenario == "straggler" { format!("sleep 6; kill -CONT {me}") } else { format!("sleep 12; kill -9 {me}") };
+                std::process::Command::new("sh").args(["-c", &later]).spawn()?;
+                // Its part first, then stopped before it reads the others'.
+                let gather = pg.all_gather_single(&mut all, &mine, &o)?;
+                std::thread::sleep(Duration::from_millis(300));
+                nix::sys::signal::raise(nix::sys::signal::Signal::SIGSTOP)?;
+                gather.wait()?;
+            } else {
+                pg.all_gather_single(&mut all, &mine, &o)?.wait()?;
+            }
+            anyhow::ensure!(all.chunks(mine.len()).enumerate().all(|(i, c)| c.iter().all(|x| *x == i as f32 + 1.0)), "all_gather");
+            mine.iter_mut().for_each(|x| *x = if r == 0 { 7.0 } else { 0.0 });
+            pg.broadcast(&mut mine, 0, &o)?.wait()?;
+            anyhow::ensure!(mine.iter().all(|x| *x == 7.0), "broadcast");
+            println!("rank {r}: done at {:?}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?);
+        }
         "stop_all_gather" => {
             // The last rank stops itself (SIGSTOP; a child kills it 5 s
             // later) in the middle of all_gathers of 1 MiB parts, which

@@ -1,0 +1,40 @@
+//! A rank that leaves never fails a slower peer, and a stuck peer does not
+//! keep the others past the group's timeout. Ranks are processes under a
+//! launcher-hosted store (see the worker's `straggler` and
+//! `stuck_at_exit` scenarios), each run under an outer time limit.
+
+use std::time::{Duration, Instant};
+use weft_tests::procs::run_world;
+
+const WORKER: &str = env!("CARGO_BIN_EXE_weft-test-worker");
+
+#[test]
+fn a_straggler_stopped_while_the_others_leave_finishes_with_exact_data() {
+    // Stopped for 6 s, longer than any fixed grace a leaving rank gave.
+    for backend in ["cpu:cpu-tcp", "cpu:shm"] {
+        let env = [("WEFT_BACKEND", backend), ("WEFT_TIMEOUT_SECONDS", "30")];
+        let ends = run_world(WORKER, 3, &["straggler"], &env, Duration::from_secs(120));
+        for (r, e) in ends.iter().enumerate() {
+            assert!(e.status.success(), "{backend} rank {r}: {:?}\n{}", e.status, e.output);
+        }
+    }
+}
+
+#[test]
+fn a_peer_stuck_at_exit_keeps_the_others_at_most_the_timeout() {
+    for backend in ["cpu:cpu-tcp", "cpu:shm"] {
+        let env = [("WEFT_BACKEND", backend), ("WEFT_TIMEOUT_SECONDS", "3")];
+        let start = Instant::now();
+        let ends = run_world(WORKER, 3, &["stuck_at_exit"], &env, Duration::from_secs(120));
+        for (r, e) in ends[..2].iter().enumerate() {
+            assert!(e.status.success(), "{backend} rank {r}: {:?}\n{}", e.status, e.output);
+            // Setup, the ops, then at most the timeout waiting for rank 2
+            // (stopped until it is killed, 12 s after it stopped).
+            let took = e.at - start;
+            assert!(took < Duration::from_secs(10), "{backend} rank {r} left after {took:?}\n{}", e.output);
+            if backend == "cpu:cpu-tcp" {
+                assert!(e.output.contains("peer rank(s) [2] did not close"), "{backend} rank {r} does not name rank 2:\n{}", e.output);
+            }
+        }
+    }
+}
