@@ -9,6 +9,7 @@ use crate::protocol::{self, Watch};
 use crate::wire::{Header, Kind, MAX_ABORT};
 use socket2::Socket;
 use std::net::Shutdown;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use weft::backend::{Backend, Deadline, GatherSend, P2p};
@@ -26,8 +27,10 @@ pub struct TcpBackend {
     posting: Arc<Posting>,
     /// Wakes a driver sleeping in poll().
     wake: Wake,
-    /// Duplicates of the sockets, to shut them down from any thread.
-    handles: Vec<Option<Socket>>,
+    /// The sockets' descriptors, to shut them down from any thread without
+    /// the engine (the engine owns the sockets for as long as this lives;
+    /// no duplicates: a descriptor per peer is what limits the world size).
+    fds: Vec<Option<RawFd>>,
     failed: Mutex<Option<Error>>,
     /// How long a clean shutdown waits, at most, for peers to close their
     /// side (the group's timeout).
@@ -83,15 +86,12 @@ impl TcpBackend {
     /// Take over connected sockets (`peers[r]` is the one to rank r).
     pub fn start(rank: usize, peers: Vec<Option<Socket>>, store: Arc<dyn Store>, close_within: Duration) -> Result<Self> {
         let budget = weft::matching::EarlyBudget::from_env()?;
-        let mut handles = Vec::with_capacity(peers.len());
+        let mut fds = Vec::with_capacity(peers.len());
         for sock in &peers {
-            match sock {
-                Some(s) => {
-                    s.set_nonblocking(true)?;
-                    handles.push(Some(s.try_clone()?));
-                }
-                None => handles.push(None),
+            if let Some(s) = sock {
+                s.set_nonblocking(true)?;
             }
+            fds.push(sock.as_ref().map(|s| s.as_raw_fd()));
         }
         let wake = Wake::new()?;
         Ok(TcpBackend {
@@ -100,7 +100,7 @@ impl TcpBackend {
             engine: DriverLock::new(Engine::new(peers, budget)),
             posting: Arc::default(),
             wake,
-            handles,
+            fds,
             failed: Mutex::new(None),
             close_within,
         })
@@ -135,8 +135,13 @@ impl TcpBackend {
     }
 
     fn close(&self, how: Shutdown) {
-        for h in self.handles.iter().flatten() {
-            let _ = h.shutdown(how);
+        let how = match how {
+            Shutdown::Read => nix::sys::socket::Shutdown::Read,
+            Shutdown::Write => nix::sys::socket::Shutdown::Write,
+            Shutdown::Both => nix::sys::socket::Shutdown::Both,
+        };
+        for &fd in self.fds.iter().flatten() {
+            let _ = nix::sys::socket::shutdown(fd, how);
         }
     }
 
@@ -218,9 +223,12 @@ impl Backend for TcpBackend {
         let eng = self.engine.lock();
         let goodbye = Header { kind: Kind::Goodbye, tag: 0, len: 0, lead: 0 }.encode().to_vec();
         let mut conns = Vec::new();
-        for (peer, h) in self.handles.iter().enumerate() {
-            let (Some(h), Some(p)) = (h, eng.protocol.peers[peer].as_ref()) else { continue };
-            let Ok(sock) = h.try_clone() else { continue };
+        let Engine { protocol, sockets } = &*eng;
+        for (peer, (sock, p)) in sockets.socks.iter().zip(&protocol.peers).enumerate() {
+            let (Some(sock), Some(p)) = (sock, p) else { continue };
+            // The closing thread's own handle: this backend's sockets close
+            // when it is dropped, the connection only when both are.
+            let Ok(sock) = sock.try_clone() else { continue };
             let owed = !(p.torn || p.left);
             conns.push(closing::Leaving { peer, sock, goodbye: if owed { goodbye.clone() } else { Vec::new() } });
         }
