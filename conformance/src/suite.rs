@@ -131,14 +131,15 @@ pub fn run(pg: &ProcessGroup, n: usize) -> Vec<Check> {
 /// As [`run`], with every tensor on `placement`'s device (the host if
 /// `None`) and the ops issued on its stream.
 pub fn run_on(pg: &ProcessGroup, n: usize, placement: Option<SharedPlacement>) -> Vec<Check> {
-    on_stream_of(placement, |placement| cases(pg, n, placement))
+    on_stream_of(placement.as_ref(), || cases(pg, n, placement.clone()))
 }
 
-/// Run `f` with the ops issued on `placement`'s stream.
-pub(crate) fn on_stream_of(placement: Option<SharedPlacement>, f: impl FnOnce(Option<SharedPlacement>) -> Vec<Check>) -> Vec<Check> {
+/// Run `f` with the ops issued on `placement`'s stream (the default one
+/// for none).
+pub(crate) fn on_stream_of(placement: Option<&SharedPlacement>, f: impl FnOnce() -> Vec<Check>) -> Vec<Check> {
     let previous = weft::stream::current_stream();
-    weft::stream::set_current_stream(placement.as_ref().map(|p| p.stream()));
-    let checks = f(placement);
+    weft::stream::set_current_stream(placement.map(|p| p.stream()));
+    let checks = f();
     weft::stream::set_current_stream(previous);
     checks
 }
@@ -217,8 +218,8 @@ impl Family {
 /// this rank's results. Families are independent: each can run alone, in
 /// any order.
 pub fn run_family(pg: &ProcessGroup, family: Family, n: usize, placement: Option<SharedPlacement>) -> Vec<Check> {
-    on_stream_of(placement, |placement| {
-        let mut t = Runner::new(pg, placement);
+    on_stream_of(placement.as_ref(), || {
+        let mut t = Runner::new(pg, placement.clone());
         family_cases(&mut t, family, n);
         t.checks
     })
@@ -457,7 +458,7 @@ const RING: [(usize, &str); 5] = [
 /// with receives first as one batch, and `sendrecv`. Needs two ranks or
 /// more. Tensors on `placement` as in [`run_on`].
 pub fn run_p2p(pg: &ProcessGroup, placement: Option<SharedPlacement>, max_bytes: usize) -> Vec<Check> {
-    on_stream_of(placement, |placement| p2p_cases(pg, placement, max_bytes))
+    on_stream_of(placement.as_ref(), || p2p_cases(pg, placement.clone(), max_bytes))
 }
 
 fn p2p_cases(pg: &ProcessGroup, placement: Option<SharedPlacement>, max_bytes: usize) -> Vec<Check> {

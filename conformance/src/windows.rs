@@ -240,7 +240,7 @@ fn counted_signals(pg: &ProcessGroup, _: usize) -> Result<(), String> {
 /// caller's current one, as torch's would be): puts of odd sizes at odd
 /// offsets then one signal, a get, every peer's memory mapped.
 pub fn run_windows_on(pg: &ProcessGroup, placement: crate::SharedPlacement) -> Vec<Check> {
-    crate::suite::on_stream_of(Some(placement), |placement| device_window_cases(pg, placement.expect("a placement")))
+    crate::suite::on_stream_of(Some(&placement), || device_window_cases(pg, placement.clone()))
 }
 
 fn device_window_cases(pg: &ProcessGroup, placement: crate::SharedPlacement) -> Vec<Check> {
