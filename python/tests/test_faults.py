@@ -37,6 +37,7 @@ def test_a_rank_killed_mid_all_reduce_makes_every_other_rank_raise_naming_it(inn
     assert out[1][0] == "died", out[1]
     killed = float(open(stamp).read())
     for r in (0, 2):
+        assert len(out[r]) == 5, (r, out[r])
         when, kind, network, peer, msg = out[r]
         assert network and kind == "WeftPeerLostError", (r, kind, msg)
         assert peer == 1 and "rank 1" in msg, (r, msg)
