@@ -226,7 +226,7 @@ unsafe extern "C" fn start(ctx: *mut c_void, ops: *const P2pV1, n: usize, timeou
                 .collect();
             let deadline = Instant::now() + Duration::from_millis(timeout_ms.max(0) as u64);
             let request = Arc::new(Request::default());
-            if c.backend.posts() {
+            if c.backend.capabilities().posts {
                 // The host keeps the buffers until the request finishes.
                 c.backend.post(weft::progress::Post::new(&mut batch, &[], deadline, request.completer()));
             } else {

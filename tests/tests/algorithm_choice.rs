@@ -6,7 +6,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use weft::backend::{Backend, Op, OpContext, P2p};
+use weft::backend::{Backend, Capabilities, NativeAlgorithm, Op, OpContext, P2p};
 use weft::registry::StaticBackend;
 use weft::{Collectives, ErrorKind, OpOptions, ReduceOp, Result};
 use weft_tests::wrapped::WrappedLoopback;
@@ -23,20 +23,20 @@ impl Backend for Recorder {
     fn name(&self) -> &str {
         "native-recorder"
     }
-    // By hand (not `forward_transport!`, which forwards
-    // `native_algorithms` too).
+    // By hand: a blocking transport (loopback's exchange, nothing posted)
+    // with one native all_reduce.
     fn exchange(&self, ops: &mut [P2p<'_>], deadline: &weft::backend::Deadline) -> Result<()> {
         self.0.exchange(ops, deadline)
     }
     fn abort(&self, reason: &weft::Error) {
         self.0.abort(reason)
     }
-    fn native_algorithms(&self, family: weft::algorithms::select::Family) -> &'static [&'static str] {
-        if family == weft::algorithms::select::Family::AllReduce {
-            &["native"]
-        } else {
-            &[]
-        }
+    fn capabilities(&self) -> &Capabilities {
+        static NATIVE: Capabilities = Capabilities {
+            native_algorithms: &[NativeAlgorithm { family: weft::algorithms::select::Family::AllReduce, name: "native" }],
+            ..Capabilities::DEFAULT
+        };
+        &NATIVE
     }
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
         match op {

@@ -12,7 +12,7 @@ use std::net::Shutdown;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use weft::backend::{Backend, Deadline, GatherSend, P2p};
+use weft::backend::{Backend, Capabilities, Deadline, GatherSend, P2p};
 use weft::progress::{self, DriverLock, Post, Posting};
 use weft::store::Store;
 use weft::{Error, ErrorKind, Result};
@@ -177,12 +177,9 @@ impl Backend for TcpBackend {
         progress::exchange(self, ops, &[], deadline)
     }
 
-    fn posts(&self) -> bool {
-        true
-    }
-
-    fn receives_from_any(&self) -> bool {
-        true
+    fn capabilities(&self) -> &Capabilities {
+        static POSTING: Capabilities = Capabilities::POSTING;
+        &POSTING
     }
 
     fn post(&self, post: Post) {

@@ -203,8 +203,8 @@ impl Backend for DeviceBackend {
     }
     weft::forward_transport!(cpu);
     // Point-to-point ops go through the host, as in cuda-host-staging.
-    fn posts_device(&self) -> bool {
-        self.staging.cpu().posts()
+    fn capabilities(&self) -> &weft::backend::Capabilities {
+        self.staging.capabilities()
     }
     unsafe fn post_device(&self, op: &mut Op<'_>, stream: Option<weft::StreamHandle>, deadline: Instant, done: weft::progress::Done) {
         // SAFETY: the caller's promise, passed on.

@@ -53,8 +53,8 @@ impl Backend for HostStagingBackend {
         "cuda-host-staging"
     }
     weft::forward_transport!(cpu);
-    fn posts_device(&self) -> bool {
-        self.staging.cpu().posts()
+    fn capabilities(&self) -> &weft::backend::Capabilities {
+        self.staging.capabilities()
     }
     unsafe fn post_device(&self, op: &mut Op<'_>, stream: Option<weft::StreamHandle>, deadline: Instant, done: weft::progress::Done) {
         // SAFETY: the caller's promise, passed on.

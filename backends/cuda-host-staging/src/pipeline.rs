@@ -18,7 +18,7 @@
 use crate::parts::{host_op, parts, HostViews, Part};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use weft::backend::{Backend, Op, OpContext};
+use weft::backend::{Backend, Capabilities, Op, OpContext};
 use weft::{Error, Result, StreamHandle};
 use weft_cuda_driver::{synchronize_event, synchronize_stream, Event, Gpu, PinnedPool, StreamCompletion};
 
@@ -51,12 +51,16 @@ pub struct Staging {
     devices: Mutex<HashMap<usize, DeviceState>>,
     /// Copy streams of posted point-to-point ops (`p2p.rs`, `streams.rs`).
     pub(crate) p2p: crate::streams::P2pStreams,
+    /// The CPU backend's, posting device tensors' point-to-point ops
+    /// where it posts host bytes (they go through the host).
+    caps: Capabilities,
 }
 
 impl Staging {
     /// Staging over `cpu`.
     pub fn new(gpu: Arc<dyn Gpu>, cpu: Arc<dyn Backend>) -> Staging {
-        Staging { gpu, cpu, devices: Mutex::default(), p2p: Default::default() }
+        let caps = Capabilities { posts_device: cpu.capabilities().posts, ..cpu.capabilities().clone() };
+        Staging { gpu, cpu, devices: Mutex::default(), p2p: Default::default(), caps }
     }
 
     /// Staging for a group being created by backend `who`: this process's
@@ -73,6 +77,13 @@ impl Staging {
     /// The CPU backend ops run on.
     pub fn cpu(&self) -> &Arc<dyn Backend> {
         &self.cpu
+    }
+
+    /// What a backend staging through it offers core: the CPU backend's
+    /// capabilities, with device point-to-point ops posted where that
+    /// backend posts.
+    pub fn capabilities(&self) -> &Capabilities {
+        &self.caps
     }
 
     /// The GPU.

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use topology::Topology;
 use weft::algorithms::select::Family;
-use weft::backend::{Backend, BackendContext, Deadline, GatherSend, Op, OpContext, P2p};
+use weft::backend::{Backend, BackendContext, Capabilities, Deadline, GatherSend, NativeAlgorithm, Op, OpContext, P2p};
 use weft::progress::Post;
 use weft::registry::{BackendFactory, StaticBackend};
 use weft::store::PrefixStore;
@@ -71,7 +71,8 @@ impl BackendFactory for Hierarchical {
                 })?)
             }
         };
-        Ok(Arc::new(HierBackend { flat: Arc::new(flat), local, inter, store: ctx.store.clone() }))
+        let caps = Capabilities { native_algorithms: NATIVE, ..flat.backend.capabilities().clone() };
+        Ok(Arc::new(HierBackend { flat: Arc::new(flat), local, inter, store: ctx.store.clone(), caps }))
     }
 }
 
@@ -182,7 +183,13 @@ struct HierBackend {
     local: SubGroup,
     inter: Inter,
     store: Arc<dyn weft::store::Store>,
+    /// The flat transport's, with the two-level all_reduce as a native
+    /// algorithm.
+    caps: Capabilities,
 }
+
+/// The algorithm hierarchical runs natively.
+const NATIVE: &[NativeAlgorithm] = &[NativeAlgorithm { family: Family::AllReduce, name: ALGORITHM }];
 
 impl HierBackend {
     fn subs(&self) -> impl Iterator<Item = &SubGroup> {
@@ -204,11 +211,8 @@ impl Backend for HierBackend {
     fn exchange_gathered(&self, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: &Deadline) -> Result<()> {
         self.flat.backend.exchange_gathered(ops, gathered, deadline).map_err(|e| self.flat.translate(e))
     }
-    fn posts(&self) -> bool {
-        self.flat.backend.posts()
-    }
-    fn receives_from_any(&self) -> bool {
-        self.flat.backend.receives_from_any()
+    fn capabilities(&self) -> &Capabilities {
+        &self.caps
     }
     fn post(&self, mut post: Post) {
         let (flat, done) = (self.flat.clone(), post.done);
@@ -217,13 +221,6 @@ impl Backend for HierBackend {
     }
     fn progress(&self, until: &dyn Fn() -> bool) {
         self.flat.backend.progress(until)
-    }
-    fn native_algorithms(&self, family: Family) -> &'static [&'static str] {
-        if family == Family::AllReduce {
-            &[ALGORITHM]
-        } else {
-            &[]
-        }
     }
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
         match op {
@@ -242,15 +239,6 @@ impl Backend for HierBackend {
     }
     fn shutdown(&self) {
         self.subs().for_each(|s| s.backend.shutdown());
-    }
-    fn step_bytes(&self) -> usize {
-        self.flat.backend.step_bytes()
-    }
-    fn buffered_bytes(&self) -> Option<usize> {
-        self.flat.backend.buffered_bytes()
-    }
-    fn rank_order(&self) -> Option<&[usize]> {
-        self.flat.backend.rank_order()
     }
 }
 

@@ -13,7 +13,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-use weft::backend::{Backend, Deadline, GatherSend, OpKind, P2p, ANY_SOURCE};
+use weft::backend::{Backend, Capabilities, Deadline, GatherSend, OpKind, P2p, ANY_SOURCE};
 use weft::progress::{Done, Post};
 use weft::{Error, Result};
 
@@ -395,17 +395,14 @@ impl Backend for LoopbackBackend {
         r.expect("finished or expired")
     }
 
-    fn posts(&self) -> bool {
-        true
+    fn capabilities(&self) -> &Capabilities {
+        static POSTING: Capabilities = Capabilities::POSTING;
+        &POSTING
     }
 
     fn post(&self, post: Post) {
         let Post { mut ops, gathered, deadline, done, source } = post;
         self.post_batch(&mut ops, &gathered, deadline, done, source);
-    }
-
-    fn receives_from_any(&self) -> bool {
-        true
     }
 
     /// Sends and receives complete on the threads that post them; a waiting

@@ -1,7 +1,7 @@
 //! Where a group's ranks run: whether they outnumber the cores they may
 //! run on (then a waiting rank yields at once instead of spinning: the
 //! peer it waits for may need its core), and an order of the ranks in
-//! which those bound to the same CPUs follow each other (`Backend::rank_order`).
+//! which those bound to the same CPUs follow each other (`Capabilities::rank_order`).
 //!
 //! Every rank publishes the CPUs it may run on and its own parallelism
 //! (which std caps by a cgroup CPU quota). The cores available to the

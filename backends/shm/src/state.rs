@@ -109,8 +109,10 @@ pub struct ShmBackend {
     /// More ranks than cores: a waiting rank yields at once instead of
     /// spinning, since the peer it waits for may need its core.
     pub(crate) oversubscribed: bool,
-    /// Ranks bound to the same CPUs next to each other (`rank_order`).
-    pub(crate) order: Vec<usize>,
+    /// What it offers core (`capabilities`): posting, any-source
+    /// receives, its step and ring sizes, and ranks bound to the same CPUs
+    /// next to each other.
+    pub(crate) caps: weft::backend::Capabilities,
     /// This process passes the barrier a napping rank asks for
     /// (`membarrier.rs`): its sends tell their peers without a fence.
     fence_free: bool,
@@ -120,6 +122,26 @@ pub struct ShmBackend {
     pub(crate) liveness: crate::liveness::Liveness,
     /// This backend, for the windows it makes (which outlive a call).
     pub(crate) me: std::sync::Weak<ShmBackend>,
+}
+
+/// What shm offers core, given one of its rings (all have one size) and
+/// its rank order.
+fn capabilities(ring: &Ring, order: Vec<usize>) -> weft::backend::Capabilities {
+    weft::backend::Capabilities {
+        posts: true,
+        receives_from_any: true,
+        posts_device: false,
+        // A step costs a few µs of handshakes through the segment, in
+        // which a rank copies about this much (bench/RESULTS.md, "shm
+        // design": sparse `split` against recursive doubling).
+        step_bytes: 16 << 10,
+        // One ring: 256 KiB at W=8, so a chain broadcast's segments shrink
+        // to 64 KiB there (see `weft::algorithms::select::segment_for`).
+        buffered_bytes: Some(ring.capacity()),
+        // By the CPUs the ranks are bound to (`cores::placement`).
+        rank_order: Some(order),
+        native_algorithms: &[],
+    }
 }
 
 impl ShmBackend {
@@ -138,7 +160,7 @@ impl ShmBackend {
     ) -> Self {
         let ctl = rings_at(size);
         assert!(seg.len() >= segment_len(size, cap), "segment sized by segment_len");
-        let rings = (0..size * size)
+        let rings: Vec<Ring> = (0..size * size)
             // SAFETY: ring i lies inside the segment (segment_len), is
             // 64-byte aligned (Control and footprint are multiples of 64),
             // and ring src*W+dst has one producer (src) and one consumer (dst).
@@ -147,6 +169,7 @@ impl ShmBackend {
         // SAFETY: the slots close the segment (segment_len), 64-byte aligned,
         // zeroed by the creator, used only through Fastbox.
         let fast = unsafe { Fastbox::at(seg.base().add(fastbox_at(size, cap)), rank, size) };
+        let caps = capabilities(&rings[rank * size + (rank + 1) % size], placement.order);
         let b = ShmBackend {
             rank,
             size,
@@ -159,7 +182,7 @@ impl ShmBackend {
             cma: std::sync::atomic::AtomicBool::new(cma.is_some()),
             single_copy: cma.unwrap_or(crate::cma::Policy::FAST),
             oversubscribed: placement.oversubscribed,
-            order: placement.order,
+            caps,
             fence_free: crate::membarrier::register(),
             l2: crate::cores::l2_bytes(),
             liveness: crate::liveness::Liveness::new(size),

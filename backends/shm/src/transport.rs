@@ -9,7 +9,7 @@ use crate::state::{ShmBackend, ABORTED, CLOSED, PURE_SPINS, RUNNING, SPIN, TURNS
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
-use weft::backend::{Backend, Deadline, FastOp, FastOutcome, GatherSend, Op, OpContext, P2p};
+use weft::backend::{Backend, Capabilities, Deadline, FastOp, FastOutcome, GatherSend, Op, OpContext, P2p};
 use weft::progress::{self, Post, Posting};
 use weft::{Error, Result, Tensor, TensorMut};
 
@@ -96,12 +96,8 @@ impl Backend for ShmBackend {
         progress::exchange(self, ops, gathered, deadline)
     }
 
-    fn posts(&self) -> bool {
-        true
-    }
-
-    fn receives_from_any(&self) -> bool {
-        true
+    fn capabilities(&self) -> &Capabilities {
+        &self.caps
     }
 
     fn post(&self, post: Post) {
@@ -132,26 +128,6 @@ impl Backend for ShmBackend {
         for r in 0..self.size {
             self.wake(r);
         }
-    }
-
-    /// A step costs a few µs of handshakes through the segment, in which a
-    /// rank copies about this much: at two ranks, sparse `split` (four
-    /// steps) against recursive doubling (two) measured 5 µs apart on
-    /// 100-row tensors.
-    fn step_bytes(&self) -> usize {
-        16 << 10
-    }
-
-    /// One ring (every ordered pair has one of the same size): 256 KiB at
-    /// W=8, so a chain broadcast's segments shrink to 64 KiB there (see
-    /// `weft::algorithms::select::segment_for`).
-    fn buffered_bytes(&self) -> Option<usize> {
-        Some(self.ring(self.rank, (self.rank + 1) % self.size).capacity())
-    }
-
-    /// By the CPUs the ranks are bound to (`cores::placement`).
-    fn rank_order(&self) -> Option<&[usize]> {
-        Some(&self.order)
     }
 
     /// Windows in shared memory (`window.rs`).

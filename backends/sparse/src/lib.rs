@@ -41,6 +41,9 @@ impl Backend for SparseBackend {
         "sparse"
     }
     weft::forward_transport!(dense);
+    fn capabilities(&self) -> &weft::backend::Capabilities {
+        self.dense.capabilities()
+    }
 }
 
 impl SparseBackend {

@@ -15,7 +15,7 @@
 //! ahead by the whole buffer, and every segment it sends early is copied
 //! aside by the transport and copied again when its receive is posted.
 //!
-//! [`rank_order`]: crate::backend::Backend::rank_order
+//! [`rank_order`]: crate::backend::Capabilities::rank_order
 
 use super::comm::Comm;
 use super::pipeline::Segments;

@@ -65,14 +65,14 @@ impl<'a> Comm<'a> {
     pub fn ctx(&self) -> &OpContext {
         self.ctx
     }
-    /// The backend's [`Backend::step_bytes`].
+    /// The backend's [`Capabilities::step_bytes`](crate::backend::Capabilities::step_bytes).
     pub fn step_bytes(&self) -> usize {
-        self.backend.step_bytes()
+        self.backend.capabilities().step_bytes
     }
     /// Where this rank sits along rings and chains (the backend's
-    /// [`Backend::rank_order`]).
+    /// [`Capabilities::rank_order`](crate::backend::Capabilities::rank_order)).
     pub fn line(&self) -> line::Line<'a> {
-        line::Line::new(self.backend.rank_order(), self.size(), self.rank())
+        line::Line::new(self.backend.capabilities().rank_order.as_deref(), self.size(), self.rank())
     }
     /// Run a batch of point-to-point ops.
     pub fn exchange(&self, ops: &mut [P2p<'_>]) -> Result<()> {

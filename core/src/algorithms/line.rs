@@ -3,7 +3,7 @@
 //! each other), or rank order. Position `p` holds rank `order[p % W]`;
 //! a ring's right neighbour is the next position, its left the one before.
 //!
-//! [`rank_order`]: crate::backend::Backend::rank_order
+//! [`rank_order`]: crate::backend::Capabilities::rank_order
 
 /// The positions of a group's ranks, and this rank's.
 #[derive(Clone, Copy)]

@@ -3,7 +3,7 @@
 //! `algorithm=NAME`, else the group's hint, else the group's
 //! `WEFT_ALGORITHM` entry for its family (`"all_reduce=ring,broadcast=binomial"`,
 //! read once when the group is made, [`Setting`]), checked against core's
-//! algorithms and the serving backend's own ([`Backend::native_algorithms`]).
+//! algorithms and the serving backend's own ([`Capabilities::native_algorithms`]).
 //! The op carries it in [`OpContext::algorithm`]: a backend's fast path
 //! steps aside for a name it does not offer (shm's fast path for small ops,
 //! hierarchical's two-level all_reduce unless it is named), and the
@@ -18,9 +18,9 @@
 //! without it a named `ring` is its device ring, and any other of core's
 //! names runs on the host, staged.)
 //!
-//! [`Backend::native_algorithms`]: crate::backend::Backend::native_algorithms
+//! [`Capabilities::native_algorithms`]: crate::backend::Capabilities::native_algorithms
 
-use crate::backend::{OpContext, OpKind};
+use crate::backend::{NativeAlgorithm, OpContext, OpKind};
 use crate::error::{Error, Result};
 
 /// Environment variable with `op=algorithm` pairs for the whole group.
@@ -138,14 +138,14 @@ impl Setting {
 /// `algorithm` hint), else the group's `setting`; checked against core's
 /// algorithms and `natives` (the serving backend's). `None`: none named,
 /// or `"auto"`.
-pub fn forced(family: Family, hint: Option<&str>, setting: &Setting, natives: &'static [&'static str]) -> Result<Option<&'static str>> {
+pub fn forced(family: Family, hint: Option<&str>, setting: &Setting, natives: &[NativeAlgorithm]) -> Result<Option<&'static str>> {
     let Some(name) = hint.or_else(|| setting.for_family(family)) else { return Ok(None) };
-    let list = family.choices();
-    match list.iter().chain(natives).find(|c| **c == name) {
-        Some(&"auto") => Ok(None),
-        Some(c) => Ok(Some(*c)),
+    let all = || family.choices().iter().copied().chain(natives.iter().filter(|a| a.family == family).map(|a| a.name));
+    match all().find(|c| *c == name) {
+        Some("auto") => Ok(None),
+        Some(c) => Ok(Some(c)),
         None => {
-            let all: Vec<&str> = list.iter().chain(natives).copied().collect();
+            let all: Vec<&str> = all().collect();
             Err(Error::invalid(format!("{} has no algorithm {name:?} (choices: {})", family.name(), all.join(", "))))
         }
     }
@@ -164,7 +164,7 @@ fn told_or<A: Algorithm>(ctx: &OpContext, by_size: A) -> Result<A> {
 
 // Each family's choice: the algorithm the op was told to use, else one
 // by size, on a transport where a message step costs about as much as
-// `step_bytes` bytes ([`Backend::step_bytes`](crate::backend::Backend::step_bytes)).
+// `step_bytes` bytes ([`Capabilities::step_bytes`](crate::backend::Capabilities::step_bytes)).
 
 /// All-reduce of `bytes` bytes.
 pub fn all_reduce(ctx: &OpContext, bytes: usize, step_bytes: usize) -> Result<AllReduceAlgorithm> {
@@ -250,14 +250,14 @@ pub fn parse_segment_bytes(v: &str) -> Result<usize> {
 }
 
 /// The segment size for a transport that hands over at most `buffered`
-/// bytes to a peer before it receives ([`Backend::buffered_bytes`]), where
+/// bytes to a peer before it receives ([`Capabilities::buffered_bytes`]), where
 /// that calls for less than [`SEGMENT_BYTES`]: a chain keeps
 /// four segments in flight (`chain.rs`), so they must fit together,
 /// or every send waits for its receiver to run, which oversubscribed
 /// ranks wait long for. Never below 16 KiB (a step's fixed cost).
 /// (figures: bench/RESULTS.md, "Algorithm choices")
 ///
-/// [`Backend::buffered_bytes`]: crate::backend::Backend::buffered_bytes
+/// [`Capabilities::buffered_bytes`]: crate::backend::Capabilities::buffered_bytes
 pub fn segment_for(buffered: Option<usize>) -> Option<usize> {
     let fitting = buffered? / super::chain::WINDOW;
     (fitting < SEGMENT_BYTES).then_some(fitting.max(16 << 10))
@@ -325,9 +325,13 @@ mod tests {
         assert_eq!(e.kind(), &crate::ErrorKind::InvalidArgument);
         assert!(e.to_string().contains("no algorithm \"butterfly\" (choices: auto, ring, recursive_doubling, halving_doubling)"), "{e}");
         // A backend's own name is a choice where that backend serves the op.
-        assert_eq!(forced(Family::AllReduce, Some("hierarchical"), &Setting::default(), &["hierarchical"]).unwrap(), Some("hierarchical"));
+        let hier = [NativeAlgorithm { family: Family::AllReduce, name: "hierarchical" }];
+        assert_eq!(forced(Family::AllReduce, Some("hierarchical"), &Setting::default(), &hier).unwrap(), Some("hierarchical"));
         let e = forced(Family::AllReduce, Some("hierarchical"), &Setting::default(), &[]).unwrap_err();
         assert!(e.to_string().contains("hierarchical"), "{e}");
+        // ... for the family it declares, not another.
+        let e = forced(Family::Broadcast, Some("hierarchical"), &Setting::default(), &hier).unwrap_err();
+        assert!(e.to_string().contains("choices: auto, binomial, scatter_allgather, chain)"), "{e}");
     }
 
     #[test]

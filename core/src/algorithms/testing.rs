@@ -1,7 +1,7 @@
 //! An in-memory mailbox backend for unit tests of the algorithms: ranks are
 //! threads, messages are queued per (source, destination, tag).
 
-use crate::backend::{Backend, Deadline, OpContext, OpKind, P2p};
+use crate::backend::{Backend, Capabilities, Deadline, OpContext, OpKind, P2p};
 use crate::error::{Error, Result};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
@@ -21,8 +21,8 @@ pub struct Mailboxes {
 pub struct MailBackend {
     pub rank: usize,
     pub boxes: Arc<Mailboxes>,
-    /// What [`Backend::rank_order`] says.
-    pub order: Option<Vec<usize>>,
+    /// Its capabilities: the default, with a rank order where a test gives one.
+    pub caps: Capabilities,
 }
 
 impl Backend for MailBackend {
@@ -62,8 +62,8 @@ impl Backend for MailBackend {
         Ok(())
     }
     fn abort(&self, _: &Error) {}
-    fn rank_order(&self) -> Option<&[usize]> {
-        self.order.as_deref()
+    fn capabilities(&self) -> &Capabilities {
+        &self.caps
     }
 }
 
@@ -90,7 +90,7 @@ pub fn run_ranks_with<T: Send>(
 }
 
 /// As [`run_ranks_with`], over `boxes` (which then show the hops taken),
-/// with a backend that gives `order` as its [`Backend::rank_order`].
+/// with a backend that gives `order` as its [`Capabilities::rank_order`](crate::backend::Capabilities::rank_order).
 pub fn run_ranks_on<T: Send>(
     boxes: &Arc<Mailboxes>,
     order: Option<&[usize]>,
@@ -103,7 +103,11 @@ pub fn run_ranks_on<T: Send>(
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..w)
             .map(|rank| {
-                let b = MailBackend { rank, boxes: boxes.clone(), order: order.map(<[usize]>::to_vec) };
+                let b = MailBackend {
+                    rank,
+                    boxes: boxes.clone(),
+                    caps: Capabilities { rank_order: order.map(<[usize]>::to_vec), ..Capabilities::DEFAULT },
+                };
                 let (f, hints) = (&f, &hints);
                 s.spawn(move || {
                     let ctx = OpContext {

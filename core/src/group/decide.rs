@@ -24,10 +24,10 @@ impl GroupCore {
         // choice of algorithm).
         job.segment_bytes = match hint("segment_bytes") {
             Some(v) => Some(select::parse_segment_bytes(v).map_err(fail)?),
-            None => self.algorithms.segment_bytes.or_else(|| select::segment_for(backend.and_then(|b| b.buffered_bytes()))),
+            None => self.algorithms.segment_bytes.or_else(|| select::segment_for(backend.and_then(|b| b.capabilities().buffered_bytes))),
         };
         if let Some(family) = select::Family::of(job.kind) {
-            let natives = backend.map_or(&[][..], |b| b.native_algorithms(family));
+            let natives = backend.map_or(&[][..], |b| b.capabilities().native_algorithms);
             job.algorithm = select::forced(family, hint("algorithm"), &self.algorithms, natives).map_err(fail)?;
         }
         Ok(())

@@ -72,12 +72,12 @@ impl HostLanes {
     /// and detail checks (`detail`) offers.
     pub(crate) fn new(routes: &[(Route, Arc<dyn Backend>)], options: &GroupOptions, algorithms: &select::Setting, detail: bool) -> Self {
         let backend = routes.iter().find(|(r, _)| *r == HOST).map(|(_, b)| b.clone());
-        let posts = backend.as_ref().is_some_and(|b| b.posts());
+        let posts = backend.as_ref().is_some_and(|b| b.capabilities().posts);
         let offered = |kind: OpKind| match (select::Family::of(kind), &backend) {
             _ if !options.hints.is_empty() || detail => false,
             (_, None) => false,
             (None, Some(_)) => true,
-            (Some(family), Some(b)) => matches!(select::forced(family, None, algorithms, b.native_algorithms(family)), Ok(None)),
+            (Some(family), Some(b)) => matches!(select::forced(family, None, algorithms, b.capabilities().native_algorithms), Ok(None)),
         };
         let kinds = KINDS.iter().enumerate().filter(|(_, k)| offered(**k)).fold(0u8, |bits, (i, _)| bits | 1 << i);
         HostLanes { backend, posts, kinds }

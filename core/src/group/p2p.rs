@@ -1,6 +1,6 @@
 //! Point-to-point ops that complete on their own.
 //!
-//! On a transport that posts ([`Backend::posts`]: cpu-tcp, shm and what
+//! On a transport that posts ([`Capabilities::posts`](crate::backend::Capabilities::posts): cpu-tcp, shm and what
 //! wraps them), a send, a receive or a batch of them takes no turn in the
 //! group's order, so it never waits for an unrelated op, and no op waits
 //! for it. A direct op runs at once as an exchange, which drives the
@@ -16,7 +16,7 @@
 //! aside while a thread waits.
 //!
 //! Device tensors go the same way where the backend posts them
-//! ([`Backend::posts_device`]: the CUDA backends), as do a plugin's that
+//! ([`Capabilities::posts_device`](crate::backend::Capabilities::posts_device): the CUDA backends), as do a plugin's that
 //! declares it progresses concurrently. Elsewhere point-to-point ops run
 //! as collectives do: one at a time, in issue order (a batch as one
 //! exchange).
@@ -234,7 +234,7 @@ impl GroupCore {
             return None;
         }
         let host = job.route.0 == DeviceKind::Cpu;
-        self.backend(job.route).filter(|b| if host { b.posts() } else { b.posts_device() })
+        self.backend(job.route).filter(|b| if host { b.capabilities().posts } else { b.capabilities().posts_device })
     }
 
     /// This group's progress thread for `backend`, started on first use.
@@ -270,7 +270,7 @@ impl GroupCore {
         let bools = if host { bool_outputs(&mut job.op) } else { Vec::new() };
         let deadline = crate::deadline::instant_after(opts.timeout.unwrap_or(self.options.timeout));
         let any = job.op.receives_from_any();
-        if any && !backend.receives_from_any() {
+        if any && !backend.capabilities().receives_from_any {
             let e = Error::unsupported(format!("backend {} cannot receive from any rank", backend.name()));
             return state.complete(Err(e.with_op(name).with_rank(self.rank)), None);
         }

@@ -10,7 +10,7 @@
 //!
 //! What the view gives up, and why:
 //! - the transport's native collectives and fast path (`native_op`,
-//!   `fast_op`, `native_algorithms`) and its own windows: they involve
+//!   `fast_op`, its capabilities' `native_algorithms`) and its own windows: they involve
 //!   every rank of the parent. The sub-group runs core's algorithms over
 //!   the transport's point-to-point `exchange` and `post`, and builds its
 //!   windows over posted messages (`crate::window::over_p2p`);
@@ -24,7 +24,7 @@
 //! ([`super::ProcessGroup::new`]). The transports are shut down once the
 //! parent and every sub-group sharing them are dropped ([`Transports`]).
 
-use crate::backend::{Backend, Deadline, GatherSend, P2p, ANY_SOURCE};
+use crate::backend::{Backend, Capabilities, Deadline, GatherSend, P2p, ANY_SOURCE};
 use crate::error::{Error, Result};
 use crate::progress::Post;
 use smallvec::SmallVec;
@@ -73,8 +73,9 @@ pub(crate) struct Shared {
     parent: Arc<dyn Backend>,
     ranks: Arc<RankMap>,
     space: u8,
-    /// The parent's preferred rank order, members only, in sub-group ranks.
-    order: Option<Vec<usize>>,
+    /// The parent's, with its preferred rank order (members only, in
+    /// sub-group ranks) and without its native algorithms.
+    caps: Capabilities,
 }
 
 impl Shared {
@@ -85,8 +86,14 @@ impl Shared {
         for (i, &p) in ranks.iter().enumerate() {
             sub[p] = i;
         }
-        let order = parent.rank_order().map(|o| o.iter().filter(|&&p| sub[p] != usize::MAX).map(|&p| sub[p]).collect());
-        Shared { parent, ranks: Arc::new(RankMap { parent: ranks.to_vec(), sub }), space, order }
+        let theirs = parent.capabilities();
+        let caps = Capabilities {
+            rank_order: theirs.rank_order.as_ref().map(|o| o.iter().filter(|&&p| sub[p] != usize::MAX).map(|&p| sub[p]).collect()),
+            native_algorithms: &[],
+            posts_device: false,
+            ..theirs.clone()
+        };
+        Shared { parent, ranks: Arc::new(RankMap { parent: ranks.to_vec(), sub }), space, caps }
     }
 
     /// Renumber and re-tag `ops` for the parent's transport; returns what
@@ -142,8 +149,8 @@ impl Backend for Shared {
         r.map_err(|e| self.ranks.told(e))
     }
 
-    fn posts(&self) -> bool {
-        self.parent.posts()
+    fn capabilities(&self) -> &Capabilities {
+        &self.caps
     }
 
     fn post(&self, mut post: Post) {
@@ -166,10 +173,6 @@ impl Backend for Shared {
         self.parent.post(post)
     }
 
-    fn receives_from_any(&self) -> bool {
-        self.parent.receives_from_any()
-    }
-
     fn progress(&self, until: &dyn Fn() -> bool) {
         self.parent.progress(until)
     }
@@ -177,18 +180,6 @@ impl Backend for Shared {
     /// The transport is the parent's: what fails this group fails it.
     fn abort(&self, reason: &Error) {
         self.parent.abort(reason)
-    }
-
-    fn step_bytes(&self) -> usize {
-        self.parent.step_bytes()
-    }
-
-    fn buffered_bytes(&self) -> Option<usize> {
-        self.parent.buffered_bytes()
-    }
-
-    fn rank_order(&self) -> Option<&[usize]> {
-        self.order.as_deref()
     }
 
     // `shutdown`: the parent's transports close with their last user (`Transports`).

@@ -4,7 +4,7 @@
 use super::abi::{self, BackendV1, InitV1, P2pV1};
 use super::host::{self, HostState};
 use crate::backend::BackendFactory;
-use crate::backend::{Backend, BackendContext, Deadline, Op, OpContext, P2p};
+use crate::backend::{Backend, BackendContext, Capabilities, Deadline, Op, OpContext, P2p};
 use crate::error::{Error, Result};
 use crate::progress::{Done, Post};
 use crate::tensor::{Device, DeviceKind, Layout};
@@ -124,6 +124,7 @@ impl BackendFactory for PluginFactory {
             _host: host,
             _host_table: table,
             requests: std::sync::Mutex::new(Vec::new()),
+            caps: Capabilities { posts: self.table.flags & abi::PLUGIN_CONCURRENT != 0, ..Capabilities::DEFAULT },
         }))
     }
 }
@@ -143,9 +144,11 @@ pub struct PluginBackend {
     path: String,
     _host: Box<HostState>,
     _host_table: Box<abi::HostV1>,
-    /// A concurrent plugin's outstanding requests (see `posts`); its lock
-    /// also keeps calls on ctx one at a time.
+    /// A concurrent plugin's outstanding requests (see `caps.posts`); its
+    /// lock also keeps calls on ctx one at a time.
     requests: std::sync::Mutex<Vec<Request>>,
+    /// It posts where the plugin is concurrent.
+    caps: Capabilities,
 }
 
 /// A request started for a posted batch.
@@ -196,7 +199,7 @@ impl Backend for PluginBackend {
 
     fn exchange(&self, ops: &mut [P2p<'_>], deadline: &Deadline) -> Result<()> {
         let deadline = deadline.get();
-        if self.posts() {
+        if self.caps.posts {
             // Progress on this request moves the others too.
             return crate::progress::post_and_wait(ops, &[], deadline, |p| self.post(p), |until| self.progress(until));
         }
@@ -264,8 +267,8 @@ impl Backend for PluginBackend {
         }
     }
 
-    fn posts(&self) -> bool {
-        self.table.flags & abi::PLUGIN_CONCURRENT != 0
+    fn capabilities(&self) -> &Capabilities {
+        &self.caps
     }
 
     fn post(&self, post: Post) {

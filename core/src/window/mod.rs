@@ -271,7 +271,7 @@ impl ProcessGroup {
                     ));
                     return Err(e.with_op(name).with_rank(rank));
                 }
-                if !backend.posts() {
+                if !backend.capabilities().posts {
                     let e = Error::unsupported(format!(
                         "backend {} cannot move bytes without the target calling in: windows need a backend that posts \
                          point-to-point ops (cpu-tcp, shm, hierarchical)",

@@ -24,9 +24,9 @@ const COPY: f64 = 0.5;
 const MARGIN: f64 = 1.1;
 
 /// The cheapest algorithm's name, where one message costs as much as
-/// receiving `step_bytes` (the transport's [`Backend::step_bytes`]).
+/// receiving `step_bytes` (the transport's [`Capabilities::step_bytes`]).
 ///
-/// [`Backend::step_bytes`]: crate::backend::Backend::step_bytes
+/// [`Capabilities::step_bytes`]: crate::backend::Capabilities::step_bytes
 pub fn cheapest(world: usize, nnz: &[usize], union: f64, l: &Geometry, step_bytes: usize) -> &'static str {
     if world <= 1 {
         // Nothing to exchange: recursive doubling's zero steps only

@@ -7,18 +7,21 @@
 //! memory the host cannot touch. Transports never see a collective unless
 //! they ask for it; algorithms never see a socket.
 
+mod capabilities;
+
 pub use crate::deadline::Deadline;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::reduce_op::ReduceOp;
 use crate::store::Store;
 use crate::tensor::{DeviceKind, Layout, SparseCoo, SparseCooTensor, Tensor, TensorMut};
+pub use capabilities::{Capabilities, NativeAlgorithm};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The `peer` of a receive that takes a message from any rank
-/// (`MPI_ANY_SOURCE`), where the transport can ([`Backend::receives_from_any`]);
+/// (`MPI_ANY_SOURCE`), where the transport can ([`Capabilities::receives_from_any`]);
 /// the receive is bound to the sender of the message it takes.
 pub const ANY_SOURCE: usize = usize::MAX;
 
@@ -443,11 +446,11 @@ pub struct OpContext {
     /// it was issued against what runs it ([`crate::algorithms::select`]);
     /// `None`: the backend's fast paths and core's choice by size decide.
     /// A backend's native path steps aside for a name it does not offer
-    /// ([`Backend::native_algorithms`]).
+    /// ([`Capabilities::native_algorithms`]).
     pub algorithm: Option<&'static str>,
     /// Bytes per segment of pipelined steps: the op's hint `segment_bytes`,
     /// else the group's, checked when the op was issued, else one that fits
-    /// what the backend buffers ([`Backend::buffered_bytes`]; `None`:
+    /// what the backend buffers ([`Capabilities::buffered_bytes`]; `None`:
     /// core's default, [`crate::algorithms::select::SEGMENT_BYTES`]).
     pub segment_bytes: Option<usize>,
     /// Device ops: the caller's stream, captured at issue (`None`: the
@@ -525,6 +528,17 @@ impl BackendContext {
 /// group run one at a time, in issue order, but background point-to-point
 /// ops ([`Backend::post`]) progress alongside them, and `abort` may come
 /// from any thread while an op is in flight.
+///
+/// Three methods are required: [`Backend::name`], [`Backend::exchange`]
+/// and [`Backend::abort`]; with them every op runs (core's algorithms over
+/// `exchange`). The rest are offers, each with a default that declines:
+/// [`Backend::capabilities`] (what it can do and how it is tuned: one
+/// value), posting in the background ([`Backend::post`],
+/// [`Backend::post_device`], [`Backend::progress`]), its own collectives
+/// ([`Backend::native_op`], [`Backend::fast_op`]), windows and a clean
+/// [`Backend::shutdown`]. A wrapper forwards each offer it keeps
+/// ([`forward_transport!`](crate::forward_transport) forwards the
+/// transport's) and declines the others by not forwarding them.
 pub trait Backend: Send + Sync {
     /// The registered name.
     fn name(&self) -> &str;
@@ -561,12 +575,10 @@ pub trait Backend: Send + Sync {
         self.exchange(&mut all, deadline)
     }
 
-    /// Whether [`Backend::post`] progresses batches in the background,
-    /// together with each other and with [`Backend::exchange`] calls from
-    /// other threads. Without it, core runs a scope's sends and receives
-    /// one at a time in issue order, as collectives.
-    fn posts(&self) -> bool {
-        false
+    /// What it can do and how it is tuned (the default:
+    /// [`Capabilities::DEFAULT`]); the same value for the backend's life.
+    fn capabilities(&self) -> &Capabilities {
+        &capabilities::DEFAULT
     }
 
     /// Post a batch of point-to-point ops and return at once: its ops
@@ -575,30 +587,18 @@ pub trait Backend: Send + Sync {
     /// they have all finished or the batch failed (from inside this call
     /// only if it fails at once). Same matching rules and errors as
     /// [`Backend::exchange`]; batches are matched in the order they are
-    /// posted. Only called where [`Backend::posts`] says so; this default
+    /// posted. Only called where [`Capabilities::posts`] says so; this default
     /// runs the batch now.
     fn post(&self, post: crate::progress::Post) {
         let crate::progress::Post { mut ops, gathered, deadline, done, .. } = post;
         done(self.exchange_gathered(&mut ops, &gathered, &Deadline::at(deadline)));
     }
 
-    /// Whether a posted receive may name [`ANY_SOURCE`] as its peer (the
-    /// batch's [`crate::progress::Post::source`] then learns the sender).
-    fn receives_from_any(&self) -> bool {
-        false
-    }
-
-    /// Whether [`Backend::post_device`] posts point-to-point ops on this
-    /// backend's device memory (as [`Backend::posts`] does for host bytes).
-    fn posts_device(&self) -> bool {
-        false
-    }
-
     /// Post a send, a receive or a batch ([`Op::Send`], [`Op::Recv`],
     /// [`Op::Batch`]) whose tensors are on this backend's device, ordered
     /// after `stream`'s work; `done` is called exactly once, when the
     /// received bytes are in place (or the op failed). Only called where
-    /// [`Backend::posts_device`] says so.
+    /// [`Capabilities::posts_device`] says so.
     ///
     /// # Safety
     /// The memory of `op`'s tensors stays valid until `done` has run.
@@ -643,43 +643,6 @@ pub trait Backend: Send + Sync {
     /// the error that poisoned the group); must return promptly.
     fn abort(&self, reason: &Error);
 
-    /// Algorithms this backend runs natively for the op family `family`,
-    /// beyond core's generic ones: names an `algorithm` hint may give
-    /// (hierarchical's `"hierarchical"` all_reduce). A name core also has
-    /// is the backend's where this backend serves the op.
-    fn native_algorithms(&self, family: crate::algorithms::select::Family) -> &'static [&'static str] {
-        let _ = family;
-        &[]
-    }
-
-    /// About how many bytes a rank receives in the time one more message
-    /// step costs on this transport (its latency times its bandwidth).
-    /// Algorithm choices that trade steps for bytes (the sparse `auto`)
-    /// weigh them with it. The default suits sockets; a backend layered
-    /// over another reports that one's.
-    fn step_bytes(&self) -> usize {
-        64 << 10
-    }
-
-    /// How many bytes a send to one peer can hand over before that peer
-    /// has received any (shm: one ring), where the transport has such a
-    /// bound; `None` (the default): no fixed one (sockets). Pipelined
-    /// algorithms keep their segments small enough that the few they keep
-    /// in flight fit ([`crate::algorithms::select::segment_for`]): a send
-    /// that does not fit waits for its receiver to run.
-    fn buffered_bytes(&self) -> Option<usize> {
-        None
-    }
-
-    /// The group's ranks in an order where neighbours share a core or its
-    /// caches (shm: ranks bound to the same CPU next to each other), the
-    /// same on every rank; algorithms that pass data to a neighbour (ring
-    /// and chain: [`crate::algorithms`]' `line.rs`) follow it, so fewer
-    /// hops cross cores. `None` (the default): rank order.
-    fn rank_order(&self) -> Option<&[usize]> {
-        None
-    }
-
     /// This rank's side of a new window (`spec`), where the backend moves
     /// one-sided bytes itself (shm: shared memory); `None` lets core build
     /// it over [`Backend::post`]ed messages (`crate::window::over_p2p`).
@@ -696,14 +659,18 @@ pub trait Backend: Send + Sync {
 
 /// The transport methods of [`Backend`] for a backend that moves its bytes
 /// with another one (a wrapper: host staging, sparse): `exchange`,
-/// `exchange_gathered`, `progress`, `abort`, `step_bytes`, `buffered_bytes`, `rank_order` and `native_algorithms`, forwarded to
+/// `exchange_gathered`, `post`, `progress` and `abort`, forwarded to
 /// `self.$inner()`, a method of the wrapper returning `&Arc<dyn Backend>`.
-/// Use inside its `impl Backend`:
+/// The wrapper states its [`Backend::capabilities`] itself: the inner
+/// backend's, or those with what the wrapper changes (the CUDA backends
+/// post device tensors' point-to-point ops through the host). Use inside
+/// its `impl Backend`:
 ///
 /// ```ignore
 /// impl Backend for Staged {
 ///     fn name(&self) -> &str { "staged" }
 ///     weft::forward_transport!(cpu);
+///     fn capabilities(&self) -> &Capabilities { self.cpu().capabilities() }
 /// }
 /// ```
 #[macro_export]
@@ -726,17 +693,8 @@ macro_rules! forward_transport {
         fn abort(&self, reason: &$crate::Error) {
             self.$inner().abort(reason)
         }
-        fn step_bytes(&self) -> usize {
-            self.$inner().step_bytes()
-        }
-        fn buffered_bytes(&self) -> Option<usize> {
-            self.$inner().buffered_bytes()
-        }
-        fn rank_order(&self) -> Option<&[usize]> {
-            self.$inner().rank_order()
-        }
-        fn native_algorithms(&self, family: $crate::algorithms::select::Family) -> &'static [&'static str] {
-            self.$inner().native_algorithms(family)
+        fn post(&self, post: $crate::progress::Post) {
+            self.$inner().post(post)
         }
     };
 }
