@@ -92,7 +92,7 @@ struct Ctx {
 /// A finished batch (the SDK completes batches inside `start`).
 /// A started request is an `Arc<Slot>` behind the raw pointer: its outcome
 /// once the backend has finished it (set at once where it does not post).
-type Request = weft::progress::Slot;
+type Request = weft::backend::progress::Slot;
 
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
     p.downcast_ref::<String>()
@@ -228,7 +228,7 @@ unsafe extern "C" fn start(ctx: *mut c_void, ops: *const P2pV1, n: usize, timeou
             let request = Arc::new(Request::default());
             if c.backend.capabilities().posts {
                 // The host keeps the buffers until the request finishes.
-                c.backend.post(weft::progress::Post::new(&mut batch, &[], deadline, request.completer()));
+                c.backend.post(weft::backend::progress::Post::new(&mut batch, &[], deadline, request.completer()));
             } else {
                 let done = request.completer();
                 done(c.backend.exchange(&mut batch, &weft::backend::Deadline::at(deadline)));

@@ -1,5 +1,5 @@
 //! The progress engine: one thread at a time moves every byte of every
-//! posted op itself (see `weft::progress`: a collective's exchange and
+//! posted op itself (see `weft::backend::progress`: a collective's exchange and
 //! background sends and receives alike). It writes pending sends without
 //! blocking and reads whatever every peer has sent (into posted receives,
 //! or a stash for messages that come early), so two ranks sending to each
@@ -16,9 +16,9 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
+use weft::backend::matching::EarlyBudget;
+use weft::backend::progress::Posting;
 use weft::backend::{Deadline, P2p};
-use weft::matching::EarlyBudget;
-use weft::progress::Posting;
 use weft::{Error, Result};
 
 /// Spin this long without progress before blocking in poll().
@@ -186,7 +186,7 @@ pub fn drive(me: usize, eng: &mut Engine, posting: &Posting, wake: &Wake, watch:
         }
         // Block until a socket is readable (or writable, for a pending
         // send), a batch is posted, or a deadline comes.
-        let weft::progress::Table { ops, done, .. } = &proto.table;
+        let weft::backend::progress::View { ops, done, .. } = proto.table.view();
         let mut fds: Vec<nix::poll::PollFd<'_>> = Vec::with_capacity(w + 1);
         fds.push(nix::poll::PollFd::new(wake.rx.as_fd(), nix::poll::PollFlags::POLLIN));
         for (peer, (p, sock)) in proto.peers.iter().zip(&sockets.socks).enumerate() {

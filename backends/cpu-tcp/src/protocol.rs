@@ -15,9 +15,9 @@ use smallvec::{smallvec, SmallVec};
 use std::collections::HashMap;
 use std::io::IoSlice;
 use std::time::Instant;
+use weft::backend::matching::{self, Early, EarlyBudget, Inbound};
+use weft::backend::progress::{Columns, Post, Posting, Table, View};
 use weft::backend::{Deadline, OpKind, P2p, ANY_SOURCE};
-use weft::matching::{self, Early, EarlyBudget, Inbound};
-use weft::progress::{Post, Posting, Table};
 use weft::{Error, Result};
 
 /// One connection's state.
@@ -229,8 +229,8 @@ impl Protocol {
     /// Take a posted batch into the table (see `start`). A batch naming a
     /// peer without a connection fails alone.
     fn absorb(&mut self, me: usize, post: Post, watch: &dyn Watch, posting: &Posting) -> Result<()> {
-        if let Some(e) = self.refuse(me, post.ops.iter(), watch) {
-            (post.done)(Err(e));
+        if let Some(e) = self.refuse(me, post.ops().iter(), watch) {
+            post.fail(e);
             posting.notify();
             return Ok(());
         }
@@ -243,7 +243,8 @@ impl Protocol {
     /// that came early, and a long receive tells its sender it is ready (a
     /// long send announces itself when its turn comes, in `pass`).
     fn start(&mut self, me: usize, first: usize) -> Result<()> {
-        let Table { ops, done, .. } = &mut self.table;
+        // SAFETY: receives are filled and bound here; no op is put in.
+        let Columns { ops, done, .. } = unsafe { self.table.columns() };
         for (i, op) in ops.iter_mut().enumerate().skip(first) {
             let P2p::Recv { peer, tag, buf } = op else { continue };
             if *peer == ANY_SOURCE {
@@ -278,7 +279,7 @@ impl Protocol {
     /// into one of their receives continues into a stashed copy, and a
     /// stream with half a send of theirs on the wire is torn.
     fn release(&mut self, which: impl Fn(usize) -> bool) {
-        let Table { ops, state, done, .. } = &self.table;
+        let View { ops, state, done, .. } = self.table.view();
         for p in self.peers.iter_mut().flatten() {
             p.inbound.detach_where(ops, &which);
         }
@@ -319,7 +320,7 @@ impl Protocol {
             _ => None,
         };
         while let Some((i, peer)) = (0..self.table.len())
-            .find_map(|i| (!self.table.done[i]).then(|| departed(&self.peers, &self.table.ops[i])).flatten().map(|p| (i, p)))
+            .find_map(|i| (!self.table.done[i]).then(|| departed(&self.peers, &self.table.ops()[i])).flatten().map(|p| (i, p)))
         {
             let id = self.table.batch(i);
             let pending = self.table.pending_of(id);
@@ -417,7 +418,7 @@ impl Protocol {
         let mut torn = None;
         while let Some(id) = self.table.expired(now) {
             let pending = self.table.pending_of(id);
-            let Table { ops, state, .. } = &self.table;
+            let View { ops, state, .. } = self.table.view();
             torn = torn.or_else(|| {
                 pending.iter().find_map(|&i| match &ops[i] {
                     P2p::Send { peer, data, .. } if state[i].mid_frame(data.len()) => Some(*peer),
@@ -492,7 +493,8 @@ fn pass(me: usize, proto: &mut Protocol, wire: &mut impl Wire, flags: &mut Flags
     let w = proto.peers.len();
     let mut moved = false;
     let Protocol { peers, table } = proto;
-    let Table { ops, done, state, .. } = table;
+    // SAFETY: sends are written and receives filled and bound; no op is put in.
+    let Columns { ops, done, state, .. } = unsafe { table.columns() };
     // Per peer: the send with half a frame on the wire (it must finish
     // before any other frame), and whether this pass wrote all it could.
     let mut mid: SmallVec<[Option<usize>; 8]> = smallvec![None; w];

@@ -22,9 +22,9 @@ use std::io::IoSlice;
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use weft::backend::matching::EarlyBudget;
+use weft::backend::progress::{Post, Posting};
 use weft::backend::P2p;
-use weft::matching::EarlyBudget;
-use weft::progress::{Post, Posting};
 use weft::{Error, ErrorKind, Result};
 
 /// splitmix64: every choice of a run comes from its seed.

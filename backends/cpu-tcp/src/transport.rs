@@ -12,8 +12,8 @@ use std::net::Shutdown;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use weft::backend::progress::{self, DriverLock, Post, Posting};
 use weft::backend::{Backend, Capabilities, Deadline, GatherSend, P2p};
-use weft::progress::{self, DriverLock, Post, Posting};
 use weft::store::Store;
 use weft::{Error, ErrorKind, Result};
 
@@ -85,7 +85,7 @@ impl progress::Engine for TcpBackend {
 impl TcpBackend {
     /// Take over connected sockets (`peers[r]` is the one to rank r).
     pub fn start(rank: usize, peers: Vec<Option<Socket>>, store: Arc<dyn Store>, close_within: Duration) -> Result<Self> {
-        let budget = weft::matching::EarlyBudget::from_env()?;
+        let budget = weft::backend::matching::EarlyBudget::from_env()?;
         let mut fds = Vec::with_capacity(peers.len());
         for sock in &peers {
             if let Some(s) = sock {

@@ -206,7 +206,13 @@ impl Backend for DeviceBackend {
     fn capabilities(&self) -> &weft::backend::Capabilities {
         self.staging.capabilities()
     }
-    unsafe fn post_device(&self, op: &mut Op<'_>, stream: Option<weft::StreamHandle>, deadline: Instant, done: weft::progress::Done) {
+    unsafe fn post_device(
+        &self,
+        op: &mut Op<'_>,
+        stream: Option<weft::StreamHandle>,
+        deadline: Instant,
+        done: weft::backend::progress::Done,
+    ) {
         // SAFETY: the caller's promise, passed on.
         unsafe { self.staging.post_p2p(op, stream, deadline, done) }
     }

@@ -8,8 +8,8 @@
 use crate::parts::{parts, Part};
 use crate::pipeline::Staging;
 use std::time::Instant;
+use weft::backend::progress::{Done, Post};
 use weft::backend::{Op, P2p};
-use weft::progress::{Done, Post};
 use weft::{Result, StreamHandle};
 use weft_cuda_driver::synchronize_stream;
 

@@ -18,8 +18,8 @@ use std::sync::Arc;
 use std::time::Duration;
 use topology::Topology;
 use weft::algorithms::select::Family;
+use weft::backend::progress::Post;
 use weft::backend::{Backend, BackendContext, Capabilities, Deadline, GatherSend, NativeAlgorithm, Op, OpContext, P2p};
-use weft::progress::Post;
 use weft::registry::{BackendFactory, StaticBackend};
 use weft::store::PrefixStore;
 use weft::{DeviceKind, Error, ErrorKind, Layout, Result};
@@ -214,10 +214,9 @@ impl Backend for HierBackend {
     fn capabilities(&self) -> &Capabilities {
         &self.caps
     }
-    fn post(&self, mut post: Post) {
-        let (flat, done) = (self.flat.clone(), post.done);
-        post.done = Box::new(move |r| done(r.map_err(|e| flat.translate(e))));
-        self.flat.backend.post(post)
+    fn post(&self, post: Post) {
+        let flat = self.flat.clone();
+        self.flat.backend.post(post.then(move |r| r.map_err(|e| flat.translate(e))))
     }
     fn progress(&self, until: &dyn Fn() -> bool) {
         self.flat.backend.progress(until)

@@ -13,8 +13,8 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+use weft::backend::progress::{Done, Post, PostParts};
 use weft::backend::{Backend, Capabilities, Deadline, GatherSend, OpKind, P2p, ANY_SOURCE};
-use weft::progress::{Done, Post};
 use weft::{Error, Result};
 
 /// Queued messages of one (source, tag), with their arrival numbers.
@@ -401,7 +401,10 @@ impl Backend for LoopbackBackend {
     }
 
     fn post(&self, post: Post) {
-        let Post { mut ops, gathered, deadline, done, source } = post;
+        // SAFETY: the receive buffers are kept as raw pointers (`Waiting`),
+        // written only until their op finishes, and `done` runs after the
+        // batch's last op has (`World::finish_op`).
+        let PostParts { mut ops, gathered, deadline, done, source } = unsafe { post.into_parts() };
         self.post_batch(&mut ops, &gathered, deadline, done, source);
     }
 

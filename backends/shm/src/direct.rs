@@ -14,8 +14,8 @@ use crate::ring::Whole;
 use crate::state::{ShmBackend, PURE_SPINS, SPIN, TURNS_PER_CLOCK};
 use smallvec::SmallVec;
 use std::time::Instant;
+use weft::backend::progress::Posting;
 use weft::backend::{Deadline, P2p};
-use weft::progress::Posting;
 use weft::Result;
 
 impl ShmBackend {

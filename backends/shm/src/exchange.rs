@@ -14,9 +14,9 @@ use crate::state::{ShmBackend, CMA_SPIN, NAP, PAUSE_SPIN, SPIN, TURNS_PER_CLOCK}
 use smallvec::{smallvec, SmallVec};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
+use weft::backend::matching::{self, Early};
+use weft::backend::progress::{Columns, Post, Posting, Table, View};
 use weft::backend::{Backend, Deadline, Gather, GatherSend, P2p, ANY_SOURCE};
-use weft::matching::{self, Early};
-use weft::progress::{Post, Posting, Table};
 use weft::{Error, Result};
 
 /// A receiver waiting for a pushed offer pulls it itself if the sender has
@@ -144,8 +144,8 @@ impl ShmBackend {
     /// Take a posted batch into the table; a batch naming a bad peer fails
     /// alone.
     fn absorb(&self, eng: &mut Engine, post: Post, posting: &Posting) -> Result<()> {
-        if let Some(e) = self.refuse(post.ops.iter(), &post.gathered) {
-            (post.done)(Err(e));
+        if let Some(e) = self.refuse(post.ops().iter(), post.gathered()) {
+            post.fail(e);
             posting.notify();
             return Ok(());
         }
@@ -157,7 +157,8 @@ impl ShmBackend {
     /// The ops from `first` on are new: receives are first served by
     /// messages that arrived earlier.
     fn start(&self, eng: &mut Engine, first: usize) -> Result<()> {
-        let Table { ops, done, .. } = &mut eng.table;
+        // SAFETY: receives are filled and bound here; no op is put in.
+        let Columns { ops, done, .. } = unsafe { eng.table.columns() };
         for (i, op) in ops.iter_mut().enumerate().skip(first) {
             let P2p::Recv { peer, tag, buf } = op else { continue };
             if *peer != ANY_SOURCE {
@@ -235,17 +236,20 @@ impl ShmBackend {
     pub(crate) fn fail_everything(&self, eng: &mut Engine, posting: &Posting, e: Error) {
         let Engine { peers, table } = eng;
         let mut cancelled = false;
-        for (peer, st) in peers.iter_mut().enumerate() {
-            cancelled |= self.cancel_awaiting(peer, st, &mut table.ops);
+        {
+            // SAFETY: a receive being filled is cancelled; no op is put in.
+            let Columns { ops, .. } = unsafe { table.columns() };
+            for (peer, st) in peers.iter_mut().enumerate() {
+                cancelled |= self.cancel_awaiting(peer, st, ops);
+            }
         }
+        let View { ops, done, state, .. } = table.view();
         for p in peers.iter_mut() {
-            p.inbound.detach(&table.ops);
+            p.inbound.detach(ops);
         }
         // (Gathered sends make no offers.)
-        let open: Vec<(usize, u64)> = (0..table.len())
-            .filter(|i| !table.done[*i])
-            .filter_map(|i| table.state[i].offer.map(|o| (table.ops[i].peer(), o.seq)))
-            .collect();
+        let open: Vec<(usize, u64)> =
+            (0..ops.len()).filter(|i| !done[*i]).filter_map(|i| state[i].offer.map(|o| (ops[i].peer(), o.seq))).collect();
         if !open.is_empty() {
             // Abort first, so a peer that finds the offer withdrawn also
             // finds why (and whom to blame) in our control block.
@@ -266,7 +270,7 @@ impl ShmBackend {
     fn expire(&self, eng: &mut Engine, posting: &Posting, now: Instant) -> std::result::Result<(), Error> {
         while let Some(id) = eng.table.expired(now) {
             let pending = eng.table.pending_of(id);
-            let Table { ops, gathered, state, .. } = &eng.table;
+            let View { ops, gathered, state, .. } = eng.table.view();
             let what: Vec<String> = pending
                 .iter()
                 .map(|&i| match (&ops[i], send_of(ops, gathered, i).is_some()) {
@@ -288,7 +292,7 @@ impl ShmBackend {
                 return Err(self.fail(e));
             }
             for p in eng.peers.iter_mut() {
-                p.inbound.detach_where(&eng.table.ops, |i| pending.contains(&i));
+                p.inbound.detach_where(eng.table.ops(), |i| pending.contains(&i));
             }
             eng.table.withdraw(id, e);
             posting.notify();
@@ -367,7 +371,7 @@ impl ShmBackend {
                     if let Some(e) = self.fast.rings_mismatch() {
                         return Err(self.fail(e));
                     }
-                    let Table { ops, done, .. } = &eng.table;
+                    let View { ops, done, .. } = eng.table.view();
                     for op in ops.iter().zip(done).filter(|(_, d)| !**d).map(|(op, _)| op) {
                         let peer = op.peer();
                         if peer == ANY_SOURCE {
@@ -401,7 +405,7 @@ impl ShmBackend {
             // A peer copying our offered buffer finishes in about a
             // millisecond per 16 MiB: keep spinning for it rather than pay a
             // wake-up (~50 us) at the end of every large send.
-            let Table { ops, done, state, .. } = &eng.table;
+            let View { ops, done, state, .. } = eng.table.view();
             let reading = (0..ops.len()).any(|i| !done[i] && state[i].offer.is_some()) || eng.peers.iter().any(|st| st.awaiting.is_some());
             let idle = match (now, idle_since) {
                 (Some(now), Some(since)) => now.duration_since(since),
@@ -447,7 +451,8 @@ impl ShmBackend {
         let me = self.rank;
         let mut moved = false;
         let Engine { peers: incoming, table } = eng;
-        let Table { ops, done, gathered, state, .. } = table;
+        // SAFETY: sends are read, not replaced; no op is put in.
+        let Columns { ops, done, gathered, state, .. } = unsafe { table.columns() };
         lanes.fill(Lane::Free);
         // Help copy single-copy sends only with nothing left to receive:
         // while receiving, this core is busy pulling already.
@@ -611,7 +616,7 @@ impl ShmBackend {
     /// refused) one, or pushed one this rank waits for.
     fn single_copy_moved(&self, table: &Table<OpState>, incoming: &[Peer]) -> bool {
         let me = self.rank;
-        let Table { ops, done, state, .. } = table;
+        let View { ops, done, state, .. } = table.view();
         let mut open = (0..ops.len()).filter(|i| !done[*i]).filter_map(|i| state[i].offer.map(|o| (ops[i].peer(), o)));
         open.any(|(peer, o)| {
             let cell = self.cell(me, peer);
@@ -810,7 +815,7 @@ impl ShmBackend {
     /// that has not expired yet must not fail a transfer of another that
     /// has only just begun). Asked only by a transfer: most turns move
     /// none, and need neither the clock nor a deadline fixed.
-    fn transfer_until(table: &Table<OpState>) -> Instant {
+    fn transfer_until(table: &Columns<'_, OpState>) -> Instant {
         let grace = Instant::now() + CANCEL_GRACE;
         table.next_deadline().map_or(grace, |d| d.max(grace))
     }
@@ -820,11 +825,13 @@ impl ShmBackend {
     fn drain(&self, peer: usize, table: &mut Table<OpState>, incoming: &mut [Peer]) -> Result<bool> {
         let ring = self.ring(peer, self.rank);
         let mut moved = false;
+        // SAFETY: receives are filled and bound; no op is put in.
+        let table = unsafe { table.columns() };
         loop {
             let mut st = &mut incoming[peer];
             if st.awaiting.is_some() {
-                let until = Self::transfer_until(table);
-                if !self.collect_pushed(peer, st, &mut table.ops, until)? {
+                let until = Self::transfer_until(&table);
+                if !self.collect_pushed(peer, st, table.ops, until)? {
                     return Ok(moved);
                 }
                 moved = true;
@@ -854,7 +861,7 @@ impl ShmBackend {
                     continue;
                 }
                 let rank_stashed = || incoming.iter().map(|p| p.inbound.stashed_bytes()).sum();
-                if incoming[peer].inbound.holds_back(peer, tag, Some((len & !CMA_FLAG) as usize), &table.ops, &table.done, rank_stashed) {
+                if incoming[peer].inbound.holds_back(peer, tag, Some((len & !CMA_FLAG) as usize), table.ops, table.done, rank_stashed) {
                     // Left in the ring (header read) until there is room:
                     // the sender waits for ring space.
                     return Ok(moved);
@@ -865,20 +872,20 @@ impl ShmBackend {
                     st.cma_in = Some(cma::Offer::decode(&st.hdr[HEADER..]));
                 }
                 if let Some(i) =
-                    st.inbound.begin(self.rank, peer, tag, (len & !CMA_FLAG) as usize, &table.ops, &table.done).map_err(|e| self.fail(e))?
+                    st.inbound.begin(self.rank, peer, tag, (len & !CMA_FLAG) as usize, table.ops, table.done).map_err(|e| self.fail(e))?
                 {
-                    matching::bind(&mut table.ops, i, peer);
+                    matching::bind(table.ops, i, peer);
                 }
             }
             if let Some(offer) = st.cma_in.take() {
-                let until = Self::transfer_until(table);
-                self.read_offer(peer, offer, st, &mut table.ops, until)?;
+                let until = Self::transfer_until(&table);
+                self.read_offer(peer, offer, st, table.ops, until)?;
                 moved = true;
                 if st.awaiting.is_some() {
                     continue;
                 }
             }
-            let dst = st.inbound.payload(&mut table.ops);
+            let dst = st.inbound.payload(table.ops);
             if !dst.is_empty() {
                 let n = ring.read(dst);
                 if n == 0 {
@@ -887,7 +894,7 @@ impl ShmBackend {
                 st.inbound.advance(n);
                 moved = true;
             }
-            st.inbound.finish(self.rank, peer, &mut table.ops, &mut table.done).map_err(|e| self.fail(e))?;
+            st.inbound.finish(self.rank, peer, table.ops, table.done).map_err(|e| self.fail(e))?;
         }
     }
 }

@@ -104,7 +104,7 @@ impl BackendFactory for ShmFactory {
         let agreed = cma::Policy::agreed(&*ctx.store, ctx.rank, ctx.size, left(), forced.is_none())?;
         let cma = forced.unwrap_or(Some(agreed));
         let placement = cores::placement(&*ctx.store, ctx.rank, ctx.size, left())?;
-        let budget = weft::matching::EarlyBudget::from_env()?;
+        let budget = weft::backend::matching::EarlyBudget::from_env()?;
         let backend = state::ShmBackend::new(ctx.rank, ctx.size, seg, cap, cma, placement, budget);
         Ok(Arc::new_cyclic(|me| backend.knowing(me.clone())))
     }

@@ -4,8 +4,8 @@
 
 use crate::cma;
 use std::time::Instant;
-use weft::matching::{EarlyBudget, Inbound};
-use weft::progress::Table;
+use weft::backend::matching::{EarlyBudget, Inbound};
+use weft::backend::progress::Table;
 
 /// Frame header: tag and length.
 pub(crate) const HEADER: usize = 16;
@@ -64,7 +64,7 @@ pub(crate) struct OpState {
 }
 
 /// Every peer's inbound state and every posted op, driven by one thread at
-/// a time (see `weft::progress`).
+/// a time (see `weft::backend::progress`).
 #[derive(Default)]
 pub(crate) struct Engine {
     /// `peers[r]`: what comes from rank r.

@@ -17,7 +17,7 @@ use linux_futex::{Futex, Shared};
 use std::sync::atomic::{compiler_fence, fence, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use weft::progress::{DriverLock, Posting};
+use weft::backend::progress::{DriverLock, Posting};
 use weft::{Error, Result};
 
 /// A control block's `state`: the rank runs, closed its group, or aborted it.
@@ -148,7 +148,7 @@ impl ShmBackend {
     /// Wrap a mapped segment of `size` ranks with rings of `cap` bytes
     /// (zeroed by its creator); `cma`: which sends go single-copy, if any;
     /// `placement`: see `cores`; `budget`: how much of what peers send
-    /// early is kept (see `weft::matching::EarlyBudget`).
+    /// early is kept (see `weft::backend::matching::EarlyBudget`).
     pub fn new(
         rank: usize,
         size: usize,
@@ -156,7 +156,7 @@ impl ShmBackend {
         cap: usize,
         cma: Option<crate::cma::Policy>,
         placement: crate::cores::Placement,
-        budget: weft::matching::EarlyBudget,
+        budget: weft::backend::matching::EarlyBudget,
     ) -> Self {
         let ctl = rings_at(size);
         assert!(seg.len() >= segment_len(size, cap), "segment sized by segment_len");

@@ -9,8 +9,8 @@ use crate::state::{ShmBackend, ABORTED, CLOSED, PURE_SPINS, RUNNING, SPIN, TURNS
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
+use weft::backend::progress::{self, Post, Posting};
 use weft::backend::{Backend, Capabilities, Deadline, FastOp, FastOutcome, GatherSend, Op, OpContext, P2p};
-use weft::progress::{self, Post, Posting};
 use weft::{Error, Result, Tensor, TensorMut};
 
 impl progress::Engine for ShmBackend {

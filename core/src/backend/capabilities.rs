@@ -31,8 +31,8 @@ pub struct Capabilities {
     /// time in issue order, as collectives.
     pub posts: bool,
     /// Whether a posted receive may name [`ANY_SOURCE`](super::ANY_SOURCE)
-    /// as its peer (the batch's [`crate::progress::Post::source`] then
-    /// learns the sender).
+    /// as its peer (the cell given by [`crate::backend::progress::Post::with_source`]
+    /// then learns the sender).
     pub receives_from_any: bool,
     /// Whether [`Backend::post_device`](super::Backend::post_device) posts
     /// point-to-point ops on this backend's device memory (as `posts` does

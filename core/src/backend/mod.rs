@@ -8,6 +8,8 @@
 //! they ask for it; algorithms never see a socket.
 
 mod capabilities;
+pub mod matching;
+pub mod progress;
 
 pub use crate::deadline::Deadline;
 use crate::dtype::DType;
@@ -589,9 +591,8 @@ pub trait Backend: Send + Sync {
     /// [`Backend::exchange`]; batches are matched in the order they are
     /// posted. Only called where [`Capabilities::posts`] says so; this default
     /// runs the batch now.
-    fn post(&self, post: crate::progress::Post) {
-        let crate::progress::Post { mut ops, gathered, deadline, done, .. } = post;
-        done(self.exchange_gathered(&mut ops, &gathered, &Deadline::at(deadline)));
+    fn post(&self, post: crate::backend::progress::Post) {
+        post.run_now(|ops, gathered, deadline| self.exchange_gathered(ops, gathered, &Deadline::at(deadline)));
     }
 
     /// Post a send, a receive or a batch ([`Op::Send`], [`Op::Recv`],
@@ -607,7 +608,7 @@ pub trait Backend: Send + Sync {
         op: &mut Op<'_>,
         stream: Option<crate::stream::StreamHandle>,
         deadline: Instant,
-        done: crate::progress::Done,
+        done: crate::backend::progress::Done,
     ) {
         let _ = (op, stream, deadline);
         done(Err(Error::unsupported(format!("backend {} cannot post point-to-point ops", self.name()))))
@@ -693,7 +694,7 @@ macro_rules! forward_transport {
         fn abort(&self, reason: &$crate::Error) {
             self.$inner().abort(reason)
         }
-        fn post(&self, post: $crate::progress::Post) {
+        fn post(&self, post: $crate::backend::progress::Post) {
             self.$inner().post(post)
         }
     };

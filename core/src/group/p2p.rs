@@ -23,11 +23,11 @@
 
 use super::work::{Work, WorkState};
 use super::{GroupCore, Job};
+use crate::backend::progress::Post;
 use crate::backend::{Backend, Deadline, Op, P2p, ANY_SOURCE};
 use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
 use crate::options::OpOptions;
-use crate::progress::Post;
 use crate::registry::Route;
 use crate::tensor::DeviceKind;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -132,17 +132,11 @@ impl Lane {
     pub(crate) fn post(self: &Arc<Self>, post: Post) {
         if self.shutdown.load(Ordering::SeqCst) {
             // The group was closed: nothing drives this transport any more.
-            return (post.done)(Err(Error::aborted("the process group was closed")));
+            return post.fail(Error::aborted("the process group was closed"));
         }
         self.begin();
-        let (me, done) = (self.clone(), post.done);
-        self.backend.post(Post {
-            done: Box::new(move |r| {
-                done(r);
-                me.end();
-            }),
-            ..post
-        });
+        let me = self.clone();
+        self.backend.post(post.finally(move || me.end()));
         self.kick();
     }
 
@@ -283,7 +277,7 @@ impl GroupCore {
         let (kick, mine) = (lane.clone(), state.clone());
         let core = self.clone();
         let from = source.clone();
-        let done: crate::progress::Done = Box::new(move |r: Result<()>| {
+        let done: crate::backend::progress::Done = Box::new(move |r: Result<()>| {
             let r = r.map_err(|e| {
                 let e = core.explain(e).with_op(name).with_rank(core.rank);
                 if !matches!(e.kind(), ErrorKind::Unsupported | ErrorKind::InvalidArgument) {

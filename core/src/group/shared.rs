@@ -24,9 +24,9 @@
 //! ([`super::ProcessGroup::new`]). The transports are shut down once the
 //! parent and every sub-group sharing them are dropped ([`Transports`]).
 
+use crate::backend::progress::Post;
 use crate::backend::{Backend, Capabilities, Deadline, GatherSend, P2p, ANY_SOURCE};
 use crate::error::{Error, Result};
-use crate::progress::Post;
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -96,6 +96,11 @@ impl Shared {
         Shared { parent, ranks: Arc::new(RankMap { parent: ranks.to_vec(), sub }), space, caps }
     }
 
+    /// A peer and tag of the sub-group's as the parent's transport sees them.
+    fn up(&self, peer: usize, tag: u64) -> (usize, u64) {
+        (self.ranks.up(peer), crate::tag::in_space(tag, self.space))
+    }
+
     /// Renumber and re-tag `ops` for the parent's transport; returns what
     /// to put back after.
     fn enter(&self, ops: &mut [P2p<'_>]) -> SmallVec<[(usize, u64); 8]> {
@@ -103,8 +108,7 @@ impl Shared {
             .map(|op| {
                 let (peer, tag) = fields(op);
                 let was = (*peer, *tag);
-                *peer = self.ranks.up(*peer);
-                *tag = crate::tag::in_space(*tag, self.space);
+                (*peer, *tag) = self.up(*peer, *tag);
                 was
             })
             .collect()
@@ -112,7 +116,8 @@ impl Shared {
 
     /// A gathered send, renumbered and re-tagged.
     fn gathered<'g>(&self, g: &GatherSend<'g>) -> GatherSend<'g> {
-        GatherSend { peer: self.ranks.up(g.peer), tag: crate::tag::in_space(g.tag, self.space), src: g.src }
+        let (peer, tag) = self.up(g.peer, g.tag);
+        GatherSend { peer, tag, src: g.src }
     }
 }
 
@@ -154,23 +159,21 @@ impl Backend for Shared {
     }
 
     fn post(&self, mut post: Post) {
-        self.enter(&mut post.ops);
-        for g in &mut post.gathered {
-            *g = self.gathered(g);
-        }
+        post.renumber(|peer, tag| (*peer, *tag) = self.up(*peer, *tag));
         let ranks = self.ranks.clone();
-        let (done, theirs) = (post.done, post.source.take());
+        let theirs = post.take_source();
         // The sender of an any-source receive, learnt in the parent's ranks.
         let learnt = theirs.as_ref().map(|_| Arc::new(AtomicUsize::new(ANY_SOURCE)));
-        post.source = learnt.clone();
-        post.done = Box::new(move |r| {
+        if let Some(cell) = &learnt {
+            post = post.with_source(cell.clone());
+        }
+        self.parent.post(post.then(move |r| {
             if let (Some(cell), Some(learnt)) = (theirs, learnt) {
                 let p = learnt.load(Ordering::Acquire);
                 cell.store(if p == ANY_SOURCE { p } else { ranks.down(p) }, Ordering::Release);
             }
-            done(r.map_err(|e| ranks.told(e)))
-        });
-        self.parent.post(post)
+            r.map_err(|e| ranks.told(e))
+        }))
     }
 
     fn progress(&self, until: &dyn Fn() -> bool) {

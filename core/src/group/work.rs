@@ -169,7 +169,7 @@ impl<'t> Work<'t> {
 
     /// The handle of an op that finishes later, and the completion that
     /// finishes it (errors passed through `name`).
-    pub(crate) fn later(name: impl FnOnce(Error) -> Error + Send + 'static) -> (Self, crate::progress::Done) {
+    pub(crate) fn later(name: impl FnOnce(Error) -> Error + Send + 'static) -> (Self, crate::backend::progress::Done) {
         let state = super::executor::new_state();
         let mine = state.clone();
         (Work::new(state), Box::new(move |r: Result<()>| mine.complete(r.map_err(name), None)))

@@ -3,10 +3,10 @@
 
 use super::abi::{self, BackendV1, InitV1, P2pV1};
 use super::host::{self, HostState};
+use crate::backend::progress::{Done, Post, PostParts};
 use crate::backend::BackendFactory;
 use crate::backend::{Backend, BackendContext, Capabilities, Deadline, Op, OpContext, P2p};
 use crate::error::{Error, Result};
-use crate::progress::{Done, Post};
 use crate::tensor::{Device, DeviceKind, Layout};
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::sync::Arc;
@@ -201,7 +201,7 @@ impl Backend for PluginBackend {
         let deadline = deadline.get();
         if self.caps.posts {
             // Progress on this request moves the others too.
-            return crate::progress::post_and_wait(ops, &[], deadline, |p| self.post(p), |until| self.progress(until));
+            return crate::backend::progress::post_and_wait(ops, &[], deadline, |p| self.post(p), |until| self.progress(until));
         }
         let batch = to_abi(ops);
         let (start, wait, cancel) =
@@ -272,7 +272,10 @@ impl Backend for PluginBackend {
     }
 
     fn post(&self, post: Post) {
-        let Post { mut ops, deadline, done, .. } = post;
+        // SAFETY: the buffers go to the plugin as raw pointers (`to_abi`),
+        // which it stops touching once the request has finished or been
+        // cancelled; `done` is called only after that (`progress`, `abort`).
+        let PostParts { mut ops, deadline, done, .. } = unsafe { post.into_parts() };
         let batch = to_abi(&mut ops);
         let start = self.table.start.expect("validated");
         let mut req: *mut c_void = std::ptr::null_mut();

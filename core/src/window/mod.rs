@@ -24,11 +24,11 @@ pub(crate) mod over_p2p;
 
 pub use memory::WindowMemory;
 
+use crate::backend::progress::Done;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::group::{Collectives, ProcessGroup, Work};
 use crate::options::OpOptions;
-use crate::progress::Done;
 use crate::store::Store;
 use crate::tensor::{Device, Tensor, TensorMut};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -15,10 +15,10 @@
 use super::frame::{Frame, CONTROL, DATA, FRAME_BYTES, INLINE, REPLY};
 use super::memory::Heap;
 use super::{Later, RmaCall, Span, WindowSpec, WindowTransport};
+use crate::backend::progress::{Done, Post};
 use crate::backend::{Backend, P2p};
 use crate::error::{Error, Result};
 use crate::group::Lane;
-use crate::progress::{Done, Post};
 use smallvec::SmallVec;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};

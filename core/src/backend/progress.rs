@@ -32,20 +32,62 @@ use std::time::{Duration, Instant};
 pub type Done = Box<dyn FnOnce(Result<()>) + Send>;
 
 /// A batch of ops handed to a transport: they progress with every other
-/// posted op, and `done` is called once all have completed or the batch
-/// failed.
+/// posted op, and its completion is called once all have completed or the
+/// batch failed.
+///
+/// The ops borrow the poster's buffers until the completion runs, which
+/// the compiler cannot check: so safe code never gets them for longer than
+/// a call. A transport hands the batch to its [`Table`] ([`Table::add`]),
+/// runs it at once ([`Post::run_now`]), or takes it apart under the
+/// contract of [`Post::into_parts`] (`unsafe`); a wrapper renumbers its
+/// peers and tags ([`Post::renumber`]) and wraps its completion
+/// ([`Post::then`]).
+///
+/// A backend in safe Rust cannot keep a posted buffer past completion:
+///
+/// ```compile_fail,E0616
+/// // The ops are not the backend's to take.
+/// fn keep(post: weft::backend::progress::Post) -> Vec<weft::backend::P2p<'static>> {
+///     post.ops
+/// }
+/// ```
+///
+/// ```compile_fail
+/// // A look at them ends with the look (borrowed data escapes).
+/// fn keep(post: &weft::backend::progress::Post) -> &'static [u8] {
+///     match &post.ops()[0] {
+///         weft::backend::P2p::Send { data, .. } => data,
+///         weft::backend::P2p::Recv { .. } => &[],
+///     }
+/// }
+/// ```
 pub struct Post {
     /// The sends and receives, in issue order. The borrows are really of
     /// the poster's buffers: the poster keeps them valid until `done` runs.
-    pub ops: Vec<P2p<'static>>,
+    ops: Vec<P2p<'static>>,
     /// Sends whose bytes a [`Gather`] writes (after `ops`).
+    gathered: Vec<GatherSend<'static>>,
+    /// When the batch fails with `Timeout` if unfinished.
+    deadline: Instant,
+    /// Called once with the batch's outcome.
+    done: Done,
+    /// Where the sender of the batch's any-source receive is left (see
+    /// [`crate::backend::ANY_SOURCE`]), before `done` is called.
+    source: Option<Arc<AtomicUsize>>,
+}
+
+/// A [`Post`] taken apart ([`Post::into_parts`]).
+pub struct PostParts {
+    /// The sends and receives, in issue order; really borrowed until
+    /// `done` has been called.
+    pub ops: Vec<P2p<'static>>,
+    /// Sends whose bytes a [`Gather`] writes (after `ops`); borrowed as `ops`.
     pub gathered: Vec<GatherSend<'static>>,
     /// When the batch fails with `Timeout` if unfinished.
     pub deadline: Instant,
     /// Called once with the batch's outcome.
     pub done: Done,
-    /// Where the sender of the batch's any-source receive is left (see
-    /// [`crate::backend::ANY_SOURCE`]), before `done` is called.
+    /// Where the sender of an any-source receive is left before `done`.
     pub source: Option<Arc<AtomicUsize>>,
 }
 
@@ -65,6 +107,82 @@ impl Post {
     /// The same batch, leaving the sender of its any-source receive in `cell`.
     pub fn with_source(self, cell: Arc<AtomicUsize>) -> Post {
         Post { source: Some(cell), ..self }
+    }
+
+    /// The ops, for a look (the borrow ends with this one).
+    pub fn ops(&self) -> &[P2p<'_>] {
+        &self.ops
+    }
+
+    /// The gathered sends, for a look.
+    pub fn gathered(&self) -> &[GatherSend<'_>] {
+        &self.gathered
+    }
+
+    /// When the batch fails with `Timeout` if unfinished.
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// Where the sender of its any-source receive is to be left, taken out
+    /// (a wrapper that renumbers ranks puts its own there).
+    pub fn take_source(&mut self) -> Option<Arc<AtomicUsize>> {
+        self.source.take()
+    }
+
+    /// Give each op and gathered send another peer and tag: `f(peer, tag)`
+    /// changes them in place (a view of a transport in other ranks).
+    pub fn renumber(&mut self, mut f: impl FnMut(&mut usize, &mut u64)) {
+        for op in &mut self.ops {
+            let (P2p::Send { peer, tag, .. } | P2p::Recv { peer, tag, .. }) = op;
+            f(peer, tag);
+        }
+        for g in &mut self.gathered {
+            f(&mut g.peer, &mut g.tag);
+        }
+    }
+
+    /// The same batch, its outcome passed through `f` before its completion
+    /// sees it (a wrapper's error translation, its bookkeeping).
+    pub fn then(self, f: impl FnOnce(Result<()>) -> Result<()> + Send + 'static) -> Post {
+        let done = self.done;
+        Post { done: Box::new(move |r| done(f(r))), ..self }
+    }
+
+    /// The same batch, `f` called once its completion has run.
+    pub fn finally(self, f: impl FnOnce() + Send + 'static) -> Post {
+        let done = self.done;
+        Post {
+            done: Box::new(move |r| {
+                done(r);
+                f()
+            }),
+            ..self
+        }
+    }
+
+    /// Fail the batch with `e` without running it.
+    pub fn fail(self, e: Error) {
+        (self.done)(Err(e))
+    }
+
+    /// Run the batch now with `f` (a transport that does not post: an
+    /// exchange) and complete it with the outcome. `f` gets the ops for
+    /// the call only.
+    pub fn run_now(mut self, f: impl FnOnce(&mut [P2p<'_>], &[GatherSend<'_>], Instant) -> Result<()>) {
+        let r = f(&mut self.ops, &self.gathered, self.deadline);
+        (self.done)(r)
+    }
+
+    /// The batch taken apart, for a transport that keeps its buffers in
+    /// its own way (as raw pointers, for a C plugin).
+    ///
+    /// # Safety
+    /// The borrows in `ops` and `gathered` last only until `done` has been
+    /// called: the caller touches none of those buffers after calling it,
+    /// and keeps no reference into them.
+    pub unsafe fn into_parts(self) -> PostParts {
+        PostParts { ops: self.ops, gathered: self.gathered, deadline: self.deadline, done: self.done, source: self.source }
     }
 }
 
@@ -98,7 +216,7 @@ struct Batch {
     deadline: When,
     /// `None`: the driving thread's own batch (see [`Table::add_local`]).
     done: Option<Done>,
-    /// See [`Post::source`].
+    /// Where the sender of its any-source receive is left (see [`Post::with_source`]).
     source: Option<Arc<AtomicUsize>>,
 }
 
@@ -140,13 +258,33 @@ impl Batch {
 /// `ops[i]`, `done[i]`, `gathered[i]` and `state[i]` describe op `i`; a
 /// transport marks an op finished by setting `done[i]`. Op indices stay
 /// valid until [`Table::compact`], which returns how they moved.
+///
+/// The ops borrow their posters' buffers until their batch completes,
+/// which the compiler cannot check. So the table lends them for a borrow
+/// of itself only: to look at ([`Table::ops`], [`Table::view`]) or, to
+/// fill receives, under the contract of [`Table::columns`] (`unsafe`); a
+/// batch completes only through the table's own calls, which need it
+/// whole, so no borrowed buffer outlives its batch:
+///
+/// ```compile_fail
+/// // A send's bytes kept after the table has moved on (`settle` may have
+/// // completed its batch): the borrow of the table is still held.
+/// fn keep(table: &mut weft::backend::progress::Table<()>) {
+///     let data: &[u8] = match &table.ops()[0] {
+///         weft::backend::P2p::Send { data, .. } => data,
+///         weft::backend::P2p::Recv { .. } => &[],
+///     };
+///     table.settle();
+///     println!("{}", data.len());
+/// }
+/// ```
 pub struct Table<S> {
     /// The ops (a gathered send is a `Send` with empty `data`).
-    pub ops: Vec<P2p<'static>>,
+    ops: Vec<P2p<'static>>,
     /// Which ops are finished.
     pub done: Vec<bool>,
     /// The source of a gathered send.
-    pub gathered: Vec<Option<&'static dyn Gather>>,
+    gathered: Vec<Option<&'static dyn Gather>>,
     /// The transport's state for each op.
     pub state: Vec<S>,
     batch_of: Vec<u64>,
@@ -171,10 +309,78 @@ impl<S> Default for Table<S> {
     }
 }
 
+/// A [`Table`]'s columns, lent together for a look ([`Table::view`]).
+pub struct View<'t, S> {
+    /// The ops.
+    pub ops: &'t [P2p<'t>],
+    /// Which are finished.
+    pub done: &'t [bool],
+    /// The source of each gathered send.
+    pub gathered: &'t [Option<&'t dyn Gather>],
+    /// The transport's state for each.
+    pub state: &'t [S],
+}
+
+/// A [`Table`]'s columns, lent together to fill receives and mark ops
+/// finished ([`Table::columns`]).
+pub struct Columns<'t, S> {
+    /// The ops: their receive buffers writable, their peers bindable.
+    pub ops: &'t mut [P2p<'t>],
+    /// Which are finished.
+    pub done: &'t mut [bool],
+    /// The source of each gathered send.
+    pub gathered: &'t [Option<&'t dyn Gather>],
+    /// The transport's state for each.
+    pub state: &'t mut [S],
+    batches: &'t VecDeque<Batch>,
+}
+
+impl<S> Columns<'_, S> {
+    /// [`Table::next_deadline`], while the columns are lent.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        next_deadline(self.batches)
+    }
+}
+
+/// The earliest deadline of `batches` (one not yet fixed is fixed from the clock).
+fn next_deadline(batches: &VecDeque<Batch>) -> Option<Instant> {
+    batches.iter().map(|b| b.deadline.get(None)).min()
+}
+
 impl<S> Table<S> {
+    /// The ops, for as long as this borrow of the table.
+    pub fn ops(&self) -> &[P2p<'_>] {
+        &self.ops
+    }
+
+    /// The sources of gathered sends (`None`: a plain op).
+    pub fn gathered(&self) -> &[Option<&dyn Gather>] {
+        &self.gathered
+    }
+
+    /// Every column, for a look.
+    pub fn view(&self) -> View<'_, S> {
+        View { ops: &self.ops, done: &self.done, gathered: &self.gathered, state: &self.state }
+    }
+
+    /// Every column, the ops writable (receive buffers, the peer a
+    /// receive from any rank binds to), for as long as this borrow.
+    ///
+    /// # Safety
+    /// Put no op into `ops` (assigning, replacing or swapping in one from
+    /// elsewhere): the table would keep its borrow past this one. Writing
+    /// through the ops' buffers and binding a receive's peer are fine.
+    pub unsafe fn columns(&mut self) -> Columns<'_, S> {
+        // SAFETY: only the ops' lifetime shrinks to this borrow, so no
+        // borrow taken from them outlives it; the caller puts no op with a
+        // shorter one in (the reason `&mut` forbids this in general).
+        let ops = unsafe { std::mem::transmute::<&mut [P2p<'static>], &mut [P2p<'_>]>(self.ops.as_mut_slice()) };
+        Columns { ops, done: &mut self.done, gathered: &self.gathered, state: &mut self.state, batches: &self.batches }
+    }
+
     /// Append `post`'s ops, each with the state `init` gives it; the new
     /// batch's id. Its first op is at the table's old length.
-    pub fn add(&mut self, post: Post, init: impl FnMut(&P2p<'static>, Option<&'static dyn Gather>) -> S) -> u64 {
+    pub fn add(&mut self, post: Post, init: impl FnMut(&P2p<'_>, Option<&dyn Gather>) -> S) -> u64 {
         let id = self.append(post.ops, post.gathered, When::At(post.deadline), Some(post.done), init);
         if let Some(b) = self.batches.back_mut() {
             b.source = post.source;
@@ -197,7 +403,7 @@ impl<S> Table<S> {
         ops: &mut [P2p<'_>],
         gathered: &[GatherSend<'_>],
         deadline: &Deadline,
-        init: impl FnMut(&P2p<'static>, Option<&'static dyn Gather>) -> S,
+        init: impl FnMut(&P2p<'_>, Option<&dyn Gather>) -> S,
     ) -> u64 {
         self.local = None;
         // SAFETY: the caller's promise.
@@ -224,7 +430,7 @@ impl<S> Table<S> {
         gathered: impl IntoIterator<Item = GatherSend<'static>>,
         deadline: When,
         done: Option<Done>,
-        mut init: impl FnMut(&P2p<'static>, Option<&'static dyn Gather>) -> S,
+        mut init: impl FnMut(&P2p<'_>, Option<&dyn Gather>) -> S,
     ) -> u64 {
         let id = self.next_batch;
         self.next_batch += 1;
@@ -298,7 +504,7 @@ impl<S> Table<S> {
     /// The earliest deadline of an unfinished batch (one not yet fixed is
     /// fixed from the clock).
     pub fn next_deadline(&self) -> Option<Instant> {
-        self.batches.iter().map(|b| b.deadline.get(None)).min()
+        next_deadline(&self.batches)
     }
 
     /// An unfinished batch whose deadline has passed at `now` (one not yet

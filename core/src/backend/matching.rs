@@ -428,7 +428,7 @@ impl Inbound {
     }
 
     /// The receives moved: `map[old]` is each kept receive's new index
-    /// (see [`crate::progress::Table::compact`]).
+    /// (see [`crate::backend::progress::Table::compact`]).
     pub fn remap(&mut self, map: &[usize]) {
         if let Some(Frame { dest: Dest::Recv(i), .. }) = &mut self.frame {
             *i = map[*i];
