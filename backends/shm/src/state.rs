@@ -116,7 +116,7 @@ pub struct ShmBackend {
     /// This process passes the barrier a napping rank asks for
     /// (`membarrier.rs`): its sends tell their peers without a fence.
     fence_free: bool,
-    /// One core's L2 cache, in bytes (`exchange.rs` pushes messages that fit).
+    /// One core's L2 cache, in bytes (`cma/offers.rs` pushes messages that fit).
     pub(crate) l2: usize,
     /// Whether the peers' processes live (zombies and reused pids included).
     pub(crate) liveness: crate::liveness::Liveness,

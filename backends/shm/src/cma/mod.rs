@@ -52,6 +52,12 @@
 //! every chunk the sender claimed pushed, so the sender never writes into
 //! a buffer the receiver has given back; a claimed run is always copied at
 //! once (one system call), so that wait is short.
+//!
+//! Here: the descriptors, the cells and their phases, the copy policy and
+//! the copies. The exchange's side (which send goes single-copy, reading,
+//! pushing, withdrawing and cancelling offers) is in `offers.rs`.
+
+mod offers;
 
 use crate::sync::{AtomicU64, Ordering};
 use std::time::Duration;
