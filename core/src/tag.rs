@@ -37,8 +37,8 @@
 //! it arrives (keep it in the receiver's cache), *fresh* steps whose sender
 //! has just written what it sends (a reduced block, a forwarded one: move
 //! it from the sender's cache). Set by
-//! [`Comm::combining`](crate::algorithms::Comm::combining) and
-//! [`Comm::sending_fresh`](crate::algorithms::Comm::sending_fresh).
+//! [`Steps::combining`](crate::algorithms::Steps::combining) and
+//! [`Steps::sending_fresh`](crate::algorithms::Steps::sending_fresh).
 
 /// Largest tag a user may pass to send/recv (tags are `u32`, top bit reserved).
 pub const MAX_USER_TAG: u32 = (1 << 31) - 1;

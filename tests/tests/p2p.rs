@@ -275,7 +275,7 @@ fn batched_p2p_and_sendrecv() {
 }
 
 /// Whatever bytes a peer sends into a bool tensor, it holds only 0 and 1
-/// once received: direct (the group's lane to the transport), as a
+/// once received: direct (the group's direct path to the transport), as a
 /// sendrecv, and in a scope.
 #[test]
 fn received_bools_are_0_or_1_whatever_the_peer_sent() {

@@ -277,13 +277,13 @@ fn shm_fast_path_agrees_with_the_rings_and_catches_mismatched_calls() {
             // 1024 f32 = 4096 bytes, the fast path's limit: both sides of it.
             for n in [1usize, 2, 1023, 1024, 1025] {
                 let want: Vec<f32> = (0..n).map(|i| (0..w).map(|q| value(q, i)).sum()).collect();
-                // "lane": no hint, so core hands the op to the fast path
+                // "direct": no hint, so core hands the op to the fast path
                 // itself (`group/fast.rs`); "on": as a job, through
                 // `native_op`; "mixed": odd ranks as a job, even ranks
-                // through the lane, in one op; "off": the rings.
-                for path in ["lane", "on", "mixed", "off"] {
+                // straight to the fast path, in one op; "off": the rings.
+                for path in ["direct", "on", "mixed", "off"] {
                     let opts = match path {
-                        "lane" => o(),
+                        "direct" => o(),
                         "mixed" => {
                             if r % 2 == 1 {
                                 o().hint("shm_fastbox", "on")

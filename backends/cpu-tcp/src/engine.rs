@@ -36,12 +36,12 @@ const NAP: Duration = Duration::from_millis(100);
 
 fn read_some(sock: &Socket, buf: &mut [u8], peer: usize) -> Result<Got> {
     if buf.is_empty() {
-        return Ok(Got::Some(0));
+        return Ok(Got::Bytes(0));
     }
     match (&*sock).read(buf) {
         Ok(0) => Ok(Got::Eof),
-        Ok(n) => Ok(Got::Some(n)),
-        Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::Interrupted) => Ok(Got::None),
+        Ok(n) => Ok(Got::Bytes(n)),
+        Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::Interrupted) => Ok(Got::Nothing),
         Err(e) => Err(Error::peer_lost(peer, format!("connection to peer rank {peer} broke: {e}"))),
     }
 }

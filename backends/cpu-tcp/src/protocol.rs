@@ -112,9 +112,9 @@ impl Peer {
 /// How a read attempt ended.
 pub enum Got {
     /// This many bytes came.
-    Some(usize),
+    Bytes(usize),
     /// Nothing now (the read would block).
-    None,
+    Nothing,
     /// The stream ended.
     Eof,
 }
@@ -594,9 +594,9 @@ fn torn_off(peer: usize) -> Error {
 /// an error.
 fn read_within_frame(wire: &mut impl Wire, peer: usize, buf: &mut [u8]) -> Result<Option<usize>> {
     match wire.recv(peer, buf)? {
-        Got::None => Ok(None),
+        Got::Nothing => Ok(None),
         Got::Eof => Err(torn_off(peer)),
-        Got::Some(k) => Ok(Some(k)),
+        Got::Bytes(k) => Ok(Some(k)),
     }
 }
 
@@ -629,7 +629,7 @@ fn drain(
             }
             if !p.holds() {
                 match wire.recv(peer, &mut p.hdr[p.hdr_got..])? {
-                    Got::None => return Ok(moved),
+                    Got::Nothing => return Ok(moved),
                     Got::Eof if p.hdr_got == 0 => {
                         return Err(Error::peer_lost(
                             peer,
@@ -639,7 +639,7 @@ fn drain(
                         ))
                     }
                     Got::Eof => return Err(torn_off(peer)),
-                    Got::Some(k) => p.hdr_got += k,
+                    Got::Bytes(k) => p.hdr_got += k,
                 }
                 moved = true;
                 if p.hdr_got < HEADER {

@@ -102,13 +102,13 @@ impl Wire for SimWire {
     fn recv(&mut self, peer: usize, buf: &mut [u8]) -> Result<Got> {
         let mut l = self.link.borrow_mut();
         if l.pipes[peer].is_empty() {
-            return Ok(if l.cut { Got::Eof } else { Got::None });
+            return Ok(if l.cut { Got::Eof } else { Got::Nothing });
         }
         let n = l.piece().min(buf.len()).min(l.pipes[peer].len());
         for (b, x) in buf.iter_mut().zip(l.pipes[peer].drain(..n)) {
             *b = x;
         }
-        Ok(if n == 0 { Got::None } else { Got::Some(n) })
+        Ok(if n == 0 { Got::Nothing } else { Got::Bytes(n) })
     }
 }
 

@@ -55,7 +55,7 @@ impl Watch for TcpBackend {
     }
 }
 
-impl progress::Engine for TcpBackend {
+impl progress::DrivenTransport for TcpBackend {
     fn posting(&self) -> &Arc<Posting> {
         &self.posting
     }

@@ -4,11 +4,11 @@
 //! would write past a tensor's end, or a ring would wait for pieces that
 //! never come).
 
-use weft::algorithms::{exchange_all, Comm};
+use weft::algorithms::{exchange_all, Steps};
 use weft::{DType, Error, ReduceOp, Result};
 
 /// One round: every rank's `mine` (the same length on every rank), by rank.
-pub fn round(c: &Comm<'_>, step: u32, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+pub fn round(c: &Steps<'_>, step: u32, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
     let w = c.size();
     let mut all = vec![vec![0u8; mine.len()]; w];
     all[c.rank()].copy_from_slice(mine);
@@ -54,7 +54,7 @@ pub fn ranks_where<T>(all: &[T], bad: impl Fn(&T) -> bool) -> Vec<usize> {
 }
 
 /// One round that checks [`same_everywhere`].
-pub fn check(c: &Comm<'_>, step: u32, count: usize, dtype: DType, op: ReduceOp) -> Result<()> {
+pub fn check(c: &Steps<'_>, step: u32, count: usize, dtype: DType, op: ReduceOp) -> Result<()> {
     let mine = Signature::of(count, dtype, op);
     let bytes = [mine.count.to_le_bytes(), mine.kind.to_le_bytes()].concat();
     let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));

@@ -44,7 +44,7 @@
 use crate::agree::{ranks_where, round, same_everywhere, Signature};
 use crate::peer_buffers::PeerBuffers;
 use crate::setup::Peers;
-use weft::algorithms::Comm;
+use weft::algorithms::Steps;
 use weft::backend::{Backend, OpContext};
 use weft::{Error, ReduceOp, Result, StreamHandle, TensorMut};
 use weft_cuda_driver::{DevicePtr, MAX_REDUCE_ALL};
@@ -99,7 +99,7 @@ impl Offer {
 /// every rank could: the base of each, or why not (alike on every rank).
 fn map_all(
     ring: &Peers,
-    c: &Comm<'_>,
+    c: &Steps<'_>,
     offers: &[Offer],
     peers: &mut PeerBuffers<'_>,
 ) -> Result<std::result::Result<Vec<DevicePtr>, String>> {
@@ -164,7 +164,7 @@ pub fn all_reduce(
     let (count, dtype) = (buf.numel(), buf.dtype());
     let ptr = buf.as_ptr() as u64;
     let g = ring.gpu.clone();
-    let c = Comm::new(cpu, ctx).phase(1);
+    let c = Steps::new(cpu, ctx).phase(1);
     // Small ops go through the staging buffers, mapped once at setup; every
     // rank decides alike where the counts agree (checked in round 1, which
     // both ways reach with the same record).

@@ -25,7 +25,7 @@
 
 use crate::setup::{Peers, SLOTS};
 use std::time::Instant;
-use weft::algorithms::Comm;
+use weft::algorithms::Steps;
 use weft::backend::{Backend, OpContext};
 use weft::{DType, Error, ReduceOp, Result, StreamHandle, TensorMut};
 
@@ -35,7 +35,7 @@ const CONSUMED: u32 = 2;
 /// One op's progress through the slots.
 struct Flow<'a> {
     ring: &'a Peers,
-    comm: Comm<'a>,
+    steps: Steps<'a>,
     stream: StreamHandle,
     next: usize,
     prev: usize,
@@ -50,7 +50,7 @@ impl Flow<'_> {
     /// then a stream wait on its event).
     fn await_consumed(&mut self, k: u64) -> Result<()> {
         let mut m = [0u8; 8];
-        self.comm.recv(CONSUMED, self.next, &mut m)?;
+        self.steps.recv(CONSUMED, self.next, &mut m)?;
         check(k, m, "consumed")?;
         let what = format!("rank {}'s read of piece {k}", self.next);
         self.ring.after(self.stream, self.ring.next_consumed[(k % SLOTS as u64) as usize], self.deadline, &what)
@@ -68,7 +68,7 @@ impl Flow<'_> {
         // source is inside the op's buffer, borrowed until completion.
         unsafe { g.copy_dtod(self.stream, self.ring.next_slots + (q * self.ring.slot_bytes) as u64, src, bytes)? };
         g.record(self.ring.filled[q], self.stream)?;
-        self.comm.send(FILLED, self.next, &k.to_le_bytes())?;
+        self.steps.send(FILLED, self.next, &k.to_le_bytes())?;
         self.sent += 1;
         Ok(())
     }
@@ -77,7 +77,7 @@ impl Flow<'_> {
     fn recv_piece(&mut self, dst: u64, count: usize, dtype: DType, op: Option<ReduceOp>) -> Result<()> {
         let k = self.received;
         let mut m = [0u8; 8];
-        self.comm.recv(FILLED, self.prev, &mut m)?;
+        self.steps.recv(FILLED, self.prev, &mut m)?;
         check(k, m, "filled")?;
         let q = (k % SLOTS as u64) as usize;
         let g = &self.ring.gpu;
@@ -93,7 +93,7 @@ impl Flow<'_> {
             }
         }
         g.record(self.ring.consumed[q], self.stream)?;
-        self.comm.send(CONSUMED, self.prev, &k.to_le_bytes())?;
+        self.steps.send(CONSUMED, self.prev, &k.to_le_bytes())?;
         self.received += 1;
         Ok(())
     }
@@ -130,7 +130,7 @@ pub fn all_reduce(
     let (r, w) = (ctx.rank, ctx.size);
     let g = &ring.gpu;
     if w > 1 {
-        crate::agree::check(&Comm::new(cpu, ctx).phase(2), 0, count, dtype, op)?;
+        crate::agree::check(&Steps::new(cpu, ctx).phase(2), 0, count, dtype, op)?;
     }
     let esize = dtype.size();
     let bounds: Vec<usize> = (0..=w).map(|i| count * i / w).collect();
@@ -138,7 +138,7 @@ pub fn all_reduce(
     let piece_elems = (ring.slot_bytes / esize).max(1);
     let mut flow = Flow {
         ring,
-        comm: Comm::new(cpu, ctx),
+        steps: Steps::new(cpu, ctx),
         stream,
         next: (r + 1) % w,
         prev: (r + w - 1) % w,

@@ -103,7 +103,7 @@ pub(crate) fn skip_padding(ring: &Ring) -> bool {
 
 /// What a turn of the table did with its sends to one peer.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Lane {
+enum PeerSend {
     /// No send to it yet, or the last one finished: the next may go.
     Free,
     /// A send to it is under way (sends to one peer go in order).
@@ -181,7 +181,7 @@ impl ShmBackend {
         deadline: &Deadline,
     ) -> Result<()> {
         if let Err(e) = self.check_failed().and_then(|()| posting.take(|post| self.absorb(eng, post, posting)).map(|_| ())) {
-            self.fail_everything(eng, posting, e.clone());
+            self.fail_all(eng, posting, e.clone());
             return Err(e);
         }
         if let Some(e) = self.refuse(ops.iter(), gathered) {
@@ -210,11 +210,11 @@ impl ShmBackend {
         let first = eng.table.len();
         // SAFETY: this returns only once the batch's outcome is in, and its
         // ops have then left the table (`settle`, `expire` and
-        // `fail_everything` remove finished ops); `deadline` is the
+        // `fail_all` remove finished ops); `deadline` is the
         // caller's, borrowed as long.
         unsafe { eng.table.add_local(ops, gathered, deadline, |_, _| OpState::default()) };
         match self.start(eng, first) {
-            Err(e) => self.fail_everything(eng, posting, e),
+            Err(e) => self.fail_all(eng, posting, e),
             Ok(()) => self.drive(eng, posting, true, &|| false),
         }
         eng.table.take_local().unwrap_or_else(|| Err(Error::backend("shm: an exchange ended without an outcome")))
@@ -224,7 +224,7 @@ impl ShmBackend {
     /// may be pushing into a receive buffer (stop it), or reading a send
     /// buffer (withdraw the offer); either way the pair's stream is then out
     /// of step for good, and the transport fails.
-    pub(crate) fn fail_everything(&self, eng: &mut Engine, posting: &Posting, e: Error) {
+    pub(crate) fn fail_all(&self, eng: &mut Engine, posting: &Posting, e: Error) {
         let Engine { peers, table } = eng;
         let mut cancelled = false;
         {
@@ -325,13 +325,13 @@ impl ShmBackend {
         let mut armed = None;
         let mut turns: u32 = 0;
         let mut unclocked: u32 = 0;
-        let mut lanes: SmallVec<[Lane; 16]> = smallvec![Lane::Free; w];
+        let mut sending: SmallVec<[PeerSend; 16]> = smallvec![PeerSend::Free; w];
         loop {
             let mut moved = false;
             let mut step = || -> Result<()> {
                 self.check_failed()?;
                 moved |= posting.take(|post| self.absorb(eng, post, posting))?;
-                moved |= self.pass(eng, &mut lanes)?;
+                moved |= self.pass(eng, &mut sending)?;
                 // (Also after nothing moved: a receive served early
                 // finishes its batch at once.)
                 Self::settle(eng, posting);
@@ -378,7 +378,7 @@ impl ShmBackend {
                 Ok(())
             };
             if let Err(e) = step() {
-                self.fail_everything(eng, posting, e);
+                self.fail_all(eng, posting, e);
                 return;
             }
             if (local && eng.table.local_done()) || until() {
@@ -427,7 +427,7 @@ impl ShmBackend {
             self.nap(seen, now, deadline, &|| {
                 posting.has_new()
                     || (0..w).any(|p| p != me && self.ring(p, me).available() > 0 && !eng.peers[p].holds())
-                    || (0..w).any(|p| lanes[p] == Lane::Full && self.ring(me, p).has_room())
+                    || (0..w).any(|p| sending[p] == PeerSend::Full && self.ring(me, p).has_room())
                     || self.single_copy_moved(&eng.table, &eng.peers)
             });
             // The next idle turn reads the clock.
@@ -438,22 +438,22 @@ impl ShmBackend {
     /// One turn over every posted op: the first unfinished send to each
     /// peer streams into its ring, then every incoming ring is drained into
     /// the matching receives. True if anything moved.
-    fn pass(&self, eng: &mut Engine, lanes: &mut [Lane]) -> Result<bool> {
+    fn pass(&self, eng: &mut Engine, sending: &mut [PeerSend]) -> Result<bool> {
         let me = self.rank;
         let mut moved = false;
         let Engine { peers: incoming, table } = eng;
         // SAFETY: sends are read, not replaced; no op is put in.
         let Columns { ops, done, gathered, state, .. } = unsafe { table.columns() };
-        lanes.fill(Lane::Free);
+        sending.fill(PeerSend::Free);
         // Help copy single-copy sends only with nothing left to receive:
         // while receiving, this core is busy pulling already.
         let nothing_to_receive = ops.iter().zip(done.iter()).all(|(op, d)| *d || matches!(op, P2p::Send { .. }));
         for i in 0..ops.len() {
             let Some((peer, tag, out)) = send_of(ops, gathered, i) else { continue };
-            if done[i] || lanes[peer] != Lane::Free {
+            if done[i] || sending[peer] != PeerSend::Free {
                 continue;
             }
-            lanes[peer] = Lane::Busy;
+            sending[peer] = PeerSend::Busy;
             let ring = self.ring(me, peer);
             let st = &mut state[i];
             // An offer made while a large receive is pending says so
@@ -473,7 +473,7 @@ impl ShmBackend {
             if st.sent < plen {
                 let n = ring.write(&prefix[st.sent..plen]);
                 if n < plen - st.sent {
-                    lanes[peer] = Lane::Full;
+                    sending[peer] = PeerSend::Full;
                 }
                 st.sent += n;
             }
@@ -486,7 +486,7 @@ impl ShmBackend {
                 match self.cell(me, peer).phase(seq) {
                     Some(cma::DONE) => {
                         done[i] = true;
-                        lanes[peer] = Lane::Free;
+                        sending[peer] = PeerSend::Free;
                         moved = true;
                         continue;
                     }
@@ -511,7 +511,7 @@ impl ShmBackend {
                     Out::Gathered(g) => ring.write_with(g.len() - from, |at, piece| g.fill(from + at, piece)),
                 };
                 if n < out.len() - from {
-                    lanes[peer] = Lane::Full;
+                    sending[peer] = PeerSend::Full;
                 }
                 st.sent += n;
             }
@@ -521,7 +521,7 @@ impl ShmBackend {
             }
             if inline && st.sent == plen + out.len() {
                 done[i] = true;
-                lanes[peer] = Lane::Free;
+                sending[peer] = PeerSend::Free;
             }
         }
         // Receives: drain every incoming ring, matching or stashing frames.

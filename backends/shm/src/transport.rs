@@ -13,7 +13,7 @@ use weft::backend::progress::{self, Post, Posting};
 use weft::backend::{Backend, Capabilities, Deadline, FastOp, FastOutcome, GatherSend, Op, OpContext, P2p};
 use weft::{Error, Result, Tensor, TensorMut};
 
-impl progress::Engine for ShmBackend {
+impl progress::DrivenTransport for ShmBackend {
     fn posting(&self) -> &Arc<Posting> {
         &self.posting
     }
@@ -29,7 +29,7 @@ impl progress::Engine for ShmBackend {
     fn abandon(&self, e: &Error) {
         let e = self.fail(e.clone());
         let mut eng = self.engine.lock();
-        self.fail_everything(&mut eng, &self.posting, e);
+        self.fail_all(&mut eng, &self.posting, e);
     }
     fn wake_driver(&self) {
         self.wake(self.rank);

@@ -17,8 +17,8 @@
 //!
 //! [`rank_order`]: crate::backend::Capabilities::rank_order
 
-use super::comm::Comm;
 use super::pipeline::Segments;
+use super::steps::Steps;
 use crate::backend::P2p;
 use crate::error::Result;
 use smallvec::{smallvec, SmallVec};
@@ -31,7 +31,7 @@ use smallvec::{smallvec, SmallVec};
 pub(crate) const WINDOW: usize = 4;
 
 /// Root's `buf` is copied to every rank.
-pub fn broadcast(c: &Comm<'_>, buf: &mut [u8], root: usize) -> Result<()> {
+pub fn broadcast(c: &Steps<'_>, buf: &mut [u8], root: usize) -> Result<()> {
     let w = c.size();
     if w == 1 {
         return Ok(());

@@ -3,7 +3,7 @@
 //! sparse all-reduce's exchanges. The ranks beyond it hand their data to a
 //! partner first and get the result back at the end.
 
-use super::comm::Comm;
+use super::steps::Steps;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::reduce_into;
@@ -23,7 +23,7 @@ pub(super) struct Fold {
 }
 
 impl Fold {
-    pub fn new(c: &Comm<'_>) -> Fold {
+    pub fn new(c: &Steps<'_>) -> Fold {
         let w = c.size();
         let p = if w == 0 { 0 } else { 1 << (usize::BITS - 1 - w.leading_zeros()) };
         Fold { p, rem: w - p, rank: c.rank() }
@@ -59,7 +59,7 @@ impl Fold {
 
     /// Fold `buf` in (as step 0, reducing with `tmp` of at least its size);
     /// this rank's virtual rank, or None when it sits the exchange out.
-    pub fn enter(&self, c: &Comm<'_>, buf: &mut [u8], tmp: &mut [u8], dtype: DType, op: ReduceOp) -> Result<Option<usize>> {
+    pub fn enter(&self, c: &Steps<'_>, buf: &mut [u8], tmp: &mut [u8], dtype: DType, op: ReduceOp) -> Result<Option<usize>> {
         let c = &c.combining();
         if let Some(to) = self.sits_out_for() {
             c.send(0, to, buf)?;
@@ -72,7 +72,7 @@ impl Fold {
     }
 
     /// Give the finished `buf` back to the ranks that folded in.
-    pub fn leave(&self, c: &Comm<'_>, buf: &mut [u8]) -> Result<()> {
+    pub fn leave(&self, c: &Steps<'_>, buf: &mut [u8]) -> Result<()> {
         let c = &c.sending_fresh();
         if let Some(to) = self.stands_for() {
             c.send(UNFOLD_STEP, to, buf)

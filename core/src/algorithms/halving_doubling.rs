@@ -5,16 +5,16 @@
 //! 2·(p-1): the choice for medium messages. Ranks beyond the power of two
 //! fold in first ([`Fold`]).
 
-use super::comm::Comm;
 use super::fold::Fold;
 use super::pipeline::{pipelined_step, Landing, Segments};
+use super::steps::Steps;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::{finish, prescale, reduce_into, Scratch};
 use crate::reduce_op::ReduceOp;
 
 /// In-place all-reduce of `buf`.
-pub fn all_reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+pub fn all_reduce(c: &Steps<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     prescale(buf, dtype, op);
     let fold = Fold::new(c);
     let mut tmp = Scratch::take(buf.len());

@@ -2,12 +2,12 @@
 //! the same one-batch exchange between every pair of ranks at once (an
 //! all-gather's too).
 
-use super::comm::Comm;
+use super::steps::Steps;
 use crate::backend::{Gather, GatherSend, P2p};
 use crate::error::Result;
 
 /// Root's `outputs[i]` receives rank i's `input`.
-pub fn gather(c: &Comm<'_>, input: &[u8], outputs: &mut [&mut [u8]], root: usize) -> Result<()> {
+pub fn gather(c: &Steps<'_>, input: &[u8], outputs: &mut [&mut [u8]], root: usize) -> Result<()> {
     let r = c.rank();
     if r != root {
         return c.send(0, root, input);
@@ -20,7 +20,7 @@ pub fn gather(c: &Comm<'_>, input: &[u8], outputs: &mut [&mut [u8]], root: usize
 }
 
 /// Every rank's `output` receives root's `inputs[rank]`.
-pub fn scatter(c: &Comm<'_>, inputs: &[&[u8]], output: &mut [u8], root: usize) -> Result<()> {
+pub fn scatter(c: &Steps<'_>, inputs: &[&[u8]], output: &mut [u8], root: usize) -> Result<()> {
     let r = c.rank();
     if r != root {
         return c.recv(0, root, output);
@@ -35,7 +35,7 @@ pub fn scatter(c: &Comm<'_>, inputs: &[&[u8]], output: &mut [u8], root: usize) -
 /// Every rank exchanges with every other rank in one batch: for each part
 /// j (tagged as step j), rank i receives `sends[j][i]` from this rank and
 /// `outputs[i]` receives rank i's `input`: every send and receive at once.
-pub fn all_gather(c: &Comm<'_>, input: &[u8], outputs: &mut [&mut [u8]]) -> Result<()> {
+pub fn all_gather(c: &Steps<'_>, input: &[u8], outputs: &mut [&mut [u8]]) -> Result<()> {
     crate::kernels::copy(outputs[c.rank()], input);
     let mut recvs = [outputs.iter_mut().map(|o| &mut **o).collect::<Vec<&mut [u8]>>()];
     exchange_all(c, &[vec![input; c.size()]], &mut recvs)
@@ -45,7 +45,7 @@ pub fn all_gather(c: &Comm<'_>, input: &[u8], outputs: &mut [&mut [u8]]) -> Resu
 /// entries are left alone. One step instead of the W-1 steps of a ring or a
 /// pairwise exchange: for small, latency-bound messages, where the steps
 /// cost more than the links running at once.
-pub fn exchange_all(c: &Comm<'_>, sends: &[Vec<&[u8]>], recvs: &mut [Vec<&mut [u8]>]) -> Result<()> {
+pub fn exchange_all(c: &Steps<'_>, sends: &[Vec<&[u8]>], recvs: &mut [Vec<&mut [u8]>]) -> Result<()> {
     exchange_all_gathered(c, sends, &[], recvs)
 }
 
@@ -53,7 +53,7 @@ pub fn exchange_all(c: &Comm<'_>, sends: &[Vec<&[u8]>], recvs: &mut [Vec<&mut [u
 /// lie where the caller left them, [`Gather`]): part `sends.len() + j`
 /// sends `gathered[j][i]` to rank i; `recvs` has every part's receives.
 pub fn exchange_all_gathered(
-    c: &Comm<'_>,
+    c: &Steps<'_>,
     sends: &[Vec<&[u8]>],
     gathered: &[Vec<&dyn Gather>],
     recvs: &mut [Vec<&mut [u8]>],
@@ -105,7 +105,7 @@ mod tests {
         }
         for (w, gather) in (1..=6).flat_map(|w| [(w, false), (w, true)]) {
             let got = run_ranks(w, OpKind::AllToAll, |r, b, ctx| {
-                let c = Comm::new(b, ctx);
+                let c = Steps::new(b, ctx);
                 let outs: Vec<Vec<Vec<u8>>> = (0..2).map(|j| (0..w).map(|to| msg(j, r, to)).collect()).collect();
                 let mut ins: Vec<Vec<Vec<u8>>> = (0..2).map(|j| (0..w).map(|from| vec![0u8; msg(j, from, r).len()]).collect()).collect();
                 let sends: Vec<Vec<&[u8]>> = outs.iter().map(|o| o.iter().map(Vec::as_slice).collect()).collect();

@@ -14,7 +14,7 @@
 //! | barrier | dissemination | `barrier.rs` |
 //! | sparse all_reduce | all-gather, recursive doubling with merging, key-range split, or dense | `sparse/` |
 //!
-//! Shared pieces: `comm.rs` (what every algorithm talks to),
+//! Shared pieces: `steps.rs` (what every algorithm talks to: the backend and the op, each step tagged),
 //! `pipeline.rs` (segments, a pipelined step, blocks of a buffer),
 //! `line.rs` (the order rings and chains visit ranks in) and `fold.rs`
 //! (folding onto a power of two). `select.rs` is the
@@ -24,7 +24,6 @@
 
 mod barrier;
 mod chain;
-mod comm;
 mod fold;
 mod halving_doubling;
 mod line;
@@ -34,11 +33,12 @@ mod pipeline;
 mod recursive;
 mod ring;
 pub mod select;
+mod steps;
 pub use linear::exchange_all;
 pub mod sparse;
 mod tree;
 
-pub use comm::Comm;
+pub use steps::Steps;
 
 use crate::backend::{Backend, Op, OpContext};
 use crate::error::Result;
@@ -47,7 +47,7 @@ use select::{AllGatherAlgorithm, AllReduceAlgorithm, AllToAllAlgorithm, Broadcas
 
 /// Run `op` with its generic algorithm. Host tensors only.
 pub fn run(backend: &dyn Backend, op: &mut Op<'_>, ctx: &OpContext) -> Result<()> {
-    let c = Comm::new(backend, ctx);
+    let c = Steps::new(backend, ctx);
     match op {
         Op::Send { .. } | Op::Recv { .. } | Op::Batch { .. } => backend.exchange(&mut op.host_p2p()?, &ctx.deadline),
         Op::Broadcast { buf, root } => {

@@ -3,11 +3,11 @@
 //! send and receive at once, for the transport to move in whatever order
 //! its peers allow (`select.rs` chooses).
 
-use super::comm::Comm;
+use super::steps::Steps;
 use crate::error::Result;
 
 /// `outputs[i]` receives rank i's `inputs[rank]`, pairwise.
-pub fn all_to_all(c: &Comm<'_>, inputs: &[&[u8]], outputs: &mut [&mut [u8]]) -> Result<()> {
+pub fn all_to_all(c: &Steps<'_>, inputs: &[&[u8]], outputs: &mut [&mut [u8]]) -> Result<()> {
     let (w, r) = (c.size(), c.rank());
     crate::kernels::copy(outputs[r], inputs[r]);
     for s in 1..w {
@@ -21,7 +21,7 @@ pub fn all_to_all(c: &Comm<'_>, inputs: &[&[u8]], outputs: &mut [&mut [u8]]) -> 
 /// ([`super::linear::exchange_all`]): no rank waits for one peer while
 /// another could be served (on more ranks than cores, the peer of a
 /// pairwise step is often not running).
-pub fn all_to_all_at_once(c: &Comm<'_>, inputs: &[&[u8]], outputs: &mut [&mut [u8]]) -> Result<()> {
+pub fn all_to_all_at_once(c: &Steps<'_>, inputs: &[&[u8]], outputs: &mut [&mut [u8]]) -> Result<()> {
     let r = c.rank();
     crate::kernels::copy(outputs[r], inputs[r]);
     let mut recvs = [outputs.iter_mut().map(|o| &mut **o).collect::<Vec<&mut [u8]>>()];

@@ -3,7 +3,7 @@
 //! and receives segment by segment while combining what arrived, and a
 //! buffer cut into per-rank blocks.
 
-use super::comm::Comm;
+use super::steps::Steps;
 use crate::backend::OpContext;
 use crate::error::Result;
 use std::ops::Range;
@@ -41,7 +41,7 @@ pub(super) struct Segments {
 }
 
 impl Segments {
-    pub fn new(c: &Comm<'_>, largest_block: usize, esize: usize) -> Result<Segments> {
+    pub fn new(c: &Steps<'_>, largest_block: usize, esize: usize) -> Result<Segments> {
         let bytes = segment_bytes(c.ctx(), esize);
         Ok(Segments { bytes, count: largest_block.div_ceil(bytes) })
     }
@@ -57,7 +57,7 @@ impl Segments {
 /// segments share the step's tag: a transport delivers one peer's messages
 /// in order.
 pub(super) fn pipelined_step(
-    c: &Comm<'_>,
+    c: &Steps<'_>,
     step: u32,
     (right, send): (usize, &[u8]),
     (left, rlen, mut landing): (usize, usize, Landing<'_>),

@@ -1,12 +1,12 @@
 //! Ring algorithms: reduce-scatter, all-gather, and all-reduce as the two in
 //! sequence. Every rank sends to its right neighbour and receives from its
 //! left, W-1 steps each; blocks may have any size, zero included. The ring
-//! runs along [`Comm::line`] (ranks sharing a core next to each other), so
+//! runs along [`Steps::line`] (ranks sharing a core next to each other), so
 //! block indices are ranks at positions relative to this rank's.
 
-use super::comm::Comm;
 use super::line::Line;
 use super::pipeline::{pipelined_step, split_blocks, Landing, Segments};
+use super::steps::Steps;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::{finish, prescale, reduce_into, AlignedBuf, Scratch};
@@ -17,7 +17,7 @@ use crate::reduce_op::ReduceOp;
 /// partial block received at step k-1 (the own input at step 0) and adds
 /// the own input into the one received; the last step receives into `out`.
 fn reduce_scatter_blocks<'b>(
-    c: &Comm<'_>,
+    c: &Steps<'_>,
     input: impl Fn(usize) -> &'b [u8],
     out: &mut [u8],
     dtype: DType,
@@ -72,7 +72,7 @@ fn reduce_scatter_blocks<'b>(
 /// but sent from `own` itself). Every step but an `own` block's sends a
 /// block this rank has just written (it reduced it, or received it in the
 /// step before).
-fn all_gather_blocks(c: &Comm<'_>, line: Line<'_>, blocks: &mut [&mut [u8]], own: Option<&[u8]>, step0: u32) -> Result<()> {
+fn all_gather_blocks(c: &Steps<'_>, line: Line<'_>, blocks: &mut [&mut [u8]], own: Option<&[u8]>, step0: u32) -> Result<()> {
     let (w, r) = (c.size(), c.rank());
     let (right, left, me) = (line.right(), line.left(), line.me);
     if let Some(own) = own {
@@ -95,12 +95,12 @@ fn all_gather_blocks(c: &Comm<'_>, line: Line<'_>, blocks: &mut [&mut [u8]], own
 /// the copy in `outputs[rank]`: a peer reading (single-copy) a buffer this
 /// rank has just written pulls every line out of this core's cache, which
 /// measured twice as slow as reading one at rest.
-pub fn all_gather(c: &Comm<'_>, input: &[u8], outputs: &mut [&mut [u8]]) -> Result<()> {
+pub fn all_gather(c: &Steps<'_>, input: &[u8], outputs: &mut [&mut [u8]]) -> Result<()> {
     all_gather_blocks(c, c.line(), outputs, Some(input), 0)
 }
 
 /// `output` = reduction over ranks of their `inputs[rank]`.
-pub fn reduce_scatter(c: &Comm<'_>, inputs: &[&[u8]], output: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+pub fn reduce_scatter(c: &Steps<'_>, inputs: &[&[u8]], output: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     reduce_scatter_blocks(c, |i| inputs[i], output, dtype, op, 0)
 }
 
@@ -109,7 +109,7 @@ pub fn reduce_scatter(c: &Comm<'_>, inputs: &[&[u8]], output: &mut [u8], dtype: 
 /// received one into the next), then a ring all-gather of the W blocks
 /// (not combining: each rank sends a block its own core has just written).
 /// One block of scratch, taken from the pool.
-pub fn all_reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+pub fn all_reduce(c: &Steps<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
     let (w, r) = (c.size(), c.rank());
     let esize = dtype.size();
     let n = buf.len() / esize;
@@ -139,7 +139,7 @@ pub fn all_reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> R
 /// Broadcast for large buffers: the root scatters W blocks (one to each
 /// rank), then a ring all-gather completes every copy. The root sends the
 /// buffer about once instead of log2(W) times.
-pub fn broadcast_scatter_allgather(c: &Comm<'_>, buf: &mut [u8], root: usize) -> Result<()> {
+pub fn broadcast_scatter_allgather(c: &Steps<'_>, buf: &mut [u8], root: usize) -> Result<()> {
     let (w, r) = (c.size(), c.rank());
     let n = buf.len();
     let bounds: Vec<usize> = (0..=w).map(|i| n * i / w).collect();
@@ -161,7 +161,7 @@ pub fn broadcast_scatter_allgather(c: &Comm<'_>, buf: &mut [u8], root: usize) ->
 /// rank i, then every rank sends its block to the root. Each byte crosses
 /// the wire about twice instead of log2(W) times in a tree. Only the
 /// root's `buf` is written.
-pub fn reduce_scatter_gather(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, root: usize) -> Result<()> {
+pub fn reduce_scatter_gather(c: &Steps<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, root: usize) -> Result<()> {
     let (w, r) = (c.size(), c.rank());
     let esize = dtype.size();
     let n = buf.len() / esize;

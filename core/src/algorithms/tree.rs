@@ -1,14 +1,14 @@
 //! Binomial trees rooted at any rank: broadcast and reduce in log2(W) rounds.
 
-use super::comm::Comm;
 use super::pipeline::Segments;
+use super::steps::Steps;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::{finish, prescale, reduce_into, Scratch};
 use crate::reduce_op::ReduceOp;
 
 /// Root's `buf` is copied to every rank.
-pub fn broadcast(c: &Comm<'_>, buf: &mut [u8], root: usize) -> Result<()> {
+pub fn broadcast(c: &Steps<'_>, buf: &mut [u8], root: usize) -> Result<()> {
     let (w, r) = (c.size(), c.rank());
     let vr = (r + w - root) % w;
     let real = |v: usize| (v + root) % w;
@@ -34,7 +34,7 @@ pub fn broadcast(c: &Comm<'_>, buf: &mut [u8], root: usize) -> Result<()> {
 /// buffers are left unchanged (partial sums live in pooled scratch; the
 /// root accumulates in place). Each transfer goes in segments, reduced
 /// while they are still in cache.
-pub fn reduce(c: &Comm<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, root: usize) -> Result<()> {
+pub fn reduce(c: &Steps<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, root: usize) -> Result<()> {
     let (w, r) = (c.size(), c.rank());
     let vr = (r + w - root) % w;
     let real = |v: usize| (v + root) % w;

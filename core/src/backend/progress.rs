@@ -691,7 +691,7 @@ impl Posting {
 }
 
 /// A transport whose posted ops one thread at a time drives.
-pub trait Engine {
+pub trait DrivenTransport {
     /// Where batches are posted.
     fn posting(&self) -> &Arc<Posting>;
     /// If no other thread drives, drive every posted op (taking new posts
@@ -745,13 +745,13 @@ impl Slot {
 /// thread does. Waiters wake when a batch finishes (the driver calls
 /// [`Posting::notify`] after [`Table::settle`] finished any) or the driver
 /// leaves, and at least every few milliseconds.
-pub fn wait_until<E: Engine + ?Sized>(engine: &E, until: &dyn Fn() -> bool) {
-    let posting = engine.posting();
+pub fn wait_until<E: DrivenTransport + ?Sized>(transport: &E, until: &dyn Fn() -> bool) {
+    let posting = transport.posting();
     loop {
         if until() {
             return;
         }
-        if engine.try_drive(until) {
+        if transport.try_drive(until) {
             // Whoever waits now may drive.
             posting.notify();
             continue;
@@ -763,7 +763,7 @@ pub fn wait_until<E: Engine + ?Sized>(engine: &E, until: &dyn Fn() -> bool) {
             if until() {
                 return false;
             }
-            if engine.try_drive(until) {
+            if transport.try_drive(until) {
                 return true;
             }
             posting.wait_change(seen, Duration::from_millis(5));
@@ -776,43 +776,53 @@ pub fn wait_until<E: Engine + ?Sized>(engine: &E, until: &dyn Fn() -> bool) {
 }
 
 /// Post `ops` (and `gathered` sends) and return once they have finished:
-/// what a transport's blocking `exchange` is, over its [`Engine`].
+/// what a transport's blocking `exchange` is, over its [`DrivenTransport`] side.
 ///
-/// Generic, so that a transport's own engine is called directly (an 8 B
+/// Generic, so that a transport's own transport is called directly (an 8 B
 /// send or receive is a few hundred instructions, and the layers were a
-/// good part of them); `&dyn Engine` works as well.
+/// good part of them); `&dyn DrivenTransport` works as well.
 #[inline]
-pub fn exchange<E: Engine + ?Sized>(engine: &E, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: &Deadline) -> Result<()> {
+pub fn exchange<E: DrivenTransport + ?Sized>(
+    transport: &E,
+    ops: &mut [P2p<'_>],
+    gathered: &[GatherSend<'_>],
+    deadline: &Deadline,
+) -> Result<()> {
     // Usually nobody else drives: no posting, no completion to allocate.
-    let tried = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.try_exchange(ops, gathered, deadline)));
+    let tried = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| transport.try_exchange(ops, gathered, deadline)));
     match tried {
         Ok(Some(r)) => {
             // Whoever waits now may drive.
-            engine.posting().notify();
+            transport.posting().notify();
             return r;
         }
         Ok(None) => {}
         Err(panic) => {
-            engine.abandon(&Error::backend("internal error: a panic while driving the transport"));
+            transport.abandon(&Error::backend("internal error: a panic while driving the transport"));
             std::panic::resume_unwind(panic);
         }
     }
-    post_and_wait_on(engine, ops, gathered, deadline)
+    post_and_wait_on(transport, ops, gathered, deadline)
 }
 
 /// [`exchange`]'s path when another thread drives: post the batch and
 /// wait for it (out of line: the common path never takes it).
 #[cold]
-fn post_and_wait_on<E: Engine + ?Sized>(engine: &E, ops: &mut [P2p<'_>], gathered: &[GatherSend<'_>], deadline: &Deadline) -> Result<()> {
+fn post_and_wait_on<E: DrivenTransport + ?Sized>(
+    transport: &E,
+    ops: &mut [P2p<'_>],
+    gathered: &[GatherSend<'_>],
+    deadline: &Deadline,
+) -> Result<()> {
     post_and_wait(
         ops,
         gathered,
         deadline.get(),
         |post| {
-            engine.posting().push(post);
-            engine.wake_driver();
+            transport.posting().push(post);
+            transport.wake_driver();
         },
-        |until| wait_until(engine, until),
+        |until| wait_until(transport, until),
     )
 }
 

@@ -25,8 +25,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Where a direct small collective of host tensors goes first: the
-/// group's transport for them. What [`GroupCore::fast_lane`] hands out.
-pub struct FastLane<'g> {
+/// group's transport for them. What [`GroupCore::fast_path`] hands out.
+pub struct FastPath<'g> {
     core: &'g GroupCore,
     backend: &'g Arc<dyn Backend>,
     /// The op: its name, tensors' route and kind.
@@ -35,11 +35,11 @@ pub struct FastLane<'g> {
     kind: OpKind,
 }
 
-/// A [`FastLane`] op's turn in the group's order: [`FastTurn::fast`]
+/// A [`FastPath`] op's turn in the group's order: [`FastTurn::fast`]
 /// offers it to the transport's fast path, [`FastTurn::job`] runs it as
 /// usual where that declined. Dropped, it passes the turn on.
 pub struct FastTurn<'g> {
-    lane: FastLane<'g>,
+    path: FastPath<'g>,
     seq: u64,
     timeout: Duration,
     /// The fast path ran its part and left the rest to core's algorithm.
@@ -47,7 +47,7 @@ pub struct FastTurn<'g> {
     _turn: Turn<'g>,
 }
 
-/// The ops that may take the lane.
+/// The ops that may take the fast path.
 const KINDS: [OpKind; 6] =
     [OpKind::AllReduce, OpKind::Broadcast, OpKind::Barrier, OpKind::AllGather, OpKind::ReduceScatter, OpKind::AllToAll];
 
@@ -55,7 +55,7 @@ const KINDS: [OpKind; 6] =
 /// once when it is made: a direct op reads these, not the route list, the
 /// group's hints and its algorithm setting (each a cache line to fetch, in
 /// a turn that follows a context switch when ranks outnumber cores).
-pub(crate) struct HostLanes {
+pub(crate) struct HostPaths {
     /// The host route's transport.
     backend: Option<Arc<dyn Backend>>,
     /// It posts: direct sends and receives go to its `exchange`
@@ -67,7 +67,7 @@ pub(crate) struct HostLanes {
     kinds: u8,
 }
 
-impl HostLanes {
+impl HostPaths {
     /// What a group with these `routes`, `options`, `algorithms` setting
     /// and detail checks (`detail`) offers.
     pub(crate) fn new(routes: &[(Route, Arc<dyn Backend>)], options: &GroupOptions, algorithms: &select::Setting, detail: bool) -> Self {
@@ -80,7 +80,7 @@ impl HostLanes {
             (Some(family), Some(b)) => matches!(select::forced(family, None, algorithms, b.capabilities().native_algorithms), Ok(None)),
         };
         let kinds = KINDS.iter().enumerate().filter(|(_, k)| offered(**k)).fold(0u8, |bits, (i, _)| bits | 1 << i);
-        HostLanes { backend, posts, kinds }
+        HostPaths { backend, posts, kinds }
     }
 
     /// The host route's transport, if it posts.
@@ -93,25 +93,25 @@ impl HostLanes {
 const HOST: Route = (DeviceKind::Cpu, Layout::Dense);
 
 impl GroupCore {
-    /// The lane for direct collective `name` of `kind` on `route`'s
+    /// The fast path for direct collective `name` of `kind` on `route`'s
     /// tensors of `dtype`, if nothing asks for more than the transport's
     /// own choice: host tensors, not bools (cleaned after a job), no
     /// hints, no algorithm chosen for its family, no `WEFT_DEBUG=detail`
     /// check.
-    pub(crate) fn fast_lane(&self, name: &'static str, route: Route, kind: OpKind, dtype: DType, opts: &OpOptions) -> Option<FastLane<'_>> {
+    pub(crate) fn fast_path(&self, name: &'static str, route: Route, kind: OpKind, dtype: DType, opts: &OpOptions) -> Option<FastPath<'_>> {
         let i = KINDS.iter().position(|k| *k == kind)?;
         let offered = route == HOST && dtype != DType::Bool && opts.hints.is_empty() && self.host.kinds & 1 << i != 0;
-        Some(FastLane { core: self, backend: self.host.backend.as_ref().filter(|_| offered)?, name, route, kind })
+        Some(FastPath { core: self, backend: self.host.backend.as_ref().filter(|_| offered)?, name, route, kind })
     }
 }
 
-impl<'g> FastLane<'g> {
+impl<'g> FastPath<'g> {
     /// Wait for the op's turn (it takes its ticket now), within `opts`'
     /// timeout, else the group's.
     pub fn turn(self, opts: &OpOptions) -> FastTurn<'g> {
         let (turn, seq) = self.core.exec.begin(self.core.exec.issue(), true);
         let timeout = opts.timeout.unwrap_or(self.core.options.timeout);
-        FastTurn { lane: self, seq, timeout, generic: false, _turn: turn }
+        FastTurn { path: self, seq, timeout, generic: false, _turn: turn }
     }
 }
 
@@ -121,7 +121,7 @@ impl FastTurn<'_> {
     /// [`FastTurn::job`] (declined, or handed back to core's algorithm).
     #[inline]
     pub fn fast<'t>(&mut self, mut op: FastOp<'_>) -> Option<Work<'t>> {
-        let FastLane { core, backend, name, .. } = self.lane;
+        let FastPath { core, backend, name, .. } = self.path;
         let deadline = Deadline::after(self.timeout);
         let mut left = None;
         let result = core.guarded(name, || match backend.fast_op(&mut op, &deadline) {
@@ -139,7 +139,7 @@ impl FastTurn<'_> {
     /// this turn (through core's algorithm if the fast path handed it
     /// back).
     pub fn job<'t>(self, op: Op<'t>, opts: &OpOptions) -> Result<Work<'t>> {
-        let FastLane { core, name, route, kind, .. } = self.lane;
+        let FastPath { core, name, route, kind, .. } = self.path;
         let mut job = Job { name, kind, route, fingerprint: None, op, algorithm: None, segment_bytes: None, native: !self.generic };
         core.decide(&mut job, opts)?;
         let (result, device) = core.run_job(&mut job, opts, self.seq);

@@ -13,7 +13,7 @@ mod shrink;
 mod work;
 
 pub use ops::{Collectives, Job, P2pOp};
-pub(crate) use p2p::Lane;
+pub(crate) use p2p::ProgressThread;
 pub use scope::{Scope, Unscoped};
 pub use shrink::ShrinkOptions;
 pub use work::Work;
@@ -57,7 +57,7 @@ pub(crate) struct GroupCore {
     missing: HashMap<Route, String>,
     exec: Arc<Executor>,
     /// Progress threads of the transports background p2p ops are posted to.
-    lanes: std::sync::Mutex<Vec<Arc<p2p::Lane>>>,
+    progress_threads: std::sync::Mutex<Vec<Arc<p2p::ProgressThread>>>,
     debug_detail: bool,
     /// The transports this group runs on, shut down once it and every
     /// sub-group sharing them let go (`shared.rs`); taken when it is dropped.
@@ -85,7 +85,7 @@ pub(crate) struct GroupCore {
     /// The group's algorithm setting (hint `algorithm`, `WEFT_ALGORITHM`).
     algorithms: crate::algorithms::select::Setting,
     /// Where direct ops on host tensors may skip the job.
-    host: fast::HostLanes,
+    host: fast::HostPaths,
 }
 
 impl ProcessGroup {
@@ -224,13 +224,13 @@ impl ProcessGroup {
         c.usable()?;
         let id = c.windows.fetch_add(1, Ordering::Relaxed);
         let backend = c.route((device, crate::tensor::Layout::Dense))?.clone();
-        let (core, lane_of) = (c.clone(), backend.clone());
+        let (core, backend_of) = (c.clone(), backend.clone());
         let usable = c.clone();
         Ok(crate::window::WindowParts {
             id,
             store: Arc::new(PrefixStore::new(format!("window{id}"), c.store.clone())),
             backend,
-            lane: Box::new(move || core.lane(&lane_of)),
+            progress: Box::new(move || core.progress_thread(&backend_of)),
             timeout: c.options.timeout,
             usable: Box::new(move || usable.usable()),
         })
@@ -286,8 +286,8 @@ impl Drop for ProcessGroup {
     fn drop(&mut self) {
         self.core.dropped.store(true, Ordering::Release);
         self.core.exec.shutdown();
-        for lane in self.core.lanes.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
-            lane.stop();
+        for progress in self.core.progress_threads.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            progress.stop();
         }
         drop(self.core.transports.lock().unwrap_or_else(|p| p.into_inner()).take());
     }
@@ -313,18 +313,18 @@ impl<'t> Collectives<'t> for ProcessGroup {
         let (result, device) = self.core.exec.run_inline(ticket, job.is_collective(), |seq| self.core.run_job(&mut job, &opts, seq));
         Ok(Work::done(result, device).within(timeout))
     }
-    fn p2p_lane(&self, route: Route) -> Option<p2p::P2pLane<'_>> {
-        self.core.p2p_lane(route)
+    fn direct_p2p(&self, route: Route) -> Option<p2p::DirectP2p<'_>> {
+        self.core.direct_p2p(route)
     }
-    fn fast_lane(
+    fn fast_path(
         &self,
         name: &'static str,
         route: Route,
         kind: crate::backend::OpKind,
         dtype: DType,
         opts: &OpOptions,
-    ) -> Option<fast::FastLane<'_>> {
-        self.core.fast_lane(name, route, kind, dtype, opts)
+    ) -> Option<fast::FastPath<'_>> {
+        self.core.fast_path(name, route, kind, dtype, opts)
     }
     fn group(&self) -> &ProcessGroup {
         self

@@ -172,20 +172,20 @@ pub trait Collectives<'t>: sealed::Sealed {
     #[doc(hidden)]
     /// Where a direct send or receive of host tensors on `route` runs at
     /// once, without a job (the group's; none in a scope, which posts).
-    fn p2p_lane(&self, _route: Route) -> Option<super::p2p::P2pLane<'_>> {
+    fn direct_p2p(&self, _route: Route) -> Option<super::p2p::DirectP2p<'_>> {
         None
     }
     #[doc(hidden)]
     /// Where a direct small collective of host tensors goes first, without
     /// a job (the group's; none in a scope).
-    fn fast_lane(
+    fn fast_path(
         &self,
         _name: &'static str,
         _route: Route,
         _kind: OpKind,
         _dtype: DType,
         _opts: &OpOptions,
-    ) -> Option<super::fast::FastLane<'_>> {
+    ) -> Option<super::fast::FastPath<'_>> {
         None
     }
     #[doc(hidden)]
@@ -221,8 +221,8 @@ pub trait Collectives<'t>: sealed::Sealed {
         c.peer(dst)?;
         user_tag(&c, tag)?;
         let (route, ..) = c.tensors([meta(&data)])?;
-        if let Some(lane) = self.p2p_lane(route) {
-            return Ok(lane.run(c.name, &mut [P2p::Send { peer: dst, tag: crate::tag::user(tag), data: data.host_bytes()? }], opts));
+        if let Some(direct) = self.direct_p2p(route) {
+            return Ok(direct.run(c.name, &mut [P2p::Send { peer: dst, tag: crate::tag::user(tag), data: data.host_bytes()? }], opts));
         }
         self.submit(job(&c, OpKind::Send, route, None, Op::Send { data, peer: dst, tag: crate::tag::user(tag) }), opts)
     }
@@ -237,8 +237,8 @@ pub trait Collectives<'t>: sealed::Sealed {
         user_tag(&c, tag)?;
         let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
         // (Received bools are cleaned on the way out of a job.)
-        if let Some(lane) = self.p2p_lane(route).filter(|_| dtype != DType::Bool) {
-            return Ok(lane.run(c.name, &mut [P2p::Recv { peer: src, tag: crate::tag::user(tag), buf: buf.host_bytes_mut()? }], opts));
+        if let Some(direct) = self.direct_p2p(route).filter(|_| dtype != DType::Bool) {
+            return Ok(direct.run(c.name, &mut [P2p::Recv { peer: src, tag: crate::tag::user(tag), buf: buf.host_bytes_mut()? }], opts));
         }
         self.submit(job(&c, OpKind::Recv, route, None, Op::Recv { buf, peer: src, tag: crate::tag::user(tag) }), opts)
     }
@@ -289,11 +289,11 @@ pub trait Collectives<'t>: sealed::Sealed {
         c.peer(src)?;
         user_tag(&c, tag)?;
         let (route, dtype, _) = c.tensors([meta_mut(&recv), meta(&send)])?;
-        if let Some(lane) = self.p2p_lane(route).filter(|_| dtype != DType::Bool) {
+        if let Some(direct) = self.direct_p2p(route).filter(|_| dtype != DType::Bool) {
             let tag = crate::tag::user(tag);
             let ops =
                 &mut [P2p::Recv { peer: src, tag, buf: recv.host_bytes_mut()? }, P2p::Send { peer: dst, tag, data: send.host_bytes()? }];
-            return Ok(lane.run(c.name, ops, opts));
+            return Ok(direct.run(c.name, ops, opts));
         }
         // (An array, not a Vec: nothing to allocate on this latency-bound path.)
         batch_job(self, c, [P2pOp::recv(recv, src, tag), P2pOp::send(send, dst, tag)], opts)
@@ -305,8 +305,8 @@ pub trait Collectives<'t>: sealed::Sealed {
         let c = check(self, "broadcast");
         c.rank_arg("root", root)?;
         let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
-        if let Some(lane) = self.fast_lane(c.name, route, OpKind::Broadcast, dtype, opts) {
-            let mut turn = lane.turn(opts);
+        if let Some(fast) = self.fast_path(c.name, route, OpKind::Broadcast, dtype, opts) {
+            let mut turn = fast.turn(opts);
             if let Some(w) = turn.fast(FastOp::Broadcast { buf: buf.host_bytes_mut()?, root }) {
                 return Ok(w);
             }
@@ -322,8 +322,8 @@ pub trait Collectives<'t>: sealed::Sealed {
         let c = check(self, "all_reduce");
         let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
         c.reduce_op(op, dtype)?;
-        if let Some(lane) = self.fast_lane(c.name, route, OpKind::AllReduce, dtype, opts) {
-            let mut turn = lane.turn(opts);
+        if let Some(fast) = self.fast_path(c.name, route, OpKind::AllReduce, dtype, opts) {
+            let mut turn = fast.turn(opts);
             if let Some(w) = turn.fast(FastOp::AllReduce { buf: buf.host_bytes_mut()?, dtype, op }) {
                 return Ok(w);
             }
@@ -363,8 +363,8 @@ pub trait Collectives<'t>: sealed::Sealed {
         c.numel("output", output.numel(), input.numel() * c.size)?;
         let (route, dtype, _) = c.tensors([meta_mut(&output), meta(&input)])?;
         let part = input.nbytes();
-        if let Some(lane) = self.fast_lane(c.name, route, OpKind::AllGather, dtype, opts).filter(|_| part > 0) {
-            let mut turn = lane.turn(opts);
+        if let Some(fast) = self.fast_path(c.name, route, OpKind::AllGather, dtype, opts).filter(|_| part > 0) {
+            let mut turn = fast.turn(opts);
             let outputs = output.host_bytes_mut()?.chunks_exact_mut(part).collect();
             if let Some(w) = turn.fast(FastOp::AllGather { input: input.host_bytes()?, outputs }) {
                 return Ok(w);
@@ -417,10 +417,10 @@ pub trait Collectives<'t>: sealed::Sealed {
         c.numel("input", input.numel(), output.numel() * c.size)?;
         let (route, dtype, _) = c.tensors([meta_mut(&output), meta(&input)])?;
         let part = output.nbytes();
-        if let Some(lane) = self.fast_lane(c.name, route, OpKind::ReduceScatter, dtype, opts).filter(|_| part > 0) {
+        if let Some(fast) = self.fast_path(c.name, route, OpKind::ReduceScatter, dtype, opts).filter(|_| part > 0) {
             // (The job's path checks it in `scatter_reduce_job`.)
             c.reduce_op(op, dtype)?;
-            let mut turn = lane.turn(opts);
+            let mut turn = fast.turn(opts);
             let inputs = input.host_bytes()?.chunks_exact(part).collect();
             if let Some(w) = turn.fast(FastOp::ReduceScatter { inputs, output: output.host_bytes_mut()?, dtype, op }) {
                 return Ok(w);
@@ -469,8 +469,8 @@ pub trait Collectives<'t>: sealed::Sealed {
         let (route, dtype, _) = c.tensors([meta_mut(&output), meta(&input)])?;
         let bytes = input.nbytes() / c.size;
         let part = || equal_parts(input.numel() / c.size, c.size);
-        if let Some(lane) = self.fast_lane(c.name, route, OpKind::AllToAll, dtype, opts).filter(|_| bytes > 0) {
-            let mut turn = lane.turn(opts);
+        if let Some(fast) = self.fast_path(c.name, route, OpKind::AllToAll, dtype, opts).filter(|_| bytes > 0) {
+            let mut turn = fast.turn(opts);
             let (inputs, outputs) =
                 (input.host_bytes()?.chunks_exact(bytes).collect(), output.host_bytes_mut()?.chunks_exact_mut(bytes).collect());
             if let Some(w) = turn.fast(FastOp::AllToAll { inputs, outputs }) {
@@ -564,8 +564,8 @@ pub trait Collectives<'t>: sealed::Sealed {
     fn barrier(&self, opts: &OpOptions) -> Result<Work<'t>> {
         let c = check(self, "barrier");
         let route = (crate::tensor::DeviceKind::Cpu, Layout::Dense);
-        if let Some(lane) = self.fast_lane(c.name, route, OpKind::Barrier, DType::U8, opts) {
-            let mut turn = lane.turn(opts);
+        if let Some(fast) = self.fast_path(c.name, route, OpKind::Barrier, DType::U8, opts) {
+            let mut turn = fast.turn(opts);
             if let Some(w) = turn.fast(FastOp::Barrier) {
                 return Ok(w);
             }
@@ -615,7 +615,7 @@ fn root_list<T>(c: &Check, root: usize, what: &str, list: Vec<T>) -> Result<Vec<
     Ok(list)
 }
 
-/// `ops` as one job (batch_p2p's, and sendrecv's where no lane takes it):
+/// `ops` as one job (batch_p2p's, and sendrecv's where the direct path does not take it):
 /// each peer and tag checked, all tensors on one device.
 fn batch_job<'t, G: Collectives<'t> + ?Sized>(
     g: &G,

@@ -6,13 +6,13 @@
 //! for it. A direct op runs at once as an exchange, which drives the
 //! transport (everything posted there too) until the op is done; a direct
 //! send, receive or sendrecv of host tensors (but bools, cleaned after a
-//! job) takes a [`P2pLane`] there, without building an op and a job. A
+//! job) takes a [`DirectP2p`] there, without building an op and a job. A
 //! background op (in a scope, or unscoped) is posted to the transport when
 //! it is issued, on the issuing thread, which then takes one non-blocking
 //! turn of the transport (what fits its buffers goes at once). It completes
 //! whenever its peers allow, driven by whoever is in the transport: a
 //! thread waiting for it (as `MPI_Wait` makes progress), or else the
-//! group's progress thread for that transport (a [`Lane`]), which steps
+//! group's progress thread for that transport (a [`ProgressThread`]), which steps
 //! aside while a thread waits.
 //!
 //! Device tensors go the same way where the backend posts them
@@ -36,7 +36,7 @@ use std::thread::JoinHandle;
 
 /// A group's progress thread for one posting transport: it drives the
 /// transport while background ops posted to it are unfinished.
-pub(crate) struct Lane {
+pub(crate) struct ProgressThread {
     backend: Arc<dyn Backend>,
     /// Background ops posted and not yet finished.
     pending: AtomicUsize,
@@ -53,9 +53,9 @@ pub(crate) struct Lane {
     wake: Condvar,
 }
 
-impl Lane {
-    fn start(backend: Arc<dyn Backend>) -> Arc<Lane> {
-        let lane = Arc::new(Lane {
+impl ProgressThread {
+    fn start(backend: Arc<dyn Backend>) -> Arc<ProgressThread> {
+        let progress = Arc::new(ProgressThread {
             backend,
             pending: AtomicUsize::new(0),
             listeners: AtomicUsize::new(0),
@@ -65,13 +65,13 @@ impl Lane {
             idle: Mutex::new(()),
             wake: Condvar::new(),
         });
-        let me = lane.clone();
+        let me = progress.clone();
         let t = std::thread::Builder::new()
             .name("weft-p2p-progress".into())
             .spawn(move || me.run())
             .expect("spawn the point-to-point progress thread");
-        *lane.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
-        lane
+        *progress.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+        progress
     }
 
     /// Whether the progress thread has nothing to do: no background op
@@ -181,13 +181,13 @@ fn bool_outputs(op: &mut Op<'_>) -> Vec<(usize, usize)> {
 
 /// Where a direct send or receive of host tensors runs at once, without a
 /// job: the group's transport for them, which posts (see the module doc).
-/// What [`GroupCore::p2p_lane`] hands out.
-pub struct P2pLane<'g> {
+/// What [`GroupCore::direct_p2p`] hands out.
+pub struct DirectP2p<'g> {
     core: &'g GroupCore,
     backend: &'g Arc<dyn Backend>,
 }
 
-impl P2pLane<'_> {
+impl DirectP2p<'_> {
     /// Exchange `ops` now as op `name`, within `opts`' timeout (else the
     /// group's): what `submit` does with a direct send, receive or
     /// sendrecv on a transport that posts, without building the op and the
@@ -202,13 +202,13 @@ impl P2pLane<'_> {
 }
 
 impl GroupCore {
-    /// The lane for a direct send or receive of host tensors on `route`:
+    /// The direct path for a send or receive of host tensors on `route`:
     /// the route's transport, if it posts (elsewhere the op is a job).
-    pub(crate) fn p2p_lane(&self, route: Route) -> Option<P2pLane<'_>> {
+    pub(crate) fn direct_p2p(&self, route: Route) -> Option<DirectP2p<'_>> {
         if route.0 != DeviceKind::Cpu {
             return None;
         }
-        Some(P2pLane { core: self, backend: self.host.posting()? })
+        Some(DirectP2p { core: self, backend: self.host.posting()? })
     }
 
     /// Post a directly issued `job` and drive its transport until it has
@@ -232,13 +232,13 @@ impl GroupCore {
     }
 
     /// This group's progress thread for `backend`, started on first use.
-    pub(crate) fn lane(&self, backend: &Arc<dyn Backend>) -> Arc<Lane> {
-        let mut lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(l) = lanes.iter().find(|l| Arc::ptr_eq(&l.backend, backend)) {
+    pub(crate) fn progress_thread(&self, backend: &Arc<dyn Backend>) -> Arc<ProgressThread> {
+        let mut progress_threads = self.progress_threads.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(l) = progress_threads.iter().find(|l| Arc::ptr_eq(&l.backend, backend)) {
             return l.clone();
         }
-        let l = Lane::start(backend.clone());
-        lanes.push(l.clone());
+        let l = ProgressThread::start(backend.clone());
+        progress_threads.push(l.clone());
         l
     }
 
@@ -269,12 +269,12 @@ impl GroupCore {
             return state.complete(Err(e.with_op(name).with_rank(self.rank)), None);
         }
         let source = any.then(|| Arc::new(AtomicUsize::new(ANY_SOURCE)));
-        let lane = background.then(|| self.lane(backend));
-        if let Some(l) = &lane {
+        let progress = background.then(|| self.progress_thread(backend));
+        if let Some(l) = &progress {
             l.begin();
             state.set_driver(l.clone());
         }
-        let (kick, mine) = (lane.clone(), state.clone());
+        let (kick, mine) = (progress.clone(), state.clone());
         let core = self.clone();
         let from = source.clone();
         let done: crate::backend::progress::Done = Box::new(move |r: Result<()>| {
@@ -297,7 +297,7 @@ impl GroupCore {
                 state.set_source(from.load(Ordering::Acquire));
             }
             state.complete(r, None);
-            if let Some(l) = lane {
+            if let Some(l) = progress {
                 l.end();
             }
         });

@@ -37,7 +37,7 @@ pub(crate) struct WorkState {
     /// how a thread waiting for it drives that transport itself (as
     /// `MPI_Wait` makes progress) instead of sleeping until the group's
     /// progress thread has finished it and woken the waiter.
-    driver: std::sync::OnceLock<Arc<super::p2p::Lane>>,
+    driver: std::sync::OnceLock<Arc<super::p2p::ProgressThread>>,
     /// The op's timeout: how long settling waits for its device side.
     timeout: std::sync::OnceLock<Duration>,
 }
@@ -72,17 +72,17 @@ impl WorkState {
         let _ = self.timeout.set(timeout);
     }
 
-    /// Have waiters drive `lane`'s transport (see `driver`).
-    pub(crate) fn set_driver(&self, lane: Arc<super::p2p::Lane>) {
-        let _ = self.driver.set(lane);
+    /// Have waiters drive `progress`'s transport (see `driver`).
+    pub(crate) fn set_driver(&self, progress: Arc<super::p2p::ProgressThread>) {
+        let _ = self.driver.set(progress);
     }
 
     /// The result, waiting for it until `deadline` (`None`: for ever);
     /// `None` if the op is still running then.
     fn wait_until(&self, deadline: Option<Instant>) -> Option<Result<()>> {
-        if let Some(lane) = self.driver.get() {
+        if let Some(progress) = self.driver.get() {
             if !self.is_done() {
-                lane.drive_for(&|| self.is_done() || deadline.is_some_and(|d| Instant::now() >= d));
+                progress.drive_for(&|| self.is_done() || deadline.is_some_and(|d| Instant::now() >= d));
             }
         }
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());

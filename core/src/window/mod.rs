@@ -279,7 +279,7 @@ impl ProcessGroup {
                     ));
                     return Err(e.with_op(name).with_rank(rank));
                 }
-                let made = over_p2p::P2pWindow::new(spec, backend.clone(), (parts.lane)());
+                let made = over_p2p::P2pWindow::new(spec, backend.clone(), (parts.progress)());
                 Arc::new(made.map_err(|e| e.with_op(name).with_rank(rank))?)
             }
         };
@@ -293,7 +293,7 @@ pub(crate) struct WindowParts {
     pub(crate) store: Arc<dyn Store>,
     pub(crate) backend: Arc<dyn Backend>,
     /// The group's progress thread for `backend` (started on first use).
-    pub(crate) lane: Box<dyn FnOnce() -> Arc<crate::group::Lane>>,
+    pub(crate) progress: Box<dyn FnOnce() -> Arc<crate::group::ProgressThread>>,
     pub(crate) timeout: std::time::Duration,
     pub(crate) usable: Box<dyn Fn() -> Result<()> + Send + Sync>,
 }

@@ -18,7 +18,7 @@ use super::{Later, RmaCall, Span, WindowSpec, WindowTransport};
 use crate::backend::progress::{Done, Post};
 use crate::backend::{Backend, P2p};
 use crate::error::{Error, Result};
-use crate::group::Lane;
+use crate::group::ProgressThread;
 use smallvec::SmallVec;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 pub(crate) struct P2pWindow {
     service: Arc<Service>,
     size: usize,
-    /// The lane drives for this window (until `close`, or the drop of a
+    /// The progress thread drives for this window (until `close`, or the drop of a
     /// window that was never closed).
     listening: std::sync::atomic::AtomicBool,
 }
@@ -35,7 +35,7 @@ pub(crate) struct P2pWindow {
 impl Drop for P2pWindow {
     fn drop(&mut self) {
         if self.listening.swap(false, std::sync::atomic::Ordering::AcqRel) {
-            self.service.lane.unlisten();
+            self.service.progress.unlisten();
         }
     }
 }
@@ -45,7 +45,7 @@ struct Service {
     id: u64,
     rank: usize,
     backend: Arc<dyn Backend>,
-    lane: Arc<Lane>,
+    progress: Arc<ProgressThread>,
     heap: Heap,
     origins: Mutex<Origins>,
     changed: Condvar,
@@ -87,8 +87,8 @@ unsafe fn bytes<'a>(ptr: *mut u8, len: usize) -> &'a mut [u8] {
 
 impl P2pWindow {
     /// This rank's side of window `spec`, its frames moved by `backend`
-    /// (which posts) and driven by `lane`.
-    pub(crate) fn new(spec: WindowSpec, backend: Arc<dyn Backend>, lane: Arc<Lane>) -> Result<P2pWindow> {
+    /// (which posts) and driven by `progress`.
+    pub(crate) fn new(spec: WindowSpec, backend: Arc<dyn Backend>, progress: Arc<ProgressThread>) -> Result<P2pWindow> {
         let size = spec.size;
         // Every rank has its memory, or all fail (before any frame is sent).
         let left = spec.deadline.saturating_duration_since(Instant::now());
@@ -98,14 +98,14 @@ impl P2pWindow {
             id: spec.id,
             rank: spec.rank,
             backend,
-            lane,
+            progress,
             heap,
             origins: Mutex::new(Origins { arrived: vec![0; size], taken: vec![0; size], ended: vec![None; size], closes_sent: 0 }),
             changed: Condvar::new(),
             failed: std::sync::OnceLock::new(),
         });
         if size > 1 {
-            service.lane.listen();
+            service.progress.listen();
             for origin in (0..size).filter(|&p| p != spec.rank) {
                 service.listen(origin);
             }
@@ -144,7 +144,7 @@ impl P2pWindow {
             done(r)
         });
         // SAFETY: the caller's promise, and `keep` moved into `done`.
-        self.service.lane.post(unsafe { Post::new(ops, &[], deadline, done) });
+        self.service.progress.post(unsafe { Post::new(ops, &[], deadline, done) });
     }
 
     /// Post `ops`, which borrow only `keep`, finished at once for the
@@ -309,7 +309,7 @@ impl WindowTransport for P2pWindow {
         };
         drop(o);
         if self.listening.swap(false, std::sync::atomic::Ordering::AcqRel) {
-            s.lane.unlisten();
+            s.progress.unlisten();
         }
         result
     }
@@ -343,7 +343,7 @@ impl Service {
     }
 
     /// Post `op` (a long put's bytes, a get's reply: it views the heap),
-    /// then read `origin`'s next frame once it is done. Through the lane,
+    /// then read `origin`'s next frame once it is done. Through the progress thread,
     /// which keeps driving until it is (after a close too).
     fn then_listen(self: &Arc<Self>, origin: usize, op: P2p<'static>) {
         let me = self.clone();
@@ -353,7 +353,7 @@ impl Service {
         });
         let mut ops = [op];
         // SAFETY: `op` views the heap, which `me` (in the completion) keeps.
-        self.lane.post(unsafe { Post::new(&mut ops, &[], forever(), done) });
+        self.progress.post(unsafe { Post::new(&mut ops, &[], forever(), done) });
     }
 
     /// `origin` stopped: it closed (`None`) or failed.

@@ -4,7 +4,7 @@
 //! of indices, so MIN and MAX stay correct.
 
 use super::coalesce::{Geometry, Run, Sorted};
-use crate::algorithms::{ring, Comm};
+use crate::algorithms::{ring, Steps};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kernels::{identity, AlignedBuf};
@@ -15,7 +15,7 @@ const MAX_DENSE: u64 = 16 << 30;
 
 /// Densify `input`, all-reduce table and mask, and keep the present rows
 /// (their values in `reused`, a finished result's buffer).
-pub fn all_reduce(c: &Comm<'_>, input: &Sorted<'_>, l: &Geometry, op: ReduceOp, reused: Vec<u8>) -> Result<Run> {
+pub fn all_reduce(c: &Steps<'_>, input: &Sorted<'_>, l: &Geometry, op: ReduceOp, reused: Vec<u8>) -> Result<Run> {
     let bytes = l.rows.checked_mul(l.row as u64).filter(|b| *b <= MAX_DENSE).ok_or_else(|| {
         Error::unsupported(format!("the dense form of this sparse tensor ({} rows of {} bytes) is too large", l.rows, l.row))
     })?;

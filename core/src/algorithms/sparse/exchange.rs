@@ -4,7 +4,7 @@
 
 use super::coalesce::{distinct, merge_into, merge_k, recycle, reuse, Geometry, Run, RunRef, Sorted, SortedRows};
 use crate::algorithms::fold::Fold;
-use crate::algorithms::{linear, pipeline, ring, Comm};
+use crate::algorithms::{linear, pipeline, ring, Steps};
 use crate::backend::{Gather, P2p};
 use crate::error::Result;
 use crate::kernels::Scratch;
@@ -22,7 +22,7 @@ fn keys_of(bytes: &[u8]) -> Vec<i64> {
 /// All-gather keys and values (counts known from the header), then merge
 /// (into `reused`, a finished result's buffer; `run`'s is recycled). Rows
 /// land in pooled scratch: no fresh pages to fault in on every call.
-pub fn allgather(c: &Comm<'_>, run: Run, nnz: &[usize], l: &Geometry, op: ReduceOp, reused: Vec<u8>) -> Result<Run> {
+pub fn allgather(c: &Steps<'_>, run: Run, nnz: &[usize], l: &Geometry, op: ReduceOp, reused: Vec<u8>) -> Result<Run> {
     let w = c.size();
     let (keys_at, rows_at) = (offsets(nnz.iter().map(|n| n * 8)), offsets(nnz.iter().map(|n| n * l.row)));
     let mut keys = vec![0u8; keys_at[w]];
@@ -39,7 +39,7 @@ pub fn allgather(c: &Comm<'_>, run: Run, nnz: &[usize], l: &Geometry, op: Reduce
 
 /// Send a run: its length, then its keys and its rows (two messages, so
 /// the rows go from where they are).
-fn send_run(c: &Comm<'_>, step: u32, peer: usize, run: &Run) -> Result<()> {
+fn send_run(c: &Steps<'_>, step: u32, peer: usize, run: &Run) -> Result<()> {
     c.send(step, peer, &(run.keys.len() as u64).to_le_bytes())?;
     let keys = key_bytes(&run.keys);
     c.exchange(&mut [P2p::Send { peer, tag: c.tag(step + 1), data: &keys }, P2p::Send { peer, tag: c.tag(step + 2), data: &run.values }])
@@ -48,7 +48,7 @@ fn send_run(c: &Comm<'_>, step: u32, peer: usize, run: &Run) -> Result<()> {
 /// Receive what [`send_run`] sent: the keys, and the rows into the buffer
 /// `rows(bytes)` gives.
 fn recv_run<B: DerefMut<Target = [u8]>>(
-    c: &Comm<'_>,
+    c: &Steps<'_>,
     step: u32,
     peer: usize,
     l: &Geometry,
@@ -67,7 +67,7 @@ fn recv_run<B: DerefMut<Target = [u8]>>(
 
 /// Swap runs with `peer` (both send, both receive, as [`send_run`] and
 /// [`recv_run`] do); theirs arrives in pooled scratch.
-fn swap_run(c: &Comm<'_>, step: u32, peer: usize, run: &Run, l: &Geometry) -> Result<(Vec<i64>, Scratch)> {
+fn swap_run(c: &Steps<'_>, step: u32, peer: usize, run: &Run, l: &Geometry) -> Result<(Vec<i64>, Scratch)> {
     let mut n = [0u8; 8];
     c.send_recv(step, peer, &(run.keys.len() as u64).to_le_bytes(), peer, &mut n)?;
     let theirs = l.entries(u64::from_le_bytes(n), peer)?;
@@ -88,7 +88,7 @@ fn swap_run(c: &Comm<'_>, step: u32, peer: usize, run: &Run, l: &Geometry) -> Re
 /// ([`Fold`], as the dense recursive doubling does). Each merge writes into
 /// the buffer the merge before it read (the first into `spare`); the buffer
 /// left over is recycled for the next op.
-pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Geometry, op: ReduceOp, mut spare: Vec<u8>) -> Result<Run> {
+pub fn recursive_doubling(c: &Steps<'_>, mut run: Run, l: &Geometry, op: ReduceOp, mut spare: Vec<u8>) -> Result<Run> {
     const FOLD: u32 = 4000;
     // Both partners combine the two runs in the same order, the lower
     // rank's first (`mine_first` on that rank): where contributions meet,
@@ -143,7 +143,7 @@ pub fn recursive_doubling(c: &Comm<'_>, mut run: Run, l: &Geometry, op: ReduceOp
 /// twice on a rank.
 /// Each of the four exchanges (slice sizes, slices, share sizes, shares)
 /// talks to every peer at once: four steps whatever W.
-pub fn split(c: &Comm<'_>, input: &Sorted<'_>, l: &Geometry, op: ReduceOp, bounds: &[i64], reused: Vec<u8>) -> Result<Run> {
+pub fn split(c: &Steps<'_>, input: &Sorted<'_>, l: &Geometry, op: ReduceOp, bounds: &[i64], reused: Vec<u8>) -> Result<Run> {
     let (w, r) = (c.size(), c.rank());
     debug_assert_eq!(bounds.len() + 1, w);
     // Slice i of the input: the keys rank i owns.
@@ -217,7 +217,7 @@ fn offsets(lens: impl Iterator<Item = usize>) -> Vec<usize> {
 
 /// Send `counts[i]` (8 bytes, entries) to every rank i at once; what each
 /// rank sent this one (0 from itself).
-fn exchange_counts(c: &Comm<'_>, counts: &[[u8; 8]], l: &Geometry) -> Result<Vec<usize>> {
+fn exchange_counts(c: &Steps<'_>, counts: &[[u8; 8]], l: &Geometry) -> Result<Vec<usize>> {
     let mut incoming = vec![[0u8; 8]; counts.len()];
     linear::exchange_all(c, &[counts.iter().map(|x| &x[..]).collect()], &mut [incoming.iter_mut().map(|x| &mut x[..]).collect()])?;
     incoming[c.rank()] = [0; 8];

@@ -37,7 +37,7 @@ mod sketch;
 
 pub use coalesce::{merge_k, Rows, Run, RunRef, Sorted, SortedRows};
 
-use super::comm::Comm;
+use super::steps::Steps;
 use crate::error::{Error, Result};
 use crate::reduce_op::ReduceOp;
 use crate::tensor::{SparseCoo, SparseCooTensor};
@@ -61,7 +61,7 @@ pub(crate) fn op_code(op: ReduceOp) -> Result<usize> {
 }
 
 /// The sparse all-reduce of `input` into `output`.
-pub fn all_reduce(c: &Comm<'_>, input: &SparseCooTensor<'_>, output: &mut SparseCoo, op: ReduceOp) -> Result<()> {
+pub fn all_reduce(c: &Steps<'_>, input: &SparseCooTensor<'_>, output: &mut SparseCoo, op: ReduceOp) -> Result<()> {
     let op_code = op_code(op)?;
     if input.shape.len() > MAX_DIMS {
         return Err(Error::invalid(format!("sparse tensors have at most {MAX_DIMS} dims, got {}", input.shape.len())));
@@ -127,7 +127,7 @@ impl Plan {
 /// All-gather every rank's header, sketch part and spaced keys (each only
 /// where the `requested` algorithm uses it); error if shapes, sparse dims,
 /// dtypes, ops or requested algorithms differ (naming the ranks).
-fn agree(c: &Comm<'_>, l: &Geometry, keys: &[i64], op_code: usize, requested: usize) -> Result<Plan> {
+fn agree(c: &Steps<'_>, l: &Geometry, keys: &[i64], op_code: usize, requested: usize) -> Result<Plan> {
     let w = c.size();
     let (k, spaced_k) = (sketch::sketch_size(w), sketch::spaced_size(w));
     let (auto, split) = (ALGORITHMS.get(requested) == Some(&"auto"), ALGORITHMS.get(requested) == Some(&"split"));
@@ -264,7 +264,7 @@ mod tests {
                 let t =
                     SparseCooTensor::new(Tensor::from_slice(&idx).reshape(&[1, 3]).unwrap(), Tensor::from_slice(&vals), vec![10]).unwrap();
                 let started = Instant::now();
-                let e = all_reduce(&Comm::new(&b, ctx), &t, &mut SparseCoo::default(), ReduceOp::Sum).unwrap_err();
+                let e = all_reduce(&Steps::new(&b, ctx), &t, &mut SparseCoo::default(), ReduceOp::Sum).unwrap_err();
                 (e, started.elapsed())
             });
             for (rank, (e, took)) in errors.iter().enumerate() {

@@ -1,13 +1,14 @@
-//! [`Comm`]: what every algorithm talks to, a backend bound to the op
+//! [`Steps`]: what every algorithm talks to, a backend bound to the op
 //! being run (its tags, its phases, its point-to-point steps).
 
 use super::line;
 use crate::backend::{Backend, GatherSend, OpContext, P2p};
 use crate::error::Result;
 
-/// A backend plus the op being run: what every algorithm talks to.
+/// A backend plus the op being run, whose message steps it tags: what
+/// every algorithm talks to (`Steps::new(backend, ctx)`).
 #[derive(Clone, Copy)]
-pub struct Comm<'a> {
+pub struct Steps<'a> {
     backend: &'a dyn Backend,
     ctx: &'a OpContext,
     /// Added to every step: lets one op run several algorithms in turn.
@@ -17,37 +18,37 @@ pub struct Comm<'a> {
     locality: u64,
 }
 
-impl<'a> Comm<'a> {
+impl<'a> Steps<'a> {
     /// Bind a backend to an op.
     pub fn new(backend: &'a dyn Backend, ctx: &'a OpContext) -> Self {
-        Comm { backend, ctx, base: 0, locality: 0 }
+        Steps { backend, ctx, base: 0, locality: 0 }
     }
-    /// The same comm for phase `n` of an op (steps of different phases never share a tag).
+    /// The same steps for phase `n` of an op (steps of different phases never share a tag).
     pub fn phase(&self, n: u32) -> Self {
-        Comm { base: n * 4096, ..*self }
+        Steps { base: n * 4096, ..*self }
     }
-    /// The same comm for steps whose receiver reduces what it receives as
+    /// The same steps for steps whose receiver reduces what it receives as
     /// it arrives: a transport that can leave a message in either side's
     /// cache leaves it in the receiver's.
     pub fn combining(&self) -> Self {
-        Comm { locality: crate::tag::COMBINES, ..*self }
+        Steps { locality: crate::tag::COMBINES, ..*self }
     }
-    /// The same comm for steps whose sender has just written what it sends
+    /// The same steps for steps whose sender has just written what it sends
     /// (a block it reduced, one it received in the step before): a
     /// transport that can move a message with either side's core moves it
     /// with the sender's, whose cache holds it. Read by the receiver's
     /// core, every line would come out of the sender's cache one by one
     /// (2.4 times slower: bench/RESULTS.md, "Algorithm choices").
     pub fn sending_fresh(&self) -> Self {
-        Comm { locality: crate::tag::FRESH, ..*self }
+        Steps { locality: crate::tag::FRESH, ..*self }
     }
-    /// Which phase this comm is in.
+    /// Which phase these steps are in.
     pub fn phase_index(&self) -> u32 {
         self.base / 4096
     }
     /// The same phase with steps shifted by `offset` (a sub-range of tags).
     pub fn phase_step(&self, offset: u32) -> Self {
-        Comm { base: self.base + offset, ..*self }
+        Steps { base: self.base + offset, ..*self }
     }
     /// The tag of `step` in this phase.
     pub fn tag(&self, step: u32) -> u64 {
