@@ -4,28 +4,46 @@
 //! `stuck_at_exit` scenarios), each run under an outer time limit.
 
 use std::time::{Duration, Instant};
-use weft_tests::procs::run_world;
+use weft_tests::procs::run_on_hosts;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_weft-test-worker");
 
 #[test]
 fn a_straggler_stopped_while_the_others_leave_finishes_with_exact_data() {
-    // Stopped for 6 s, longer than any fixed grace a leaving rank gave.
-    for backend in ["cpu:cpu-tcp", "cpu:shm"] {
-        let env = [("WEFT_BACKEND", backend), ("WEFT_TIMEOUT_SECONDS", "30")];
-        let ends = run_world(WORKER, 3, &["straggler"], &env, Duration::from_secs(120));
+    // Stopped for 6 s, longer than any fixed grace a leaving rank gave; on
+    // every kind of backend: the transports, a wrapper over them
+    // (hierarchical) and a plugin through the C ABI (cpu-tcp built with
+    // the SDK); hierarchical's ranks 0 and 1 count as one host, rank 2 as
+    // another.
+    let plugin = weft_tests::plugins::example_lib("cpu_tcp_plugin");
+    for (backend, hosts) in [
+        ("cpu:cpu-tcp", ["a", "a", "a"]),
+        ("cpu:shm", ["a", "a", "a"]),
+        ("cpu:hierarchical", ["a", "a", "b"]),
+        ("cpu:cpu-tcp-plugin", ["a", "a", "a"]),
+    ] {
+        let env = [("WEFT_BACKEND", backend), ("WEFT_TIMEOUT_SECONDS", "30"), ("WEFT_PLUGIN_PATH", plugin.to_str().unwrap())];
+        let ends = run_on_hosts(WORKER, &hosts, &["straggler"], &env, Duration::from_secs(120));
+        let served = format!("done on {}", &backend[4..]);
         for (r, e) in ends.iter().enumerate() {
             assert!(e.status.success(), "{backend} rank {r}: {:?}\n{}", e.status, e.output);
+            assert!(e.output.contains(&served), "{backend} rank {r} ran elsewhere:\n{}", e.output);
         }
     }
 }
 
 #[test]
 fn a_peer_stuck_at_exit_keeps_the_others_at_most_the_timeout() {
-    for backend in ["cpu:cpu-tcp", "cpu:shm"] {
-        let env = [("WEFT_BACKEND", backend), ("WEFT_TIMEOUT_SECONDS", "3")];
+    let plugin = weft_tests::plugins::example_lib("cpu_tcp_plugin");
+    for (backend, hosts) in [
+        ("cpu:cpu-tcp", ["a", "a", "a"]),
+        ("cpu:shm", ["a", "a", "a"]),
+        ("cpu:hierarchical", ["a", "a", "b"]),
+        ("cpu:cpu-tcp-plugin", ["a", "a", "a"]),
+    ] {
+        let env = [("WEFT_BACKEND", backend), ("WEFT_TIMEOUT_SECONDS", "3"), ("WEFT_PLUGIN_PATH", plugin.to_str().unwrap())];
         let start = Instant::now();
-        let ends = run_world(WORKER, 3, &["stuck_at_exit"], &env, Duration::from_secs(120));
+        let ends = run_on_hosts(WORKER, &hosts, &["stuck_at_exit"], &env, Duration::from_secs(120));
         for (r, e) in ends[..2].iter().enumerate() {
             assert!(e.status.success(), "{backend} rank {r}: {:?}\n{}", e.status, e.output);
             // Setup, the ops, then at most the timeout waiting for rank 2

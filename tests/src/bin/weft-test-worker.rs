@@ -147,7 +147,8 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             mine.iter_mut().for_each(|x| *x = if r == 0 { 7.0 } else { 0.0 });
             pg.broadcast(&mut mine, 0, &o)?.wait()?;
             anyhow::ensure!(mine.iter().all(|x| *x == 7.0), "broadcast");
-            println!("rank {r}: done at {:?}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?);
+            let served = pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense)).unwrap_or_default();
+            println!("rank {r}: done on {served} at {:?}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?);
         }
         "stop_all_gather" => {
             // The last rank stops itself (SIGSTOP; a child kills it 5 s
