@@ -29,7 +29,7 @@ const SPIN: Duration = Duration::from_micros(50);
 /// kernel: stashing them costs an allocation and a second copy. Longer
 /// than a scheduler time slice: with more ranks than cores a peer is often
 /// descheduled for a few ms, and stashing the next step's frames then
-/// (at 2 ms) cost 64 MiB all_to_all and all_gather at W=4 about 10 %.
+/// slowed large ops (figures: bench/RESULTS.md, "Measurements behind code comments").
 const EAGER_AFTER: Duration = Duration::from_millis(20);
 /// Block at most this long per poll() (to re-check aborts).
 const NAP: Duration = Duration::from_millis(100);

@@ -9,10 +9,7 @@ use weft::{Error, Result};
 pub const ENV_BUFFER: &str = "WEFT_SOCKET_BUFFER";
 /// Default send and receive buffer request (the kernel doubles it). Fixed
 /// buffers holding several pipeline segments keep a segment's send from
-/// stalling on a window that autotuning has not grown yet: at 1 MiB over
-/// loopback, W=2, all_reduce took 205-213 us in 8 runs this way against
-/// 205-385 us (median 370) autotuned, all_gather 109-126 against 111-205;
-/// 64 MiB and W=4 were unchanged.
+/// stalling on a window that autotuning has not grown yet (figures: bench/RESULTS.md, "Measurements behind code comments").
 pub const DEFAULT_BUFFER: usize = 1 << 20;
 
 /// Environment variable naming the TCP congestion control of every
@@ -21,18 +18,14 @@ pub const ENV_CONGESTION: &str = "WEFT_TCP_CONGESTION";
 /// What connections within a host use unless told otherwise. The kernel
 /// lets every process choose Reno. A pacing algorithm (BBR, the default on
 /// many current distributions) spaces a host-local stream out with timers
-/// although nothing can congest there: on this 2-vCPU VM, W=2, BBR against
-/// Reno gave sendrecv 1 MiB 277-302 against 117-119 us (median of 200),
-/// all_reduce 1 MiB 137-318 (run to run) against 134-138, and all_reduce
-/// 64 MiB 25.1 against 14.3 ms.
+/// although nothing can congest there (figures: bench/RESULTS.md, "Measurements behind code comments").
 const HOST_LOCAL_CONGESTION: &str = "reno";
 
 /// Before a socket connects or listens: the congestion control it should
 /// start with (`host_local`: the peer is on this host; a listener assumes
 /// so, see [`connections`]). It must be chosen before the connection
 /// starts: a pacing algorithm marks the socket as paced, and switching
-/// algorithms later keeps the pacing (measured: Reno set after connecting
-/// left all_reduce 64 MiB at 18.1 ms against 14.3 set before).
+/// algorithms later keeps the pacing (figures: bench/RESULTS.md, "Measurements behind code comments").
 pub fn before_connecting(sock: &Socket, host_local: bool) -> Result<()> {
     match asked()? {
         Asked::System => Ok(()),

@@ -64,9 +64,7 @@ pub struct Header {
 /// cores ([`weft::kernels::slow_copy_distance`]). A quiet connection's next
 /// frame starts at a page's start (the kernel reuses a page fragment once
 /// everything in it has been read), so a bare 24-byte header put every
-/// payload from a page-aligned buffer 24 bytes past its source: a 1 MiB
-/// send cost 390 µs of copying, and at W=4 a chain of 1 MiB sends took
-/// 1.6 ms instead of 0.6.
+/// payload from a page-aligned buffer 24 bytes past its source (figures: bench/RESULTS.md, "Measurements behind code comments").
 ///
 /// The lead puts the payload at its buffer's page offset, or at least 32
 /// bytes from it either way, so the sender's copy is fast, and so is the

@@ -11,25 +11,21 @@ use weft::{Error, Result, StreamHandle};
 use weft_cuda_driver::{synchronize_event_checked, DevicePtr, Event, Gpu};
 
 /// How long a host wait spins before it sleeps: a piece takes up to a few
-/// hundred µs, and a sleeping waiter wakes up to 100 µs late (H100, MPS,
-/// 2 processes, 256 MiB: 0.84 ms against 0.87-0.94 ms with a 50 µs spin).
+/// hundred µs, and a sleeping waiter wakes up late (figures: bench/RESULTS.md, "Measurements behind code comments").
 const HOST_SPIN: Duration = Duration::from_millis(2);
 
 /// Receive slots per rank: pieces in flight between two neighbours.
 pub const SLOTS: usize = 4;
 /// Default bytes per slot (hint `cuda_slot_bytes`): 256 MiB of slots per
 /// rank. Large, because on a GPU shared by several processes every piece
-/// costs a switch between their contexts (H100, 2 processes, 256 MiB
-/// all_reduce: 4 MiB slots 11.7 ms, 32 MiB 2.4 ms, 64 MiB 1.8 ms, 128 MiB
-/// 1.5 ms; with MPS 1.6, 0.93, 0.89, 0.88 ms).
+/// costs a switch between their contexts (figures: bench/RESULTS.md, "Measurements behind code comments").
 pub const DEFAULT_SLOT_BYTES: usize = 64 << 20;
 
 /// Default of `Peers::staged_max`. Staging copies each op in, and every
 /// rank then reads all of every staging buffer ((3 + W) bytes of traffic
 /// per byte reduced, against 2 mapping the callers' buffers), but mapping
-/// and closing them costs about 130 µs per op (H100, 2 processes under
-/// MPS, 1 KiB to 4 MiB: 27-34 µs staged, 158-162 µs mapped; at 32 MiB 131
-/// staged, 179 mapped; time-sliced 472 against 390).
+/// and closing them costs more per op than staging up to this size
+/// (figures: bench/RESULTS.md, "Measurements behind code comments").
 pub const DEFAULT_STAGED_MAX: usize = 16 << 20;
 
 /// What one rank of `cuda-device` shares with its peers: the ring's slots and events, the
@@ -149,9 +145,7 @@ impl Peers {
     /// on the host when a neighbour is another process on this same GPU: a
     /// stream blocked on another context's event keeps its time slice
     /// while the GPU switches between the processes' contexts, and
-    /// with MPS a host wait was faster too (H100, 2 processes, 256 MiB
-    /// all_reduce, 32 MiB slots: 2.4 against 2.9 ms without MPS, 0.93
-    /// against 1.15 ms with it). On the device otherwise: the host then
+    /// with MPS a host wait was faster too (figures: bench/RESULTS.md, "Measurements behind code comments"). On the device otherwise: the host then
     /// never waits for the GPU.
     pub fn connect(ctx: &BackendContext, gpu: Arc<dyn Gpu>) -> Result<Peers> {
         let (store, what) = (&*ctx.store, "cuda-device: CUDA IPC");

@@ -2,8 +2,9 @@
 //! nothing else posted, a send whose whole frame fits in its ring is
 //! written there (header and payload published together), and a lone
 //! receive whose message is next in its ring is read straight into its
-//! buffer. Most small sends and receives go this way (W=2, 8 B: a send
-//! 200 -> 110 ns, a receive of a message already there 200 -> 110 ns); the
+//! buffer. Most small sends and receives go this way, at about half the
+//! cost through the table (figures: bench/RESULTS.md, "Measurements
+//! behind code comments"); the
 //! table (`exchange.rs`) runs whatever cannot: what does not fit, what goes
 //! single-copy, a receive that finds another message first or waits
 //! longer than a few looks.

@@ -77,9 +77,7 @@ pub(crate) fn plain_header(tag: u64, len: usize) -> ([u8; HEADER + cma::DESCRIPT
 /// if the ring is empty and the payload large (`Ring::rewind`), where its
 /// exchange sends more than one message (`several`, asked only then): an
 /// all_to_all's frames then land where their rings' last ones did, instead
-/// of walking every ring through (W=4 on 2 cores, 1 MiB: twelve rings of
-/// 1 MiB went to memory, a profile 78 % `memmove`; 390-470 -> 190-200 µs,
-/// and W=8 1640 -> 1445 µs). Not for one message: a pipeline's segments
+/// of walking every ring through, which sends them to memory (figures: bench/RESULTS.md, "Measurements behind code comments"). Not for one message: a pipeline's segments
 /// would then overwrite lines its receiver has just read, where walking on
 /// finds lines no core holds (W=4 4 MiB all_reduce and broadcast, every
 /// frame rewound: 15 % slower).
@@ -393,9 +391,10 @@ impl ShmBackend {
                 armed = None;
                 continue;
             }
-            // A peer copying our offered buffer finishes in about a
-            // millisecond per 16 MiB: keep spinning for it rather than pay a
-            // wake-up (~50 us) at the end of every large send.
+            // A peer copying our offered buffer finishes soon: keep
+            // spinning for it rather than pay a wake-up at the end of every
+            // large send (figures: bench/RESULTS.md, "Measurements behind
+            // code comments").
             let View { ops, done, state, .. } = eng.table.view();
             let reading = (0..ops.len()).any(|i| !done[i] && state[i].offer.is_some()) || eng.peers.iter().any(|st| st.awaiting.is_some());
             let idle = match (now, idle_since) {

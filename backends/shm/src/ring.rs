@@ -125,7 +125,7 @@ unsafe impl<B: Bytes> Sync for Ring<B> {}
 /// The producer publishes what it wrote every this many bytes: a 1 MiB
 /// message published only once copied kept a receiver that had caught up
 /// with nothing to read for longer than it spins, so it slept and paid a
-/// wake-up (W=2 sendrecv 1 MiB: median 180 us against a best of 55).
+/// wake-up (figures: bench/RESULTS.md, "Measurements behind code comments").
 pub const PUBLISH: usize = 64 << 10;
 
 /// Bytes a ring of `cap` data bytes takes in the segment.

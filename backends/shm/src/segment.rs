@@ -111,10 +111,10 @@ impl Segment {
     }
 
     /// Fill this process's page tables for `len` bytes from `offset` now
-    /// (Linux 5.14+; elsewhere they fill on first touch as before). A
-    /// page's first touch costs about 2 µs on a VM, so a fresh group's
-    /// first mid-size ops ran several times slower until their rings had
-    /// wrapped once.
+    /// (Linux 5.14+; elsewhere they fill on first touch as before): a
+    /// page's first touch is costly on a VM, so a fresh group's first
+    /// mid-size ops ran several times slower until their rings had wrapped
+    /// once (figures: bench/RESULTS.md, "Measurements behind code comments").
     pub fn prefault(&self, offset: usize, len: usize) {
         const PAGE: usize = 4096;
         let start = offset / PAGE * PAGE;

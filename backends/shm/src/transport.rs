@@ -145,12 +145,11 @@ impl Waiter for ShmBackend {
     fn wait_until(&self, peer: usize, what: &dyn Fn() -> String, deadline: &Deadline, ready: &dyn Fn() -> bool) -> Result<()> {
         if self.oversubscribed {
             // More ranks than cores: the peer may be waiting for this core,
-            // so go straight to yielding (9x faster 8 B ops at W=4 on 2
-            // cores), after one look. The clock is read only once two
-            // yields have not brought what this waits for: usually the
-            // peer's turn does, and reading it would delay this rank's
-            // yield and its return (W=4 on 2 cores: from the barrier's call
-            // to its first yield, 190 -> 90 ns).
+            // so go straight to yielding, after one look. The clock is read
+            // only once two yields have not brought what this waits for:
+            // usually the peer's turn does, and reading it would delay this
+            // rank's yield and its return (figures: bench/RESULTS.md,
+            // "Measurements behind code comments").
             for _ in 0..2 {
                 if ready() {
                     return Ok(());

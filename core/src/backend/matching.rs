@@ -50,8 +50,7 @@ const ENTRY_COST: usize = 64;
 /// Bytes of stash buffers kept for reuse, per peer: a sender that runs
 /// ahead (a pipelined chain's, segment by segment) has one message after
 /// another stashed, and fresh memory for each cost a page fault per 4 KiB
-/// (shm, W=4 on 2 cores, 64 MiB chain broadcast: 34-40 ms and 440,000
-/// faults per run; 9-12 ms with four 256 KiB buffers kept).
+/// (figures: bench/RESULTS.md, "Measurements behind code comments").
 const SPARE_BYTES: usize = 1 << 20;
 
 /// How many bytes of early messages (no receive posted for them yet) a rank

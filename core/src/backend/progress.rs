@@ -851,8 +851,8 @@ pub fn post_and_wait(
 /// tries, is for failing everything and closing. It is released by a
 /// plain store: a `Mutex`'s release is a locked instruction, which waits
 /// until every store the op made (a message in a peer's ring) has reached
-/// the peer's cache, and that wait cost every small exchange 20-40 ns
-/// after a context switch (shm, W=4 on 2 cores, 8 B point-to-point). A
+/// the peer's cache, and that wait cost every small exchange after a
+/// context switch (figures: bench/RESULTS.md, "Measurements behind code comments"). A
 /// panic while driving does not poison it: that op failed, and the state
 /// is consistent between passes.
 pub type DriverLock<T> = spin::mutex::SpinMutex<T, spin::relax::Yield>;

@@ -324,8 +324,9 @@ impl GroupCore {
             // Progress on the posting thread first, as MPI_Isend makes it:
             // one turn of the transport that never blocks sends what fits
             // its buffers and takes what has already arrived. Only what is
-            // left wakes the progress thread (a hand-over that cost a small
-            // isend/irecv pair 7-9 us here).
+            // left wakes the progress thread (a hand-over costs more than
+            // the small op itself; figures: bench/RESULTS.md, "Measurements
+            // behind code comments").
             let once = std::cell::Cell::new(false);
             backend.progress(&|| once.replace(true));
             if !mine.is_done() {

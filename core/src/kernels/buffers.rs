@@ -78,10 +78,8 @@ impl Drop for Scratch {
 ///
 /// Why pages: user buffers usually start on a page (or a cache line), and
 /// a copy whose destination sits a few bytes off its source's alignment
-/// runs at half speed. Measured on AMD Zen 3 (W=2, shm all_reduce 64 MiB):
-/// pulling 128 KiB segments into scratch 16 bytes past a page (where
-/// glibc's `malloc` puts blocks of 128 KiB and up) took 25-29 ms against
-/// 15 ms with scratch on a page.
+/// runs at half speed: scratch 16 bytes past a page is where glibc's
+/// `malloc` puts blocks of 128 KiB and up (figures: bench/RESULTS.md, "Measurements behind code comments").
 pub struct AlignedBuf {
     /// The allocation (`alloc_zeroed` with [`AlignedBuf::raw_layout`]).
     raw: std::ptr::NonNull<u8>,

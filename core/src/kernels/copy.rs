@@ -9,12 +9,9 @@ pub const STREAM_COPY_BYTES: usize = 4 << 20;
 /// `rep movsb` some 15-20 times slower: the destination 1 to 31 bytes
 /// past the source within a page. The kernel copies with it (a socket's
 /// buffers, a cross-memory read or write), and so does glibc's `memcpy`
-/// from 4 KiB up to one core's L2 size (512 KiB here). Measured on this
-/// project's machine: the kernel's 1 MiB `rep movsb` 31-39 µs, or 480-590
-/// µs at those distances; a cross-memory read of 1 MiB 102-116 µs, or
-/// 462-672 µs; glibc's `memcpy` of 64 KiB 1.7 µs, or 34-38 µs, of 256 KiB
-/// 9 µs, or 150 µs. [`copy`] steers around it; copies the kernel makes
-/// must be placed away from it.
+/// from 4 KiB up to one core's L2 size (512 KiB here) (figures: bench/RESULTS.md, "Measurements behind code comments").
+/// [`copy`] steers around it; copies the kernel makes must be placed away
+/// from it.
 pub fn slow_copy_distance(dst: usize, src: usize) -> bool {
     (1..32).contains(&(dst.wrapping_sub(src) % 4096))
 }
@@ -22,8 +19,7 @@ pub fn slow_copy_distance(dst: usize, src: usize) -> bool {
 /// Pieces a copy at [`slow_copy_distance`] is cut in: below the size from
 /// which glibc's `memcpy` takes `rep movsb` on every x86 variant (2 KiB
 /// for SSE2, 4 KiB for AVX2, 8 KiB for AVX-512), so each piece moves with
-/// vector loads and stores. 256 KiB at distance 16 in such pieces: 8.7 µs,
-/// against 10.1 µs whole at distance 0 and 134 µs whole at 16.
+/// vector loads and stores (figures: bench/RESULTS.md, "Measurements behind code comments").
 const PIECE: usize = 2 << 10;
 
 /// `dst.copy_from_slice(src)`, for an op's output or a transport's
@@ -32,10 +28,7 @@ const PIECE: usize = 2 << 10;
 /// are that short, and each call was some 15 instructions of it. From
 /// [`STREAM_COPY_BYTES`] on x86_64 it uses non-temporal stores: a copy
 /// that large cannot stay in this core's cache anyway, and streaming skips
-/// reading each destination line before writing it. Measured on this
-/// project's 2-core machine: a 32 MiB copy 13.0 -> 15.7 GB/s, and a
-/// 64 MiB all_to_all (a local copy plus a cross-memory read of the same
-/// size) 11.3 -> 9.6 ms. glibc does the same above a threshold it derives
+/// reading each destination line before writing it (figures: bench/RESULTS.md, "Measurements behind code comments"). glibc does the same above a threshold it derives
 /// from the L3 size, which virtual machines often report as the host's
 /// whole cache (260 MiB here: never). Between, a copy at the
 /// [`slow_copy_distance`] goes in pieces of 2 KiB.

@@ -234,8 +234,8 @@ impl WindowTransport for P2pWindow {
         let deadline = call.deadline.get();
         let s = &self.service;
         // The progress thread drives the transport and wakes this one: a
-        // waiting thread that took the transport over instead measured
-        // 26 µs against 15 µs per 8-byte put and signal (2 cores).
+        // waiting thread that took the transport over instead was slower
+        // (figures: bench/RESULTS.md, "Measurements behind code comments").
         let mut o = s.origins.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             let have = o.arrived[peer] - o.taken[peer];

@@ -18,8 +18,7 @@
 //! A receiver also refuses (declines) one offer whose copy would run at
 //! the distance where the kernel's copy is slow
 //! ([`weft::kernels::slow_copy_distance`]: its destination 1 to 31 bytes
-//! past the sender's buffer within a page; a 1 MiB read 462-672 µs
-//! instead of 102-116): that message goes inline through the ring (whose
+//! past the sender's buffer within a page): that message goes inline through the ring (whose
 //! `memcpy`s do not care), and later ones are offered again.
 //!
 //! The sender returns (and its buffer is the caller's again) only at DONE,
@@ -44,8 +43,7 @@
 //!   that too), the sender **pushes** it instead, all in one system call,
 //!   and the receiver publishes its destination and waits; if the sender
 //!   has claimed nothing after a while (it is not running), the receiver
-//!   pulls everything after all. Measured (two processes, 512 KiB each, a
-//!   local copy then the exchange): 49.8 µs pulling, 38.4 µs pushing. An
+//!   pulls everything after all (figures: bench/RESULTS.md, "Measurements behind code comments"). An
 //!   idle sender pushes data it has just written whole too.
 //!
 //! The receiver declares DONE only after closing the counter and seeing
@@ -71,11 +69,9 @@ pub const MIN_BYTES: usize = 32 << 10;
 pub const DESCRIPTOR: usize = 16;
 
 /// The kernel copy's cost (times `memcpy`) above which the group takes
-/// [`Policy::SLOW`]. Between the machines measured: AMD Zen 3 under KVM
-/// (2.7-4x), where the ring wins; the 16-core Firecracker host of an H100
-/// (1.8-2.1x from run to run), where single-copy wins (cuda-host-staging's
-/// 256 MiB all_reduce, W=2: 48-58 ms against 76-90). A threshold of 2.0
-/// flipped that host's policy from run to run.
+/// [`Policy::SLOW`]: between the machines measured, where the ring wins
+/// and where single-copy does; a lower threshold flipped one host's
+/// policy from run to run (figures: bench/RESULTS.md, "Measurements behind code comments").
 const SLOW_ABOVE: f64 = 2.5;
 
 /// Which messages go single-copy.
@@ -99,12 +95,7 @@ impl Policy {
     /// under some hypervisors): the ring's two copies, one on each core and
     /// in cache, win until a message outgrows the caches (sooner where the
     /// sender is idle and copies too); reductions always take the ring
-    /// (their segments stay in cache). Measured, AMD Zen 3 under KVM, W=2
-    /// (a cross-process copy 2.7-4x slower than `memcpy`), single-copy
-    /// against ring: all_gather 1 MiB 66 against 49 µs, 2 MiB 152 against
-    /// 110 µs, 4 MiB even; all_reduce 1 MiB 130 against 90 µs, 64 MiB 16-20
-    /// against 14 ms; p2p 512 KiB 35 against 32 µs, 2 MiB 122 against 139
-    /// µs, 16 MiB 1.7 against 2.7 ms.
+    /// (their segments stay in cache) (figures: bench/RESULTS.md, "Measurements behind code comments").
     pub const SLOW: Policy = Policy { min_bytes: 4 << 20, idle_min_bytes: 1 << 20, combining: false };
 
     /// Whether a message of `len` bytes with `tag` goes single-copy, from a

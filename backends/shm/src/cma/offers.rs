@@ -63,12 +63,10 @@ impl ShmBackend {
                 // where the data is likely in its own cache and the receiver
                 // will not reduce it at once (a reduction wants it in the
                 // receiver's cache): data this rank has just written, of
-                // any size (measured, W=2, all_reduce: 1 MiB 167 -> 69 us,
-                // 256 KiB 42 -> 20, 16 MiB 2.2-2.4 -> 1.9-2.1 ms), and
-                // other data within one core's L2 (all_gather 1 MiB 50.1 ->
-                // 41.3 us, 2 MiB 149 -> 131 us). Pushing other data of
-                // 64-256 KiB made it 3-10 % slower (one more hand-over),
-                // of 16 and 64 MiB 4-29 % slower (nothing cached to gain).
+                // any size, and other data within one core's L2. Pushing
+                // other data was slower: one more hand-over for small
+                // ones, nothing cached to gain for large ones (figures:
+                // bench/RESULTS.md, "Measurements behind code comments").
                 let fresh = weft::tag::fresh(tag);
                 let cached = fresh || (self.l2 / 4..self.l2).contains(&data.len());
                 // An idle sender pushes what it has just written too

@@ -317,8 +317,7 @@ fn keys(idx: &[i64], l: &Geometry, nnz: usize, mut each: impl FnMut(u64, usize))
 /// as a [`Sorted`] over `input`'s rows: keys first; then the entries of
 /// repeated keys are reduced, with the rows of a group a few groups ahead
 /// already loading (they lie anywhere in the input). Reduced inside the
-/// first pass, each group waited for its rows: 407 -> 262 us at 55,000
-/// entries with 2,600 repeated keys.
+/// first pass, each group waited for its rows (figures: bench/RESULTS.md, "Measurements behind code comments").
 fn group<'a, E: Copy>(entries: &[E], decode: impl Fn(E) -> (i64, usize), input: &'a [u8], l: &Geometry, op: ReduceOp) -> Sorted<'a> {
     let (nnz, row) = (entries.len(), l.row);
     let mut out = Sorted { keys: Vec::with_capacity(nnz), at: Vec::with_capacity(nnz), input, reduced: Vec::new(), row };

@@ -97,9 +97,8 @@ mod tests {
     fn choices_follow_overlap_and_density() {
         let l = table(100_000);
         // Tiny tensors: the fewest messages (recursive doubling's four at
-        // W=4), not the baseline's six nor split's twelve; measured at 100
-        // rows, W=4: recursive doubling 120-134 us, split 148-170, the
-        // baseline 156-167 (shm); 374-387, 654-655, 431-457 (sockets).
+        // W=4), not the baseline's six nor split's twelve (figures:
+        // bench/RESULTS.md, "Measurements behind code comments").
         for (n, union, step) in [(100, 118.0, SHM), (100, 324.0, SHM), (100, 118.0, SOCKET), (100, 324.0, SOCKET), (10, 30.0, SOCKET)] {
             assert_eq!(cheapest(4, &[n; 4], union, &l, step), "recursive_doubling", "{n} rows, union {union}, step {step}");
         }

@@ -82,8 +82,8 @@ pub fn all_reduce(c: &Steps<'_>, input: &SparseCooTensor<'_>, output: &mut Spars
     // already there (fresh ones fault in every page on every call). Until
     // the new result is in, `output` is empty, also if this fails.
     // Recursive doubling packs its run into the previous result's buffer
-    // and merges into a recycled one: the other way round, packing 134 KB
-    // at W=2 measured 31 us against 10 (and the op 74 us against 52).
+    // and merges into a recycled one: the other way round was slower
+    // (figures: bench/RESULTS.md, "Measurements behind code comments").
     let SparseCoo { values: reused, indices: reused_indices, .. } = std::mem::take(output);
     let result = match algo {
         "allgather" => exchange::allgather(&c.phase(1).combining(), sorted.into_run(coalesce::spare()), &plan.nnz, &layout, op, reused)?,

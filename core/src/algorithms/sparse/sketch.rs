@@ -145,8 +145,8 @@ fn blocks(n: usize, k: usize) -> impl Iterator<Item = (usize, usize)> {
 pub fn balanced_bounds(parts: impl IntoIterator<Item = (i64, u64)>, world: usize) -> Vec<i64> {
     let mut samples: Vec<(i64, u64)> = parts.into_iter().filter(|(_, weight)| *weight > 0).collect();
     // The samples come as W sorted runs (one per rank), which the stable
-    // sort finds and merges: 128 samples at W=2 took 1.2 us against 1.9
-    // for the unstable sort.
+    // sort finds and merges (faster than the unstable sort here; figures:
+    // bench/RESULTS.md, "Measurements behind code comments").
     samples.sort();
     let total: u128 = samples.iter().map(|(_, weight)| u128::from(*weight)).sum();
     // `before`: the entries of the samples before the j-th (about those with
