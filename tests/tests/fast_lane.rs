@@ -32,6 +32,10 @@ impl Backend for FastRecorder {
     fn abort(&self, reason: &weft::Error) {
         self.0.abort(reason)
     }
+    fn capabilities(&self) -> &weft::backend::Capabilities {
+        static FAST: weft::backend::Capabilities = weft::backend::Capabilities { fast_ops: true, ..weft::backend::Capabilities::DEFAULT };
+        &FAST
+    }
     fn fast_op(&self, op: &mut FastOp<'_>, _deadline: &Deadline) -> FastOutcome {
         OFFERS.fetch_add(1, Ordering::SeqCst);
         match op {

@@ -52,14 +52,15 @@ pub struct Staging {
     /// Copy streams of posted point-to-point ops (`p2p.rs`, `streams.rs`).
     pub(crate) p2p: crate::streams::P2pStreams,
     /// The CPU backend's, posting device tensors' point-to-point ops
-    /// where it posts host bytes (they go through the host).
+    /// where it posts host bytes (they go through the host), without its
+    /// fast path (device tensors never take it).
     caps: Capabilities,
 }
 
 impl Staging {
     /// Staging over `cpu`.
     pub fn new(gpu: Arc<dyn Gpu>, cpu: Arc<dyn Backend>) -> Staging {
-        let caps = Capabilities { posts_device: cpu.capabilities().posts, ..cpu.capabilities().clone() };
+        let caps = Capabilities { posts_device: cpu.capabilities().posts, fast_ops: false, ..cpu.capabilities().clone() };
         Staging { gpu, cpu, devices: Mutex::default(), p2p: Default::default(), caps }
     }
 

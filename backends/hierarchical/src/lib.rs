@@ -71,7 +71,9 @@ impl BackendFactory for Hierarchical {
                 })?)
             }
         };
-        let caps = Capabilities { native_algorithms: NATIVE, ..flat.backend.capabilities().clone() };
+        // Its own all_reduce, not the flat transport's fast path (its ops
+        // span hosts).
+        let caps = Capabilities { native_algorithms: NATIVE, fast_ops: false, ..flat.backend.capabilities().clone() };
         Ok(Arc::new(HierBackend { flat: Arc::new(flat), local, inter, store: ctx.store.clone(), caps }))
     }
 }

@@ -130,6 +130,8 @@ fn capabilities(ring: &Ring, order: Vec<usize>) -> weft::backend::Capabilities {
     weft::backend::Capabilities {
         posts: true,
         receives_from_any: true,
+        // Small collectives through the fastbox (`fastbox.rs`).
+        fast_ops: true,
         posts_device: false,
         // A step costs a few µs of handshakes through the segment, in
         // which a rank copies about this much (bench/RESULTS.md, "shm

@@ -26,7 +26,8 @@ impl BackendFactory for Sparse {
     }
     fn create(&self, ctx: BackendContext) -> Result<Arc<dyn Backend>> {
         let dense = ctx.cpu_backend.ok_or_else(|| Error::unsupported("sparse needs a backend for dense CPU tensors in the same group"))?;
-        Ok(Arc::new(SparseBackend { dense }))
+        let caps = weft::backend::Capabilities { fast_ops: false, ..dense.capabilities().clone() };
+        Ok(Arc::new(SparseBackend { dense, caps }))
     }
 }
 
@@ -34,6 +35,9 @@ impl BackendFactory for Sparse {
 /// algorithms do the rest.
 struct SparseBackend {
     dense: Arc<dyn Backend>,
+    /// The dense backend's, without its fast path (sparse tensors never
+    /// take it).
+    caps: weft::backend::Capabilities,
 }
 
 impl Backend for SparseBackend {
@@ -42,7 +46,7 @@ impl Backend for SparseBackend {
     }
     weft::forward_transport!(dense);
     fn capabilities(&self) -> &weft::backend::Capabilities {
-        self.dense.capabilities()
+        &self.caps
     }
 }
 

@@ -34,6 +34,12 @@ pub struct Capabilities {
     /// as its peer (the cell given by [`crate::backend::progress::Post::with_source`]
     /// then learns the sender).
     pub receives_from_any: bool,
+    /// Whether it runs small collectives of host bytes through a fast path
+    /// of its own ([`Backend::fast_op`](super::Backend::fast_op): shm).
+    /// Core offers a direct op without hints there first, in its turn,
+    /// without building the job; elsewhere the op runs as a job. A wrapper
+    /// that does not forward `fast_op` declares false.
+    pub fast_ops: bool,
     /// Whether [`Backend::post_device`](super::Backend::post_device) posts
     /// point-to-point ops on this backend's device memory (as `posts` does
     /// for host bytes).
@@ -68,6 +74,7 @@ impl Capabilities {
     pub const DEFAULT: Capabilities = Capabilities {
         posts: false,
         receives_from_any: false,
+        fast_ops: false,
         posts_device: false,
         step_bytes: 64 << 10,
         buffered_bytes: None,

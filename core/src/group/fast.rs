@@ -61,9 +61,9 @@ pub(crate) struct HostPaths {
     /// It posts: direct sends and receives go to its `exchange`
     /// (`p2p.rs`).
     posts: bool,
-    /// Bit i: `KINDS[i]` may be offered to its fast path (the group has
-    /// no hints and no detail checks, and no algorithm is chosen for the
-    /// op's family by the group or `WEFT_ALGORITHM`).
+    /// Bit i: `KINDS[i]` may be offered to its fast path (it has one, the
+    /// group has no hints and no detail checks, and no algorithm is chosen
+    /// for the op's family by the group or `WEFT_ALGORITHM`).
     kinds: u8,
 }
 
@@ -76,6 +76,7 @@ impl HostPaths {
         let offered = |kind: OpKind| match (select::Family::of(kind), &backend) {
             _ if !options.hints.is_empty() || detail => false,
             (_, None) => false,
+            (_, Some(b)) if !b.capabilities().fast_ops => false,
             (None, Some(_)) => true,
             (Some(family), Some(b)) => matches!(select::forced(family, None, algorithms, b.capabilities().native_algorithms), Ok(None)),
         };

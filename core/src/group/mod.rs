@@ -1,4 +1,22 @@
 //! The process group: rank, size, ops, sub-groups, abort, shrinking after a death.
+//!
+//! How an op runs. Every op is validated where it is issued (`ops.rs`:
+//! sizes, dtypes, ranks, tags), then takes one of these routes, chosen
+//! there from the caller (the group, a scope, or the unscoped ops of a
+//! binding), its tensors' route and the host backend's capabilities
+//! (decided once per group: `fast.rs`'s `HostPaths`):
+//!
+//! | route | taken by | where |
+//! |---|---|---|
+//! | direct path | a direct send, receive or sendrecv of host tensors on a transport that posts (not a receive of bools, which a job cleans) | `p2p.rs` (`DirectP2p`): straight to the transport's `exchange` |
+//! | fast path | a direct collective of host tensors (not bools) without hints, chosen algorithm or `WEFT_DEBUG=detail`, on a transport whose `Capabilities::fast_ops` says it has one | `fast.rs`: its turn, then `Backend::fast_op`; declined, a job in the same turn |
+//! | job in its turn | every other direct op: decided (`decide.rs`: algorithm, segment size), then run when its turn comes, by the backend (`native_op`) or core's algorithm | `ProcessGroup::submit`, `executor.rs` |
+//! | posted | a send or receive in a scope or unscoped (and a direct receive from any rank) on a transport that posts: driven by whoever waits, else the group's progress thread | `p2p.rs` |
+//! | queued | every other op in a scope or unscoped: run in issue order by the group's worker | `scope.rs`, `executor.rs` |
+//!
+//! Whatever the route, an op's errors name it and this rank
+//! (`GroupCore::guarded`), and a collective keeps its place in the
+//! group's order, which `WEFT_DEBUG=detail` checks across ranks.
 
 mod debug;
 mod decide;

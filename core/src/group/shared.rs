@@ -10,7 +10,8 @@
 //!
 //! What the view gives up, and why:
 //! - the transport's native collectives and fast path (`native_op`,
-//!   `fast_op`, its capabilities' `native_algorithms`) and its own windows: they involve
+//!   `fast_op`, its capabilities' `native_algorithms` and `fast_ops`) and
+//!   its own windows: they involve
 //!   every rank of the parent. The sub-group runs core's algorithms over
 //!   the transport's point-to-point `exchange` and `post`, and builds its
 //!   windows over posted messages (`crate::window::over_p2p`);
@@ -90,6 +91,7 @@ impl Shared {
         let caps = Capabilities {
             rank_order: theirs.rank_order.as_ref().map(|o| o.iter().filter(|&&p| sub[p] != usize::MAX).map(|&p| sub[p]).collect()),
             native_algorithms: &[],
+            fast_ops: false,
             posts_device: false,
             ..theirs.clone()
         };
