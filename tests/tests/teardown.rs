@@ -8,42 +8,44 @@ use weft_tests::procs::run_on_hosts;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_weft-test-worker");
 
+/// Every kind of backend, with the hosts its 3 ranks count as on: the
+/// transports, a wrapper over them (hierarchical: ranks 0 and 1 on one
+/// host, rank 2 on another) and a plugin through the C ABI (cpu-tcp built
+/// with the SDK).
+const BACKENDS: [(&str, [&str; 3]); 4] = [
+    ("cpu:cpu-tcp", ["a", "a", "a"]),
+    ("cpu:shm", ["a", "a", "a"]),
+    ("cpu:hierarchical", ["a", "a", "b"]),
+    ("cpu:cpu-tcp-plugin", ["a", "a", "a"]),
+];
+
+/// Run `scenario` on each of [`BACKENDS`] with the group timeout
+/// `timeout_s`; `check(backend, ends, start)` judges each run.
+fn on_every_backend(scenario: &str, timeout_s: &str, check: impl Fn(&str, &[weft_tests::procs::RankEnd], Instant)) {
+    let plugin = weft_tests::plugins::example_lib("cpu_tcp_plugin");
+    for (backend, hosts) in BACKENDS {
+        let env = [("WEFT_BACKEND", backend), ("WEFT_TIMEOUT_SECONDS", timeout_s), ("WEFT_PLUGIN_PATH", plugin.to_str().unwrap())];
+        let start = Instant::now();
+        let ends = run_on_hosts(WORKER, &hosts, &[scenario], &env, Duration::from_secs(120));
+        check(backend, &ends, start);
+    }
+}
+
 #[test]
 fn a_straggler_stopped_while_the_others_leave_finishes_with_exact_data() {
-    // Stopped for 6 s, longer than any fixed grace a leaving rank gave; on
-    // every kind of backend: the transports, a wrapper over them
-    // (hierarchical) and a plugin through the C ABI (cpu-tcp built with
-    // the SDK); hierarchical's ranks 0 and 1 count as one host, rank 2 as
-    // another.
-    let plugin = weft_tests::plugins::example_lib("cpu_tcp_plugin");
-    for (backend, hosts) in [
-        ("cpu:cpu-tcp", ["a", "a", "a"]),
-        ("cpu:shm", ["a", "a", "a"]),
-        ("cpu:hierarchical", ["a", "a", "b"]),
-        ("cpu:cpu-tcp-plugin", ["a", "a", "a"]),
-    ] {
-        let env = [("WEFT_BACKEND", backend), ("WEFT_TIMEOUT_SECONDS", "30"), ("WEFT_PLUGIN_PATH", plugin.to_str().unwrap())];
-        let ends = run_on_hosts(WORKER, &hosts, &["straggler"], &env, Duration::from_secs(120));
+    // Stopped for 6 s, longer than any fixed grace a leaving rank gave.
+    on_every_backend("straggler", "30", |backend, ends, _| {
         let served = format!("done on {}", &backend[4..]);
         for (r, e) in ends.iter().enumerate() {
             assert!(e.status.success(), "{backend} rank {r}: {:?}\n{}", e.status, e.output);
             assert!(e.output.contains(&served), "{backend} rank {r} ran elsewhere:\n{}", e.output);
         }
-    }
+    });
 }
 
 #[test]
 fn a_peer_stuck_at_exit_keeps_the_others_at_most_the_timeout() {
-    let plugin = weft_tests::plugins::example_lib("cpu_tcp_plugin");
-    for (backend, hosts) in [
-        ("cpu:cpu-tcp", ["a", "a", "a"]),
-        ("cpu:shm", ["a", "a", "a"]),
-        ("cpu:hierarchical", ["a", "a", "b"]),
-        ("cpu:cpu-tcp-plugin", ["a", "a", "a"]),
-    ] {
-        let env = [("WEFT_BACKEND", backend), ("WEFT_TIMEOUT_SECONDS", "3"), ("WEFT_PLUGIN_PATH", plugin.to_str().unwrap())];
-        let start = Instant::now();
-        let ends = run_on_hosts(WORKER, &hosts, &["stuck_at_exit"], &env, Duration::from_secs(120));
+    on_every_backend("stuck_at_exit", "3", |backend, ends, start| {
         for (r, e) in ends[..2].iter().enumerate() {
             assert!(e.status.success(), "{backend} rank {r}: {:?}\n{}", e.status, e.output);
             // Setup, the ops, then at most the timeout waiting for rank 2
@@ -54,5 +56,5 @@ fn a_peer_stuck_at_exit_keeps_the_others_at_most_the_timeout() {
                 assert!(e.output.contains("peer rank(s) [2] did not close"), "{backend} rank {r} does not name rank 2:\n{}", e.output);
             }
         }
-    }
+    });
 }

@@ -140,13 +140,13 @@ pub fn first_gone(ranks: &[(usize, u32)]) -> Option<(usize, u32)> {
 impl Peers {
     /// Set up (collective). `Unsupported` on every rank if any rank failed.
     ///
-    /// Waits on a neighbour's events happen on the host (hint
-    /// `cuda_wait=host`) or on the device (`cuda_wait=device`). By default
-    /// on the host when a neighbour is another process on this same GPU: a
-    /// stream blocked on another context's event keeps its time slice
-    /// while the GPU switches between the processes' contexts, and
-    /// with MPS a host wait was faster too (figures: bench/RESULTS.md, "Measurements behind code comments"). On the device otherwise: the host then
-    /// never waits for the GPU.
+    /// Waits on a neighbour's events happen on the host (hint `cuda_wait=host`)
+    /// or on the device (`cuda_wait=device`). By default on the host when a
+    /// neighbour is another process on this same GPU: a stream blocked on
+    /// another context's event keeps its time slice while the GPU switches
+    /// between the processes' contexts, and with MPS a host wait was faster too
+    /// (figures: bench/RESULTS.md, "Measurements behind code comments"). On the
+    /// device otherwise: the host then never waits for the GPU.
     pub fn connect(ctx: &BackendContext, gpu: Arc<dyn Gpu>) -> Result<Peers> {
         let (store, what) = (&*ctx.store, "cuda-device: CUDA IPC");
         let mut ring = weft::store::all_or_none(store, "export", ctx.rank, ctx.size, ctx.timeout, Self::export(ctx, &gpu), what)?;

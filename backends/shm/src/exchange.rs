@@ -73,14 +73,15 @@ pub(crate) fn plain_header(tag: u64, len: usize) -> ([u8; HEADER + cma::DESCRIPT
     (p, HEADER)
 }
 
-/// Start an inline frame (`header` and `payload` bytes) at `ring`'s start
-/// if the ring is empty and the payload large (`Ring::rewind`), where its
-/// exchange sends more than one message (`several`, asked only then): an
-/// all_to_all's frames then land where their rings' last ones did, instead
-/// of walking every ring through, which sends them to memory (figures: bench/RESULTS.md, "Measurements behind code comments"). Not for one message: a pipeline's segments
-/// would then overwrite lines its receiver has just read, where walking on
-/// finds lines no core holds (W=4 4 MiB all_reduce and broadcast, every
-/// frame rewound: 15 % slower).
+/// Start an inline frame (`header` and `payload` bytes) at `ring`'s start if
+/// the ring is empty and the payload large (`Ring::rewind`), where its exchange
+/// sends more than one message (`several`, asked only then): an all_to_all's
+/// frames then land where their rings' last ones did, instead of walking every
+/// ring through, which sends them to memory (figures: bench/RESULTS.md,
+/// "Measurements behind code comments"). Not for one message: a pipeline's
+/// segments would then overwrite lines its receiver has just read, where
+/// walking on finds lines no core holds (W=4 4 MiB all_reduce and broadcast,
+/// every frame rewound: 15 % slower).
 pub(crate) fn rewind(ring: &Ring, header: usize, payload: usize, several: impl FnOnce() -> bool) {
     if payload >= REWIND_MIN && several() {
         let pad = |n| plain_header(PADDING, n).0[..HEADER].try_into().expect("a header");

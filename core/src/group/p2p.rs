@@ -1,25 +1,25 @@
 //! Point-to-point ops that complete on their own.
 //!
-//! On a transport that posts ([`Capabilities::posts`](crate::backend::Capabilities::posts): cpu-tcp, shm and what
-//! wraps them), a send, a receive or a batch of them takes no turn in the
-//! group's order, so it never waits for an unrelated op, and no op waits
-//! for it. A direct op runs at once as an exchange, which drives the
-//! transport (everything posted there too) until the op is done; a direct
-//! send, receive or sendrecv of host tensors (but bools, cleaned after a
-//! job) takes a [`DirectP2p`] there, without building an op and a job. A
-//! background op (in a scope, or unscoped) is posted to the transport when
-//! it is issued, on the issuing thread, which then takes one non-blocking
-//! turn of the transport (what fits its buffers goes at once). It completes
-//! whenever its peers allow, driven by whoever is in the transport: a
-//! thread waiting for it (as `MPI_Wait` makes progress), or else the
-//! group's progress thread for that transport (a [`ProgressThread`]), which steps
-//! aside while a thread waits.
+//! On a transport that posts
+//! ([`Capabilities::posts`](crate::backend::Capabilities::posts): cpu-tcp, shm
+//! and what wraps them), a send, a receive or a batch of them takes no turn in
+//! the group's order, so it never waits for an unrelated op, and no op waits
+//! for it. A direct op runs at once as an exchange, which drives the transport
+//! (everything posted there too) until the op is done; a direct send, receive
+//! or sendrecv of host tensors (but bools, cleaned after a job) takes a
+//! [`DirectP2p`] there, without building an op and a job. A background op (in a
+//! scope, or unscoped) is posted to the transport when it is issued, on the
+//! issuing thread, which then takes one non-blocking turn of the transport
+//! (what fits its buffers goes at once). It completes whenever its peers allow,
+//! driven by whoever is in the transport: a thread waiting for it (as
+//! `MPI_Wait` makes progress), or else the group's progress thread for that
+//! transport (a [`ProgressThread`]), which steps aside while a thread waits.
 //!
 //! Device tensors go the same way where the backend posts them
-//! ([`Capabilities::posts_device`](crate::backend::Capabilities::posts_device): the CUDA backends), as do a plugin's that
-//! declares it progresses concurrently. Elsewhere point-to-point ops run
-//! as collectives do: one at a time, in issue order (a batch as one
-//! exchange).
+//! ([`Capabilities::posts_device`](crate::backend::Capabilities::posts_device):
+//! the CUDA backends), as do a plugin's that declares it progresses
+//! concurrently. Elsewhere point-to-point ops run as collectives do: one at a
+//! time, in issue order (a batch as one exchange).
 
 use super::work::{Work, WorkState};
 use super::{GroupCore, Job};
