@@ -201,21 +201,8 @@ impl Backend for DeviceBackend {
     fn name(&self) -> &str {
         "cuda-device"
     }
-    weft::forward_transport!(cpu);
     // Point-to-point ops go through the host, as in cuda-host-staging.
-    fn capabilities(&self) -> &weft::backend::Capabilities {
-        self.staging.capabilities()
-    }
-    unsafe fn post_device(
-        &self,
-        op: &mut Op<'_>,
-        stream: Option<weft::StreamHandle>,
-        deadline: Instant,
-        done: weft::backend::progress::Done,
-    ) {
-        // SAFETY: the caller's promise, passed on.
-        unsafe { self.staging.post_p2p(op, stream, deadline, done) }
-    }
+    weft_cuda_host_staging::staged_transport!(staging);
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
         Some(match op {
             Op::AllReduce { buf, op } => match Algorithm::from_hints(ctx) {

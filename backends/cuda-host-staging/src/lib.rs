@@ -15,7 +15,6 @@ mod streams;
 pub use pipeline::{Staging, DEFAULT_CHUNK_BYTES};
 
 use std::sync::Arc;
-use std::time::Instant;
 use weft::backend::{Backend, BackendContext, Op, OpContext};
 use weft::registry::{BackendFactory, StaticBackend};
 use weft::{DeviceKind, Layout, Result};
@@ -48,24 +47,37 @@ struct HostStagingBackend {
     staging: Staging,
 }
 
+/// The [`Backend`] methods of a backend whose bytes go through a
+/// [`Staging`] in field `$staging` (this crate's and cuda-device's): the
+/// CPU transport's (`weft::forward_transport!`, through a method `cpu()`),
+/// its capabilities with device point-to-point ops posted
+/// ([`Staging::capabilities`]), and those posts. Use inside its `impl
+/// Backend`.
+#[macro_export]
+macro_rules! staged_transport {
+    ($staging:ident) => {
+        weft::forward_transport!(cpu);
+        fn capabilities(&self) -> &weft::backend::Capabilities {
+            self.$staging.capabilities()
+        }
+        unsafe fn post_device(
+            &self,
+            op: &mut weft::backend::Op<'_>,
+            stream: Option<weft::StreamHandle>,
+            deadline: std::time::Instant,
+            done: weft::backend::progress::Done,
+        ) {
+            // SAFETY: the caller's promise, passed on.
+            unsafe { self.$staging.post_p2p(op, stream, deadline, done) }
+        }
+    };
+}
+
 impl Backend for HostStagingBackend {
     fn name(&self) -> &str {
         "cuda-host-staging"
     }
-    weft::forward_transport!(cpu);
-    fn capabilities(&self) -> &weft::backend::Capabilities {
-        self.staging.capabilities()
-    }
-    unsafe fn post_device(
-        &self,
-        op: &mut Op<'_>,
-        stream: Option<weft::StreamHandle>,
-        deadline: Instant,
-        done: weft::backend::progress::Done,
-    ) {
-        // SAFETY: the caller's promise, passed on.
-        unsafe { self.staging.post_p2p(op, stream, deadline, done) }
-    }
+    staged_transport!(staging);
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
         Some(self.staging.run(op, ctx))
     }
