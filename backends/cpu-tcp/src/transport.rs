@@ -8,7 +8,6 @@ use crate::engine::{self, Engine, Wake};
 use crate::protocol::{self, Watch};
 use crate::wire::{Header, Kind, MAX_ABORT};
 use socket2::Socket;
-use std::net::Shutdown;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -134,14 +133,10 @@ impl TcpBackend {
         }
     }
 
-    fn close(&self, how: Shutdown) {
-        let how = match how {
-            Shutdown::Read => nix::sys::socket::Shutdown::Read,
-            Shutdown::Write => nix::sys::socket::Shutdown::Write,
-            Shutdown::Both => nix::sys::socket::Shutdown::Both,
-        };
+    /// Shut every connection down both ways (an abort: peers see the end).
+    fn shut_all(&self) {
         for &fd in self.fds.iter().flatten() {
-            let _ = nix::sys::socket::shutdown(fd, how);
+            let _ = nix::sys::socket::shutdown(fd, nix::sys::socket::Shutdown::Both);
         }
     }
 
@@ -210,7 +205,7 @@ impl Backend for TcpBackend {
             payload.truncate(MAX_ABORT as usize);
             Self::tell_all(&mut eng, Header { kind: Kind::Abort, tag: 0, len: payload.len() as u64, lead: 0 }, &payload);
         }
-        self.close(Shutdown::Both);
+        self.shut_all();
         self.wake.wake_now();
     }
 
@@ -230,7 +225,7 @@ impl Backend for TcpBackend {
             conns.push(closing::Leaving { peer, sock, goodbye: if owed { goodbye.clone() } else { Vec::new() } });
         }
         drop(eng);
-        closing::close_after_peers(self.rank, conns, Deadline::after(self.close_within).get());
+        closing::close_after_peers(self.rank, conns, Instant::now() + self.close_within);
     }
 }
 

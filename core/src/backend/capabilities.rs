@@ -85,11 +85,6 @@ impl Capabilities {
     /// A transport that posts in the background and receives from any
     /// source, otherwise the defaults (cpu-tcp, loopback).
     pub const POSTING: Capabilities = Capabilities { posts: true, receives_from_any: true, ..Capabilities::DEFAULT };
-
-    /// The names of its native algorithms for `family`.
-    pub fn natives(&self, family: Family) -> impl Iterator<Item = &'static str> + '_ {
-        self.native_algorithms.iter().filter(move |a| a.family == family).map(|a| a.name)
-    }
 }
 
 impl Default for Capabilities {
@@ -101,22 +96,3 @@ impl Default for Capabilities {
 /// What [`Backend::capabilities`](super::Backend::capabilities) gives by
 /// default.
 pub(crate) static DEFAULT: Capabilities = Capabilities::DEFAULT;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn natives_are_listed_per_family() {
-        const OWN: &[NativeAlgorithm] = &[
-            NativeAlgorithm { family: Family::AllReduce, name: "a" },
-            NativeAlgorithm { family: Family::Broadcast, name: "b" },
-            NativeAlgorithm { family: Family::AllReduce, name: "c" },
-        ];
-        let caps = Capabilities { native_algorithms: OWN, ..Capabilities::DEFAULT };
-        assert_eq!(caps.natives(Family::AllReduce).collect::<Vec<_>>(), ["a", "c"]);
-        assert_eq!(caps.natives(Family::Broadcast).collect::<Vec<_>>(), ["b"]);
-        assert_eq!(caps.natives(Family::AllGather).count(), 0);
-        assert_eq!(Capabilities::default(), Capabilities::DEFAULT);
-    }
-}

@@ -58,6 +58,14 @@ impl P2p<'_> {
         }
     }
 
+    /// Its peer rank and tag, to change in place (a view of a transport
+    /// in other ranks renumbers them).
+    pub fn address_mut(&mut self) -> (&mut usize, &mut u64) {
+        match self {
+            P2p::Send { peer, tag, .. } | P2p::Recv { peer, tag, .. } => (peer, tag),
+        }
+    }
+
     /// The same op over the same buffers, borrowed for as long as `self`
     /// is.
     pub fn reborrow(&mut self) -> P2p<'_> {

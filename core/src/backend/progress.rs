@@ -119,11 +119,6 @@ impl Post {
         &self.gathered
     }
 
-    /// When the batch fails with `Timeout` if unfinished.
-    pub fn deadline(&self) -> Instant {
-        self.deadline
-    }
-
     /// Where the sender of its any-source receive is to be left, taken out
     /// (a wrapper that renumbers ranks puts its own there).
     pub fn take_source(&mut self) -> Option<Arc<AtomicUsize>> {
@@ -134,7 +129,7 @@ impl Post {
     /// changes them in place (a view of a transport in other ranks).
     pub fn renumber(&mut self, mut f: impl FnMut(&mut usize, &mut u64)) {
         for op in &mut self.ops {
-            let (P2p::Send { peer, tag, .. } | P2p::Recv { peer, tag, .. }) = op;
+            let (peer, tag) = op.address_mut();
             f(peer, tag);
         }
         for g in &mut self.gathered {
@@ -351,11 +346,6 @@ impl<S> Table<S> {
     /// The ops, for as long as this borrow of the table.
     pub fn ops(&self) -> &[P2p<'_>] {
         &self.ops
-    }
-
-    /// The sources of gathered sends (`None`: a plain op).
-    pub fn gathered(&self) -> &[Option<&dyn Gather>] {
-        &self.gathered
     }
 
     /// Every column, for a look.

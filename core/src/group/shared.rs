@@ -108,7 +108,7 @@ impl Shared {
     fn enter(&self, ops: &mut [P2p<'_>]) -> SmallVec<[(usize, u64); 8]> {
         ops.iter_mut()
             .map(|op| {
-                let (peer, tag) = fields(op);
+                let (peer, tag) = op.address_mut();
                 let was = (*peer, *tag);
                 (*peer, *tag) = self.up(*peer, *tag);
                 was
@@ -123,15 +123,9 @@ impl Shared {
     }
 }
 
-fn fields<'o>(op: &'o mut P2p<'_>) -> (&'o mut usize, &'o mut u64) {
-    match op {
-        P2p::Send { peer, tag, .. } | P2p::Recv { peer, tag, .. } => (peer, tag),
-    }
-}
-
 fn restore(ops: &mut [P2p<'_>], was: &[(usize, u64)]) {
     for (op, &(p, t)) in ops.iter_mut().zip(was) {
-        let (peer, tag) = fields(op);
+        let (peer, tag) = op.address_mut();
         (*peer, *tag) = (p, t);
     }
 }

@@ -121,7 +121,7 @@ fn run(scenario: &str) -> anyhow::Result<()> {
         "straggler" | "stuck_at_exit" => {
             // The last rank stops itself (SIGSTOP) once every rank is past a
             // barrier; with "straggler" a child resumes it 6 s later, with
-            // "stuck_at_exit" never (it kills it after 30 s). The others run
+            // "stuck_at_exit" never (a child kills it after 12 s). The others run
             // the last collectives (a broadcast from rank 0, whose sends end
             // in socket buffers and rings, and an all_gather the stopped rank
             // sent its part of first) and leave. A straggler must then read
