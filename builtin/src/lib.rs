@@ -7,43 +7,27 @@
 
 #![warn(missing_docs)]
 
+/// Links each listed backend crate where its feature is on.
+macro_rules! link_each {
+    ($($feature:literal => $krate:ident),+ $(,)?) => {
+        $(
+            #[cfg(feature = $feature)]
+            $krate::link();
+        )+
+    };
+}
+
 /// Make sure every enabled built-in backend is linked. Cheap; idempotent.
 pub fn link() {
     weft_loopback::link();
-    #[cfg(feature = "cpu-tcp")]
-    weft_cpu_tcp::link();
-    #[cfg(feature = "sparse")]
-    weft_sparse::link();
-    #[cfg(feature = "shm")]
-    weft_shm::link();
-    #[cfg(feature = "cuda-host-staging")]
-    weft_cuda_host_staging::link();
-    #[cfg(feature = "cuda-device")]
-    weft_cuda_device::link();
-    #[cfg(feature = "hierarchical")]
-    weft_hierarchical::link();
-}
-
-/// Names of the built-in backends this build links.
-pub fn names() -> Vec<&'static str> {
-    let mut v = vec!["loopback"];
-    if cfg!(feature = "cpu-tcp") {
-        v.push("cpu-tcp");
+    // A built-in backend is one line here (its feature and crate), plus
+    // the feature and optional dependency in this crate's Cargo.toml.
+    link_each! {
+        "cpu-tcp" => weft_cpu_tcp,
+        "sparse" => weft_sparse,
+        "shm" => weft_shm,
+        "cuda-host-staging" => weft_cuda_host_staging,
+        "cuda-device" => weft_cuda_device,
+        "hierarchical" => weft_hierarchical,
     }
-    if cfg!(feature = "shm") {
-        v.push("shm");
-    }
-    if cfg!(feature = "sparse") {
-        v.push("sparse");
-    }
-    if cfg!(feature = "cuda-host-staging") {
-        v.push("cuda-host-staging");
-    }
-    if cfg!(feature = "cuda-device") {
-        v.push("cuda-device");
-    }
-    if cfg!(feature = "hierarchical") {
-        v.push("hierarchical");
-    }
-    v
 }

@@ -48,7 +48,7 @@ pub mod window;
 
 pub use dtype::{DType, Element};
 pub use error::{Error, ErrorKind, Result};
-pub use group::{Collectives, Job, P2pOp, ProcessGroup, Scope, ShrinkOptions, Unscoped, Work};
+pub use group::{Collectives, P2pOp, ProcessGroup, Scope, ShrinkOptions, Unscoped, Work};
 pub use options::{parse_timeout, timeout_from_env, GroupOptions, OpOptions, DEFAULT_TIMEOUT, ENV_BACKEND, ENV_TIMEOUT};
 pub use reduce_op::ReduceOp;
 pub use stream::StreamHandle;

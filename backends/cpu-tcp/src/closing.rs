@@ -65,44 +65,57 @@ extern "C" fn wait_at_exit() {
     }
 }
 
+/// Where one connection's close stands.
+#[derive(Clone, Copy, Default)]
+struct Progress {
+    /// Bytes of the goodbye written.
+    written: usize,
+    /// This side is shut for writing.
+    shut: bool,
+    /// The peer has closed its side.
+    peer_closed: bool,
+    /// The connection broke: nothing more to do on it.
+    broken: bool,
+}
+
+impl Progress {
+    /// Done with it: it broke, or both sides have ended.
+    fn done(&self) -> bool {
+        self.broken || (self.peer_closed && self.shut)
+    }
+}
+
 /// The work of one closing thread.
 fn close(rank: usize, conns: Vec<Leaving>, deadline: Instant) {
     let mut buf = vec![0u8; 64 << 10];
-    // Per connection: bytes of the goodbye written; whether this side is
-    // shut for writing; whether the peer has closed its side; whether the
-    // connection broke (nothing more to do on it).
-    let mut written = vec![0usize; conns.len()];
-    let mut shut = vec![false; conns.len()];
-    let mut peer_closed = vec![false; conns.len()];
-    let mut broken = vec![false; conns.len()];
+    let mut state = vec![Progress::default(); conns.len()];
     loop {
-        for (i, c) in conns.iter().enumerate() {
+        for (c, s) in conns.iter().zip(state.iter_mut()) {
             // Read whatever came: the peer's sends must never block on us.
-            while !peer_closed[i] && !broken[i] {
+            while !s.peer_closed && !s.broken {
                 match (&c.sock).read(&mut buf) {
-                    Ok(0) => peer_closed[i] = true,
+                    Ok(0) => s.peer_closed = true,
                     Ok(_) => {}
                     Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::Interrupted) => break,
-                    Err(_) => broken[i] = true,
+                    Err(_) => s.broken = true,
                 }
             }
             // Our goodbye, then the end of our stream (also when the peer
             // closed first: it may be reading until ours).
-            while !shut[i] && !broken[i] && written[i] < c.goodbye.len() {
+            while !s.shut && !s.broken && s.written < c.goodbye.len() {
                 let flags = nix::sys::socket::MsgFlags::MSG_NOSIGNAL | nix::sys::socket::MsgFlags::MSG_DONTWAIT;
-                match c.sock.send_with_flags(&c.goodbye[written[i]..], flags.bits()) {
-                    Ok(n) => written[i] += n,
+                match c.sock.send_with_flags(&c.goodbye[s.written..], flags.bits()) {
+                    Ok(n) => s.written += n,
                     Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::Interrupted) => break,
-                    Err(_) => broken[i] = true,
+                    Err(_) => s.broken = true,
                 }
             }
-            if !shut[i] && !broken[i] && written[i] == c.goodbye.len() {
+            if !s.shut && !s.broken && s.written == c.goodbye.len() {
                 let _ = c.sock.shutdown(Shutdown::Write);
-                shut[i] = true;
+                s.shut = true;
             }
         }
-        // Done with a connection once it broke, or both sides have ended.
-        let open: Vec<usize> = (0..conns.len()).filter(|&i| !(broken[i] || (peer_closed[i] && shut[i]))).collect();
+        let open: Vec<usize> = (0..conns.len()).filter(|&i| !state[i].done()).collect();
         if open.is_empty() {
             break;
         }
@@ -119,10 +132,10 @@ fn close(rank: usize, conns: Vec<Leaving>, deadline: Instant) {
             .iter()
             .map(|&i| {
                 let mut ev = PollFlags::empty();
-                if !peer_closed[i] {
+                if !state[i].peer_closed {
                     ev |= PollFlags::POLLIN;
                 }
-                if !shut[i] {
+                if !state[i].shut {
                     ev |= PollFlags::POLLOUT;
                 }
                 PollFd::new(conns[i].sock.as_fd(), ev)

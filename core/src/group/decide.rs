@@ -6,7 +6,7 @@
 //! among them, or a size that is not one, is `InvalidArgument` from the
 //! call that issued the op, on every rank alike, before any byte moves.
 
-use super::ops::Job;
+use super::job::Job;
 use super::GroupCore;
 use crate::algorithms::select;
 use crate::error::Result;

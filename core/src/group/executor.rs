@@ -21,7 +21,6 @@
 //! ticket, pass the turn on); the mutex and condition variable are only
 //! touched by threads that must wait, and by whoever wakes them.
 
-use super::work::WorkState;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -189,11 +188,6 @@ impl Executor {
             let _ = w.join();
         }
     }
-}
-
-/// A fresh completion state.
-pub(crate) fn new_state() -> Arc<WorkState> {
-    Arc::new(WorkState::default())
 }
 
 #[cfg(test)]

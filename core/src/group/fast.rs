@@ -11,7 +11,7 @@
 //! runs core's algorithm.
 
 use super::executor::Turn;
-use super::ops::Job;
+use super::job::Job;
 use super::work::Work;
 use super::GroupCore;
 use crate::algorithms::select;
@@ -121,11 +121,11 @@ impl FastTurn<'_> {
     /// outcome as a finished [`Work`], or `None` if the op is left to
     /// [`FastTurn::job`] (declined, or handed back to core's algorithm).
     #[inline]
-    pub fn fast<'t>(&mut self, mut op: FastOp<'_>) -> Option<Work<'t>> {
+    pub fn fast<'t>(&mut self, op: &mut FastOp<'_>) -> Option<Work<'t>> {
         let FastPath { core, backend, name, .. } = self.path;
         let deadline = Deadline::after(self.timeout);
         let mut left = None;
-        let result = core.guarded(name, || match backend.fast_op(&mut op, &deadline) {
+        let result = core.guarded(name, || match backend.fast_op(op, &deadline) {
             FastOutcome::Done(r) => r,
             outcome => {
                 left = Some(outcome);
@@ -141,7 +141,8 @@ impl FastTurn<'_> {
     /// back).
     pub fn job<'t>(self, op: Op<'t>, opts: &OpOptions) -> Result<Work<'t>> {
         let FastPath { core, name, route, kind, .. } = self.path;
-        let mut job = Job { name, kind, route, fingerprint: None, op, algorithm: None, segment_bytes: None, native: !self.generic };
+        let mut job = Job::new(name, kind, route, None, op);
+        job.native = !self.generic;
         core.decide(&mut job, opts)?;
         let (result, device) = core.run_job(&mut job, opts, self.seq);
         Ok(Work::done(result, device).within(self.timeout))

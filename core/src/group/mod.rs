@@ -2,9 +2,11 @@
 //!
 //! How an op runs. Every op is validated where it is issued (`ops.rs`:
 //! sizes, dtypes, ranks, tags), then takes one of these routes, chosen
-//! there from the caller (the group, a scope, or the unscoped ops of a
+//! from the caller (the group, a scope, or the unscoped ops of a
 //! binding), its tensors' route and the host backend's capabilities
-//! (decided once per group: `fast.rs`'s `HostPaths`):
+//! (decided once per group: `fast.rs`'s `HostPaths`). A collective's
+//! route is chosen in `route.rs`; a send's or receive's at the end of its
+//! op in `ops.rs` (direct path, else a job):
 //!
 //! | route | taken by | where |
 //! |---|---|---|
@@ -18,20 +20,24 @@
 //! (`GroupCore::guarded`), and a collective keeps its place in the
 //! group's order, which `WEFT_DEBUG=detail` checks across ranks.
 
+mod check;
 mod debug;
 mod decide;
 mod executor;
 mod fast;
+mod job;
 mod ops;
 mod p2p;
+mod progress_thread;
+mod route;
 mod scope;
 mod setup;
 mod shared;
 mod shrink;
 mod work;
 
-pub use ops::{Collectives, Job, P2pOp};
-pub(crate) use p2p::ProgressThread;
+pub use ops::{Collectives, P2pOp};
+pub(crate) use progress_thread::ProgressThread;
 pub use scope::{Scope, Unscoped};
 pub use shrink::ShrinkOptions;
 pub use work::Work;
@@ -47,6 +53,7 @@ use crate::store::{PrefixStore, Store};
 use crate::stream::{CompletionSlot, DeviceCompletion};
 use crate::tensor::Device;
 use executor::Executor;
+use job::Job;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -75,7 +82,7 @@ pub(crate) struct GroupCore {
     missing: HashMap<Route, String>,
     exec: Arc<Executor>,
     /// Progress threads of the transports background p2p ops are posted to.
-    progress_threads: std::sync::Mutex<Vec<Arc<p2p::ProgressThread>>>,
+    progress_threads: std::sync::Mutex<Vec<Arc<ProgressThread>>>,
     debug_detail: bool,
     /// The transports this group runs on, shut down once it and every
     /// sub-group sharing them let go (`shared.rs`); taken when it is dropped.
@@ -311,7 +318,9 @@ impl Drop for ProcessGroup {
     }
 }
 
-impl<'t> Collectives<'t> for ProcessGroup {
+impl Collectives<'_> for ProcessGroup {}
+
+impl<'t> route::Issuer<'t> for ProcessGroup {
     #[inline]
     fn submit(&self, mut job: Job<'t>, opts: &OpOptions) -> Result<Work<'t>> {
         self.core.decide(&mut job, opts)?;
@@ -346,12 +355,6 @@ impl<'t> Collectives<'t> for ProcessGroup {
     }
     fn group(&self) -> &ProcessGroup {
         self
-    }
-}
-
-impl Job<'_> {
-    pub(crate) fn is_collective(&self) -> bool {
-        self.op.is_collective()
     }
 }
 

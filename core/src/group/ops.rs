@@ -1,37 +1,23 @@
-//! Every op of a group: local validation, then one canonical job.
+//! Every op of a group ([`Collectives`]): local validation, then its
+//! route (`route.rs`: a collective's; a send's or receive's here, the
+//! direct path where the issuer offers it, else a job).
 //!
 //! Validation happens here, before any byte moves: sizes, dtypes, devices,
 //! roots, peers, split sizes, tags and reduce ops. What cannot be checked
 //! locally (the other ranks' sizes) is checked by the transport, which
 //! rejects a message whose length differs from the posted receive.
 
-use super::debug::Fingerprint;
+use super::check::{meta, meta_mut, Check};
+use super::job::Job;
+use super::route::{run, Call, Issuer};
 use super::work::Work;
-use crate::backend::{FastOp, Op, OpKind, P2p};
+use crate::backend::{Op, OpKind, P2p};
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::options::OpOptions;
 use crate::reduce_op::ReduceOp;
-use crate::registry::Route;
 use crate::tag::MAX_USER_TAG;
-use crate::tensor::{Device, Layout, SparseCoo, SparseCooTensor, Tensor, TensorMut};
-
-/// An op ready to run: what the executor takes. Opaque outside weft.
-#[doc(hidden)]
-pub struct Job<'t> {
-    pub(crate) name: &'static str,
-    pub(crate) kind: OpKind,
-    pub(crate) route: Route,
-    pub(crate) fingerprint: Option<Fingerprint>,
-    pub(crate) op: Op<'t>,
-    /// The algorithm it was told to use, and its segment size, once
-    /// `GroupCore::decide` settled them.
-    pub(crate) algorithm: Option<&'static str>,
-    pub(crate) segment_bytes: Option<usize>,
-    /// Whether the backend's native path may take it (not when its fast
-    /// path already ran its part: `fast.rs`).
-    pub(crate) native: bool,
-}
+use crate::tensor::{Layout, SparseCoo, SparseCooTensor, Tensor, TensorMut};
 
 /// One send or receive of a [`Collectives::batch_p2p`].
 #[derive(Debug)]
@@ -67,130 +53,13 @@ impl<'t> P2pOp<'t> {
     }
 }
 
-/// Only weft's issuers implement [`Collectives`] (each says so where it
-/// is defined: the group, a scope, `Unscoped`).
-pub(super) mod sealed {
-    pub trait Sealed {}
-}
-impl sealed::Sealed for super::ProcessGroup {}
-
-/// Checks shared by the ops; each error names the op and this rank.
-struct Check {
-    name: &'static str,
-    rank: usize,
-    size: usize,
-    /// `WEFT_DEBUG=detail`: ops carry a fingerprint to compare across ranks.
-    detail: bool,
-}
-
-impl Check {
-    /// The op's fingerprint, built only when detail checking is on (the
-    /// formatting would otherwise cost every op).
-    fn fingerprint(&self, kind: OpKind, canon: impl FnOnce() -> String) -> Option<Fingerprint> {
-        self.detail.then(|| Fingerprint::new(self.name, kind, canon()))
-    }
-    #[cold]
-    fn fail(&self, msg: String) -> Error {
-        Error::invalid(msg).with_op(self.name).with_rank(self.rank)
-    }
-    #[inline]
-    fn rank_arg(&self, what: &str, r: usize) -> Result<()> {
-        if r >= self.size {
-            return Err(self.fail(format!("{what} {r} is out of range for a group of size {}", self.size)));
-        }
-        Ok(())
-    }
-    #[inline]
-    fn peer(&self, r: usize) -> Result<()> {
-        self.rank_arg("peer rank", r)?;
-        if r == self.rank {
-            return Err(self.fail(format!("peer rank {r} is this rank; copy locally instead")));
-        }
-        Ok(())
-    }
-    fn list_len(&self, what: &str, n: usize) -> Result<()> {
-        if n != self.size {
-            return Err(self.fail(format!("{what} has {n} tensors, expected one per rank ({})", self.size)));
-        }
-        Ok(())
-    }
-    /// `what` is formatted only on failure (this runs per tensor per op).
-    fn numel(&self, what: impl std::fmt::Display, got: usize, want: usize) -> Result<()> {
-        if got != want {
-            return Err(self.fail(format!("{what} has {got} elements, expected {want}")));
-        }
-        Ok(())
-    }
-    fn reduce_op(&self, op: ReduceOp, dtype: DType) -> Result<()> {
-        op.check(dtype).map_err(|e| e.with_op(self.name).with_rank(self.rank))
-    }
-    /// All tensors share dtype and device, are dense and contiguous; returns the route.
-    fn tensors(&self, ts: impl IntoIterator<Item = (DType, Device, bool)>) -> Result<(Route, DType, Device)> {
-        let mut first: Option<(DType, Device)> = None;
-        for (i, (dtype, device, contiguous)) in ts.into_iter().enumerate() {
-            if !contiguous {
-                return Err(self.fail(format!("tensor {i} is not contiguous (strided views are not supported yet)")));
-            }
-            match first {
-                None => first = Some((dtype, device)),
-                Some((d, _)) if d != dtype => {
-                    return Err(self.fail(format!("tensor {i} has dtype {dtype}, expected {d} like the first tensor")))
-                }
-                Some((_, dev)) if dev != device => {
-                    return Err(self.fail(format!("tensor {i} is on {device}, expected {dev} like the first tensor")))
-                }
-                _ => {}
-            }
-        }
-        let (dtype, device) = first.unwrap_or((DType::U8, Device::Cpu));
-        Ok(((device.kind(), Layout::Dense), dtype, device))
-    }
-}
-
-/// `n` elements for each of `w` ranks: split sizes without a heap
-/// allocation in groups of up to 16.
-fn equal_parts(n: usize, w: usize) -> smallvec::SmallVec<[usize; 16]> {
-    smallvec::SmallVec::from_elem(n, w)
-}
-
-fn meta(t: &Tensor<'_>) -> (DType, Device, bool) {
-    (t.dtype(), t.device(), t.is_contiguous())
-}
-fn meta_mut(t: &TensorMut<'_>) -> (DType, Device, bool) {
-    (t.dtype(), t.device(), t.is_contiguous())
-}
-
 /// The ops of a process group. Implemented by [`crate::ProcessGroup`] (ops
 /// run at once, on the calling thread) and [`crate::Scope`] (ops run in the
 /// background; the scope waits for them).
 ///
 /// Every op takes [`OpOptions`] (timeout, hints) and returns a [`Work`].
 /// Collectives must be issued in the same order on every rank of the group.
-pub trait Collectives<'t>: sealed::Sealed {
-    #[doc(hidden)]
-    fn submit(&self, job: Job<'t>, opts: &OpOptions) -> Result<Work<'t>>;
-    #[doc(hidden)]
-    /// Where a direct send or receive of host tensors on `route` runs at
-    /// once, without a job (the group's; none in a scope, which posts).
-    fn direct_p2p(&self, _route: Route) -> Option<super::p2p::DirectP2p<'_>> {
-        None
-    }
-    #[doc(hidden)]
-    /// Where a direct small collective of host tensors goes first, without
-    /// a job (the group's; none in a scope).
-    fn fast_path(
-        &self,
-        _name: &'static str,
-        _route: Route,
-        _kind: OpKind,
-        _dtype: DType,
-        _opts: &OpOptions,
-    ) -> Option<super::fast::FastPath<'_>> {
-        None
-    }
-    #[doc(hidden)]
-    /// The group the ops run on.
-    fn group(&self) -> &super::ProcessGroup;
+pub trait Collectives<'t>: Issuer<'t> {
     /// This rank in the group.
     fn rank(&self) -> usize {
         self.group().core.rank
@@ -199,12 +68,6 @@ pub trait Collectives<'t>: sealed::Sealed {
     fn size(&self) -> usize {
         self.group().core.size
     }
-    #[doc(hidden)]
-    /// Whether ops are fingerprinted for `WEFT_DEBUG=detail`.
-    fn debug_detail(&self) -> bool {
-        self.group().core.debug_detail
-    }
-
     /// Send `tensor` to rank `dst` under `tag` (at most [`MAX_USER_TAG`]).
     /// Messages with different tags may be received in any order; messages
     /// with the same tag are received in the order they were sent.
@@ -224,7 +87,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         if let Some(direct) = self.direct_p2p(route) {
             return Ok(direct.run(c.name, &mut [P2p::Send { peer: dst, tag: crate::tag::user(tag), data: data.host_bytes()? }], opts));
         }
-        self.submit(job(&c, OpKind::Send, route, None, Op::Send { data, peer: dst, tag: crate::tag::user(tag) }), opts)
+        self.submit(Job::new(c.name, OpKind::Send, route, None, Op::Send { data, peer: dst, tag: crate::tag::user(tag) }), opts)
     }
 
     /// Receive into `tensor` from rank `src` the oldest message sent under `tag`;
@@ -240,7 +103,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         if let Some(direct) = self.direct_p2p(route).filter(|_| dtype != DType::Bool) {
             return Ok(direct.run(c.name, &mut [P2p::Recv { peer: src, tag: crate::tag::user(tag), buf: buf.host_bytes_mut()? }], opts));
         }
-        self.submit(job(&c, OpKind::Recv, route, None, Op::Recv { buf, peer: src, tag: crate::tag::user(tag) }), opts)
+        self.submit(Job::new(c.name, OpKind::Recv, route, None, Op::Recv { buf, peer: src, tag: crate::tag::user(tag) }), opts)
     }
 
     /// Receive into `tensor` the oldest message sent to this rank under
@@ -258,7 +121,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         user_tag(&c, tag)?;
         let (route, ..) = c.tensors([meta_mut(&buf)])?;
         self.submit(
-            job(&c, OpKind::Recv, route, None, Op::Recv { buf, peer: crate::backend::ANY_SOURCE, tag: crate::tag::user(tag) }),
+            Job::new(c.name, OpKind::Recv, route, None, Op::Recv { buf, peer: crate::backend::ANY_SOURCE, tag: crate::tag::user(tag) }),
             opts,
         )
     }
@@ -301,36 +164,20 @@ pub trait Collectives<'t>: sealed::Sealed {
 
     /// Copy `root`'s tensor into every rank's tensor.
     fn broadcast(&self, tensor: impl Into<TensorMut<'t>>, root: usize, opts: &OpOptions) -> Result<Work<'t>> {
-        let mut buf = tensor.into();
+        let buf = tensor.into();
         let c = check(self, "broadcast");
         c.rank_arg("root", root)?;
         let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
-        if let Some(fast) = self.fast_path(c.name, route, OpKind::Broadcast, dtype, opts) {
-            let mut turn = fast.turn(opts);
-            if let Some(w) = turn.fast(FastOp::Broadcast { buf: buf.host_bytes_mut()?, root }) {
-                return Ok(w);
-            }
-            return turn.job(Op::Broadcast { buf, root }, opts);
-        }
-        let fp = c.fingerprint(OpKind::Broadcast, || format!("{dtype} x {} root {root}", buf.numel()));
-        self.submit(job(&c, OpKind::Broadcast, route, fp, Op::Broadcast { buf, root }), opts)
+        run(self, &c, OpKind::Broadcast, route, dtype, Call::Op(Op::Broadcast { buf, root }), opts)
     }
 
     /// Reduce every rank's tensor with `op`; the result replaces each tensor.
     fn all_reduce(&self, tensor: impl Into<TensorMut<'t>>, op: ReduceOp, opts: &OpOptions) -> Result<Work<'t>> {
-        let mut buf = tensor.into();
+        let buf = tensor.into();
         let c = check(self, "all_reduce");
         let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
         c.reduce_op(op, dtype)?;
-        if let Some(fast) = self.fast_path(c.name, route, OpKind::AllReduce, dtype, opts) {
-            let mut turn = fast.turn(opts);
-            if let Some(w) = turn.fast(FastOp::AllReduce { buf: buf.host_bytes_mut()?, dtype, op }) {
-                return Ok(w);
-            }
-            return turn.job(Op::AllReduce { buf, op }, opts);
-        }
-        let fp = c.fingerprint(OpKind::AllReduce, || format!("{dtype} x {} op {op}", buf.numel()));
-        self.submit(job(&c, OpKind::AllReduce, route, fp, Op::AllReduce { buf, op }), opts)
+        run(self, &c, OpKind::AllReduce, route, dtype, Call::Op(Op::AllReduce { buf, op }), opts)
     }
 
     /// Reduce every rank's tensor with `op` into `root`'s tensor; the other
@@ -341,8 +188,7 @@ pub trait Collectives<'t>: sealed::Sealed {
         c.rank_arg("root", root)?;
         let (route, dtype, _) = c.tensors([meta_mut(&buf)])?;
         c.reduce_op(op, dtype)?;
-        let fp = c.fingerprint(OpKind::Reduce, || format!("{dtype} x {} root {root} op {op}", buf.numel()));
-        self.submit(job(&c, OpKind::Reduce, route, fp, Op::Reduce { buf, root, op }), opts)
+        run(self, &c, OpKind::Reduce, route, dtype, Call::Op(Op::Reduce { buf, root, op }), opts)
     }
 
     /// `outputs[i]` receives rank i's `input`; every tensor has the same size.
@@ -358,22 +204,11 @@ pub trait Collectives<'t>: sealed::Sealed {
 
     /// Rank i's `input` lands in the i-th of W equal parts of `output`.
     fn all_gather_single(&self, output: impl Into<TensorMut<'t>>, input: impl Into<Tensor<'t>>, opts: &OpOptions) -> Result<Work<'t>> {
-        let (mut output, input) = (output.into(), input.into());
+        let (output, input) = (output.into(), input.into());
         let c = check(self, "all_gather_single");
         c.numel("output", output.numel(), input.numel() * c.size)?;
         let (route, dtype, _) = c.tensors([meta_mut(&output), meta(&input)])?;
-        let part = input.nbytes();
-        if let Some(fast) = self.fast_path(c.name, route, OpKind::AllGather, dtype, opts).filter(|_| part > 0) {
-            let mut turn = fast.turn(opts);
-            let outputs = output.host_bytes_mut()?.chunks_exact_mut(part).collect();
-            if let Some(w) = turn.fast(FastOp::AllGather { input: input.host_bytes()?, outputs }) {
-                return Ok(w);
-            }
-            let outputs = output.split_mut(&equal_parts(input.numel(), c.size)).map_err(|e| e.with_op(c.name))?;
-            return turn.job(Op::AllGather { input, outputs }, opts);
-        }
-        let outputs = output.split_mut(&equal_parts(input.numel(), c.size)).map_err(|e| e.with_op(c.name))?;
-        gather_job(self, c, input, outputs, opts)
+        run(self, &c, OpKind::AllGather, route, dtype, Call::AllGatherSingle { output, input }, opts)
     }
 
     /// `outputs[i]` receives rank i's `input`; sizes may differ per rank
@@ -412,24 +247,12 @@ pub trait Collectives<'t>: sealed::Sealed {
         op: ReduceOp,
         opts: &OpOptions,
     ) -> Result<Work<'t>> {
-        let (mut output, input) = (output.into(), input.into());
+        let (output, input) = (output.into(), input.into());
         let c = check(self, "reduce_scatter_single");
         c.numel("input", input.numel(), output.numel() * c.size)?;
         let (route, dtype, _) = c.tensors([meta_mut(&output), meta(&input)])?;
-        let part = output.nbytes();
-        if let Some(fast) = self.fast_path(c.name, route, OpKind::ReduceScatter, dtype, opts).filter(|_| part > 0) {
-            // (The job's path checks it in `scatter_reduce_job`.)
-            c.reduce_op(op, dtype)?;
-            let mut turn = fast.turn(opts);
-            let inputs = input.host_bytes()?.chunks_exact(part).collect();
-            if let Some(w) = turn.fast(FastOp::ReduceScatter { inputs, output: output.host_bytes_mut()?, dtype, op }) {
-                return Ok(w);
-            }
-            let inputs = input.split(&equal_parts(output.numel(), c.size)).map_err(|e| e.with_op(c.name))?;
-            return turn.job(Op::ReduceScatter { inputs, output, op }, opts);
-        }
-        let inputs = input.split(&equal_parts(output.numel(), c.size)).map_err(|e| e.with_op(c.name))?;
-        scatter_reduce_job(self, c, output, inputs, op, opts)
+        c.reduce_op(op, dtype)?;
+        run(self, &c, OpKind::ReduceScatter, route, dtype, Call::ReduceScatterSingle { output, input, op }, opts)
     }
 
     /// `output` becomes the reduction over ranks of their `inputs[rank]`;
@@ -460,31 +283,14 @@ pub trait Collectives<'t>: sealed::Sealed {
     /// The i-th of W equal parts of `input` goes to rank i; the i-th part of
     /// `output` comes from rank i.
     fn all_to_all_single(&self, output: impl Into<TensorMut<'t>>, input: impl Into<Tensor<'t>>, opts: &OpOptions) -> Result<Work<'t>> {
-        let (mut output, input) = (output.into(), input.into());
+        let (output, input) = (output.into(), input.into());
         let c = check(self, "all_to_all_single");
         c.numel("output", output.numel(), input.numel())?;
         if input.numel() % c.size != 0 {
             return Err(c.fail(format!("input has {} elements, not divisible by the group size {}", input.numel(), c.size)));
         }
         let (route, dtype, _) = c.tensors([meta_mut(&output), meta(&input)])?;
-        let bytes = input.nbytes() / c.size;
-        let part = || equal_parts(input.numel() / c.size, c.size);
-        if let Some(fast) = self.fast_path(c.name, route, OpKind::AllToAll, dtype, opts).filter(|_| bytes > 0) {
-            let mut turn = fast.turn(opts);
-            let (inputs, outputs) =
-                (input.host_bytes()?.chunks_exact(bytes).collect(), output.host_bytes_mut()?.chunks_exact_mut(bytes).collect());
-            if let Some(w) = turn.fast(FastOp::AllToAll { inputs, outputs }) {
-                return Ok(w);
-            }
-            let part = part();
-            let inputs = input.split(&part).map_err(|e| e.with_op(c.name))?;
-            let outputs = output.split_mut(&part).map_err(|e| e.with_op(c.name))?;
-            return turn.job(Op::AllToAll { outputs, inputs }, opts);
-        }
-        let part = part();
-        let inputs = input.split(&part).map_err(|e| e.with_op(c.name))?;
-        let outputs = output.split_mut(&part).map_err(|e| e.with_op(c.name))?;
-        all_to_all_job(self, c, outputs, inputs, opts)
+        run(self, &c, OpKind::AllToAll, route, dtype, Call::AllToAllSingle { output, input }, opts)
     }
 
     /// As `all_to_all_single` with explicit split sizes (elements per rank).
@@ -520,8 +326,7 @@ pub trait Collectives<'t>: sealed::Sealed {
             c.numel(format_args!("outputs[{i}]"), o.numel(), input.numel())?;
         }
         let (route, dtype, _) = c.tensors(std::iter::once(meta(&input)).chain(outputs.iter().map(meta_mut)))?;
-        let fp = c.fingerprint(OpKind::Gather, || format!("{dtype} x {} root {root}", input.numel()));
-        self.submit(job(&c, OpKind::Gather, route, fp, Op::Gather { input, outputs, root }), opts)
+        run(self, &c, OpKind::Gather, route, dtype, Call::Op(Op::Gather { input, outputs, root }), opts)
     }
 
     /// Every rank's `output` receives `root`'s `inputs[rank]`; other ranks'
@@ -535,8 +340,7 @@ pub trait Collectives<'t>: sealed::Sealed {
             c.numel(format_args!("inputs[{i}]"), t.numel(), output.numel())?;
         }
         let (route, dtype, _) = c.tensors(std::iter::once(meta_mut(&output)).chain(inputs.iter().map(meta)))?;
-        let fp = c.fingerprint(OpKind::Scatter, || format!("{dtype} x {} root {root}", output.numel()));
-        self.submit(job(&c, OpKind::Scatter, route, fp, Op::Scatter { inputs, output, root }), opts)
+        run(self, &c, OpKind::Scatter, route, dtype, Call::Op(Op::Scatter { inputs, output, root }), opts)
     }
 
     /// Reduce every rank's sparse COO tensor `input` (SUM, MIN or MAX over
@@ -554,8 +358,8 @@ pub trait Collectives<'t>: sealed::Sealed {
             return Err(c.fail("sparse indices and values must be contiguous".into()));
         }
         let route = (input.device().kind(), Layout::SparseCoo);
-        let fp = c.fingerprint(OpKind::AllReduceSparse, || format!("{dtype} shape {:?} op {op}", input.shape));
-        self.submit(job(&c, OpKind::AllReduceSparse, route, fp, Op::AllReduceSparse { input: Box::new(input), output, op }), opts)
+        let op = Op::AllReduceSparse { input: Box::new(input), output, op };
+        run(self, &c, OpKind::AllReduceSparse, route, dtype, Call::Op(op), opts)
     }
 
     /// Return once every rank has entered the barrier (and, as collectives
@@ -564,37 +368,13 @@ pub trait Collectives<'t>: sealed::Sealed {
     fn barrier(&self, opts: &OpOptions) -> Result<Work<'t>> {
         let c = check(self, "barrier");
         let route = (crate::tensor::DeviceKind::Cpu, Layout::Dense);
-        if let Some(fast) = self.fast_path(c.name, route, OpKind::Barrier, DType::U8, opts) {
-            let mut turn = fast.turn(opts);
-            if let Some(w) = turn.fast(FastOp::Barrier) {
-                return Ok(w);
-            }
-            return turn.job(Op::Barrier, opts);
-        }
-        let fp = c.fingerprint(OpKind::Barrier, String::new);
-        self.submit(job(&c, OpKind::Barrier, route, fp, Op::Barrier), opts)
+        run(self, &c, OpKind::Barrier, route, DType::U8, Call::Op(Op::Barrier), opts)
     }
 }
 
 fn check<'t, G: Collectives<'t> + ?Sized>(g: &G, name: &'static str) -> Check {
-    Check { name, rank: g.rank(), size: g.size(), detail: g.debug_detail() }
-}
-
-fn job<'t>(c: &Check, kind: OpKind, route: Route, fingerprint: Option<Fingerprint>, op: Op<'t>) -> Job<'t> {
-    Job { name: c.name, kind, route, fingerprint, op, algorithm: None, segment_bytes: None, native: true }
-}
-
-impl Job<'_> {
-    /// The options this job runs with: the caller's, borrowed (no copy on
-    /// the latency-bound path), except that a device op without a stream
-    /// takes the one current on the issuing thread, not on whichever
-    /// thread runs it.
-    pub(crate) fn options<'o>(&self, opts: &'o OpOptions) -> std::borrow::Cow<'o, OpOptions> {
-        if self.route.0 == crate::tensor::DeviceKind::Cpu || opts.stream.is_some() {
-            return std::borrow::Cow::Borrowed(opts);
-        }
-        std::borrow::Cow::Owned(OpOptions { stream: crate::stream::current_stream(), ..opts.clone() })
-    }
+    let core = &g.group().core;
+    Check { name, rank: core.rank, size: core.size, detail: core.debug_detail }
 }
 
 fn user_tag(c: &Check, tag: u32) -> Result<()> {
@@ -647,9 +427,10 @@ fn batch_job<'t, G: Collectives<'t> + ?Sized>(
         Op::Recv { buf, .. } => meta_mut(buf),
         _ => unreachable!("a batch of sends and receives"),
     }))?;
-    g.submit(job(&c, OpKind::Send, route, None, Op::Batch { ops: batch }), opts)
+    g.submit(Job::new(c.name, OpKind::Send, route, None, Op::Batch { ops: batch }), opts)
 }
 
+/// A list-form all_gather (sizes checked by the caller).
 fn gather_job<'t, G: Collectives<'t> + ?Sized>(
     g: &G,
     c: Check,
@@ -658,10 +439,10 @@ fn gather_job<'t, G: Collectives<'t> + ?Sized>(
     opts: &OpOptions,
 ) -> Result<Work<'t>> {
     let (route, dtype, _) = c.tensors(std::iter::once(meta(&input)).chain(outputs.iter().map(meta_mut)))?;
-    let fp = c.fingerprint(OpKind::AllGather, || format!("{dtype} counts {:?}", outputs.iter().map(|o| o.numel()).collect::<Vec<_>>()));
-    g.submit(job(&c, OpKind::AllGather, route, fp, Op::AllGather { input, outputs }), opts)
+    run(g, &c, OpKind::AllGather, route, dtype, Call::Op(Op::AllGather { input, outputs }), opts)
 }
 
+/// A list-form reduce_scatter (sizes checked by the caller).
 fn scatter_reduce_job<'t, G: Collectives<'t> + ?Sized>(
     g: &G,
     c: Check,
@@ -672,12 +453,10 @@ fn scatter_reduce_job<'t, G: Collectives<'t> + ?Sized>(
 ) -> Result<Work<'t>> {
     let (route, dtype, _) = c.tensors(std::iter::once(meta_mut(&output)).chain(inputs.iter().map(meta)))?;
     c.reduce_op(op, dtype)?;
-    let fp = c.fingerprint(OpKind::ReduceScatter, || {
-        format!("{dtype} counts {:?} op {op}", inputs.iter().map(|t| t.numel()).collect::<Vec<_>>())
-    });
-    g.submit(job(&c, OpKind::ReduceScatter, route, fp, Op::ReduceScatter { inputs, output, op }), opts)
+    run(g, &c, OpKind::ReduceScatter, route, dtype, Call::Op(Op::ReduceScatter { inputs, output, op }), opts)
 }
 
+/// A list-form all_to_all (sizes checked by the caller).
 fn all_to_all_job<'t, G: Collectives<'t> + ?Sized>(
     g: &G,
     c: Check,
@@ -686,6 +465,5 @@ fn all_to_all_job<'t, G: Collectives<'t> + ?Sized>(
     opts: &OpOptions,
 ) -> Result<Work<'t>> {
     let (route, dtype, _) = c.tensors(inputs.iter().map(meta).chain(outputs.iter().map(meta_mut)))?;
-    let fp = c.fingerprint(OpKind::AllToAll, || format!("{dtype}"));
-    g.submit(job(&c, OpKind::AllToAll, route, fp, Op::AllToAll { inputs, outputs }), opts)
+    run(g, &c, OpKind::AllToAll, route, dtype, Call::Op(Op::AllToAll { inputs, outputs }), opts)
 }

@@ -21,8 +21,10 @@
 //! concurrently. Elsewhere point-to-point ops run as collectives do: one at a
 //! time, in issue order (a batch as one exchange).
 
+use super::job::Job;
+use super::progress_thread::ProgressThread;
 use super::work::{Work, WorkState};
-use super::{GroupCore, Job};
+use super::GroupCore;
 use crate::backend::progress::Post;
 use crate::backend::{Backend, Deadline, Op, P2p, ANY_SOURCE};
 use crate::dtype::DType;
@@ -30,145 +32,8 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::options::OpOptions;
 use crate::registry::Route;
 use crate::tensor::DeviceKind;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
-
-/// A group's progress thread for one posting transport: it drives the
-/// transport while background ops posted to it are unfinished.
-pub(crate) struct ProgressThread {
-    backend: Arc<dyn Backend>,
-    /// Background ops posted and not yet finished.
-    pending: AtomicUsize,
-    /// Open windows whose targets keep receives posted (`crate::window`):
-    /// the thread drives while any is open, but does not wait for them
-    /// to stop.
-    listeners: AtomicUsize,
-    /// Threads waiting for one of them, which drive the transport
-    /// themselves meanwhile (`drive_for`); the progress thread steps aside.
-    waiting: AtomicUsize,
-    shutdown: AtomicBool,
-    thread: Mutex<Option<JoinHandle<()>>>,
-    idle: Mutex<()>,
-    wake: Condvar,
-}
-
-impl ProgressThread {
-    fn start(backend: Arc<dyn Backend>) -> Arc<ProgressThread> {
-        let progress = Arc::new(ProgressThread {
-            backend,
-            pending: AtomicUsize::new(0),
-            listeners: AtomicUsize::new(0),
-            waiting: AtomicUsize::new(0),
-            shutdown: AtomicBool::new(false),
-            thread: Mutex::new(None),
-            idle: Mutex::new(()),
-            wake: Condvar::new(),
-        });
-        let me = progress.clone();
-        let t = std::thread::Builder::new()
-            .name("weft-p2p-progress".into())
-            .spawn(move || me.run())
-            .expect("spawn the point-to-point progress thread");
-        *progress.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
-        progress
-    }
-
-    /// Whether the progress thread has nothing to do: no background op
-    /// pending and no window listening, or a waiting thread drives the
-    /// transport.
-    fn idle(&self) -> bool {
-        (self.pending.load(Ordering::SeqCst) == 0 && self.listeners.load(Ordering::SeqCst) == 0) || self.waiting.load(Ordering::SeqCst) > 0
-    }
-
-    /// Whether the thread should end: stopped, and no background op left
-    /// (windows still listening are not waited for).
-    fn finished(&self) -> bool {
-        self.shutdown.load(Ordering::SeqCst) && self.pending.load(Ordering::SeqCst) == 0
-    }
-
-    fn run(&self) {
-        loop {
-            {
-                let g = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-                let _g =
-                    self.wake.wait_while(g, |_| self.idle() && !self.shutdown.load(Ordering::SeqCst)).unwrap_or_else(|p| p.into_inner());
-            }
-            if self.finished() {
-                return;
-            }
-            self.backend.progress(&|| self.idle() || self.finished());
-        }
-    }
-
-    /// Drive the transport on this thread until `until()` holds: what a
-    /// thread waiting for a posted op does. The progress thread leaves the
-    /// transport to it (within a turn of its loop; while it sleeps in the
-    /// kernel, the transport's events wake it) and takes over again after.
-    pub(crate) fn drive_for(&self, until: &dyn Fn() -> bool) {
-        self.waiting.fetch_add(1, Ordering::SeqCst);
-        self.backend.progress(until);
-        if self.waiting.fetch_sub(1, Ordering::SeqCst) == 1 {
-            drop(self.idle.lock().unwrap_or_else(|p| p.into_inner()));
-            self.wake.notify_one();
-        }
-    }
-
-    /// A window starts listening on this transport: drive it from now on.
-    pub(crate) fn listen(&self) {
-        self.listeners.fetch_add(1, Ordering::SeqCst);
-        self.kick();
-    }
-
-    /// A window stopped listening.
-    pub(crate) fn unlisten(&self) {
-        self.listeners.fetch_sub(1, Ordering::SeqCst);
-    }
-
-    /// Post a background batch and leave it to whoever drives the
-    /// transport (this thread does not take a turn: with a window open the
-    /// progress thread is always in the transport, and a turn would wait
-    /// for it).
-    pub(crate) fn post(self: &Arc<Self>, post: Post) {
-        if self.shutdown.load(Ordering::SeqCst) {
-            // The group was closed: nothing drives this transport any more.
-            return post.fail(Error::aborted("the process group was closed"));
-        }
-        self.begin();
-        let me = self.clone();
-        self.backend.post(post.finally(move || me.end()));
-        self.kick();
-    }
-
-    /// One more background op is posted (see `kick`).
-    fn begin(&self) {
-        self.pending.fetch_add(1, Ordering::SeqCst);
-    }
-
-    /// A background op is left for the progress thread: wake it (unless a
-    /// waiting thread drives the transport, or nothing is pending).
-    fn kick(&self) {
-        if !self.idle() {
-            drop(self.idle.lock().unwrap_or_else(|p| p.into_inner()));
-            self.wake.notify_one();
-        }
-    }
-
-    /// A background op finished.
-    fn end(&self) {
-        self.pending.fetch_sub(1, Ordering::SeqCst);
-    }
-
-    /// Stop the thread (after every background op has finished).
-    pub(crate) fn stop(&self) {
-        self.shutdown.store(true, Ordering::SeqCst);
-        drop(self.idle.lock().unwrap_or_else(|p| p.into_inner()));
-        self.wake.notify_one();
-        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            let _ = t.join();
-        }
-    }
-}
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 /// Received bool buffers, to clean once their bytes are in.
 fn bool_outputs(op: &mut Op<'_>) -> Vec<(usize, usize)> {
@@ -214,7 +79,7 @@ impl GroupCore {
     /// Post a directly issued `job` and drive its transport until it has
     /// finished (what a receive from any rank takes, to learn its sender).
     pub(crate) fn post_and_wait(self: &Arc<Self>, backend: &Arc<dyn Backend>, job: &mut Job<'_>, opts: &OpOptions) -> Arc<WorkState> {
-        let state = super::executor::new_state();
+        let state = Arc::<WorkState>::default();
         // SAFETY: this returns once `state` has completed, so the tensors
         // outlive the op.
         unsafe { self.post_p2p(backend, job, opts, state.clone(), false) };
@@ -234,7 +99,7 @@ impl GroupCore {
     /// This group's progress thread for `backend`, started on first use.
     pub(crate) fn progress_thread(&self, backend: &Arc<dyn Backend>) -> Arc<ProgressThread> {
         let mut progress_threads = self.progress_threads.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(l) = progress_threads.iter().find(|l| Arc::ptr_eq(&l.backend, backend)) {
+        if let Some(l) = progress_threads.iter().find(|l| l.drives(backend)) {
             return l.clone();
         }
         let l = ProgressThread::start(backend.clone());

@@ -8,7 +8,9 @@
 //! tensors alive issue the same background ops without a scope
 //! ([`Unscoped`], an unsafe promise).
 
-use super::ops::{sealed, Collectives, Job};
+use super::job::Job;
+use super::ops::Collectives;
+use super::route::Issuer;
 use super::work::{Work, WorkState};
 use super::GroupCore;
 use super::ProcessGroup;
@@ -67,10 +69,10 @@ impl ProcessGroup {
     }
 }
 
-impl sealed::Sealed for Scope<'_, '_> {}
-impl sealed::Sealed for Unscoped<'_> {}
+impl<'scope> Collectives<'scope> for Scope<'scope, '_> {}
+impl Collectives<'static> for Unscoped<'_> {}
 
-impl<'scope, 'env> Collectives<'scope> for Scope<'scope, 'env> {
+impl<'scope, 'env> Issuer<'scope> for Scope<'scope, 'env> {
     fn submit(&self, mut job: Job<'scope>, opts: &OpOptions) -> Result<Work<'scope>> {
         self.group.core.decide(&mut job, opts)?;
         // SAFETY: only the lifetime changes. The job borrows tensors for
@@ -115,7 +117,7 @@ impl ProcessGroup {
     }
 }
 
-impl Collectives<'static> for Unscoped<'_> {
+impl Issuer<'static> for Unscoped<'_> {
     fn submit(&self, mut job: Job<'static>, opts: &OpOptions) -> Result<Work<'static>> {
         self.group.core.decide(&mut job, opts)?;
         // SAFETY: the promise made to `ProcessGroup::unscoped`.
@@ -141,7 +143,7 @@ impl GroupCore {
         track: impl FnOnce(&Arc<WorkState>),
     ) -> Arc<WorkState> {
         let opts = job.options(opts).into_owned();
-        let state = super::executor::new_state();
+        let state = Arc::<WorkState>::default();
         state.set_timeout(opts.timeout.unwrap_or(self.options.timeout));
         track(&state);
         if let Some(backend) = self.posting_backend(&job) {

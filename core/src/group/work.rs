@@ -37,7 +37,7 @@ pub(crate) struct WorkState {
     /// how a thread waiting for it drives that transport itself (as
     /// `MPI_Wait` makes progress) instead of sleeping until the group's
     /// progress thread has finished it and woken the waiter.
-    driver: std::sync::OnceLock<Arc<super::p2p::ProgressThread>>,
+    driver: std::sync::OnceLock<Arc<super::progress_thread::ProgressThread>>,
     /// The op's timeout: how long settling waits for its device side.
     timeout: std::sync::OnceLock<Duration>,
 }
@@ -73,7 +73,7 @@ impl WorkState {
     }
 
     /// Have waiters drive `progress`'s transport (see `driver`).
-    pub(crate) fn set_driver(&self, progress: Arc<super::p2p::ProgressThread>) {
+    pub(crate) fn set_driver(&self, progress: Arc<super::progress_thread::ProgressThread>) {
         let _ = self.driver.set(progress);
     }
 
@@ -170,7 +170,7 @@ impl<'t> Work<'t> {
     /// The handle of an op that finishes later, and the completion that
     /// finishes it (errors passed through `name`).
     pub(crate) fn later(name: impl FnOnce(Error) -> Error + Send + 'static) -> (Self, crate::backend::progress::Done) {
-        let state = super::executor::new_state();
+        let state = Arc::<WorkState>::default();
         let mine = state.clone();
         (Work::new(state), Box::new(move |r: Result<()>| mine.complete(r.map_err(name), None)))
     }
