@@ -35,6 +35,7 @@ pub mod kernels;
 pub mod launch;
 pub mod locality;
 pub mod log;
+pub mod moe;
 mod options;
 pub mod plugin;
 mod reduce_op;

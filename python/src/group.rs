@@ -107,6 +107,11 @@ macro_rules! via {
 pub(crate) use via;
 
 impl PyGroup {
+    /// The group and its error record.
+    pub(crate) fn native(&self) -> &Native {
+        &self.0
+    }
+
     /// Issue an op; `keep` holds its tensors until it has finished. A
     /// direct op runs on this thread with the GIL released and has
     /// finished when this returns (its error raised here); else it runs in

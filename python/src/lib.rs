@@ -6,6 +6,7 @@
 mod errors;
 mod group;
 mod health;
+mod moe;
 mod options;
 mod store;
 mod tensor;
@@ -65,6 +66,18 @@ fn _weft(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(launch_env, m)?)?;
     m.add_function(wrap_pyfunction!(launch_ranks, m)?)?;
     m.add_function(wrap_pyfunction!(parse_timeout, m)?)?;
+    m.add_class::<moe::PyDispatchPlan>()?;
+    m.add_class::<moe::PyExpertRouting>()?;
+    for f in [
+        wrap_pyfunction!(moe::moe_plan, m)?,
+        wrap_pyfunction!(moe::moe_dispatch, m)?,
+        wrap_pyfunction!(moe::moe_dispatch_again, m)?,
+        wrap_pyfunction!(moe::moe_combine, m)?,
+        wrap_pyfunction!(moe::moe_combine_backward, m)?,
+        wrap_pyfunction!(moe::moe_to_experts, m)?,
+    ] {
+        m.add_function(f)?;
+    }
     m.add("WeftError", m.py().get_type::<errors::WeftError>())?;
     m.add("TORCH_API", torch_api::capsule(m.py())?)?;
     m.add("TORCH_API_VERSION", torch_api::VERSION)?;

@@ -19,6 +19,14 @@ matplotlib) save the rows. The backend name ``rust`` runs ``weft bench``
 shows what the Python layer adds.
 
     python -m weft.bench --world 2 --backends gloo,weft --sizes 8,1M,64M --rounds 3
+
+``--workload moe`` times expert parallelism instead (`_bench_moe.py`):
+dispatch, experts, combine and backward with ``weft.moe`` (on weft) and
+with torchtitan's recipe of ``all_to_all_single`` calls (on every backend),
+DeepSeek-style by default (4096 tokens of 2048 bfloat16 per rank, 64
+experts, top-8), with the bytes of rows each rank sends:
+
+    python -m weft.bench --workload moe --world 2,4 --backends gloo,weft --rounds 3
 """
 
 from __future__ import annotations
@@ -163,6 +171,45 @@ def worker(backend: str, sizes: list[int], ops: list[str], iters: int, warmup: i
 # -- the launcher --------------------------------------------------------------
 
 
+def moe_worker(backend: str, args, out_path: str, bind: bool) -> None:
+    """One rank of the expert-parallel workload: each method that runs on
+    `backend` (weft.moe on weft only); rank 0 writes the rows."""
+    import torch.distributed as dist
+
+    from . import _bench_moe
+
+    if bind:
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[int(os.environ["LOCAL_RANK"]) % len(cpus)]})
+    dist.init_process_group(backend)
+    rank = dist.get_rank()
+    rows = []
+    for method in _bench_moe.METHODS:
+        if method == "weft.moe" and backend != "weft":
+            continue
+        row = _bench_moe.worker(method, args.tokens, args.hidden, args.experts, args.topk, args.dtype, args.iters, args.warmup)
+        rows.append(row)
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+
+
+def print_moe(samples: dict, backends: list[str]) -> None:
+    """Median [min-max] over rounds of each (W, backend, method), and its
+    speed against the recipe on the same backend and on the first."""
+    med = {key: statistics.median(r["median_ms"] for r in runs) for key, runs in samples.items()}
+    print(f"{'W':>3} {'backend':<8} {'method':<9} {'ms fwd+bwd':>12} {'[min-max over rounds]':>22} {'MiB sent/rank':>14} {'x recipe':>9} {'x ' + backends[0] + ' recipe':>14}")
+    for (w, b, m), runs in sorted(samples.items()):
+        rounds = [r["median_ms"] for r in runs]
+        own = med.get((w, b, "recipe"))
+        first = med.get((w, backends[0], "recipe"))
+        x_own = f"{own / med[(w, b, m)]:.2f}" if own else "-"
+        x_first = f"{first / med[(w, b, m)]:.2f}" if first else "-"
+        sent = runs[0]["bytes_sent"] / (1 << 20)
+        print(f"{w:>3} {b:<8} {m:<9} {med[(w, b, m)]:>12.1f} {f'[{min(rounds):.1f}-{max(rounds):.1f}]':>22} {sent:>14.2f} {x_own:>9} {x_first:>14}")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -179,7 +226,8 @@ def launch(backend: str, world: int, args, timeout: float) -> list[dict]:
         # all_reduce of 1 MiB: 69-75 us against 47 with one thread).
         env.setdefault("OMP_NUM_THREADS", "1")
         cmd = [sys.executable, "-m", "weft.bench", "--worker", backend, "--sizes", ",".join(map(str, args.sizes)), "--ops", ",".join(args.ops)]
-        cmd += ["--iters", str(args.iters), "--warmup", str(args.warmup), "--out", out]
+        cmd += ["--iters", str(args.iters), "--warmup", str(args.warmup), "--out", out, "--workload", args.workload]
+        cmd += ["--tokens", str(args.tokens), "--hidden", str(args.hidden), "--experts", str(args.experts), "--topk", str(args.topk), "--dtype", args.dtype]
         if args.bind_cores if args.bind_cores is not None else world <= len(os.sched_getaffinity(0)):
             cmd.append("--bind-cores")
         procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
@@ -331,6 +379,12 @@ def main(argv=None) -> None:
     p.add_argument("--csv")
     p.add_argument("--json")
     p.add_argument("--plot")
+    p.add_argument("--workload", choices=["ops", "moe"], default="ops", help="the seed's ops over sizes, or expert parallelism (see above)")
+    p.add_argument("--tokens", type=int, default=4096, help="moe: tokens per rank")
+    p.add_argument("--hidden", type=int, default=2048, help="moe: elements per token")
+    p.add_argument("--experts", type=int, default=64, help="moe: experts in all")
+    p.add_argument("--topk", type=int, default=8, help="moe: experts per token")
+    p.add_argument("--dtype", default="bfloat16", help="moe: the tokens' dtype")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -340,11 +394,23 @@ def main(argv=None) -> None:
     if unknown:
         p.error(f"unknown ops {unknown}; choose from {OPS}")
     if a.worker:
-        worker(a.worker, a.sizes, a.ops, a.iters, a.warmup, a.out, bool(a.bind_cores))
+        if a.workload == "moe":
+            moe_worker(a.worker, a, a.out, bool(a.bind_cores))
+        else:
+            worker(a.worker, a.sizes, a.ops, a.iters, a.warmup, a.out, bool(a.bind_cores))
         return
     backends = [b for b in a.backends.split(",") if b]
     worlds = [int(w) for w in a.world.split(",")]
     samples: dict = {}
+    if a.workload == "moe":
+        for rnd in range(a.rounds):
+            for w in worlds:
+                for b in backends:
+                    for row in launch(b, w, a, a.timeout):
+                        samples.setdefault((w, b, row["method"]), []).append(row)
+            print(f"round {rnd + 1}/{a.rounds} done", file=sys.stderr)
+        print_moe(samples, backends)
+        return
     for rnd in range(a.rounds):
         for w in worlds:
             for b in backends:

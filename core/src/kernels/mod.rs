@@ -12,6 +12,7 @@ use half::{bf16, f16};
 
 mod buffers;
 mod copy;
+pub mod weighted;
 
 pub use buffers::{AlignedBuf, Scratch};
 pub use copy::{copy, prefetch, slow_copy_distance, STREAM_COPY_BYTES};

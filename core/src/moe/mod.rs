@@ -1,0 +1,534 @@
+//! Mixture-of-experts token dispatch and combine (expert parallelism) over
+//! any backend: each rank holds `num_experts / W` experts (rank r the ids
+//! `r * E/W .. (r + 1) * E/W`).
+//!
+//! - **Dispatch** sends each token's row to the ranks that hold its top-k
+//!   experts, once per rank however many of its experts live there, and
+//!   lands the rows there grouped by local expert (then by source rank,
+//!   then token order), one row per (token, expert). It runs in two
+//!   steps: [`ProcessGroup::dispatch_plan`] exchanges a fixed-size header
+//!   with every rank (validity, what all ranks must agree on, and how many
+//!   tokens and pairs each sends), so the caller can size the output;
+//!   [`ProcessGroup::dispatch`] moves the rows, each message carrying its
+//!   tokens' local experts ahead of the rows, and returns the
+//!   [`ExpertRouting`]: the handle a combine and a second dispatch reuse
+//!   without exchanging counts again.
+//! - **Combine** ([`ProcessGroup::combine`]) weights each expert's row,
+//!   sums the rows of one token's experts on their rank, sends one row per
+//!   (token, rank) back, and sums those on the token's rank.
+//! - Per-pair values (the router's weights, their gradients) travel as
+//!   lists in the pairs' canonical order ([`ProcessGroup::pair_values_to_experts`],
+//!   [`ProcessGroup::pair_values_to_tokens`]).
+//! - The backward passes: a dispatch's is a combine with weights one; a
+//!   combine's is [`ProcessGroup::combine_backward`] (the output's
+//!   gradient dispatched once per (token, rank), scaled per expert row,
+//!   and the router weights' gradients sent back). The Python layer's
+//!   autograd (`weft.moe`) is built from these.
+//!
+//! Invalid routing on any rank (an expert id out of range, a number of
+//! experts not divisible by W, shapes that disagree) fails the dispatch on
+//! every rank, after the header exchange, naming the ranks; never wrong
+//! data. The routing logic (what goes where) is `plan.rs`, without I/O;
+//! this file moves bytes through the group's `all_to_all`.
+
+mod plan;
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::group::{Collectives, ProcessGroup};
+use crate::kernels::weighted::{self, WeightedSum};
+use crate::options::OpOptions;
+use crate::tensor::{Tensor, TensorMut};
+use plan::{meta_bytes, Header, Placement, Plan, HEADER};
+
+/// Step one of a dispatch, done: every rank's header has arrived. Say
+/// how many rows this rank receives ([`DispatchPlan::rows`]), then pass
+/// it to [`ProcessGroup::dispatch`].
+#[derive(Debug)]
+pub struct DispatchPlan {
+    plan: Plan,
+    /// What each rank sends this one.
+    headers: Vec<Header>,
+    shape: Shape,
+}
+
+/// What one dispatch's ranks agree on.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    tokens: usize,
+    k: usize,
+    hidden: usize,
+    dtype: DType,
+    experts: usize,
+}
+
+impl Shape {
+    fn row_bytes(&self) -> usize {
+        self.hidden * self.dtype.size()
+    }
+}
+
+impl DispatchPlan {
+    /// Rows this rank's experts receive: one per (token, local expert).
+    pub fn rows(&self) -> usize {
+        self.headers.iter().map(|h| h.pairs as usize).sum()
+    }
+}
+
+/// How one dispatch's tokens were routed, on this rank: the handle a
+/// combine, a second dispatch with the same routing and the per-pair
+/// value exchanges reuse.
+#[derive(Debug)]
+pub struct ExpertRouting {
+    plan: Plan,
+    placed: Placement,
+    shape: Shape,
+    rank: usize,
+}
+
+impl ExpertRouting {
+    /// Rows received per local expert (in local expert order).
+    pub fn counts(&self) -> &[usize] {
+        &self.placed.counts
+    }
+    /// Rows received in all.
+    pub fn rows(&self) -> usize {
+        self.placed.total()
+    }
+    /// Tokens on this rank (the dispatch's input rows).
+    pub fn tokens(&self) -> usize {
+        self.shape.tokens
+    }
+    /// Experts chosen per token.
+    pub fn k(&self) -> usize {
+        self.shape.k
+    }
+    /// Elements per row.
+    pub fn hidden(&self) -> usize {
+        self.shape.hidden
+    }
+    /// Row bytes this rank sends in one dispatch of `dtype` rows, and
+    /// receives in a combine of them: one row per (token, other rank that
+    /// holds any of its experts).
+    pub fn bytes_sent(&self, dtype: DType) -> usize {
+        let tokens: usize = self.plan.tokens.iter().enumerate().filter(|(r, _)| *r != self.rank).map(|(_, t)| t.len()).sum();
+        tokens * self.shape.hidden * dtype.size()
+    }
+}
+
+impl ProcessGroup {
+    /// Step one of a dispatch: check the routing and exchange a header
+    /// with every rank. `topk_idx` holds `k` expert ids per token (`-1`:
+    /// none), rows of `hidden` elements of `dtype` are to move.
+    /// Collective: every rank calls it, with the same `k`, `num_experts`,
+    /// `hidden` and `dtype`; a rank with no tokens passes an empty list.
+    pub fn dispatch_plan(
+        &self,
+        topk_idx: &[i64],
+        k: usize,
+        num_experts: usize,
+        hidden: usize,
+        dtype: DType,
+        opts: &OpOptions,
+    ) -> Result<DispatchPlan> {
+        const NAME: &str = "dispatch";
+        let (rank, world) = (self.rank(), self.size());
+        let fail = |e: Error| e.with_op(NAME).with_rank(rank);
+        let planned = if !dtype.is_float() {
+            Err(Error::invalid(format!("dispatch moves float rows (float32, float64, float16, bfloat16), not {dtype}")))
+        } else {
+            Plan::new(topk_idx, k, num_experts, world)
+        };
+        let tokens = topk_idx.len().checked_div(k).unwrap_or(0);
+        let mine: Vec<Header> = (0..world)
+            .map(|r| Header {
+                ok: planned.is_ok(),
+                experts: num_experts as u64,
+                row_bytes: (hidden * dtype.size()) as u64,
+                dtype: dtype as u64,
+                tokens: planned.as_ref().map_or(0, |p| p.tokens[r].len() as u64),
+                pairs: planned.as_ref().map_or(0, |p| p.pairs[r].len() as u64),
+            })
+            .collect();
+        let mut out = vec![0u8; world * HEADER];
+        let mut send = vec![0u8; world * HEADER];
+        for (h, b) in mine.iter().zip(send.chunks_exact_mut(HEADER)) {
+            h.encode(b);
+        }
+        self.all_to_all_single(&mut out[..], &send[..], opts)?.wait()?;
+        let headers: Vec<Header> = out.chunks_exact(HEADER).map(Header::decode).collect();
+        let plan = planned.map_err(fail)?;
+        let invalid: Vec<usize> = (0..world).filter(|r| !headers[*r].ok).collect();
+        if !invalid.is_empty() {
+            return Err(fail(Error::invalid(format!("rank(s) {invalid:?} passed invalid routing or rows (see their errors)"))));
+        }
+        let differ = |what: &str, get: fn(&Header) -> u64, show: &dyn Fn(u64) -> String| -> Result<()> {
+            let odd: Vec<String> = headers
+                .iter()
+                .enumerate()
+                .filter(|(_, h)| get(h) != get(&mine[0]))
+                .map(|(r, h)| format!("rank {r}: {}", show(get(h))))
+                .collect();
+            if odd.is_empty() {
+                return Ok(());
+            }
+            Err(fail(Error::invalid(format!("ranks disagree on {what}: this rank has {}, {}", show(get(&mine[0])), odd.join(", ")))))
+        };
+        differ("num_experts", |h| h.experts, &|v| v.to_string())?;
+        differ("the dtype", |h| h.dtype, &|v| DType::ALL.get(v as usize).map_or(v.to_string(), |d| d.to_string()))?;
+        differ("the row size in bytes (hidden x dtype size)", |h| h.row_bytes, &|v| v.to_string())?;
+        let shape = Shape { tokens, k, hidden, dtype, experts: num_experts };
+        Ok(DispatchPlan { plan, headers, shape })
+    }
+
+    /// Step two of a dispatch: move the rows of `x` (`[tokens, hidden]`)
+    /// into `out` (`[plan.rows(), hidden]`, grouped by local expert).
+    /// Collective, after every rank's [`ProcessGroup::dispatch_plan`]. A
+    /// wrong `x` or `out` here fails this rank only (it still takes part,
+    /// so the others finish).
+    pub fn dispatch(&self, plan: DispatchPlan, x: Tensor<'_>, mut out: TensorMut<'_>, opts: &OpOptions) -> Result<ExpertRouting> {
+        const NAME: &str = "dispatch";
+        let DispatchPlan { plan, headers, shape } = plan;
+        let (rank, row) = (self.rank(), shape.row_bytes());
+        let fail = |e: Error| e.with_op(NAME).with_rank(rank);
+        let rows = rows_of(&x, shape, shape.tokens, "x");
+        let sends: Vec<Vec<u8>> = (0..self.size())
+            .map(|r| {
+                let (t, p) = (plan.tokens[r].len(), plan.pairs[r].len());
+                let mut b = vec![0u8; t * row + meta_bytes(t, p)];
+                if let Ok(x) = &rows {
+                    gather_rows(x, &plan.tokens[r], row, &mut b);
+                }
+                plan.meta(r, shape.k, &mut b[t * row..]);
+                b
+            })
+            .collect();
+        let sizes: Vec<usize> = headers.iter().map(|h| h.tokens as usize * row + meta_bytes(h.tokens as usize, h.pairs as usize)).collect();
+        let got = self.exchange_bytes(NAME, sends, &sizes, rows.is_ok(), opts);
+        rows.map_err(fail)?;
+        let got = got?;
+        let metas: Vec<&[u8]> = got.iter().zip(&headers).map(|(b, h)| &b[h.tokens as usize * row..]).collect();
+        let placed = Placement::new(&metas, &headers, shape.experts / self.size()).map_err(fail)?;
+        let out = rows_of_mut(&mut out, shape, placed.total(), "out").map_err(fail)?;
+        each_pair(&placed, &got, row, |r, token_row| out[r * row..(r + 1) * row].copy_from_slice(token_row));
+        Ok(ExpertRouting { plan, placed, shape, rank })
+    }
+
+    /// A second dispatch with `routing`: the rows of `x` (`[tokens,
+    /// hidden]`, any float dtype, the same on every rank) into `out`
+    /// (`[routing.rows(), hidden]`), without the header exchange.
+    pub fn dispatch_again(&self, routing: &ExpertRouting, x: Tensor<'_>, mut out: TensorMut<'_>, opts: &OpOptions) -> Result<()> {
+        const NAME: &str = "dispatch";
+        let shape = Shape { dtype: x.dtype(), ..routing.shape };
+        let row = shape.row_bytes();
+        let fail = |e: Error| e.with_op(NAME).with_rank(self.rank());
+        let checked =
+            rows_of(&x, shape, shape.tokens, "x").and_then(|x| Ok((x, rows_of_mut(&mut out, shape, routing.placed.total(), "out")?)));
+        let (x, out) = match checked {
+            Ok((x, out)) => (Some(x), Some(out)),
+            Err(e) => {
+                let _ = self.spread(NAME, routing, None, row, opts);
+                return Err(fail(e));
+            }
+        };
+        let got = self.spread(NAME, routing, x, row, opts)?;
+        let out = out.expect("checked");
+        each_pair(&routing.placed, &got, row, |r, token_row| out[r * row..(r + 1) * row].copy_from_slice(token_row));
+        Ok(())
+    }
+
+    /// The backward pass of a [`ProcessGroup::combine`] (collective):
+    /// from `dy` (`[tokens, hidden]`, the gradient of its output) and what
+    /// it took (`expert_out`, `weights` per row), `grad_expert_out`
+    /// (`[rows, hidden]`) becomes `weights[row] * dy[token]`, and the
+    /// result is the gradient of the per-pair weights, `[tokens, k]` (zero
+    /// for slots routed nowhere). One row per (token, rank) travels to the
+    /// experts, as in a dispatch, and one value per pair back.
+    pub fn combine_backward(
+        &self,
+        routing: &ExpertRouting,
+        dy: Tensor<'_>,
+        expert_out: Tensor<'_>,
+        weights: &[f64],
+        mut grad_expert_out: TensorMut<'_>,
+        opts: &OpOptions,
+    ) -> Result<Vec<f64>> {
+        const NAME: &str = "combine_backward";
+        let shape = Shape { dtype: dy.dtype(), ..routing.shape };
+        let (row, rows) = (shape.row_bytes(), routing.placed.total());
+        let fail = |e: Error| e.with_op(NAME).with_rank(self.rank());
+        let checked = backward_rows(&dy, &expert_out, &mut grad_expert_out, weights, shape, rows);
+        let (dy, eo, grad) = match checked {
+            Ok(parts) => parts,
+            Err(e) => {
+                let _ = self.spread(NAME, routing, None, row, opts);
+                return Err(fail(e));
+            }
+        };
+        let got = self.spread(NAME, routing, Some(dy), row, opts)?;
+        let mut grad_w = vec![0.0; rows];
+        each_pair(&routing.placed, &got, row, |r, dy_row| {
+            let (at, end) = (r * row, (r + 1) * row);
+            grad_w[r] = weighted::scale_and_dot(&mut grad[at..end], dy_row, &eo[at..end], shape.dtype, weights[r]);
+        });
+        self.pair_values_to_tokens(routing, &grad_w, opts)
+    }
+
+    /// Send each token's row of `x` (rows of `row` bytes; `None`: this
+    /// rank's arguments were invalid, and it sends zeros) to every rank
+    /// holding its experts, once per rank: what each rank sent, by source.
+    fn spread(&self, name: &'static str, routing: &ExpertRouting, x: Option<&[u8]>, row: usize, opts: &OpOptions) -> Result<Vec<Vec<u8>>> {
+        let sends = routing
+            .plan
+            .tokens
+            .iter()
+            .map(|toks| {
+                let mut b = vec![0u8; toks.len() * row];
+                if let Some(x) = x {
+                    gather_rows(x, toks, row, &mut b);
+                }
+                b
+            })
+            .collect();
+        let sizes: Vec<usize> = routing.placed.tokens.iter().map(|t| t * row).collect();
+        self.exchange_bytes(name, sends, &sizes, x.is_some(), opts)
+    }
+
+    /// Combine: `out` (`[tokens, hidden]`) becomes, per token, the sum
+    /// over its experts of `weights[row] * expert_out[row]` (`weights` in
+    /// `expert_out`'s row order, as [`ProcessGroup::pair_values_to_experts`]
+    /// gives them). One token's rows on one rank are summed there first,
+    /// so one row per (token, rank) travels back. `expert_out` and `out`
+    /// share a float dtype; sums are taken in f32 (f64 for f64).
+    pub fn combine(
+        &self,
+        routing: &ExpertRouting,
+        expert_out: Tensor<'_>,
+        weights: &[f64],
+        mut out: TensorMut<'_>,
+        opts: &OpOptions,
+    ) -> Result<()> {
+        const NAME: &str = "combine";
+        let shape = Shape { dtype: expert_out.dtype(), ..routing.shape };
+        let fail = |e: Error| e.with_op(NAME).with_rank(self.rank());
+        let (plan, placed, row, h) = (&routing.plan, &routing.placed, shape.row_bytes(), shape.hidden);
+        let checked = (|| {
+            if weights.len() != placed.total() {
+                return Err(Error::invalid(format!("weights has {} entries, expected one per row ({})", weights.len(), placed.total())));
+            }
+            if out.dtype() != shape.dtype || out.numel() != shape.tokens * h {
+                let want = format!("{} x {} elements of {}", shape.tokens, h, shape.dtype);
+                return Err(Error::invalid(format!("out has {} elements of {}, expected {want}", out.numel(), out.dtype())));
+            }
+            WeightedSum::zeros(shape.dtype, 0)?;
+            rows_of(&expert_out, shape, placed.total(), "expert_out")
+        })();
+        // Expert side: per source rank, one weighted sum per token (its
+        // pairs are adjacent in canonical order), summed in one row.
+        let mut sum = WeightedSum::zeros(shape.dtype, h).map_err(fail);
+        let sends = placed
+            .rows
+            .iter()
+            .zip(&placed.token_of)
+            .zip(&placed.tokens)
+            .map(|((pair_rows, token_of), tokens)| {
+                let mut b = vec![0u8; tokens * row];
+                if let (Ok(rows), Ok(sum)) = (&checked, &mut sum) {
+                    let mut p = 0;
+                    while p < pair_rows.len() {
+                        let i = token_of[p] as usize;
+                        sum.clear();
+                        while p < pair_rows.len() && token_of[p] as usize == i {
+                            let r = pair_rows[p] as usize;
+                            sum.add(0, &rows[r * row..(r + 1) * row], weights[r]);
+                            p += 1;
+                        }
+                        sum.write(0, &mut b[i * row..(i + 1) * row]);
+                    }
+                }
+                b
+            })
+            .collect();
+        let sizes: Vec<usize> = plan.tokens.iter().map(|t| t.len() * row).collect();
+        let got = self.exchange_bytes(NAME, sends, &sizes, checked.is_ok(), opts);
+        checked.map_err(fail)?;
+        let (got, mut sum) = (got?, sum?);
+        // Token side: each token's rows from the ranks it went to, summed
+        // (the ranks' lists are ascending: one cursor each).
+        let out = out.host_bytes_mut().map_err(fail)?;
+        let mut next = vec![0usize; got.len()];
+        for (t, o) in out.chunks_exact_mut(row.max(1)).enumerate().take(shape.tokens) {
+            sum.clear();
+            for ((toks, b), at) in plan.tokens.iter().zip(&got).zip(next.iter_mut()) {
+                if toks.get(*at) == Some(&(t as u32)) {
+                    sum.add(0, &b[*at * row..(*at + 1) * row], 1.0);
+                    *at += 1;
+                }
+            }
+            sum.write(0, o);
+        }
+        Ok(())
+    }
+
+    /// Per-pair values from the tokens' side to the experts': `values`
+    /// holds `tokens * k` values (`[tokens, k]`, as `topk_idx`); the
+    /// result one per received row, in the dispatch's row order (slots
+    /// routed nowhere are dropped).
+    pub fn pair_values_to_experts(&self, routing: &ExpertRouting, values: &[f64], opts: &OpOptions) -> Result<Vec<f64>> {
+        let (plan, placed, s) = (&routing.plan, &routing.placed, routing.shape);
+        let from: Vec<&[u32]> = plan.pairs.iter().map(|p| &p[..]).collect();
+        let to: Vec<&[u32]> = placed.rows.iter().map(|r| &r[..]).collect();
+        self.move_pair_values("pair_values_to_experts", values, s.tokens * s.k, "tokens x k", &from, &to, placed.total(), opts)
+    }
+
+    /// Per-pair values from the experts' side back to the tokens':
+    /// `values` holds one per received row (the dispatch's row order); the
+    /// result `tokens * k` values (`[tokens, k]`), zero for slots routed
+    /// nowhere.
+    pub fn pair_values_to_tokens(&self, routing: &ExpertRouting, values: &[f64], opts: &OpOptions) -> Result<Vec<f64>> {
+        let (plan, placed, s) = (&routing.plan, &routing.placed, routing.shape);
+        let from: Vec<&[u32]> = placed.rows.iter().map(|r| &r[..]).collect();
+        let to: Vec<&[u32]> = plan.pairs.iter().map(|p| &p[..]).collect();
+        self.move_pair_values("pair_values_to_tokens", values, placed.total(), "one per row", &from, &to, s.tokens * s.k, opts)
+    }
+
+    /// Send rank r `values[from[r][i]]` for each i, and put what rank s
+    /// sends at `to[s][i]` of a result of `len` values (zero elsewhere).
+    #[allow(clippy::too_many_arguments)]
+    fn move_pair_values(
+        &self,
+        name: &'static str,
+        values: &[f64],
+        want: usize,
+        what: &str,
+        from: &[&[u32]],
+        to: &[&[u32]],
+        len: usize,
+        opts: &OpOptions,
+    ) -> Result<Vec<f64>> {
+        let ok = values.len() == want;
+        let sends = from
+            .iter()
+            .map(|idx| if ok { idx.iter().flat_map(|i| values[*i as usize].to_le_bytes()).collect() } else { vec![0u8; 8 * idx.len()] })
+            .collect();
+        let sizes: Vec<usize> = to.iter().map(|t| 8 * t.len()).collect();
+        let got = self.exchange_bytes(name, sends, &sizes, ok, opts);
+        if !ok {
+            let e = Error::invalid(format!("values has {} entries, expected {what} = {want}", values.len()));
+            return Err(e.with_op(name).with_rank(self.rank()));
+        }
+        let mut out = vec![0.0; len];
+        for (idx, b) in to.iter().zip(&got?) {
+            for (i, c) in idx.iter().zip(b.chunks_exact(8)) {
+                out[*i as usize] = f64::from_le_bytes(c.try_into().expect("8 bytes"));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Send `sends[r]` to each rank r and receive `sizes[s]` bytes from
+    /// each rank s (one `all_to_all`); this rank's own part is handed over
+    /// without a copy. Each message ends in a status word: `ok` false
+    /// (this rank's part was invalid, and it sent zeros) fails the op on
+    /// every rank that receives from it, naming this rank, instead of
+    /// leaving them wrong data or a timeout.
+    fn exchange_bytes(
+        &self,
+        name: &'static str,
+        mut sends: Vec<Vec<u8>>,
+        sizes: &[usize],
+        ok: bool,
+        opts: &OpOptions,
+    ) -> Result<Vec<Vec<u8>>> {
+        let rank = self.rank();
+        let own = std::mem::take(&mut sends[rank]);
+        for b in &mut sends {
+            b.extend_from_slice(&u64::from(!ok).to_le_bytes());
+        }
+        sends[rank].clear();
+        let mut got: Vec<Vec<u8>> =
+            sizes.iter().enumerate().map(|(s, n)| if s == rank { Vec::new() } else { vec![0u8; n + STATUS] }).collect();
+        {
+            let inputs: Vec<Tensor<'_>> = sends.iter().map(Tensor::from).collect();
+            let outputs: Vec<TensorMut<'_>> = got.iter_mut().map(TensorMut::from).collect();
+            self.all_to_all(outputs, inputs, opts)?.wait()?;
+        }
+        let mut failed = Vec::new();
+        for (s, b) in got.iter_mut().enumerate().filter(|(s, _)| *s != rank) {
+            let at = b.len() - STATUS;
+            if b[at..] != [0u8; STATUS] {
+                failed.push(s);
+            }
+            b.truncate(at);
+        }
+        got[rank] = own;
+        if !failed.is_empty() {
+            return Err(Error::invalid(format!("rank(s) {failed:?} passed invalid arguments (see their errors)"))
+                .with_op(name)
+                .with_rank(rank));
+        }
+        Ok(got)
+    }
+}
+
+/// Bytes of the status word that ends each message.
+const STATUS: usize = 8;
+
+/// Copy rows `tokens` of `x` (rows of `row` bytes) one after another into `out`.
+fn gather_rows(x: &[u8], tokens: &[u32], row: usize, out: &mut [u8]) {
+    for (o, t) in out.chunks_exact_mut(row.max(1)).zip(tokens) {
+        let t = *t as usize;
+        o.copy_from_slice(&x[t * row..(t + 1) * row]);
+    }
+}
+
+/// `t`'s bytes as `n` rows of `shape`, else an error naming `what`.
+fn rows_of<'a>(t: &'a Tensor<'_>, shape: Shape, n: usize, what: &str) -> Result<&'a [u8]> {
+    check_rows(t.dtype(), t.numel(), shape, n, what)?;
+    t.host_bytes()
+}
+
+/// As [`rows_of`], writable.
+fn rows_of_mut<'a>(t: &'a mut TensorMut<'_>, shape: Shape, n: usize, what: &str) -> Result<&'a mut [u8]> {
+    check_rows(t.dtype(), t.numel(), shape, n, what)?;
+    t.host_bytes_mut()
+}
+
+fn check_rows(dtype: DType, numel: usize, shape: Shape, n: usize, what: &str) -> Result<()> {
+    if dtype != shape.dtype {
+        return Err(Error::invalid(format!("{what} is {dtype}, expected {}", shape.dtype)));
+    }
+    if numel != n * shape.hidden {
+        return Err(Error::invalid(format!("{what} has {numel} elements, expected {n} rows of {} ({})", shape.hidden, n * shape.hidden)));
+    }
+    Ok(())
+}
+
+/// `combine_backward`'s arguments, checked: the rows of `dy`, `expert_out`
+/// and `grad`.
+fn backward_rows<'a>(
+    dy: &'a Tensor<'_>,
+    expert_out: &'a Tensor<'_>,
+    grad: &'a mut TensorMut<'_>,
+    weights: &[f64],
+    shape: Shape,
+    rows: usize,
+) -> Result<(&'a [u8], &'a [u8], &'a mut [u8])> {
+    if weights.len() != rows {
+        return Err(Error::invalid(format!("weights has {} entries, expected one per row ({rows})", weights.len())));
+    }
+    WeightedSum::zeros(shape.dtype, 0)?;
+    let (dy, eo) = (rows_of(dy, shape, shape.tokens, "dy")?, rows_of(expert_out, shape, rows, "expert_out")?);
+    Ok((dy, eo, rows_of_mut(grad, shape, rows, "grad_expert_out")?))
+}
+
+/// Call `f(row index, token row)` for each received pair: the token rows
+/// are `got[s]`'s first rows of `row` bytes, by source rank s.
+fn each_pair(placed: &Placement, got: &[Vec<u8>], row: usize, mut f: impl FnMut(usize, &[u8])) {
+    for ((rows, token_of), b) in placed.rows.iter().zip(&placed.token_of).zip(got) {
+        for (r, i) in rows.iter().zip(token_of) {
+            let i = *i as usize;
+            f(*r as usize, &b[i * row..(i + 1) * row]);
+        }
+    }
+}
