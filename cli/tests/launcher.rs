@@ -172,6 +172,22 @@ fn bench_checks_every_op_over_a_short_sweep_and_writes_csv_json_and_a_plot() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `--ops moe`: every phase of expert parallelism timed, the output
+/// checked, and a float dtype required.
+#[test]
+fn bench_times_expert_parallelism_phase_by_phase() {
+    let args = ["bench", "--world", "3", "--ops", "moe", "-d", "bf16", "--moe-tokens", "64", "--moe-hidden", "32", "--moe-experts", "12"];
+    let out = Command::new(WEFT).args(args).args(["--moe-topk", "4", "-n", "2", "-w", "1"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    for phase in ["plan", "dispatch", "combine", "combine_backward", "dispatch_backward", "total"] {
+        assert!(text.contains(phase), "{phase} missing:\n{text}");
+    }
+    assert!(text.contains("wrong elements: 0") && text.contains("# total wrong: 0"), "{text}");
+    let out = Command::new(WEFT).args(["bench", "--world", "2", "--ops", "moe", "-d", "i32"]).output().unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("float rows"));
+}
+
 /// `--timing span`: every iteration from the first rank's start to the
 /// last rank's end, on the clock the host's processes share; a p2p chain
 /// through three ranks spans at least one hop, which takes time.

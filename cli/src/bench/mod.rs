@@ -13,6 +13,7 @@
 //! With `--check` (default) one more run per size is verified element by
 //! element against the conformance references.
 
+mod moe;
 mod ops;
 mod plot;
 mod report;
@@ -118,6 +119,18 @@ pub struct BenchArgs {
     /// sparse_all_reduce: Zipf exponent of row popularity.
     #[arg(long = "zipf", default_value_t = 1.1)]
     zipf: f64,
+    /// moe: tokens per rank.
+    #[arg(long = "moe-tokens", default_value_t = 4096)]
+    moe_tokens: usize,
+    /// moe: elements per token (of -d/--datatype).
+    #[arg(long = "moe-hidden", default_value_t = 2048)]
+    moe_hidden: usize,
+    /// moe: experts in all (a multiple of the world size).
+    #[arg(long = "moe-experts", default_value_t = 64)]
+    moe_experts: usize,
+    /// moe: experts per token.
+    #[arg(long = "moe-topk", default_value_t = 8)]
+    moe_topk: usize,
 }
 
 fn parse_size(s: &str) -> Result<usize> {
@@ -151,6 +164,8 @@ struct Plan {
     ops: Vec<&'static str>,
     /// Whether `sparse_all_reduce` was asked for (its own table).
     sparse: bool,
+    /// Whether `moe` was asked for (its own table).
+    moe: bool,
 }
 
 fn plan(a: &BenchArgs) -> Result<Plan> {
@@ -168,28 +183,32 @@ fn plan(a: &BenchArgs) -> Result<Plan> {
         bail!("need 0 < minbytes <= maxbytes and stepfactor >= 2");
     }
     let sparse = a.ops.split(',').any(|o| o.trim() == "sparse_all_reduce");
+    let moe = a.ops.split(',').any(|o| o.trim() == "moe");
+    if moe && !dtype.is_float() {
+        bail!("--ops moe moves float rows: use -d f32, f64, f16 or bf16");
+    }
     let ops: Vec<&'static str> = if a.ops == "all" {
         ops::ALL.to_vec()
     } else {
         a.ops
             .split(',')
-            .filter(|o| o.trim() != "sparse_all_reduce")
+            .filter(|o| !matches!(o.trim(), "sparse_all_reduce" | "moe"))
             .map(|o| {
                 ops::ALL
                     .iter()
                     .chain(&["device_copy"])
                     .find(|k| **k == o.trim())
                     .copied()
-                    .with_context(|| format!("unknown op {o:?} (known: {}, sparse_all_reduce, device_copy)", ops::ALL.join(", ")))
+                    .with_context(|| format!("unknown op {o:?} (known: {}, sparse_all_reduce, moe, device_copy)", ops::ALL.join(", ")))
             })
             .collect::<Result<_>>()?
     };
     let sizes: Vec<usize> = std::iter::successors(Some(min), |s| s.checked_mul(a.factor)).take_while(|s| *s <= max).collect();
-    Ok(Plan { dtype, redop, sizes, ops, sparse })
+    Ok(Plan { dtype, redop, sizes, ops, sparse, moe })
 }
 
 fn run_rank(a: &BenchArgs, plan: Plan) -> Result<i32> {
-    let Plan { dtype, redop, sizes, ops, sparse: want_sparse } = plan;
+    let Plan { dtype, redop, sizes, ops, sparse: want_sparse, moe: want_moe } = plan;
 
     let mut opts = GroupOptions::from_env()?.backend(a.backend.as_str());
     for h in &a.hints {
@@ -237,7 +256,7 @@ fn run_rank(a: &BenchArgs, plan: Plan) -> Result<i32> {
         say(report::table_header());
     }
     let mut rows = Vec::new();
-    let mut sparse_wrong = 0;
+    let mut own_table_wrong = 0;
     if want_sparse {
         let workload = sparse::Workload {
             rows: a.sparse_rows,
@@ -246,7 +265,19 @@ fn run_rank(a: &BenchArgs, plan: Plan) -> Result<i32> {
             zipf: a.zipf,
             iters: a.iters.max(1),
         };
-        sparse_wrong = sparse::run(&pg, &workload)?;
+        own_table_wrong = sparse::run(&pg, &workload)?;
+    }
+    if want_moe {
+        let workload = moe::Workload {
+            tokens: a.moe_tokens,
+            hidden: a.moe_hidden,
+            experts: a.moe_experts,
+            k: a.moe_topk,
+            dtype,
+            iters: a.iters.max(1),
+            warmup: a.warmup,
+        };
+        own_table_wrong += moe::run(&pg, &workload)?;
     }
     for op in &ops {
         let op_sizes = if *op == "barrier" { vec![0] } else { sizes.clone() };
@@ -267,7 +298,7 @@ fn run_rank(a: &BenchArgs, plan: Plan) -> Result<i32> {
         }
     }
     bar.finish_and_clear();
-    let wrong: u64 = rows.iter().map(|r| r.wrong).sum::<u64>() + sparse_wrong;
+    let wrong: u64 = rows.iter().map(|r| r.wrong).sum::<u64>() + own_table_wrong;
     if r == 0 {
         let times = if a.timing == "span" { "from the first rank's start to the last rank's end" } else { "the slowest rank's" };
         say(format!("# total wrong: {wrong}; times are {times}, per iteration; busbw as nccl-tests"));
