@@ -17,6 +17,7 @@ mod moe;
 mod ops;
 mod plot;
 mod report;
+mod rng;
 mod sparse;
 
 use anyhow::{bail, Context, Result};

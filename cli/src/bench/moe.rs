@@ -2,7 +2,7 @@
 //! (`weft::moe`). Every rank routes `tokens` rows of `hidden` elements to
 //! the top `k` of `experts` experts, unevenly loaded (expert e's scores
 //! shifted by -ln(e + 1) / 4, as `python -m weft.bench --workload moe`),
-//! with weights of 1/k, through identity experts; each phase of a forward
+//! with weights that sum to one, through identity experts; each phase of a forward
 //! and backward pass is timed, the slowest rank's time per iteration, and
 //! the result checked (the weights sum to one: the output is the input).
 
@@ -11,6 +11,8 @@ use std::time::Instant;
 use weft::prelude::*;
 use weft::DType;
 use weft_conformance::reference::encode;
+
+use super::rng::Rng;
 
 /// The workload's knobs.
 pub struct Workload {
@@ -25,21 +27,6 @@ pub struct Workload {
 
 /// The timed phases, in order.
 const PHASES: [&str; 6] = ["plan", "dispatch", "weights", "combine", "combine_backward", "dispatch_backward"];
-
-/// xorshift64*, as uniform floats in (0, 1).
-struct Rng(u64);
-impl Rng {
-    fn uniform(&mut self) -> f64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        ((self.0.wrapping_mul(0x2545F4914F6CDD1D) >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    }
-    /// A standard normal (Box-Muller).
-    fn normal(&mut self) -> f64 {
-        (-2.0 * self.uniform().ln()).sqrt() * (std::f64::consts::TAU * self.uniform()).cos()
-    }
-}
 
 /// This rank's routing: `k` expert ids per token.
 fn routing(w: &Workload, rank: usize) -> Vec<i64> {
@@ -66,7 +53,10 @@ pub fn run(pg: &ProcessGroup, w: &Workload) -> Result<u64> {
     // with weights 1/k (k a power of two) or one.
     let values: Vec<u8> = (0..w.tokens * w.hidden).flat_map(|i| encode(w.dtype, ((i * 7 + rank) % 9) as f64 - 4.0)).collect();
     let x = weft_conformance::Buf::from_bytes(w.dtype, &values);
-    let weights = vec![1.0 / w.k as f64; w.tokens * w.k];
+    // Weights that sum to one exactly: 1/m (m the power of two at or
+    // above k) for all but the first slot, which takes the rest.
+    let m = w.k.next_power_of_two() as f64;
+    let weights: Vec<f64> = (0..w.tokens * w.k).map(|i| if i % w.k == 0 { 1.0 - (w.k - 1) as f64 / m } else { 1.0 / m }).collect();
     let mut times = vec![Vec::with_capacity(w.iters); PHASES.len()];
     let (mut wrong, mut sent) = (0u64, 0usize);
     for it in 0..w.warmup + w.iters {

@@ -6,6 +6,7 @@
 //! algorithm is timed side by side; results are checked against the
 //! all-gather baseline's.
 
+use super::rng::Rng;
 use anyhow::Result;
 use std::time::Instant;
 use weft::prelude::*;
@@ -22,23 +23,12 @@ pub struct Workload {
 
 const ALGOS: [&str; 5] = ["allgather", "recursive_doubling", "split", "dense", "auto"];
 
-/// xorshift64*: a small deterministic generator (no dependency needed).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> f64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        (self.0.wrapping_mul(0x2545F4914F6CDD1D) >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 /// `nnz` distinct rows drawn without replacement with probability
 /// proportional to `weights` (Efraimidis-Spirakis: keep the largest
 /// u^(1/w)), plus 5 % repeats, in random order; rank-specific seed.
 fn sample(weights: &[f64], nnz: usize, seed: u64) -> Vec<i64> {
     let mut rng = Rng(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1);
-    let mut keyed: Vec<(f64, usize)> = weights.iter().enumerate().map(|(i, w)| (rng.next().max(1e-300).ln() / w, i)).collect();
+    let mut keyed: Vec<(f64, usize)> = weights.iter().enumerate().map(|(i, w)| (rng.uniform().max(1e-300).ln() / w, i)).collect();
     let nnz = nnz.min(keyed.len());
     keyed.select_nth_unstable_by(nnz.saturating_sub(1), |a, b| b.0.total_cmp(&a.0));
     let mut rows: Vec<i64> = keyed[..nnz].iter().map(|(_, i)| *i as i64).collect();
@@ -52,7 +42,7 @@ fn sample(weights: &[f64], nnz: usize, seed: u64) -> Vec<i64> {
 /// Fisher-Yates.
 fn shuffle<T>(v: &mut [T], rng: &mut Rng) {
     for i in (1..v.len()).rev() {
-        v.swap(i, (rng.next() * (i + 1) as f64) as usize % (i + 1));
+        v.swap(i, (rng.uniform() * (i + 1) as f64) as usize % (i + 1));
     }
 }
 
