@@ -253,3 +253,29 @@ def test_v_collectives_take_a_torch_group_on_weft():
     for rank, (outs, out) in enumerate(run(v_collectives_on_a_torch_group, 3)):
         assert outs == [[float(r)] * (r + 1) for r in range(3)]
         assert out == [3.0] * (rank + 1)
+
+
+# -- the benchmark's baseline --------------------------------------------------
+
+
+def recipe_and_weft_moe_gradients(rank, world):
+    """torchtitan's recipe (`weft._bench_moe.step_recipe`) and weft.moe on
+    the same float64 data: the gradients of x and of the router weights."""
+    from weft import _bench_moe as b
+
+    tokens, hidden, experts, k = 64, 16, 8 * world, 4
+    idx, weights = b.routing(tokens, experts, k, rank)
+    x = torch.randn(tokens, hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    grad = torch.randn(tokens, hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(100 + rank))
+    grads = []
+    for step in (b.step_weft, b.step_recipe):
+        xx, ww = x.clone().requires_grad_(), weights.double().clone().requires_grad_()
+        step(xx, idx, ww, experts, grad)
+        grads.append((xx.grad, ww.grad))
+    (gx1, gw1), (gx2, gw2) = grads
+    return float((gx1 - gx2).abs().max()), float((gw1 - gw2).abs().max())
+
+
+def test_the_benchmarks_recipe_computes_what_weft_moe_does():
+    for dx, dw in run(recipe_and_weft_moe_gradients, 3):
+        assert dx < 1e-12 and dw < 1e-12, (dx, dw)
