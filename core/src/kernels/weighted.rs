@@ -57,7 +57,7 @@ impl WeightedSum {
     /// `n` zeros for rows of `dtype`; `InvalidArgument` for a dtype that
     /// is not a float.
     pub fn zeros(dtype: DType, n: usize) -> Result<WeightedSum> {
-        check(dtype)?;
+        require_float(dtype)?;
         Ok(if dtype == DType::F64 { WeightedSum::F64(vec![0.0; n]) } else { WeightedSum::F32(vec![0.0; n], dtype) })
     }
 
@@ -158,8 +158,9 @@ fn scale_and_dot_body(out: &mut [u8], row: &[u8], other: &[u8], dtype: DType, w:
     total
 }
 
-/// `InvalidArgument` unless `dtype` is a float.
-fn check(dtype: DType) -> Result<()> {
+/// `InvalidArgument` unless `dtype` is a float (what every function here
+/// takes).
+pub fn require_float(dtype: DType) -> Result<()> {
     if dtype.is_float() {
         return Ok(());
     }

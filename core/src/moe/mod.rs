@@ -134,11 +134,7 @@ impl ProcessGroup {
         const NAME: &str = "dispatch";
         let (rank, world) = (self.rank(), self.size());
         let fail = |e: Error| e.with_op(NAME).with_rank(rank);
-        let planned = if !dtype.is_float() {
-            Err(Error::invalid(format!("dispatch moves float rows (float32, float64, float16, bfloat16), not {dtype}")))
-        } else {
-            Plan::new(topk_idx, k, num_experts, world)
-        };
+        let planned = weighted::require_float(dtype).and_then(|_| Plan::new(topk_idx, k, num_experts, world));
         let tokens = topk_idx.len().checked_div(k).unwrap_or(0);
         let mine: Vec<Header> = (0..world)
             .map(|r| Header {
@@ -192,17 +188,10 @@ impl ProcessGroup {
         let (rank, row) = (self.rank(), shape.row_bytes());
         let fail = |e: Error| e.with_op(NAME).with_rank(rank);
         let rows = rows_of(&x, shape, shape.tokens, "x");
-        let sends: Vec<Vec<u8>> = (0..self.size())
-            .map(|r| {
-                let (t, p) = (plan.tokens[r].len(), plan.pairs[r].len());
-                let mut b = vec![0u8; t * row + meta_bytes(t, p)];
-                if let Ok(x) = &rows {
-                    gather_rows(x, &plan.tokens[r], row, &mut b);
-                }
-                plan.meta(r, shape.k, &mut b[t * row..]);
-                b
-            })
-            .collect();
+        let mut sends = token_rows(&plan.tokens, rows.as_deref().ok(), row, |r| meta_bytes(plan.tokens[r].len(), plan.pairs[r].len()));
+        for (r, b) in sends.iter_mut().enumerate() {
+            plan.meta(r, shape.k, &mut b[plan.tokens[r].len() * row..]);
+        }
         let sizes: Vec<usize> = headers.iter().map(|h| h.tokens as usize * row + meta_bytes(h.tokens as usize, h.pairs as usize)).collect();
         let got = self.exchange_bytes(NAME, sends, &sizes, rows.is_ok(), opts);
         rows.map_err(fail)?;
@@ -278,18 +267,7 @@ impl ProcessGroup {
     /// rank's arguments were invalid, and it sends zeros) to every rank
     /// holding its experts, once per rank: what each rank sent, by source.
     fn spread(&self, name: &'static str, routing: &ExpertRouting, x: Option<&[u8]>, row: usize, opts: &OpOptions) -> Result<Vec<Vec<u8>>> {
-        let sends = routing
-            .plan
-            .tokens
-            .iter()
-            .map(|toks| {
-                let mut b = vec![0u8; toks.len() * row];
-                if let Some(x) = x {
-                    gather_rows(x, toks, row, &mut b);
-                }
-                b
-            })
-            .collect();
+        let sends = token_rows(&routing.plan.tokens, x, row, |_| 0);
         let sizes: Vec<usize> = routing.placed.tokens.iter().map(|t| t * row).collect();
         self.exchange_bytes(name, sends, &sizes, x.is_some(), opts)
     }
@@ -320,7 +298,7 @@ impl ProcessGroup {
                 let want = format!("{} x {} elements of {}", shape.tokens, h, shape.dtype);
                 return Err(Error::invalid(format!("out has {} elements of {}, expected {want}", out.numel(), out.dtype())));
             }
-            WeightedSum::zeros(shape.dtype, 0)?;
+            weighted::require_float(shape.dtype)?;
             rows_of(&expert_out, shape, placed.total(), "expert_out")
         })();
         // Expert side: per source rank, one weighted sum per token (its
@@ -474,12 +452,24 @@ impl ProcessGroup {
 /// Bytes of the status word that ends each message.
 const STATUS: usize = 8;
 
-/// Copy rows `tokens` of `x` (rows of `row` bytes) one after another into `out`.
-fn gather_rows(x: &[u8], tokens: &[u32], row: usize, out: &mut [u8]) {
-    for (o, t) in out.chunks_exact_mut(row.max(1)).zip(tokens) {
-        let t = *t as usize;
-        o.copy_from_slice(&x[t * row..(t + 1) * row]);
-    }
+/// Per destination rank r, a buffer with the rows `tokens[r]` of `x`
+/// (rows of `row` bytes; zeros where `x` is `None`, an invalid rank's
+/// part) one after another, then `tail(r)` bytes of room.
+fn token_rows(tokens: &[Vec<u32>], x: Option<&[u8]>, row: usize, tail: impl Fn(usize) -> usize) -> Vec<Vec<u8>> {
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(r, toks)| {
+            let mut b = vec![0u8; toks.len() * row + tail(r)];
+            if let Some(x) = x {
+                for (o, t) in b.chunks_exact_mut(row.max(1)).zip(toks) {
+                    let t = *t as usize;
+                    o.copy_from_slice(&x[t * row..(t + 1) * row]);
+                }
+            }
+            b
+        })
+        .collect()
 }
 
 /// `t`'s bytes as `n` rows of `shape`, else an error naming `what`.
@@ -517,7 +507,7 @@ fn backward_rows<'a>(
     if weights.len() != rows {
         return Err(Error::invalid(format!("weights has {} entries, expected one per row ({rows})", weights.len())));
     }
-    WeightedSum::zeros(shape.dtype, 0)?;
+    weighted::require_float(shape.dtype)?;
     let (dy, eo) = (rows_of(dy, shape, shape.tokens, "dy")?, rows_of(expert_out, shape, rows, "expert_out")?);
     Ok((dy, eo, rows_of_mut(grad, shape, rows, "grad_expert_out")?))
 }
