@@ -173,6 +173,7 @@ unsafe extern "C" fn init<P: Provider>(args: *const InitV1, out: *mut *mut c_voi
             timeout,
             hints,
             cpu_backend: None,
+            group_ranks: (0..a.size as usize).collect(),
         };
         let backend = P::factory().create(ctx)?;
         Ok(Box::into_raw(Box::new(Ctx { backend, error: Mutex::new((CString::default(), -1)) })) as *mut c_void)

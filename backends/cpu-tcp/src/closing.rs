@@ -25,7 +25,8 @@ use std::time::{Duration, Instant};
 
 /// One connection being closed.
 pub(crate) struct Leaving {
-    /// The peer's rank.
+    /// The peer's rank, as the user knows it (its group rank), for what
+    /// this prints.
     pub(crate) peer: usize,
     /// A handle of the connection's socket (non-blocking).
     pub(crate) sock: Socket,
@@ -38,7 +39,7 @@ pub(crate) struct Leaving {
 /// The closing threads still running.
 static CLOSERS: Mutex<Vec<JoinHandle<()>>> = Mutex::new(Vec::new());
 
-/// Close `conns` (rank `rank`'s connections of one group) once every peer
+/// Close `conns` (group rank `rank`'s connections of one group) once every peer
 /// has closed its side, or at `deadline`; in the background.
 pub(crate) fn close_after_peers(rank: usize, conns: Vec<Leaving>, deadline: Instant) {
     static AT_EXIT: Once = Once::new();

@@ -47,7 +47,7 @@ impl BackendFactory for CpuTcp {
         weft::log::debug(format_args!("cpu-tcp rank {}: using address {ip} ({why})", ctx.rank));
         let key = weft::auth::Key::from_env()?;
         let peers = connect::mesh(&*ctx.store, ctx.rank, ctx.size, ip, ctx.setup_deadline(), key.as_ref())?;
-        Ok(Arc::new(transport::TcpBackend::start(ctx.rank, peers, ctx.store, ctx.timeout)?))
+        Ok(Arc::new(transport::TcpBackend::start(ctx.rank, peers, ctx.store, ctx.timeout)?.with_group_ranks(ctx.group_ranks)))
     }
 }
 

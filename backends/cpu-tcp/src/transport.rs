@@ -34,6 +34,9 @@ pub struct TcpBackend {
     /// How long a clean shutdown waits, at most, for peers to close their
     /// side (the group's timeout).
     close_within: Duration,
+    /// The rank the user knows each rank of this backend by (for what the
+    /// closing thread prints; `BackendContext::group_ranks`).
+    group_ranks: Arc<[usize]>,
 }
 
 impl Watch for TcpBackend {
@@ -93,6 +96,7 @@ impl TcpBackend {
             fds.push(sock.as_ref().map(|s| s.as_raw_fd()));
         }
         let wake = Wake::new()?;
+        let fds_len = fds.len();
         Ok(TcpBackend {
             rank,
             store,
@@ -102,7 +106,14 @@ impl TcpBackend {
             fds,
             failed: Mutex::new(None),
             close_within,
+            group_ranks: (0..fds_len).collect(),
         })
+    }
+
+    /// Name ranks in what it prints as `group_ranks` does (entry r: rank r).
+    pub fn with_group_ranks(mut self, group_ranks: Arc<[usize]>) -> Self {
+        self.group_ranks = group_ranks;
+        self
     }
 
     fn fail(&self, e: Error) -> Error {
@@ -222,10 +233,11 @@ impl Backend for TcpBackend {
             // when it is dropped, the connection only when both are.
             let Ok(sock) = sock.try_clone() else { continue };
             let owed = !(p.torn || p.left);
+            let peer = self.group_ranks[peer];
             conns.push(closing::Leaving { peer, sock, goodbye: if owed { goodbye.clone() } else { Vec::new() } });
         }
         drop(eng);
-        closing::close_after_peers(self.rank, conns, Instant::now() + self.close_within);
+        closing::close_after_peers(self.group_ranks[self.rank], conns, Instant::now() + self.close_within);
     }
 }
 

@@ -112,6 +112,7 @@ impl SubGroup {
             timeout: ctx.timeout,
             hints: ctx.hints.clone(),
             cpu_backend: None,
+            group_ranks: ranks.iter().map(|r| ctx.group_ranks[*r]).collect(),
         };
         Ok(SubGroup { backend: factory.create(sub)?, ranks: ranks.to_vec(), rank, store: ctx.store.clone() })
     }

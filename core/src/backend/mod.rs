@@ -523,6 +523,11 @@ pub struct BackendContext {
     /// The backend the group uses for dense CPU tensors, if created already:
     /// what a staging backend runs its host-side collectives on.
     pub cpu_backend: Option<Arc<dyn Backend>>,
+    /// The rank the user knows each of this backend's ranks by, for what it
+    /// prints: `0..size` for a group's own backend; a wrapper's backend
+    /// over part of the group (hierarchical's) maps its ranks to the
+    /// group's. Errors need no map: the wrapper translates them.
+    pub group_ranks: Arc<[usize]>,
 }
 
 impl BackendContext {

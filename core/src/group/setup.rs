@@ -61,6 +61,7 @@ pub(super) fn create(store: Arc<dyn Store>, rank: usize, size: usize, options: G
                 timeout: options.timeout,
                 hints: options.hints.clone(),
                 cpu_backend: routes.get(&(DeviceKind::Cpu, crate::tensor::Layout::Dense)).cloned(),
+                group_ranks: (0..size).collect(),
             };
             let factory = registry::find(name).expect("planned backends are registered");
             match factory.create(ctx) {

@@ -150,6 +150,30 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             let served = pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense)).unwrap_or_default();
             println!("rank {r}: done on {served} at {:?}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?);
         }
+        "late_receiver" => {
+            // Rank 0 sends the last rank a message and leaves at once; rank
+            // 1 sends it one a second later. The last rank receives rank
+            // 1's first, so it waits a second in an op that reads every
+            // connection meanwhile, and meets rank 0's leaving there. Then
+            // it receives rank 0's message, which came before rank 0 left.
+            let last = w - 1;
+            let from = |rank: usize| (0..5000).map(|i| (rank * 10_000 + i) as u32).collect::<Vec<_>>();
+            pg.barrier(&o)?.wait()?;
+            if r == last {
+                for peer in [1, 0] {
+                    let mut got = vec![0u32; 5000];
+                    pg.recv(&mut got, peer, 7, &o)?.wait()?;
+                    anyhow::ensure!(got == from(peer), "the message from rank {peer}");
+                }
+            } else if r < 2 {
+                if r == 1 {
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+                pg.send(&from(r)[..], last, 7, &o)?.wait()?;
+            }
+            let served = pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense)).unwrap_or_default();
+            println!("rank {r}: done on {served}");
+        }
         "stop_all_gather" => {
             // The last rank stops itself (SIGSTOP; a child kills it 5 s
             // later) in the middle of all_gathers of 1 MiB parts, which
