@@ -318,3 +318,24 @@ fn a_wrong_input_at_dispatch_fails_its_rank_and_names_it_elsewhere() {
     assert!(results[0].contains("x has 4 elements, expected 2 rows of 3"), "{}", results[0]);
     assert!(results[1].contains("rank(s) [0] passed invalid arguments"), "{}", results[1]);
 }
+
+#[test]
+fn a_forged_header_is_refused_before_anything_is_allocated_for_it() {
+    // Rank 1 skips dispatch_plan and sends rank 0 a header (64 bytes:
+    // status, experts, row bytes, dtype code, tokens, pairs, two zero
+    // words) announcing 2^31 tokens of 16 bytes in 2^40 pairs (part 0 of
+    // its all_to_all goes to rank 0).
+    let errors = run_threads(2, options("cpu:shm"), |pg| {
+        let o = OpOptions::default();
+        if pg.rank() == 0 {
+            return Some(pg.dispatch_plan(&[1], 1, 2, 4, DType::F32, &o).unwrap_err());
+        }
+        let code = DType::ALL.iter().position(|d| *d == DType::F32).unwrap() as u64;
+        let forged: Vec<u64> = [[0, 2, 16, code, 1 << 31, 1 << 40, 0, 0], [0, 2, 16, code, 0, 0, 0, 0]].concat();
+        let mut got = vec![0u64; 16];
+        pg.all_to_all_single(&mut got[..], &forged[..], &o).unwrap().wait().unwrap();
+        None
+    });
+    let e = errors[0].as_ref().unwrap();
+    assert!(e.to_string().contains("rank 1 announced a dispatch that cannot be"), "{e}");
+}

@@ -32,6 +32,7 @@
 //! this file moves bytes through the group's `all_to_all`.
 
 mod plan;
+mod spare;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -173,6 +174,12 @@ impl ProcessGroup {
         differ("num_experts", |h| h.experts, &|v| v.to_string())?;
         differ("the dtype", |h| h.dtype, &|v| DType::ALL.get(v as usize).map_or(v.to_string(), |d| d.to_string()))?;
         differ("the row size in bytes (hidden x dtype size)", |h| h.row_bytes, &|v| v.to_string())?;
+        for (s, h) in headers.iter().enumerate() {
+            // A size no sender could announce is refused before anything
+            // is allocated for it.
+            h.message_bytes(hidden * dtype.size())
+                .map_err(|why| fail(Error::backend(format!("rank {s} announced a dispatch that cannot be: {why}"))))?;
+        }
         let shape = Shape { tokens, k, hidden, dtype, experts: num_experts };
         Ok(DispatchPlan { plan, headers, shape })
     }
@@ -188,19 +195,24 @@ impl ProcessGroup {
         let (rank, row) = (self.rank(), shape.row_bytes());
         let fail = |e: Error| e.with_op(NAME).with_rank(rank);
         let rows = rows_of(&x, shape, shape.tokens, "x");
-        let mut sends = token_rows(&plan.tokens, rows.as_deref().ok(), row, |r| meta_bytes(plan.tokens[r].len(), plan.pairs[r].len()));
+        let mut sends =
+            token_rows(&plan.tokens, rows.as_deref().ok(), row, |r| meta_bytes(plan.tokens[r].len(), plan.pairs[r].len())).map_err(fail)?;
         for (r, b) in sends.iter_mut().enumerate() {
             plan.meta(r, shape.k, &mut b[plan.tokens[r].len() * row..]);
         }
-        let sizes: Vec<usize> = headers.iter().map(|h| h.tokens as usize * row + meta_bytes(h.tokens as usize, h.pairs as usize)).collect();
+        let sizes: Vec<usize> = headers.iter().map(|h| h.message_bytes(row).expect("checked by dispatch_plan")).collect();
         let got = self.exchange_bytes(NAME, sends, &sizes, rows.is_ok(), opts);
         rows.map_err(fail)?;
         let got = got?;
         let metas: Vec<&[u8]> = got.iter().zip(&headers).map(|(b, h)| &b[h.tokens as usize * row..]).collect();
-        let placed = Placement::new(&metas, &headers, shape.experts / self.size()).map_err(fail)?;
-        let out = rows_of_mut(&mut out, shape, placed.total(), "out").map_err(fail)?;
-        each_pair(&placed, &got, row, |r, token_row| out[r * row..(r + 1) * row].copy_from_slice(token_row));
-        Ok(ExpertRouting { plan, placed, shape, rank })
+        let placed = Placement::new(&metas, &headers, shape.experts / self.size());
+        let landed = placed.and_then(|placed| {
+            let out = rows_of_mut(&mut out, shape, placed.total(), "out")?;
+            each_pair(&placed, &got, row, |r, token_row| out[r * row..(r + 1) * row].copy_from_slice(token_row));
+            Ok(placed)
+        });
+        spare::give(got);
+        Ok(ExpertRouting { plan, placed: landed.map_err(fail)?, shape, rank })
     }
 
     /// A second dispatch with `routing`: the rows of `x` (`[tokens,
@@ -223,6 +235,7 @@ impl ProcessGroup {
         let got = self.spread(NAME, routing, x, row, opts)?;
         let out = out.expect("checked");
         each_pair(&routing.placed, &got, row, |r, token_row| out[r * row..(r + 1) * row].copy_from_slice(token_row));
+        spare::give(got);
         Ok(())
     }
 
@@ -260,6 +273,7 @@ impl ProcessGroup {
             let (at, end) = (r * row, (r + 1) * row);
             grad_w[r] = weighted::scale_and_dot(&mut grad[at..end], dy_row, &eo[at..end], shape.dtype, weights[r]);
         });
+        spare::give(got);
         self.pair_values_to_tokens(routing, &grad_w, opts)
     }
 
@@ -267,7 +281,7 @@ impl ProcessGroup {
     /// rank's arguments were invalid, and it sends zeros) to every rank
     /// holding its experts, once per rank: what each rank sent, by source.
     fn spread(&self, name: &'static str, routing: &ExpertRouting, x: Option<&[u8]>, row: usize, opts: &OpOptions) -> Result<Vec<Vec<u8>>> {
-        let sends = token_rows(&routing.plan.tokens, x, row, |_| 0);
+        let sends = token_rows(&routing.plan.tokens, x, row, |_| 0).map_err(|e| e.with_op(name).with_rank(self.rank()))?;
         let sizes: Vec<usize> = routing.placed.tokens.iter().map(|t| t * row).collect();
         self.exchange_bytes(name, sends, &sizes, x.is_some(), opts)
     }
@@ -310,23 +324,24 @@ impl ProcessGroup {
             .zip(&placed.token_of)
             .zip(&placed.tokens)
             .map(|((pair_rows, token_of), tokens)| {
-                let mut b = vec![0u8; tokens * row];
-                if let (Ok(rows), Ok(sum)) = (&checked, &mut sum) {
-                    let mut p = 0;
-                    while p < pair_rows.len() {
-                        let i = token_of[p] as usize;
-                        sum.clear();
-                        while p < pair_rows.len() && token_of[p] as usize == i {
-                            let r = pair_rows[p] as usize;
-                            sum.add(0, &rows[r * row..(r + 1) * row], weights[r]);
-                            p += 1;
-                        }
-                        sum.write(0, &mut b[i * row..(i + 1) * row]);
+                // Every token received has a pair: each slot is written.
+                let (Ok(rows), Ok(sum)) = (&checked, &mut sum) else { return spare::zeros(tokens * row) };
+                let mut b = spare::take(tokens * row)?;
+                let mut p = 0;
+                while p < pair_rows.len() {
+                    let i = token_of[p] as usize;
+                    sum.clear();
+                    while p < pair_rows.len() && token_of[p] as usize == i {
+                        let r = pair_rows[p] as usize;
+                        sum.add(0, &rows[r * row..(r + 1) * row], weights[r]);
+                        p += 1;
                     }
+                    sum.write(0, &mut b[i * row..(i + 1) * row]);
                 }
-                b
+                Ok(b)
             })
-            .collect();
+            .collect::<Result<Vec<_>>>()
+            .map_err(fail)?;
         let sizes: Vec<usize> = plan.tokens.iter().map(|t| t.len() * row).collect();
         let got = self.exchange_bytes(NAME, sends, &sizes, checked.is_ok(), opts);
         checked.map_err(fail)?;
@@ -345,6 +360,7 @@ impl ProcessGroup {
             }
             sum.write(0, o);
         }
+        spare::give(got);
         Ok(())
     }
 
@@ -406,7 +422,8 @@ impl ProcessGroup {
 
     /// Send `sends[r]` to each rank r and receive `sizes[s]` bytes from
     /// each rank s (one `all_to_all`); this rank's own part is handed over
-    /// without a copy. Each message ends in a status word: `ok` false
+    /// without a copy. The sends go back to the spare buffers; what comes
+    /// back is taken from them, for the caller to give back. Each message ends in a status word: `ok` false
     /// (this rank's part was invalid, and it sent zeros) fails the op on
     /// every rank that receives from it, naming this rank, instead of
     /// leaving them wrong data or a timeout.
@@ -424,13 +441,18 @@ impl ProcessGroup {
             b.extend_from_slice(&u64::from(!ok).to_le_bytes());
         }
         sends[rank].clear();
-        let mut got: Vec<Vec<u8>> =
-            sizes.iter().enumerate().map(|(s, n)| if s == rank { Vec::new() } else { vec![0u8; n + STATUS] }).collect();
+        let mut got = sizes
+            .iter()
+            .enumerate()
+            .map(|(s, n)| if s == rank { Ok(Vec::new()) } else { spare::take(n + STATUS) })
+            .collect::<Result<Vec<Vec<u8>>>>()
+            .map_err(|e| e.with_op(name).with_rank(rank))?;
         {
             let inputs: Vec<Tensor<'_>> = sends.iter().map(Tensor::from).collect();
             let outputs: Vec<TensorMut<'_>> = got.iter_mut().map(TensorMut::from).collect();
             self.all_to_all(outputs, inputs, opts)?.wait()?;
         }
+        spare::give(sends);
         let mut failed = Vec::new();
         for (s, b) in got.iter_mut().enumerate().filter(|(s, _)| *s != rank) {
             let at = b.len() - STATUS;
@@ -441,6 +463,7 @@ impl ProcessGroup {
         }
         got[rank] = own;
         if !failed.is_empty() {
+            spare::give(got);
             return Err(Error::invalid(format!("rank(s) {failed:?} passed invalid arguments (see their errors)"))
                 .with_op(name)
                 .with_rank(rank));
@@ -454,20 +477,21 @@ const STATUS: usize = 8;
 
 /// Per destination rank r, a buffer with the rows `tokens[r]` of `x`
 /// (rows of `row` bytes; zeros where `x` is `None`, an invalid rank's
-/// part) one after another, then `tail(r)` bytes of room.
-fn token_rows(tokens: &[Vec<u32>], x: Option<&[u8]>, row: usize, tail: impl Fn(usize) -> usize) -> Vec<Vec<u8>> {
+/// part) one after another, then `tail(r)` bytes of room (for the caller
+/// to fill).
+fn token_rows(tokens: &[Vec<u32>], x: Option<&[u8]>, row: usize, tail: impl Fn(usize) -> usize) -> Result<Vec<Vec<u8>>> {
     tokens
         .iter()
         .enumerate()
         .map(|(r, toks)| {
-            let mut b = vec![0u8; toks.len() * row + tail(r)];
-            if let Some(x) = x {
-                for (o, t) in b.chunks_exact_mut(row.max(1)).zip(toks) {
-                    let t = *t as usize;
-                    o.copy_from_slice(&x[t * row..(t + 1) * row]);
-                }
+            let n = toks.len() * row + tail(r);
+            let Some(x) = x else { return spare::zeros(n) };
+            let mut b = spare::take(n)?;
+            for (o, t) in b.chunks_exact_mut(row.max(1)).zip(toks) {
+                let t = *t as usize;
+                o.copy_from_slice(&x[t * row..(t + 1) * row]);
             }
-            b
+            Ok(b)
         })
         .collect()
 }

@@ -46,6 +46,22 @@ impl Header {
         }
     }
 
+    /// Bytes of the message this header announces (rows of `row` bytes,
+    /// then the metadata), or why the counts cannot be a sender's: at
+    /// least one pair per token, fewer than 2^32 pairs (`Plan::new`'s
+    /// limit), a size that fits in memory's address range.
+    pub(crate) fn message_bytes(&self, row: usize) -> std::result::Result<usize, String> {
+        if self.pairs > u64::from(u32::MAX) || self.tokens > self.pairs {
+            return Err(format!("{} tokens in {} pairs", self.tokens, self.pairs));
+        }
+        let (tokens, pairs) = (self.tokens as usize, self.pairs as usize);
+        tokens
+            .checked_mul(row)
+            .and_then(|b| b.checked_add(meta_bytes(tokens, pairs)))
+            .filter(|b| *b <= isize::MAX as usize)
+            .ok_or_else(|| format!("{tokens} rows of {row} bytes"))
+    }
+
     /// The header in `b` (`HEADER` bytes).
     pub(crate) fn decode(b: &[u8]) -> Header {
         let w = |i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"));
@@ -251,6 +267,16 @@ mod tests {
         assert_eq!(placed.rows, vec![vec![2, 0, 3], vec![1]]);
         assert_eq!(placed.token_of, vec![vec![0, 1, 1], vec![0]]);
         assert_eq!(placed.total(), 4);
+    }
+
+    #[test]
+    fn a_header_no_sender_could_write_is_refused_before_its_size_is_used() {
+        let h = |tokens: u64, pairs: u64| Header { ok: true, experts: 8, row_bytes: 16, dtype: 0, tokens, pairs };
+        assert_eq!(h(2, 3).message_bytes(16), Ok(2 * 16 + 4 * 5));
+        assert_eq!(h(0, 0).message_bytes(16), Ok(0));
+        assert!(h(3, 2).message_bytes(16).is_err(), "more tokens than pairs");
+        assert!(h(1, 1 << 32).message_bytes(16).is_err(), "2^32 pairs");
+        assert!(h(u32::MAX.into(), u32::MAX.into()).message_bytes(usize::MAX / 4).is_err(), "past the address range");
     }
 
     #[test]

@@ -1,0 +1,105 @@
+//! Byte buffers a thread's MoE exchanges reuse from one call to the next.
+//!
+//! A dispatch or combine moves one buffer per peer each way, tens of MiB
+//! at a training step's sizes. Fresh ones cost their page faults and
+//! zeroing on every call (a fifth of a W = 4 step's time); kept ones are
+//! already mapped. Buffers come back after each exchange and stay with
+//! the thread that ran it (the caller's: Python's training loop, a
+//! worker), up to [`KEEP_BYTES`] in all; their old contents are never
+//! read: every taker overwrites all it takes.
+
+use crate::error::{Error, Result};
+use std::cell::RefCell;
+
+/// Most bytes of spare buffers kept per thread.
+pub(crate) const KEEP_BYTES: usize = 1 << 30;
+
+thread_local! {
+    static SPARE: RefCell<Vec<Vec<u8>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A buffer of `n` bytes, whose contents the caller overwrites (a kept
+/// buffer's old bytes, or zeros). An error where `n` bytes cannot be had
+/// (a size a peer announced, perhaps falsely), never an abort.
+pub(crate) fn take(n: usize) -> Result<Vec<u8>> {
+    let kept = SPARE.with_borrow_mut(|spare| {
+        // The smallest that holds n.
+        let best = spare.iter().enumerate().filter(|(_, b)| b.capacity() >= n).min_by_key(|(_, b)| b.capacity()).map(|(i, _)| i);
+        best.map(|i| spare.swap_remove(i))
+    });
+    let mut b = match kept {
+        Some(b) => b,
+        None => {
+            let mut b = Vec::new();
+            b.try_reserve_exact(n).map_err(|e| Error::backend(format!("cannot allocate {n} bytes for an exchange: {e}")))?;
+            b
+        }
+    };
+    // Within capacity: only bytes never written before are zeroed.
+    if b.len() >= n {
+        b.truncate(n);
+    } else {
+        b.resize(n, 0);
+    }
+    Ok(b)
+}
+
+/// A buffer of `n` zero bytes.
+pub(crate) fn zeros(n: usize) -> Result<Vec<u8>> {
+    let mut b = take(n)?;
+    b.fill(0);
+    Ok(b)
+}
+
+/// Keep `bufs` for later takers, the largest first, up to [`KEEP_BYTES`].
+pub(crate) fn give(bufs: impl IntoIterator<Item = Vec<u8>>) {
+    SPARE.with_borrow_mut(|spare| {
+        spare.extend(bufs.into_iter().filter(|b| b.capacity() > 0));
+        spare.sort_unstable_by_key(|b| std::cmp::Reverse(b.capacity()));
+        let mut kept = 0;
+        spare.retain(|b| {
+            kept += b.capacity();
+            kept <= KEEP_BYTES
+        });
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_given_buffer_is_taken_again_without_new_memory() {
+        let b = take(1 << 20).unwrap();
+        let at = b.as_ptr();
+        give([b]);
+        let again = take(1000).unwrap();
+        assert_eq!((again.as_ptr(), again.len()), (at, 1000));
+        give([again]);
+        // Grown back within its capacity, the same memory.
+        let grown = take(1 << 20).unwrap();
+        assert_eq!(grown.as_ptr(), at);
+    }
+
+    #[test]
+    fn zeros_are_zero_even_in_a_used_buffer() {
+        let mut b = take(64).unwrap();
+        b.fill(7);
+        give([b]);
+        assert!(zeros(64).unwrap().iter().all(|x| *x == 0));
+    }
+
+    #[test]
+    fn an_impossible_size_is_an_error() {
+        let e = take(usize::MAX / 2).unwrap_err();
+        assert!(e.to_string().contains("cannot allocate"), "{e}");
+    }
+
+    #[test]
+    fn no_more_than_the_limit_is_kept() {
+        give((0..5).map(|_| Vec::with_capacity(KEEP_BYTES / 4)));
+        let kept: usize = SPARE.with_borrow(|s| s.iter().map(Vec::capacity).sum());
+        assert!(kept <= KEEP_BYTES, "{kept}");
+        SPARE.with_borrow_mut(Vec::clear);
+    }
+}
