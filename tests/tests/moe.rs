@@ -332,7 +332,7 @@ fn a_forged_header_is_refused_before_anything_is_allocated_for_it() {
         }
         let code = DType::ALL.iter().position(|d| *d == DType::F32).unwrap() as u64;
         let forged: Vec<u64> = [[0, 2, 16, code, 1 << 31, 1 << 40, 0, 0], [0, 2, 16, code, 0, 0, 0, 0]].concat();
-        let mut got = vec![0u64; 16];
+        let mut got = [0u64; 16];
         pg.all_to_all_single(&mut got[..], &forged[..], &o).unwrap().wait().unwrap();
         None
     });
