@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Side-by-side comparison: weft bench vs Gloo vs Open MPI on this machine.
+"""Side-by-side comparison: weft bench vs Gloo vs Open MPI vs MPICH on this machine.
 
 Builds gloo_bench.cc (Debian libgloo-dev) and mpi_bench.c (openmpi-bin,
-libopenmpi-dev), then runs weft, Gloo and Open MPI alternately, ROUNDS
+libopenmpi-dev; and with MPICH from PyPI's `mpich` wheel, installed into a
+virtual environment under --out), then runs weft and the anchors alternately, ROUNDS
 times, at each size, with the same timing method (barrier before each
 iteration, slowest rank per iteration, median, after the same number of
 untimed warm-up iterations). Prints one table: the
@@ -21,10 +22,24 @@ host copy weft uses for outputs, `weft bench --ops device_copy`), in the
 same rounds; "x copy" is
 that time over weft's (1.0: the op costs one plain copy of its buffer).
 
+--inputs fresh (or reused,fresh) has every tool rewrite each rank's input
+on its own core before every iteration, untimed, as programs compute what
+they send right before sending it; rows of that mode read "op/fresh".
+
+--phases labels every run with the machine's phase: a probe (weft's shm
+ring handing 1 MiB across cores, `sendrecv` with single copy off, the
+median of 10) runs between tool runs, and a run is "calm" when the probes
+before and after it are both within 2 x the run's fastest probe, "slow"
+when both are past it (or past --slow-above us), "mixed" otherwise. One table per phase follows the
+overall one, pairing tools only within rounds where both ran in that
+phase. --until-phases N keeps adding rounds (up to --rounds) until weft
+has N calm and N slow runs of every row, and says when it had fewer.
+
 Usage: bench/compare/compare.py [--world 2] [--rounds 5] [--backend cpu-tcp]
        [--ops all_reduce,...] [--sizes 8,1048576,67108864] [--iters 10]
-       [--tools weft,gloo,mpi-tcp,mpi-shm,copy]
-       [--warmup 20] [--timing window|span]
+       [--tools weft,gloo,mpi-tcp,mpi-shm,mpich,copy]
+       [--warmup 20] [--timing window|span] [--inputs reused,fresh]
+       [--phases] [--until-phases 3]
 Needs: apt-get install libgloo-dev openmpi-bin libopenmpi-dev g++
 """
 import argparse, os, statistics, subprocess, sys, tempfile
@@ -34,7 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 # Every tool compare.py can run, in the order each round runs them.
-TOOLS = ["weft", "gloo", "mpi-tcp", "mpi-shm", "copy"]
+TOOLS = ["weft", "gloo", "mpi-tcp", "mpi-shm", "mpich", "copy"]
 
 
 def sh(cmd, **kw):
@@ -50,6 +65,14 @@ def build(out, tools):
         sh(["g++", "-O2", "-std=c++17", "-o", f"{out}/gloo_bench", f"{HERE}/gloo_bench.cc", "-lgloo", "-lpthread"])
     if tools & {"mpi-tcp", "mpi-shm"}:
         sh(["mpicc", "-O2", "-o", f"{out}/mpi_bench", f"{HERE}/mpi_bench.c"])
+    if "mpich" in tools:
+        # MPICH from PyPI's wheel (its own mpicc and mpiexec), in a virtual
+        # environment kept with the build outputs.
+        venv = f"{out}/mpich-venv"
+        if not os.path.exists(f"{venv}/bin/mpicc"):
+            sh([sys.executable, "-m", "venv", venv])
+            sh([f"{venv}/bin/pip", "install", "-q", "mpich"])
+        sh([f"{venv}/bin/mpicc", "-O2", "-o", f"{out}/mpich_bench", f"{HERE}/mpi_bench.c"])
 
 
 def parse_lines(text):
@@ -61,9 +84,10 @@ def parse_lines(text):
     return res
 
 
-def run_weft(a, size, weft):
+def run_weft(a, size, weft, fresh):
     csv = sh([weft, "bench", "--world", str(a.world), "--backend", a.backend, "--ops", a.ops, "-b", str(size), "-e", str(size),
-              "-n", str(a.iters), "-w", str(a.warmup), "--time-per-size", "1000", "--no-check", "--timing", a.timing, "--csv", "-"])
+              "-n", str(a.iters), "-w", str(a.warmup), "--time-per-size", "1000", "--no-check", "--timing", a.timing, "--csv", "-"]
+             + (["--fresh-inputs"] if fresh else []))
     res = {}
     for line in csv.splitlines()[1:]:
         f = line.split(",")
@@ -73,23 +97,32 @@ def run_weft(a, size, weft):
     return res
 
 
+def probe(weft):
+    """The phase probe: weft's shm ring handing 1 MiB across cores
+    (sendrecv at W = 2, single copy off), median of 10, in us."""
+    csv = sh([weft, "bench", "--world", "2", "--backend", "shm", "--hint", "shm_cma=off", "--ops", "sendrecv", "-b", "1048576",
+              "-e", "1048576", "-n", "10", "-w", "3", "--no-check", "--csv", "-"])
+    return float(csv.splitlines()[1].split(",")[9])
+
+
 def run_copy(a, size, weft):
     csv = sh([weft, "bench", "--world", str(a.world), "--backend", a.backend, "--ops", "device_copy", "-b", str(size), "-e", str(size),
               "-n", str(a.iters), "-w", str(a.warmup), "--time-per-size", "1000", "--no-check", "--timing", a.timing, "--csv", "-"])
     return {("device_copy", int(f[3])): float(f[9]) for f in (line.split(",") for line in csv.splitlines()[1:])}
 
 
-def run_gloo(a, size, out, weft):
+def run_gloo(a, size, out, weft, fresh):
     ops = ",".join(o for o in a.ops.split(",") if o not in ("reduce_scatter", "scatter", "gather", "all_to_all_v", "sendrecv", "put"))
     with tempfile.TemporaryDirectory() as store:
         env = dict(os.environ, GLOO_STORE_DIR=store)
         bind = ["--bind-cores"] if a.bind else []
         text = sh([weft, "run", "-n", str(a.world), "--no-prefix", "--timeout", "600"] + bind + ["--",
-                   f"{out}/gloo_bench", ops, str(size), str(size), "2", str(a.iters), str(a.warmup), a.timing], env=env)
+                   f"{out}/gloo_bench", ops, str(size), str(size), "2", str(a.iters), str(a.warmup), a.timing]
+                  + (["fresh"] if fresh else []), env=env)
     return parse_lines(text)
 
 
-def run_mpi(a, size, out, btl):
+def run_mpi(a, size, out, btl, fresh):
     ops = ",".join(o for o in a.ops.split(",") if o not in ("scatter", "gather", "all_to_all_v"))
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(a.world), "--mca", "pml", "ob1", "--mca", "btl", btl]
     if a.bind:
@@ -100,7 +133,15 @@ def run_mpi(a, size, out, btl):
         cmd += ["--mca", "btl_tcp_if_include", "lo", "--mca", "osc", "pt2pt"]
     else:
         cmd += ["--mca", "osc", "sm"]
-    return parse_lines(sh(cmd + [f"{out}/mpi_bench", ops, str(size), str(size), "2", str(a.iters), str(a.warmup), a.timing]))
+    return parse_lines(sh(cmd + [f"{out}/mpi_bench", ops, str(size), str(size), "2", str(a.iters), str(a.warmup), a.timing]
+                          + (["fresh"] if fresh else [])))
+
+
+def run_mpich(a, size, out, fresh):
+    ops = ",".join(o for o in a.ops.split(",") if o not in ("scatter", "gather", "all_to_all_v"))
+    cmd = [f"{out}/mpich-venv/bin/mpiexec", "-n", str(a.world)] + (["-bind-to", "core"] if a.bind else [])
+    return parse_lines(sh(cmd + [f"{out}/mpich_bench", ops, str(size), str(size), "2", str(a.iters), str(a.warmup), a.timing]
+                          + (["fresh"] if fresh else [])))
 
 
 def main():
@@ -125,39 +166,98 @@ def main():
     # that outnumber the cores unbound, and `weft run` binds only when told.
     p.add_argument("--bind", action="store_true",
                    help="bind every tool's ranks to cores round-robin (Open MPI: --bind-to core:overload-allowed --map-by core)")
+    p.add_argument("--inputs", default="reused",
+                   help="reused (as nccl-tests), fresh (each rank rewrites its input before every iteration), or both: reused,fresh")
+    p.add_argument("--phases", action="store_true", help="probe the machine's phase between tool runs and report per phase")
+    p.add_argument("--slow-above", type=float, default=0.0,
+                   help="with --phases: a probe slower than this many us is slow (default: 2 x the run's fastest probe)")
+    p.add_argument("--until-phases", type=int, default=0,
+                   help="with --phases: keep adding rounds (up to --rounds) until weft has this many calm and slow runs of every row")
     a = p.parse_args()
     chosen = set(a.tools.split(",")) | {"weft"}
     if chosen - set(TOOLS):
         p.error(f"unknown tools {sorted(chosen - set(TOOLS))}; known: {', '.join(TOOLS)}")
+    modes = a.inputs.split(",")
+    if set(modes) - {"reused", "fresh"} or not modes:
+        p.error("--inputs: reused, fresh or reused,fresh")
+    a.phases |= a.until_phases > 0
     build(a.out, chosen)
     weft = os.path.join(ROOT, "target", "release", "weft")
     tools = {
-        "weft": lambda s: run_weft(a, s, weft),
-        "gloo": lambda s: run_gloo(a, s, a.out, weft),
-        "mpi-tcp": lambda s: run_mpi(a, s, a.out, "tcp,self"),
-        "mpi-shm": lambda s: run_mpi(a, s, a.out, "vader,self"),
-        "copy": lambda s: run_copy(a, s, weft),
+        "weft": lambda s, f: run_weft(a, s, weft, f),
+        "gloo": lambda s, f: run_gloo(a, s, a.out, weft, f),
+        "mpi-tcp": lambda s, f: run_mpi(a, s, a.out, "tcp,self", f),
+        "mpi-shm": lambda s, f: run_mpi(a, s, a.out, "vader,self", f),
+        "mpich": lambda s, f: run_mpich(a, s, a.out, f),
+        "copy": lambda s, f: run_copy(a, s, weft),
     }
     tools = {t: run for t, run in tools.items() if t in chosen}
-    samples = {}  # (tool, op, bytes) -> [median_us per round]
+    samples = {}  # (tool, op, bytes) -> [(round, median_us, phase probes)]
+    probes = []
+    last = probe(weft) if a.phases else None
     for rnd in range(a.rounds):
         for size in [int(s) for s in a.sizes.split(",")]:
             for tool, run in tools.items():  # alternate tools within each round
-                for key, us in run(size).items():
-                    samples.setdefault((tool,) + key, []).append(us)
+                for mode in modes if tool != "copy" else ["reused"]:
+                    got = run(size, mode == "fresh")
+                    before, last = last, probe(weft) if a.phases else None
+                    probes += [before, last] if a.phases else []
+                    for (op, b), us in got.items():
+                        if mode == "fresh":  # all_gather/fresh, all_gather/fresh/p99
+                            op = op.replace("/p99", "") + "/fresh" + ("/p99" if op.endswith("/p99") else "")
+                        samples.setdefault((tool, op, b), []).append((rnd, us, (before, last)))
         print(f"round {rnd + 1}/{a.rounds} done", file=sys.stderr)
-    keys = sorted({k[1:] for k in samples if k[0] == "weft" and not k[1].endswith("/p99")}, key=lambda k: (k[0], k[1]))
-    print(f"# W={a.world}, backend {a.backend}, timing {a.timing}, {a.rounds} alternating rounds, {a.iters} iterations each after {a.warmup} warm-ups; "
+        if a.until_phases and enough(samples, slow_line(a, probes), a.until_phases):
+            break
+    print(f"# W={a.world}, backend {a.backend}, timing {a.timing}, inputs {a.inputs}, {rnd + 1} alternating rounds, {a.iters} iterations each after {a.warmup} warm-ups; "
           f"time = median over rounds of each run's median (us), [min-max over rounds]; x = anchor time / weft time (>1: weft faster); "
           f"min x = the worst round's ratio; p99/med = weft's worst round")
+    table(samples, tools, None)
+    if a.phases:
+        line = slow_line(a, probes)
+        print(f"# phase probe (shm ring, 1 MiB across cores): {min(probes):.0f}-{max(probes):.0f} us; slow above {line:.0f} us")
+        for phase in ("calm", "slow", "mixed"):
+            picked = {k: [x for x in v if phase_of(x[2], line) == phase] for k, v in samples.items()}
+            print(f"\n# {phase} runs")
+            table(picked, tools, phase)
+        if a.until_phases and not enough(samples, line, a.until_phases):
+            print(f"# fewer than {a.until_phases} calm and {a.until_phases} slow runs of every row within {a.rounds} rounds")
+
+
+# By default a run is slow when its probes took more than this many times
+# the run's fastest (the hand-over took 3-4 x as long in slow phases).
+SLOW = 2.0
+
+
+def slow_line(a, probes):
+    """The probe time above which the machine counts as slow."""
+    return a.slow_above or min(probes) * SLOW
+
+
+def phase_of(pair, line):
+    """calm, slow or mixed, from the probes before and after a run."""
+    kinds = {"slow" if p > line else "calm" for p in pair}
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def enough(samples, line, n):
+    """Whether weft has n calm and n slow runs of every row."""
+    rows = [v for k, v in samples.items() if k[0] == "weft" and not k[1].endswith("/p99")]
+    return all(sum(phase_of(x[2], line) == ph for x in v) >= n for v in rows for ph in ("calm", "slow"))
+
+
+def table(samples, tools, phase):
+    """One table: per row, each tool's median over its runs, the ratios,
+    the worst round's ratio (runs of one round paired) and weft's tail."""
+    keys = sorted({k[1:] for k in samples if k[0] == "weft" and not k[1].endswith("/p99") and samples[k]}, key=lambda k: (k[0], k[1]))
     anchors = [t for t in tools if t not in ("weft", "copy")]
-    hdr = (f"{'op':<15} {'bytes':>10} " + " ".join(f"{t:>24}" for t in tools) + "  " + " ".join(f"{'x ' + t:>10}" for t in tools if t != "weft")
+    hdr = (f"{'op':<21} {'bytes':>10} " + " ".join(f"{t:>24}" for t in tools) + "  " + " ".join(f"{'x ' + t:>10}" for t in tools if t != "weft")
            + "  " + " ".join(f"{'min x ' + t:>14}" for t in anchors) + f"  {'p99/med':>8}")
     print(hdr)
     for op, b in keys:
         cells, med = [], {}
         for t in tools:
-            v = samples.get((t, "device_copy" if t == "copy" else op, b))
+            v = [x[1] for x in samples.get((t, "device_copy" if t == "copy" else op, b), [])]
             if v:
                 med[t] = statistics.median(v)
                 # Sub-10 us times need two decimals to be compared at all.
@@ -168,11 +268,12 @@ def main():
         ratios = [f"{med[t] / med['weft']:>10.2f}" if t in med and "weft" in med else f"{'-':>10}" for t in tools if t != "weft"]
         worst = []
         for t in anchors:
-            v, w = samples.get((t, op, b)), samples.get(("weft", op, b))
-            # Rounds ran each tool once, in the same order: pair them up.
-            worst.append(f"{min(x / y for x, y in zip(v, w)):>14.2f}" if v and w and len(v) == len(w) else f"{'-':>14}")
-        tail = samples.get(("weft", op + "/p99", b))
-        print(f"{op:<15} {b:>10} " + " ".join(cells) + "  " + " ".join(ratios) + "  " + " ".join(worst)
+            # Pair the runs of one round (each tool ran once per round and mode).
+            v, w = dict((x[0], x[1]) for x in samples.get((t, op, b), [])), dict((x[0], x[1]) for x in samples.get(("weft", op, b), []))
+            both = sorted(set(v) & set(w))
+            worst.append(f"{min(v[r] / w[r] for r in both):>14.2f}" if both else f"{'-':>14}")
+        tail = [x[1] for x in samples.get(("weft", op + "/p99", b), [])] if phase is None else []
+        print(f"{op:<21} {b:>10} " + " ".join(cells) + "  " + " ".join(ratios) + "  " + " ".join(worst)
               + (f"  {max(tail):>8.2f}" if tail else f"  {'-':>8}"))
 
 

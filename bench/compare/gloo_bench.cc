@@ -5,8 +5,10 @@
 // through a FileStore in GLOO_STORE_DIR.
 // With TIMING "span" (as `weft bench --timing span`), an iteration's time
 // runs from the first rank's start to the last rank's end on the host's
-// monotonic clock (steady_clock; every rank on one host).
-// Usage: gloo_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP [TIMING]
+// monotonic clock (steady_clock; every rank on one host). With "fresh" (as
+// `weft bench --fresh-inputs`), every rank rewrites its input before each
+// iteration, untimed.
+// Usage: gloo_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP [window|span] [fresh]
 // Prints: "op bytes median_us" per size on rank 0.
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
@@ -22,6 +24,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <sstream>
@@ -61,15 +64,30 @@ static double median_of_max(const Ctx &c, std::vector<double> t, std::vector<dou
 static int warmup = 3;
 /// Whether iterations are timed as spans (argument TIMING).
 static bool span = false;
+/// Whether each rank rewrites its input before every iteration, untimed
+/// (argument "fresh", as `weft bench --fresh-inputs`).
+static bool fresh = false;
+/// The input every op reads (the current size's `a`).
+static std::vector<float> *input = nullptr;
+
+/// Before iteration i with "fresh": every byte of the input stored on this
+/// rank's core (the patterns weft bench writes: normal floats).
+static void refresh(int i) {
+    if (fresh && input) memset(input->data(), (i & 1) ? 0x40 : 0x3f, input->size() * sizeof(float));
+}
 
 static double host_clock_us() {
     return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 static double timeit(const Ctx &c, int iters, const std::function<void()> &f) {
-    for (int i = 0; i < warmup; i++) f();
+    for (int i = 0; i < warmup; i++) {
+        refresh(i);
+        f();
+    }
     std::vector<double> t, s;
     for (int i = 0; i < iters; i++) {
+        refresh(i);
         barrier(c);
         double a = host_clock_us();
         f();
@@ -81,8 +99,8 @@ static double timeit(const Ctx &c, int iters, const std::function<void()> &f) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 7 && argc != 8) {
-        fprintf(stderr, "usage: gloo_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP [window|span]\n");
+    if (argc < 7 || argc > 9) {
+        fprintf(stderr, "usage: gloo_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP [window|span] [fresh]\n");
         return 2;
     }
     int rank = atoi(getenv("RANK")), size = atoi(getenv("WORLD_SIZE"));
@@ -90,7 +108,10 @@ int main(int argc, char **argv) {
     size_t minb = strtoull(argv[2], 0, 10), maxb = strtoull(argv[3], 0, 10), factor = strtoull(argv[4], 0, 10);
     int iters = atoi(argv[5]);
     warmup = atoi(argv[6]);
-    span = argc == 8 && std::string(argv[7]) == "span";
+    for (int i = 7; i < argc; i++) {
+        span |= std::string(argv[i]) == "span";
+        fresh |= std::string(argv[i]) == "fresh";
+    }
     gloo::transport::tcp::attr attr("127.0.0.1");
     auto dev = gloo::transport::tcp::CreateDevice(attr);
     gloo::rendezvous::FileStore store(getenv("GLOO_STORE_DIR"));
@@ -102,6 +123,7 @@ int main(int argc, char **argv) {
         size_t n = std::max<size_t>(bytes / 4, 1);
         size_t part = std::max<size_t>(n / size, 1), full = part * size;
         std::vector<float> a(full, 1.0f), b(full, 0.0f);
+        input = &a;
         auto report = [&](const char *op, size_t nbytes, double us) {
             if (rank == 0) printf("%s %zu %.3f\n", op, nbytes, us);
         };

@@ -4,8 +4,10 @@
  * `put` is MPI_Put closed by MPI_Win_fence (Open MPI's osc).
  * With TIMING "span" (as `weft bench --timing span`), an iteration's time
  * runs from the first rank's start to the last rank's end on the host's
- * monotonic clock (every rank on one host).
- * Usage: mpirun -np 2 [--mca btl tcp,self | vader,self] mpi_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP [TIMING]
+ * monotonic clock (every rank on one host). With "fresh" (as `weft bench
+ * --fresh-inputs`), every rank rewrites its input before each iteration,
+ * untimed, as programs compute what they send right before sending it.
+ * Usage: mpirun -np 2 [--mca btl tcp,self | vader,self] mpi_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP [window|span] [fresh]
  * Prints: "op bytes median_us" per size on rank 0. */
 #include <mpi.h>
 #include <stdio.h>
@@ -18,8 +20,16 @@ static int cmp(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-static int rank, size, iters, warmup, span;
+static int rank, size, iters, warmup, span, fresh;
 static float *A, *B;
+/* Bytes of A (the input of every op). */
+static size_t a_bytes;
+
+/* Before iteration i with "fresh": every byte of the input stored on this
+ * rank's core (the patterns weft bench writes: normal floats). */
+static void refresh(int i) {
+    if (fresh) memset(A, (i & 1) ? 0x40 : 0x3f, a_bytes);
+}
 
 static int want(const char *ops, const char *op) {
     char pat[64], list[512];
@@ -39,8 +49,12 @@ static double host_clock(void) {
 
 static double timeit(op_fn f, size_t n, size_t part) {
     double *t = malloc(sizeof(double) * iters), *s = malloc(sizeof(double) * iters);
-    for (int i = 0; i < warmup; i++) f(n, part);
+    for (int i = 0; i < warmup; i++) {
+        refresh(i);
+        f(n, part);
+    }
     for (int i = 0; i < iters; i++) {
+        refresh(i);
         MPI_Barrier(MPI_COMM_WORLD);
         double a = host_clock();
         f(n, part);
@@ -91,8 +105,8 @@ int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
-    if (argc != 7 && argc != 8) {
-        if (rank == 0) fprintf(stderr, "usage: mpi_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP [window|span]\n");
+    if (argc < 7 || argc > 9) {
+        if (rank == 0) fprintf(stderr, "usage: mpi_bench OPS MINBYTES MAXBYTES FACTOR ITERS WARMUP [window|span] [fresh]\n");
         MPI_Finalize();
         return 2;
     }
@@ -100,7 +114,10 @@ int main(int argc, char **argv) {
     size_t minb = strtoull(argv[2], 0, 10), maxb = strtoull(argv[3], 0, 10), factor = strtoull(argv[4], 0, 10);
     iters = atoi(argv[5]);
     warmup = atoi(argv[6]);
-    span = argc == 8 && strcmp(argv[7], "span") == 0;
+    for (int i = 7; i < argc; i++) {
+        span |= strcmp(argv[i], "span") == 0;
+        fresh |= strcmp(argv[i], "fresh") == 0;
+    }
     struct { const char *name; op_fn f; int full; } table[] = {
         {"all_reduce", all_reduce, 0}, {"all_gather", all_gather, 1}, {"reduce_scatter", reduce_scatter, 1},
         {"all_to_all", all_to_all, 1}, {"broadcast", broadcast, 0}, {"reduce", reduce, 0}, {"p2p", p2p, 0},
@@ -109,6 +126,7 @@ int main(int argc, char **argv) {
     for (size_t bytes = minb; bytes <= maxb; bytes *= factor) {
         size_t n = bytes / 4 ? bytes / 4 : 1;
         size_t part = n / size ? n / size : 1, full = part * size;
+        a_bytes = (full > n ? full : n) * sizeof(float);
         A = calloc(full > n ? full : n, sizeof(float));
         B = calloc(full > n ? full : n, sizeof(float));
         /* Real data in real pages, as weft bench and gloo_bench use: a

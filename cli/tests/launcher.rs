@@ -206,6 +206,19 @@ fn bench_times_spans_across_ranks() {
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("spam"));
 }
 
+/// With fresh inputs every rank rewrites its input before each iteration;
+/// every op's check still runs on the inputs as made (the rewrite undone).
+#[test]
+fn bench_with_fresh_inputs_checks_every_op() {
+    let out = Command::new(WEFT)
+        .args(["bench", "--world", "3", "--backend", "shm", "-b", "4K", "-e", "64K", "-f", "16", "-n", "3", "-w", "1", "--fresh-inputs"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("inputs fresh") && text.contains("all_gather") && text.contains("# total wrong: 0"), "{text}");
+}
+
 /// cpu-tcp sends messages over 1 MiB by rendezvous: every op, checked, on
 /// both sides of that limit, with a root that is not rank 0.
 #[test]

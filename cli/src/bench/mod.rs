@@ -74,6 +74,12 @@ pub struct BenchArgs {
     /// Skip verifying results.
     #[arg(long = "no-check")]
     no_check: bool,
+    /// Rewrite each rank's input on its own core before every iteration
+    /// (untimed), as programs compute what they send right before they
+    /// send it; by default inputs are reused, as nccl-tests and the OSU
+    /// benchmarks do (host tensors only).
+    #[arg(long = "fresh-inputs")]
+    fresh_inputs: bool,
     /// Backend spec.
     #[arg(long, default_value = "auto")]
     backend: String,
@@ -227,6 +233,9 @@ fn run_rank(a: &BenchArgs, plan: Plan) -> Result<i32> {
         "cuda" => (weft::DeviceKind::Cuda, Some(weft_conformance::cuda::local_placement(r)?)),
         d => bail!("--device {d:?}: use cpu or cuda"),
     };
+    if a.fresh_inputs && place.is_some() {
+        bail!("--fresh-inputs rewrites host inputs on the rank's core: use it with --device cpu");
+    }
     // Device ops are ordered after the placement's stream (as a user's
     // current stream); `synchronize` in each timed call waits for them.
     weft::stream::set_current_stream(place.as_ref().map(|p| p.stream()));
@@ -251,8 +260,11 @@ fn run_rank(a: &BenchArgs, plan: Plan) -> Result<i32> {
     }
     if !ops.is_empty() {
         say(format!(
-            "# weft bench: backend {backend}, {w} ranks, dtype {dtype}, redop {redop}, root {}, check {}, timing {}",
-            a.root, !a.no_check, a.timing
+            "# weft bench: backend {backend}, {w} ranks, dtype {dtype}, redop {redop}, root {}, check {}, timing {}, inputs {}",
+            a.root,
+            !a.no_check,
+            a.timing,
+            if a.fresh_inputs { "fresh" } else { "reused" }
         ));
         say(report::table_header());
     }
@@ -372,13 +384,19 @@ fn measure(pg: &ProcessGroup, case: &mut Case, op: &'static str, a: &BenchArgs, 
     let per = first[0].max(1e-7);
     let iters = ((a.budget / per) as usize).clamp(1, a.iters.max(1));
     let warm = ((a.budget * 0.25 / per) as usize).min(a.warmup);
-    for _ in 0..warm {
+    for i in 0..warm {
+        if a.fresh_inputs {
+            case.refresh(i);
+        }
         case.run(pg, o)?;
     }
     let mut starts = vec![0f64; iters];
     let mut times = vec![0f64; iters];
     let span = a.timing == "span";
-    for (start, slot) in starts.iter_mut().zip(times.iter_mut()) {
+    for (i, (start, slot)) in starts.iter_mut().zip(times.iter_mut()).enumerate() {
+        if a.fresh_inputs {
+            case.refresh(i);
+        }
         // Every iteration starts together, so eager senders cannot run
         // ahead and the time covers one whole op.
         pg.barrier(o)?.wait()?;

@@ -92,6 +92,9 @@ pub struct Case {
     place: Option<SharedPlacement>,
     /// `put`: the window every rank registers `count` elements in.
     window: Option<weft::Window>,
+    /// The input as made, kept by the first [`Case::refresh`] of an op
+    /// that only reads it.
+    pristine: Option<Vec<u8>>,
 }
 
 /// Period of the reference patterns (see weft_conformance::reference).
@@ -135,7 +138,7 @@ impl Case {
         let output = if op == "all_to_all_v" { Buf::zeros(dtype, splits_out.iter().sum()) } else { output };
         let (input, output) = (input.place(place.as_ref())?, output.place(place.as_ref())?);
         let window = if op == "put" { Some(pg.new_window_on(count * dtype.size(), input.t().device())?) } else { None };
-        Ok(Case { op, kind: Kind::of(op), dtype, redop, root, count, input, output, splits_in, splits_out, place, window })
+        Ok(Case { op, kind: Kind::of(op), dtype, redop, root, count, input, output, splits_in, splits_out, place, window, pristine: None })
     }
 
     /// Bytes per element.
@@ -143,10 +146,28 @@ impl Case {
         self.dtype.size()
     }
 
-    /// Restore inputs that an in-place op overwrote.
+    /// Rewrite every byte of the input on this rank's core, as a program
+    /// computes what it sends just before it sends it (`--fresh-inputs`):
+    /// the bytes sit dirty in this core's cache, not in memory. Two byte
+    /// patterns alternate (normal floats in every dtype: 0x3f3f.., 0x4040..).
+    pub fn refresh(&mut self, iteration: usize) {
+        if self.pristine.is_none() && !self.in_place() {
+            self.pristine = Some(self.input.bytes().to_vec());
+        }
+        self.input.bytes_mut().fill(if iteration % 2 == 0 { 0x3f } else { 0x40 });
+    }
+
+    /// Whether the op writes its result over its input.
+    fn in_place(&self) -> bool {
+        matches!(self.op, "all_reduce" | "reduce" | "broadcast")
+    }
+
+    /// Restore inputs that an in-place op or [`Case::refresh`] overwrote.
     pub fn reset(&mut self, r: usize) -> weft::Result<()> {
-        if matches!(self.op, "all_reduce" | "reduce" | "broadcast") {
+        if self.in_place() {
             self.input = Buf::from_bytes(self.dtype, &make(self.dtype, r, self.count)).place(self.place.as_ref())?;
+        } else if let Some(made) = &self.pristine {
+            self.input.bytes_mut().copy_from_slice(made);
         }
         Ok(())
     }
