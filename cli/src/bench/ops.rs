@@ -154,7 +154,7 @@ impl Case {
         if self.pristine.is_none() && !self.in_place() {
             self.pristine = Some(self.input.bytes().to_vec());
         }
-        self.input.bytes_mut().fill(if iteration % 2 == 0 { 0x3f } else { 0x40 });
+        self.input.bytes_mut().fill(if iteration.is_multiple_of(2) { 0x3f } else { 0x40 });
     }
 
     /// Whether the op writes its result over its input.

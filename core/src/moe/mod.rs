@@ -423,10 +423,11 @@ impl ProcessGroup {
     /// Send `sends[r]` to each rank r and receive `sizes[s]` bytes from
     /// each rank s (one `all_to_all`); this rank's own part is handed over
     /// without a copy. The sends go back to the spare buffers; what comes
-    /// back is taken from them, for the caller to give back. Each message ends in a status word: `ok` false
-    /// (this rank's part was invalid, and it sent zeros) fails the op on
-    /// every rank that receives from it, naming this rank, instead of
-    /// leaving them wrong data or a timeout.
+    /// back is taken from them, for the caller to give back. Each message
+    /// ends in a status word: `ok` false (this rank's part was invalid,
+    /// and it sent zeros) fails the op on every rank that receives from
+    /// it, naming this rank, instead of leaving them wrong data or a
+    /// timeout.
     fn exchange_bytes(
         &self,
         name: &'static str,

@@ -14,6 +14,10 @@ use std::cell::RefCell;
 /// Most bytes of spare buffers kept per thread.
 pub(crate) const KEEP_BYTES: usize = 1 << 30;
 
+/// Room a new buffer has past what was asked, so that a short trailer
+/// (the exchange's status word) never moves it.
+const ROOM: usize = 64;
+
 thread_local! {
     static SPARE: RefCell<Vec<Vec<u8>>> = const { RefCell::new(Vec::new()) };
 }
@@ -22,16 +26,17 @@ thread_local! {
 /// buffer's old bytes, or zeros). An error where `n` bytes cannot be had
 /// (a size a peer announced, perhaps falsely), never an abort.
 pub(crate) fn take(n: usize) -> Result<Vec<u8>> {
+    let need = n.saturating_add(ROOM);
     let kept = SPARE.with_borrow_mut(|spare| {
-        // The smallest that holds n.
-        let best = spare.iter().enumerate().filter(|(_, b)| b.capacity() >= n).min_by_key(|(_, b)| b.capacity()).map(|(i, _)| i);
+        // The smallest that holds n and the room.
+        let best = spare.iter().enumerate().filter(|(_, b)| b.capacity() >= need).min_by_key(|(_, b)| b.capacity()).map(|(i, _)| i);
         best.map(|i| spare.swap_remove(i))
     });
     let mut b = match kept {
         Some(b) => b,
         None => {
             let mut b = Vec::new();
-            b.try_reserve_exact(n).map_err(|e| Error::backend(format!("cannot allocate {n} bytes for an exchange: {e}")))?;
+            b.try_reserve_exact(need).map_err(|e| Error::backend(format!("cannot allocate {n} bytes for an exchange: {e}")))?;
             b
         }
     };
