@@ -39,8 +39,8 @@ pub(crate) struct Leaving {
 /// The closing threads still running.
 static CLOSERS: Mutex<Vec<JoinHandle<()>>> = Mutex::new(Vec::new());
 
-/// Close `conns` (group rank `rank`'s connections of one group) once every peer
-/// has closed its side, or at `deadline`; in the background.
+/// Close `conns` (group rank `rank`'s connections of one group) once every
+/// peer has closed its side, or at `deadline`; in the background.
 pub(crate) fn close_after_peers(rank: usize, conns: Vec<Leaving>, deadline: Instant) {
     static AT_EXIT: Once = Once::new();
     AT_EXIT.call_once(|| {

@@ -116,6 +116,12 @@ impl TcpBackend {
         self
     }
 
+    /// The rank the user knows rank `r` of this backend by (`r` itself
+    /// where the map has no entry).
+    fn group_rank(&self, r: usize) -> usize {
+        self.group_ranks.get(r).copied().unwrap_or(r)
+    }
+
     fn fail(&self, e: Error) -> Error {
         self.failed.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e).clone()
     }
@@ -233,11 +239,11 @@ impl Backend for TcpBackend {
             // when it is dropped, the connection only when both are.
             let Ok(sock) = sock.try_clone() else { continue };
             let owed = !(p.torn || p.left);
-            let peer = self.group_ranks[peer];
+            let peer = self.group_rank(peer);
             conns.push(closing::Leaving { peer, sock, goodbye: if owed { goodbye.clone() } else { Vec::new() } });
         }
         drop(eng);
-        closing::close_after_peers(self.group_ranks[self.rank], conns, Instant::now() + self.close_within);
+        closing::close_after_peers(self.group_rank(self.rank), conns, Instant::now() + self.close_within);
     }
 }
 
