@@ -29,8 +29,10 @@ they send right before sending it; rows of that mode read "op/fresh".
 --phases labels every run with the machine's phase: a probe (weft's shm
 ring handing 1 MiB across cores, `sendrecv` with single copy off, the
 median of 10) runs between tool runs, and a run is "calm" when the probes
-before and after it are both within 2 x the run's fastest probe, "slow"
-when both are past it (or past --slow-above us), "mixed" otherwise. One table per phase follows the
+before and after it are both within 2 x the session's fastest probe, "slow"
+when both are past it (or past --slow-above us), "mixed" otherwise (the
+tables judge by every probe of the session; --until-phases decides to
+stop by the probes so far). One table per phase follows the
 overall one, pairing tools only within rounds where both ran in that
 phase. --until-phases N keeps adding rounds (up to --rounds) until weft
 has N calm and N slow runs of every row, and says when it had fewer.
@@ -170,7 +172,7 @@ def main():
                    help="reused (as nccl-tests), fresh (each rank rewrites its input before every iteration), or both: reused,fresh")
     p.add_argument("--phases", action="store_true", help="probe the machine's phase between tool runs and report per phase")
     p.add_argument("--slow-above", type=float, default=0.0,
-                   help="with --phases: a probe slower than this many us is slow (default: 2 x the run's fastest probe)")
+                   help="with --phases: a probe slower than this many us is slow (default: 2 x the session's fastest probe)")
     p.add_argument("--until-phases", type=int, default=0,
                    help="with --phases: keep adding rounds (up to --rounds) until weft has this many calm and slow runs of every row")
     a = p.parse_args()
@@ -181,6 +183,8 @@ def main():
     if set(modes) - {"reused", "fresh"} or not modes:
         p.error("--inputs: reused, fresh or reused,fresh")
     a.phases |= a.until_phases > 0
+    if a.rounds < 1:
+        p.error("--rounds: at least 1")
     build(a.out, chosen)
     weft = os.path.join(ROOT, "target", "release", "weft")
     tools = {
@@ -225,7 +229,7 @@ def main():
 
 
 # By default a run is slow when its probes took more than this many times
-# the run's fastest (the hand-over took 3-4 x as long in slow phases).
+# the session's fastest (the hand-over took 3-4 x as long in slow phases).
 SLOW = 2.0
 
 

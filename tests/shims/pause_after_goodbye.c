@@ -6,6 +6,7 @@
  * and sendmsg() are wrapped: cpu-tcp writes frames with nothing else. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,8 +22,10 @@ static void pause_if_goodbye(const unsigned char *head, size_t head_len, ssize_t
         return;
     const char *ms = getenv("PAUSE_AFTER_GOODBYE_MS");
     long n = ms ? atol(ms) : 500;
+    if (n < 0)
+        n = 0;
     struct timespec t = {n / 1000, (n % 1000) * 1000000L};
-    while (nanosleep(&t, &t) != 0) {
+    while (nanosleep(&t, &t) != 0 && errno == EINTR) {
     }
 }
 

@@ -322,20 +322,22 @@ fn a_wrong_input_at_dispatch_fails_its_rank_and_names_it_elsewhere() {
 #[test]
 fn a_forged_header_is_refused_before_anything_is_allocated_for_it() {
     // Rank 1 skips dispatch_plan and sends rank 0 a header (64 bytes:
-    // status, experts, row bytes, dtype code, tokens, pairs, two zero
-    // words) announcing 2^31 tokens of 16 bytes in 2^40 pairs (part 0 of
-    // its all_to_all goes to rank 0).
-    let errors = run_threads(2, options("cpu:shm"), |pg| {
-        let o = OpOptions::default();
-        if pg.rank() == 0 {
-            return Some(pg.dispatch_plan(&[1], 1, 2, 4, DType::F32, &o).unwrap_err());
-        }
-        let code = DType::ALL.iter().position(|d| *d == DType::F32).unwrap() as u64;
-        let forged: Vec<u64> = [[0, 2, 16, code, 1 << 31, 1 << 40, 0, 0], [0, 2, 16, code, 0, 0, 0, 0]].concat();
-        let mut got = [0u64; 16];
-        pg.all_to_all_single(&mut got[..], &forged[..], &o).unwrap().wait().unwrap();
-        None
-    });
-    let e = errors[0].as_ref().unwrap();
-    assert!(e.to_string().contains("rank 1 announced a dispatch that cannot be"), "{e}");
+    // status, experts, row bytes, dtype code, tokens, pairs, k, a zero
+    // word; part 0 of its all_to_all goes to rank 0): 2^31 tokens in 2^40
+    // pairs, or 16 GiB of metadata for pairs of no token.
+    let code = DType::ALL.iter().position(|d| *d == DType::F32).unwrap() as u64;
+    for (tokens, pairs, k) in [(1u64 << 31, 1u64 << 40, 1u64 << 10), (0, u64::from(u32::MAX), 8)] {
+        let errors = run_threads(2, options("cpu:shm"), move |pg| {
+            let o = OpOptions::default();
+            if pg.rank() == 0 {
+                return Some(pg.dispatch_plan(&[1], 1, 2, 4, DType::F32, &o).unwrap_err());
+            }
+            let forged: Vec<u64> = [[0, 2, 16, code, tokens, pairs, k, 0], [0, 2, 16, code, 0, 0, 1, 0]].concat();
+            let mut got = [0u64; 16];
+            pg.all_to_all_single(&mut got[..], &forged[..], &o).unwrap().wait().unwrap();
+            None
+        });
+        let e = errors[0].as_ref().unwrap();
+        assert!(e.to_string().contains("rank 1 announced a dispatch that cannot be"), "{e}");
+    }
 }

@@ -135,7 +135,9 @@ impl ProcessGroup {
         const NAME: &str = "dispatch";
         let (rank, world) = (self.rank(), self.size());
         let fail = |e: Error| e.with_op(NAME).with_rank(rank);
-        let planned = weighted::require_float(dtype).and_then(|_| Plan::new(topk_idx, k, num_experts, world));
+        let planned = weighted::require_float(dtype)
+            .and_then(|_| if hidden == 0 { Err(Error::invalid("hidden (elements per row) must be at least 1")) } else { Ok(()) })
+            .and_then(|_| Plan::new(topk_idx, k, num_experts, world));
         let tokens = topk_idx.len().checked_div(k).unwrap_or(0);
         let mine: Vec<Header> = (0..world)
             .map(|r| Header {
@@ -145,6 +147,7 @@ impl ProcessGroup {
                 dtype: dtype as u64,
                 tokens: planned.as_ref().map_or(0, |p| p.tokens[r].len() as u64),
                 pairs: planned.as_ref().map_or(0, |p| p.pairs[r].len() as u64),
+                k: k as u64,
             })
             .collect();
         let mut out = vec![0u8; world * HEADER];
@@ -175,10 +178,14 @@ impl ProcessGroup {
         differ("the dtype", |h| h.dtype, &|v| DType::ALL.get(v as usize).map_or(v.to_string(), |d| d.to_string()))?;
         differ("the row size in bytes (hidden x dtype size)", |h| h.row_bytes, &|v| v.to_string())?;
         for (s, h) in headers.iter().enumerate() {
-            // A size no sender could announce is refused before anything
-            // is allocated for it.
-            h.message_bytes(hidden * dtype.size())
-                .map_err(|why| fail(Error::backend(format!("rank {s} announced a dispatch that cannot be: {why}"))))?;
+            // Counts no sender could announce are refused before anything
+            // is allocated for them. The peers that got honest headers go
+            // on into the dispatch: the group is aborted, so that they fail
+            // at once instead of at their timeout.
+            if let Err(why) = h.message_bytes(hidden * dtype.size()) {
+                self.abort();
+                return Err(fail(Error::backend(format!("rank {s} announced a dispatch that cannot be: {why}"))));
+            }
         }
         let shape = Shape { tokens, k, hidden, dtype, experts: num_experts };
         Ok(DispatchPlan { plan, headers, shape })
@@ -195,8 +202,8 @@ impl ProcessGroup {
         let (rank, row) = (self.rank(), shape.row_bytes());
         let fail = |e: Error| e.with_op(NAME).with_rank(rank);
         let rows = rows_of(&x, shape, shape.tokens, "x");
-        let mut sends =
-            token_rows(&plan.tokens, rows.as_deref().ok(), row, |r| meta_bytes(plan.tokens[r].len(), plan.pairs[r].len())).map_err(fail)?;
+        let sends = token_rows(&plan.tokens, rows.as_deref().ok(), row, |r| meta_bytes(plan.tokens[r].len(), plan.pairs[r].len()));
+        let mut sends = self.or_abort(sends).map_err(fail)?;
         for (r, b) in sends.iter_mut().enumerate() {
             plan.meta(r, shape.k, &mut b[plan.tokens[r].len() * row..]);
         }
@@ -281,7 +288,7 @@ impl ProcessGroup {
     /// rank's arguments were invalid, and it sends zeros) to every rank
     /// holding its experts, once per rank: what each rank sent, by source.
     fn spread(&self, name: &'static str, routing: &ExpertRouting, x: Option<&[u8]>, row: usize, opts: &OpOptions) -> Result<Vec<Vec<u8>>> {
-        let sends = token_rows(&routing.plan.tokens, x, row, |_| 0).map_err(|e| e.with_op(name).with_rank(self.rank()))?;
+        let sends = self.or_abort(token_rows(&routing.plan.tokens, x, row, |_| 0)).map_err(|e| e.with_op(name).with_rank(self.rank()))?;
         let sizes: Vec<usize> = routing.placed.tokens.iter().map(|t| t * row).collect();
         self.exchange_bytes(name, sends, &sizes, x.is_some(), opts)
     }
@@ -340,8 +347,8 @@ impl ProcessGroup {
                 }
                 Ok(b)
             })
-            .collect::<Result<Vec<_>>>()
-            .map_err(fail)?;
+            .collect::<Result<Vec<_>>>();
+        let sends = self.or_abort(sends).map_err(fail)?;
         let sizes: Vec<usize> = plan.tokens.iter().map(|t| t.len() * row).collect();
         let got = self.exchange_bytes(NAME, sends, &sizes, checked.is_ok(), opts);
         checked.map_err(fail)?;
@@ -420,6 +427,17 @@ impl ProcessGroup {
         Ok(out)
     }
 
+    /// `r`, the group aborted first where it failed: this rank's peers are
+    /// in the collective it now leaves (a buffer could not be had), and
+    /// would otherwise wait out their timeout, then meet its next
+    /// collective out of step.
+    fn or_abort<T>(&self, r: Result<T>) -> Result<T> {
+        if r.is_err() {
+            self.abort();
+        }
+        r
+    }
+
     /// Send `sends[r]` to each rank r and receive `sizes[s]` bytes from
     /// each rank s (one `all_to_all`); this rank's own part is handed over
     /// without a copy. The sends go back to the spare buffers; what comes
@@ -438,16 +456,11 @@ impl ProcessGroup {
     ) -> Result<Vec<Vec<u8>>> {
         let rank = self.rank();
         let own = std::mem::take(&mut sends[rank]);
-        for b in &mut sends {
+        for (_, b) in sends.iter_mut().enumerate().filter(|(r, _)| *r != rank) {
             b.extend_from_slice(&u64::from(!ok).to_le_bytes());
         }
-        sends[rank].clear();
-        let mut got = sizes
-            .iter()
-            .enumerate()
-            .map(|(s, n)| if s == rank { Ok(Vec::new()) } else { spare::take(n + STATUS) })
-            .collect::<Result<Vec<Vec<u8>>>>()
-            .map_err(|e| e.with_op(name).with_rank(rank))?;
+        let got = sizes.iter().enumerate().map(|(s, n)| if s == rank { Ok(Vec::new()) } else { spare::take(n + STATUS) }).collect();
+        let mut got: Vec<Vec<u8>> = self.or_abort(got).map_err(|e| e.with_op(name).with_rank(rank))?;
         {
             let inputs: Vec<Tensor<'_>> = sends.iter().map(Tensor::from).collect();
             let outputs: Vec<TensorMut<'_>> = got.iter_mut().map(TensorMut::from).collect();

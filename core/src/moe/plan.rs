@@ -15,8 +15,8 @@
 use crate::error::{Error, Result};
 
 /// Bytes of a dispatch's header, one per peer: status, number of experts,
-/// row bytes, dtype code, tokens and pairs sent to that peer, and two
-/// reserved words (zero).
+/// row bytes, dtype code, tokens and pairs sent to that peer, experts per
+/// token (k), and a reserved word (zero).
 pub(crate) const HEADER: usize = 8 * 8;
 
 /// What a rank tells each peer before the data: whether its routing is
@@ -35,24 +35,27 @@ pub(crate) struct Header {
     pub tokens: u64,
     /// (token, expert) pairs sent to this peer.
     pub pairs: u64,
+    /// Experts per token.
+    pub k: u64,
 }
 
 impl Header {
     /// Its bytes on the wire.
     pub(crate) fn encode(&self, out: &mut [u8]) {
-        let words = [u64::from(!self.ok), self.experts, self.row_bytes, self.dtype, self.tokens, self.pairs, 0, 0];
+        let words = [u64::from(!self.ok), self.experts, self.row_bytes, self.dtype, self.tokens, self.pairs, self.k, 0];
         for (w, c) in words.iter().zip(out.chunks_exact_mut(8)) {
             c.copy_from_slice(&w.to_le_bytes());
         }
     }
 
     /// Bytes of the message this header announces (rows of `row` bytes,
-    /// then the metadata), or why the counts cannot be a sender's: at
-    /// least one pair per token, fewer than 2^32 pairs (`Plan::new`'s
+    /// then the metadata), or why the counts cannot be a sender's: from
+    /// one to `k` pairs per token, fewer than 2^32 pairs (`Plan::new`'s
     /// limit), a size that fits in memory's address range.
     pub(crate) fn message_bytes(&self, row: usize) -> std::result::Result<usize, String> {
-        if self.pairs > u64::from(u32::MAX) || self.tokens > self.pairs {
-            return Err(format!("{} tokens in {} pairs", self.tokens, self.pairs));
+        let most = self.tokens.saturating_mul(self.k);
+        if self.pairs > u64::from(u32::MAX) || self.tokens > self.pairs || self.pairs > most {
+            return Err(format!("{} tokens in {} pairs, with k = {}", self.tokens, self.pairs, self.k));
         }
         let (tokens, pairs) = (self.tokens as usize, self.pairs as usize);
         tokens
@@ -65,7 +68,7 @@ impl Header {
     /// The header in `b` (`HEADER` bytes).
     pub(crate) fn decode(b: &[u8]) -> Header {
         let w = |i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"));
-        Header { ok: w(0) == 0, experts: w(1), row_bytes: w(2), dtype: w(3), tokens: w(4), pairs: w(5) }
+        Header { ok: w(0) == 0, experts: w(1), row_bytes: w(2), dtype: w(3), tokens: w(4), pairs: w(5), k: w(6) }
     }
 }
 
@@ -257,7 +260,7 @@ mod tests {
             let mut m = vec![0u8; meta_bytes(t, p)];
             plan.meta(1, 2, &mut m);
             metas.push(m);
-            headers.push(Header { ok: true, experts: 4, row_bytes: 8, dtype: 0, tokens: t as u64, pairs: p as u64 });
+            headers.push(Header { ok: true, experts: 4, row_bytes: 8, dtype: 0, tokens: t as u64, pairs: p as u64, k: 8 });
         }
         let metas: Vec<&[u8]> = metas.iter().map(|m| &m[..]).collect();
         let placed = Placement::new(&metas, &headers, 2).unwrap();
@@ -271,17 +274,21 @@ mod tests {
 
     #[test]
     fn a_header_no_sender_could_write_is_refused_before_its_size_is_used() {
-        let h = |tokens: u64, pairs: u64| Header { ok: true, experts: 8, row_bytes: 16, dtype: 0, tokens, pairs };
+        let h = |tokens: u64, pairs: u64| Header { ok: true, experts: 8, row_bytes: 16, dtype: 0, tokens, pairs, k: 2 };
         assert_eq!(h(2, 3).message_bytes(16), Ok(2 * 16 + 4 * 5));
         assert_eq!(h(0, 0).message_bytes(16), Ok(0));
         assert!(h(3, 2).message_bytes(16).is_err(), "more tokens than pairs");
-        assert!(h(1, 1 << 32).message_bytes(16).is_err(), "2^32 pairs");
-        assert!(h(u32::MAX.into(), u32::MAX.into()).message_bytes(usize::MAX / 4).is_err(), "past the address range");
+        assert!(h(0, 1).message_bytes(16).is_err(), "pairs without tokens");
+        assert!(h(2, 5).message_bytes(16).is_err(), "more than k pairs a token");
+        let many = Header { k: 1 << 40, ..h(1, 1 << 32) };
+        assert!(many.message_bytes(16).is_err(), "2^32 pairs");
+        let huge = Header { k: 1, ..h(u32::MAX.into(), u32::MAX.into()) };
+        assert!(huge.message_bytes(usize::MAX / 4).is_err(), "past the address range");
     }
 
     #[test]
     fn metadata_that_does_not_add_up_is_refused() {
-        let h = Header { ok: true, experts: 4, row_bytes: 8, dtype: 0, tokens: 1, pairs: 1 };
+        let h = Header { ok: true, experts: 4, row_bytes: 8, dtype: 0, tokens: 1, pairs: 1, k: 1 };
         // One token with 2 pairs where 1 was announced.
         let meta: Vec<u8> = [2u32, 0].iter().flat_map(|w| w.to_le_bytes()).collect();
         assert!(Placement::new(&[&meta], &[h], 2).is_err());

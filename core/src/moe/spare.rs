@@ -24,7 +24,9 @@ thread_local! {
 
 /// A buffer of `n` bytes, whose contents the caller overwrites (a kept
 /// buffer's old bytes, or zeros). An error where `n` bytes cannot be had
-/// (a size a peer announced, perhaps falsely), never an abort.
+/// (a size a peer announced, perhaps falsely), never an abort. A new one
+/// is zeroed pages the kernel maps as they are first written: of a size a
+/// peer announced, only what it then sends is ever touched.
 pub(crate) fn take(n: usize) -> Result<Vec<u8>> {
     let need = n.saturating_add(ROOM);
     let kept = SPARE.with_borrow_mut(|spare| {
@@ -35,12 +37,18 @@ pub(crate) fn take(n: usize) -> Result<Vec<u8>> {
     let mut b = match kept {
         Some(b) => b,
         None => {
-            let mut b = Vec::new();
-            b.try_reserve_exact(need).map_err(|e| Error::backend(format!("cannot allocate {n} bytes for an exchange: {e}")))?;
-            b
+            // Asked first without zeroing, so that a size no allocator can
+            // give is an error; `vec!` then takes zeroed memory (calloc:
+            // fresh pages, untouched) and would abort instead.
+            Vec::<u8>::new()
+                .try_reserve_exact(need)
+                .map_err(|e| Error::backend(format!("cannot allocate {n} bytes for an exchange: {e}")))?;
+            let mut b = vec![0u8; need];
+            b.truncate(n);
+            return Ok(b);
         }
     };
-    // Within capacity: only bytes never written before are zeroed.
+    // Within its capacity: zeroed only past its current length.
     if b.len() >= n {
         b.truncate(n);
     } else {
@@ -56,10 +64,11 @@ pub(crate) fn zeros(n: usize) -> Result<Vec<u8>> {
     Ok(b)
 }
 
-/// Keep `bufs` for later takers, the largest first, up to [`KEEP_BYTES`].
+/// Keep `bufs` for later takers, the largest first, up to [`KEEP_BYTES`]
+/// (none too small to serve a taker).
 pub(crate) fn give(bufs: impl IntoIterator<Item = Vec<u8>>) {
     SPARE.with_borrow_mut(|spare| {
-        spare.extend(bufs.into_iter().filter(|b| b.capacity() > 0));
+        spare.extend(bufs.into_iter().filter(|b| b.capacity() > ROOM));
         spare.sort_unstable_by_key(|b| std::cmp::Reverse(b.capacity()));
         let mut kept = 0;
         spare.retain(|b| {
@@ -98,6 +107,12 @@ mod tests {
     fn an_impossible_size_is_an_error() {
         let e = take(usize::MAX / 2).unwrap_err();
         assert!(e.to_string().contains("cannot allocate"), "{e}");
+    }
+
+    #[test]
+    fn a_buffer_too_small_to_serve_is_not_kept() {
+        give([Vec::with_capacity(8), Vec::new()]);
+        assert!(SPARE.with_borrow(Vec::is_empty));
     }
 
     #[test]
