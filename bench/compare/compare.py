@@ -124,8 +124,13 @@ def run_gloo(a, size, out, weft, fresh):
     return parse_lines(text)
 
 
+def mpi_ops(a):
+    """The ops of --ops that mpi_bench.c times."""
+    return ",".join(o for o in a.ops.split(",") if o not in ("scatter", "gather", "all_to_all_v"))
+
+
 def run_mpi(a, size, out, btl, fresh):
-    ops = ",".join(o for o in a.ops.split(",") if o not in ("scatter", "gather", "all_to_all_v"))
+    ops = mpi_ops(a)
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(a.world), "--mca", "pml", "ob1", "--mca", "btl", btl]
     if a.bind:
         cmd += ["--bind-to", "core:overload-allowed", "--map-by", "core"]
@@ -140,7 +145,7 @@ def run_mpi(a, size, out, btl, fresh):
 
 
 def run_mpich(a, size, out, fresh):
-    ops = ",".join(o for o in a.ops.split(",") if o not in ("scatter", "gather", "all_to_all_v"))
+    ops = mpi_ops(a)
     cmd = [f"{out}/mpich-venv/bin/mpiexec", "-n", str(a.world)] + (["-bind-to", "core"] if a.bind else [])
     return parse_lines(sh(cmd + [f"{out}/mpich_bench", ops, str(size), str(size), "2", str(a.iters), str(a.warmup), a.timing]
                           + (["fresh"] if fresh else [])))

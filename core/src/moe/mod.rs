@@ -202,20 +202,24 @@ impl ProcessGroup {
         let (rank, row) = (self.rank(), shape.row_bytes());
         let fail = |e: Error| e.with_op(NAME).with_rank(rank);
         let rows = rows_of(&x, shape, shape.tokens, "x");
-        let sends = token_rows(&plan.tokens, rows.as_deref().ok(), row, |r| meta_bytes(plan.tokens[r].len(), plan.pairs[r].len()));
-        let mut sends = self.or_abort(sends).map_err(fail)?;
+        let meta = |r: usize| meta_bytes(plan.tokens[r].len(), plan.pairs[r].len());
+        let mut sends = self.or_abort(token_rows(&plan.tokens, rows.as_deref().ok(), row, rank, meta)).map_err(fail)?;
         for (r, b) in sends.iter_mut().enumerate() {
-            plan.meta(r, shape.k, &mut b[plan.tokens[r].len() * row..]);
+            let at = b.len() - meta(r);
+            plan.meta(r, shape.k, &mut b[at..]);
         }
         let sizes: Vec<usize> = headers.iter().map(|h| h.message_bytes(row).expect("checked by dispatch_plan")).collect();
         let got = self.exchange_bytes(NAME, sends, &sizes, rows.is_ok(), opts);
-        rows.map_err(fail)?;
+        let x = rows.map_err(fail)?;
         let got = got?;
-        let metas: Vec<&[u8]> = got.iter().zip(&headers).map(|(b, h)| &b[h.tokens as usize * row..]).collect();
+        // This rank's own part is its metadata alone (see `token_rows`).
+        let metas: Vec<&[u8]> =
+            got.iter().zip(&headers).enumerate().map(|(s, (b, h))| if s == rank { &b[..] } else { &b[h.tokens as usize * row..] }).collect();
         let placed = Placement::new(&metas, &headers, shape.experts / self.size());
         let landed = placed.and_then(|placed| {
             let out = rows_of_mut(&mut out, shape, placed.total(), "out")?;
-            each_pair(&placed, &got, row, |r, token_row| out[r * row..(r + 1) * row].copy_from_slice(token_row));
+            let from = Sources { got: &got, rank, x, own: &plan.tokens[rank], row };
+            each_pair(&placed, &from, |r, token_row| out[r * row..(r + 1) * row].copy_from_slice(token_row));
             Ok(placed)
         });
         spare::give(got);
@@ -240,8 +244,9 @@ impl ProcessGroup {
             }
         };
         let got = self.spread(NAME, routing, x, row, opts)?;
-        let out = out.expect("checked");
-        each_pair(&routing.placed, &got, row, |r, token_row| out[r * row..(r + 1) * row].copy_from_slice(token_row));
+        let (x, out) = (x.expect("checked"), out.expect("checked"));
+        let from = Sources { got: &got, rank: self.rank(), x, own: &routing.plan.tokens[self.rank()], row };
+        each_pair(&routing.placed, &from, |r, token_row| out[r * row..(r + 1) * row].copy_from_slice(token_row));
         spare::give(got);
         Ok(())
     }
@@ -276,7 +281,8 @@ impl ProcessGroup {
         };
         let got = self.spread(NAME, routing, Some(dy), row, opts)?;
         let mut grad_w = vec![0.0; rows];
-        each_pair(&routing.placed, &got, row, |r, dy_row| {
+        let from = Sources { got: &got, rank: self.rank(), x: dy, own: &routing.plan.tokens[self.rank()], row };
+        each_pair(&routing.placed, &from, |r, dy_row| {
             let (at, end) = (r * row, (r + 1) * row);
             grad_w[r] = weighted::scale_and_dot(&mut grad[at..end], dy_row, &eo[at..end], shape.dtype, weights[r]);
         });
@@ -285,11 +291,13 @@ impl ProcessGroup {
     }
 
     /// Send each token's row of `x` (rows of `row` bytes; `None`: this
-    /// rank's arguments were invalid, and it sends zeros) to every rank
-    /// holding its experts, once per rank: what each rank sent, by source.
+    /// rank's arguments were invalid, and it sends zeros) to every other
+    /// rank holding its experts, once per rank: what each rank sent, by
+    /// source (this rank's own part stays in `x`: see [`Sources`]).
     fn spread(&self, name: &'static str, routing: &ExpertRouting, x: Option<&[u8]>, row: usize, opts: &OpOptions) -> Result<Vec<Vec<u8>>> {
-        let sends = self.or_abort(token_rows(&routing.plan.tokens, x, row, |_| 0)).map_err(|e| e.with_op(name).with_rank(self.rank()))?;
-        let sizes: Vec<usize> = routing.placed.tokens.iter().map(|t| t * row).collect();
+        let rank = self.rank();
+        let sends = self.or_abort(token_rows(&routing.plan.tokens, x, row, rank, |_| 0)).map_err(|e| e.with_op(name).with_rank(rank))?;
+        let sizes: Vec<usize> = routing.placed.tokens.iter().enumerate().map(|(s, t)| if s == rank { 0 } else { t * row }).collect();
         self.exchange_bytes(name, sends, &sizes, x.is_some(), opts)
     }
 
@@ -492,12 +500,14 @@ const STATUS: usize = 8;
 /// Per destination rank r, a buffer with the rows `tokens[r]` of `x`
 /// (rows of `row` bytes; zeros where `x` is `None`, an invalid rank's
 /// part) one after another, then `tail(r)` bytes of room (for the caller
-/// to fill).
-fn token_rows(tokens: &[Vec<u32>], x: Option<&[u8]>, row: usize, tail: impl Fn(usize) -> usize) -> Result<Vec<Vec<u8>>> {
+/// to fill). Rank `own`'s buffer has the room alone: its rows are read
+/// from `x` where they land, never copied aside ([`Sources`]).
+fn token_rows(tokens: &[Vec<u32>], x: Option<&[u8]>, row: usize, own: usize, tail: impl Fn(usize) -> usize) -> Result<Vec<Vec<u8>>> {
     tokens
         .iter()
         .enumerate()
         .map(|(r, toks)| {
+            let toks = if r == own { &[][..] } else { &toks[..] };
             let n = toks.len() * row + tail(r);
             let Some(x) = x else { return spare::zeros(n) };
             let mut b = spare::take(n)?;
@@ -550,13 +560,30 @@ fn backward_rows<'a>(
     Ok((dy, eo, rows_of_mut(grad, shape, rows, "grad_expert_out")?))
 }
 
-/// Call `f(row index, token row)` for each received pair: the token rows
-/// are `got[s]`'s first rows of `row` bytes, by source rank s.
-fn each_pair(placed: &Placement, got: &[Vec<u8>], row: usize, mut f: impl FnMut(usize, &[u8])) {
-    for ((rows, token_of), b) in placed.rows.iter().zip(&placed.token_of).zip(got) {
+/// Where the token rows a rank's experts take are: what each other rank
+/// sent (`got[s]`, its rows first, `row` bytes each), and this rank's own
+/// tokens' rows in its input `x` itself (`own`: their indices there).
+struct Sources<'a> {
+    got: &'a [Vec<u8>],
+    rank: usize,
+    x: &'a [u8],
+    own: &'a [u32],
+    row: usize,
+}
+
+impl Sources<'_> {
+    /// Row `i` of what source rank `s` sent.
+    fn row(&self, s: usize, i: usize) -> &[u8] {
+        let (b, i) = if s == self.rank { (self.x, self.own[i] as usize) } else { (&self.got[s][..], i) };
+        &b[i * self.row..(i + 1) * self.row]
+    }
+}
+
+/// Call `f(row index, token row)` for each received pair.
+fn each_pair(placed: &Placement, from: &Sources<'_>, mut f: impl FnMut(usize, &[u8])) {
+    for (s, (rows, token_of)) in placed.rows.iter().zip(&placed.token_of).enumerate() {
         for (r, i) in rows.iter().zip(token_of) {
-            let i = *i as usize;
-            f(*r as usize, &b[i * row..(i + 1) * row]);
+            f(*r as usize, from.row(s, *i as usize));
         }
     }
 }
