@@ -213,8 +213,12 @@ impl ProcessGroup {
         let x = rows.map_err(fail)?;
         let got = got?;
         // This rank's own part is its metadata alone (see `token_rows`).
-        let metas: Vec<&[u8]> =
-            got.iter().zip(&headers).enumerate().map(|(s, (b, h))| if s == rank { &b[..] } else { &b[h.tokens as usize * row..] }).collect();
+        let metas: Vec<&[u8]> = got
+            .iter()
+            .zip(&headers)
+            .enumerate()
+            .map(|(s, (b, h))| if s == rank { &b[..] } else { &b[h.tokens as usize * row..] })
+            .collect();
         let placed = Placement::new(&metas, &headers, shape.experts / self.size());
         let landed = placed.and_then(|placed| {
             let out = rows_of_mut(&mut out, shape, placed.total(), "out")?;
