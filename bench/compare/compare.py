@@ -39,7 +39,7 @@ has N calm and N slow runs of every row, and says when it had fewer.
 
 Usage: bench/compare/compare.py [--world 2] [--rounds 5] [--backend cpu-tcp]
        [--ops all_reduce,...] [--sizes 8,1048576,67108864] [--iters 10]
-       [--tools weft,gloo,mpi-tcp,mpi-shm,mpich,copy]
+       [--tools weft,weft-fixed,gloo,mpi-tcp,mpi-shm,mpich,copy]
        [--warmup 20] [--timing window|span] [--inputs reused,fresh]
        [--phases] [--until-phases 3]
 Needs: apt-get install libgloo-dev openmpi-bin libopenmpi-dev g++
@@ -51,7 +51,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 # Every tool compare.py can run, in the order each round runs them.
-TOOLS = ["weft", "gloo", "mpi-tcp", "mpi-shm", "mpich", "copy"]
+TOOLS = ["weft", "weft-fixed", "gloo", "mpi-tcp", "mpi-shm", "mpich", "copy"]
 
 
 def sh(cmd, **kw):
@@ -86,8 +86,8 @@ def parse_lines(text):
     return res
 
 
-def run_weft(a, size, weft, fresh):
-    csv = sh([weft, "bench", "--world", str(a.world), "--backend", a.backend, "--ops", a.ops, "-b", str(size), "-e", str(size),
+def run_weft(a, size, weft, fresh, hints=()):
+    csv = sh([weft, "bench", *[x for h in hints for x in ("--hint", h)], "--world", str(a.world), "--backend", a.backend, "--ops", a.ops, "-b", str(size), "-e", str(size),
               "-n", str(a.iters), "-w", str(a.warmup), "--time-per-size", "1000", "--no-check", "--timing", a.timing, "--csv", "-"]
              + (["--fresh-inputs"] if fresh else []))
     res = {}
@@ -194,6 +194,8 @@ def main():
     weft = os.path.join(ROOT, "target", "release", "weft")
     tools = {
         "weft": lambda s, f: run_weft(a, s, weft, f),
+        # shm keeping the copy policy agreed at setup (no scheme chosen as the run goes).
+        "weft-fixed": lambda s, f: run_weft(a, s, weft, f, ["shm_adapt=off"]),
         "gloo": lambda s, f: run_gloo(a, s, a.out, weft, f),
         "mpi-tcp": lambda s, f: run_mpi(a, s, a.out, "tcp,self", f),
         "mpi-shm": lambda s, f: run_mpi(a, s, a.out, "vader,self", f),

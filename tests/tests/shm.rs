@@ -565,3 +565,51 @@ fn auto_picks_shm_on_one_host_and_leaves_it_when_a_rank_looks_remote() {
         assert!(e.status.success() && e.output.contains("backend=hierarchical"), "{}", e.output);
     }
 }
+
+/// Where cross-memory copies turn slow while the run goes (an LD_PRELOAD
+/// shim adds 2 ms a MiB to every `process_vm_readv`/`writev` after a
+/// process's first 200, as page pinning under some hypervisors does), shm
+/// moves 1 MiB all_gathers from single copy to the ring by what it measures, and every rank moves at the same
+/// exchange; every result stays exact. With `shm_adapt=off` it keeps the
+/// policy agreed at setup (single copy), as slow as that is.
+#[test]
+fn shm_moves_large_messages_to_the_ring_when_cross_memory_copies_turn_slow_and_every_rank_moves_together() {
+    let worker = env!("CARGO_BIN_EXE_weft-test-worker");
+    let dir = weft_tests::plugins::scratch("slow-cross-memory");
+    let shim = dir.join("slow_cross_memory.so");
+    weft_tests::plugins::cc(&weft_tests::plugins::repo().join("tests/shims/slow_cross_memory.c"), &shim, &[]);
+    let shim = shim.to_str().unwrap();
+    // The lines each rank logs when the group's table changes its scheme for a key.
+    let moves = |output: &str| -> Vec<String> {
+        output
+            .lines()
+            .filter(|l| l.contains("shm: ") && l.contains(" from exchange ") && !l.contains(" -> "))
+            .map(|l| l.trim().to_string())
+            .collect()
+    };
+    for adapt in ["on", "off"] {
+        let env = [
+            ("WEFT_BACKEND", "cpu:shm"),
+            ("WEFT_LOG", "debug"),
+            ("WEFT_SHM_ADAPT", adapt),
+            ("LD_PRELOAD", shim),
+            ("SLOW_CMA_AFTER", "200"),
+        ];
+        let ends = run_world(worker, 2, &["adaptive_schemes"], &env, Duration::from_secs(120));
+        for (r, e) in ends.iter().enumerate() {
+            assert!(e.status.success(), "adapt {adapt} rank {r}: {:?}\n{}", e.status, e.output);
+            assert!(e.output.contains("done on shm"), "adapt {adapt} rank {r}:\n{}", e.output);
+        }
+        let (zero, one) = (moves(&ends[0].output), moves(&ends[1].output));
+        if adapt == "off" {
+            assert!(zero.is_empty() && one.is_empty(), "{zero:?} {one:?}");
+            continue;
+        }
+        assert!(ends[0].output.contains("Policy { min_bytes: 32768"), "setup saw the copies fast:\n{}", ends[0].output);
+        assert!(zero.iter().any(|l| l.contains("Some(Ring) from exchange")), "rank 0 never moved to the ring:\n{}", ends[0].output);
+        // The same key to the same scheme at the same exchange, on both.
+        assert_eq!(zero, one, "the ranks moved apart");
+        // The decider said why.
+        assert!(ends[0].output.contains("-> Ring (median"), "{}", ends[0].output);
+    }
+}

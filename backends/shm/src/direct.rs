@@ -9,7 +9,8 @@
 //! single-copy, a receive that finds another message first or waits
 //! longer than a few looks.
 
-use crate::exchange::{plain_header, rewind, sends, skip_padding};
+use crate::cma::scheme::{Plan, Scheme};
+use crate::exchange::{plain_header, planned, rewind, sends, skip_padding};
 use crate::posted::{Engine, HEADER};
 use crate::ring::Whole;
 use crate::state::{ShmBackend, PURE_SPINS, SPIN, TURNS_PER_CLOCK};
@@ -23,8 +24,15 @@ impl ShmBackend {
     /// Run a batch with nothing else posted (no receive from any rank, at
     /// most 64 ops): its sends that fit go at once, then a lone receive
     /// left may be read at once; the table runs what is left.
-    pub(crate) fn exchange_direct(&self, eng: &mut Engine, posting: &Posting, ops: &mut [P2p<'_>], deadline: &Deadline) -> Result<()> {
-        let (sent, count) = self.sends_at_once(eng, ops);
+    pub(crate) fn exchange_direct(
+        &self,
+        eng: &mut Engine,
+        posting: &Posting,
+        ops: &mut [P2p<'_>],
+        deadline: &Deadline,
+        plan: Option<Plan>,
+    ) -> Result<()> {
+        let (sent, count) = self.sends_at_once(eng, ops, plan);
         let unsent = |i: usize| sent & (1 << i) == 0;
         let left = ops.len() - count;
         if left == 0 {
@@ -37,14 +45,14 @@ impl ShmBackend {
                     return Ok(());
                 }
             }
-            return self.exchange_in_table(eng, posting, &mut ops[i..=i], &[], deadline);
+            return self.exchange_in_table(eng, posting, &mut ops[i..=i], &[], deadline, plan);
         }
         if sent == 0 {
-            return self.exchange_in_table(eng, posting, ops, &[], deadline);
+            return self.exchange_in_table(eng, posting, ops, &[], deadline, plan);
         }
         let mut rest: SmallVec<[P2p<'_>; 4]> =
             ops.iter_mut().enumerate().filter(|(i, _)| unsent(*i)).map(|(_, op)| op.reborrow()).collect();
-        self.exchange_in_table(eng, posting, &mut rest, &[], deadline)
+        self.exchange_in_table(eng, posting, &mut rest, &[], deadline, plan)
     }
 
     /// With nothing else posted, the batch's sends whose whole frames fit
@@ -52,13 +60,18 @@ impl ShmBackend {
     /// (nothing of this rank's can be queued before them): which went, a
     /// bit per op (at most 64), and how many (counted here: without a
     /// `popcnt` in the baseline instruction set, counting the bits after
-    /// was a score of instructions per op). One that goes single-copy, or
-    /// does not fit, stops them, and the table runs the rest.
-    fn sends_at_once(&self, eng: &Engine, ops: &[P2p<'_>]) -> (u64, usize) {
+    /// was a score of instructions per op). One that goes single-copy (as
+    /// `plan` or the rule says), or does not fit, stops them, and the table
+    /// runs the rest.
+    fn sends_at_once(&self, eng: &Engine, ops: &[P2p<'_>], plan: Option<Plan>) -> (u64, usize) {
         let (mut sent, mut count) = (0, 0);
         for (i, op) in ops.iter().enumerate() {
             let P2p::Send { peer, tag, data } = *op else { continue };
-            if self.offers(data.len(), tag, &eng.peers[peer], false) {
+            let single_copy = match planned(plan, op) {
+                Some(s) => self.feasible(s, tag, &eng.peers[peer]) != Scheme::Ring,
+                None => self.offers(data.len(), tag, &eng.peers[peer], false),
+            };
+            if single_copy {
                 break;
             }
             let (header, len) = plain_header(tag, data.len());

@@ -2,12 +2,15 @@
 //! streams each send into its peer's ring as framed bytes (tag, length,
 //! payload) and drains every incoming ring into the matching receives, in
 //! one loop, so two ranks sending to each other never block. Large
-//! payloads (as the backend's `cma::Policy` says) go single-copy instead:
-//! the frame carries a descriptor, and the receiver reads (and an idle
-//! sender pushes) the bytes straight between the two processes' buffers
-//! (`cma/`: the copies in `mod.rs`, the offers in `offers.rs`). What finishes at once skips the table (`direct.rs`).
+//! payloads may go single-copy instead (each exchange's plan says which
+//! scheme, `cma/scheme.rs`, else the backend's `cma::Policy`): the frame
+//! carries a descriptor, and the receiver reads (or the sender pushes) the
+//! bytes straight between the two processes' buffers (`cma/`: the copies
+//! in `mod.rs`, the offers in `offers.rs`). What finishes at once skips
+//! the table (`direct.rs`).
 
 use crate::cma;
+use crate::cma::scheme::{Key, Plan, Scheme};
 use crate::posted::{Engine, OpState, Peer, CMA_FLAG, HEADER};
 use crate::ring::Ring;
 use crate::state::{ShmBackend, CMA_SPIN, NAP, PAUSE_SPIN, SPIN, TURNS_PER_CLOCK};
@@ -66,6 +69,15 @@ fn send_of<'a>(ops: &'a [P2p<'_>], gathered: &[Option<&'a dyn Gather>], i: usize
 }
 
 /// The frame prefix of an inline send: tag and length.
+/// The scheme `plan` gives `op`: sends of its key (others take the rule).
+pub(crate) fn planned(plan: Option<Plan>, op: &P2p<'_>) -> Option<Scheme> {
+    let plan = plan?;
+    match op {
+        P2p::Send { tag, data, .. } if Key::of(*tag, data.len()) == Some(plan.key) => Some(plan.scheme),
+        _ => None,
+    }
+}
+
 pub(crate) fn plain_header(tag: u64, len: usize) -> ([u8; HEADER + cma::DESCRIPTOR], usize) {
     let mut p = [0u8; HEADER + cma::DESCRIPTOR];
     p[..8].copy_from_slice(&tag.to_le_bytes());
@@ -170,7 +182,8 @@ impl ShmBackend {
 
     /// Run `ops` and the `gathered` sends as the driving thread's own
     /// batch, after the batches posted before it, driving everything until
-    /// it has finished.
+    /// it has finished. Its large sends take the scheme its plan gives
+    /// them (`cma/scheme.rs`), and the decider times it.
     pub(crate) fn exchange_now(
         &self,
         eng: &mut Engine,
@@ -186,14 +199,61 @@ impl ShmBackend {
         if let Some(e) = self.refuse(ops.iter(), gathered) {
             return Err(e);
         }
-        // With nothing else posted, what can finish at once skips the table
-        // (`direct`). A receive from any rank binds its op to the sender:
-        // it keeps the batch whole.
+        let Some((plan, rule)) = self.plan(eng, ops) else { return self.exchange_planned(eng, posting, ops, gathered, deadline, None) };
+        let timed = (plan.is_some() && eng.chooser.decides()).then(Instant::now);
+        let r = self.exchange_planned(eng, posting, ops, gathered, deadline, plan);
+        if let (Ok(()), Some(start), Some(plan)) = (&r, timed, plan) {
+            let ns = start.elapsed().as_nanos() as u64;
+            if let Some(c) = eng.chooser.record(&self.schemes(), plan, ns, rule) {
+                weft::log::debug(format_args!("shm: {c}"));
+            }
+        }
+        r
+    }
+
+    /// The plan of an exchange (where adapting, and it has a message large
+    /// enough to choose): the key of its largest message, this rank's
+    /// exchange of it, its scheme; and how the rule would send it.
+    fn plan(&self, eng: &mut Engine, ops: &[P2p<'_>]) -> Option<(Option<Plan>, Option<Scheme>)> {
+        if !self.adapt {
+            return None;
+        }
+        let (tag, len) = ops
+            .iter()
+            .map(|op| match op {
+                P2p::Send { tag, data, .. } => (*tag, data.len()),
+                P2p::Recv { tag, buf, .. } => (*tag, buf.len()),
+            })
+            .max_by_key(|(_, len)| *len)?;
+        let key = Key::of(tag, len)?;
+        let receiving = ops.iter().any(|op| matches!(op, P2p::Recv { buf, .. } if buf.len() >= cma::MIN_BYTES));
+        let rule = ops.iter().find_map(|op| match op {
+            P2p::Send { peer, tag, data } if Key::of(*tag, data.len()) == Some(key) => {
+                Some(self.rule(data.len(), *tag, &eng.peers[*peer], receiving))
+            }
+            _ => None,
+        });
+        Some((eng.chooser.plan(&self.schemes(), key, rule), rule))
+    }
+
+    /// [`Self::exchange_now`] once planned: with nothing else posted, what
+    /// can finish at once skips the table (`direct`).
+    fn exchange_planned(
+        &self,
+        eng: &mut Engine,
+        posting: &Posting,
+        ops: &mut [P2p<'_>],
+        gathered: &[GatherSend<'_>],
+        deadline: &Deadline,
+        plan: Option<Plan>,
+    ) -> Result<()> {
+        // A receive from any rank binds its op to the sender: it keeps the
+        // batch whole.
         let any_source = || ops.iter().any(|op| matches!(op, P2p::Recv { peer: ANY_SOURCE, .. }));
         if gathered.is_empty() && eng.table.is_idle() && ops.len() <= 64 && !any_source() {
-            return self.exchange_direct(eng, posting, ops, deadline);
+            return self.exchange_direct(eng, posting, ops, deadline, plan);
         }
-        self.exchange_in_table(eng, posting, ops, gathered, deadline)
+        self.exchange_in_table(eng, posting, ops, gathered, deadline, plan)
     }
 
     /// [`Self::exchange_now`] through the table: the batch is added, and
@@ -205,13 +265,14 @@ impl ShmBackend {
         ops: &mut [P2p<'_>],
         gathered: &[GatherSend<'_>],
         deadline: &Deadline,
+        plan: Option<Plan>,
     ) -> Result<()> {
         let first = eng.table.len();
         // SAFETY: this returns only once the batch's outcome is in, and its
         // ops have then left the table (`settle`, `expire` and
         // `fail_all` remove finished ops); `deadline` is the
         // caller's, borrowed as long.
-        unsafe { eng.table.add_local(ops, gathered, deadline, |_, _| OpState::default()) };
+        unsafe { eng.table.add_local(ops, gathered, deadline, |op, _| OpState { scheme: planned(plan, op), ..OpState::default() }) };
         match self.start(eng, first) {
             Err(e) => self.fail_all(eng, posting, e),
             Ok(()) => self.drive(eng, posting, true, &|| false),
@@ -224,7 +285,7 @@ impl ShmBackend {
     /// buffer (withdraw the offer); either way the pair's stream is then out
     /// of step for good, and the transport fails.
     pub(crate) fn fail_all(&self, eng: &mut Engine, posting: &Posting, e: Error) {
-        let Engine { peers, table } = eng;
+        let Engine { peers, table, .. } = eng;
         let mut cancelled = false;
         {
             // SAFETY: a receive being filled is cancelled; no op is put in.
@@ -441,7 +502,7 @@ impl ShmBackend {
     fn pass(&self, eng: &mut Engine, sending: &mut [PeerSend]) -> Result<bool> {
         let me = self.rank;
         let mut moved = false;
-        let Engine { peers: incoming, table } = eng;
+        let Engine { peers: incoming, table, .. } = eng;
         // SAFETY: sends are read, not replaced; no op is put in.
         let Columns { ops, done, gathered, state, .. } = unsafe { table.columns() };
         sending.fill(PeerSend::Free);
@@ -463,7 +524,7 @@ impl ShmBackend {
             let receiving = first
                 && ops.iter().zip(done.iter()).any(|(op, d)| !*d && matches!(op, P2p::Recv { buf, .. } if buf.len() >= cma::MIN_BYTES));
             let (prefix, plen) = match out {
-                Out::Bytes(data) => self.prefix(peer, tag, data, &mut incoming[peer], &mut st.offer, first, receiving),
+                Out::Bytes(data) => self.prefix(peer, tag, data, &mut incoming[peer], &mut st.offer, first, receiving, st.scheme),
                 Out::Gathered(g) => plain_header(tag, g.len()),
             };
             if first && st.offer.is_none() {

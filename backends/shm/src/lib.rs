@@ -103,9 +103,18 @@ impl BackendFactory for ShmFactory {
         };
         let agreed = cma::Policy::agreed(&*ctx.store, ctx.rank, ctx.size, left(), forced.is_none())?;
         let cma = forced.unwrap_or(Some(agreed));
+        // Unless forced, the policy is only where each large message's
+        // scheme starts: the group then moves each kind of exchange to the
+        // scheme that costs least as the run goes (`cma/scheme.rs`), unless
+        // the hint `shm_adapt` (or WEFT_SHM_ADAPT) says `off`.
+        let adapt = match ctx.hints.get("shm_adapt").cloned().or_else(|| std::env::var("WEFT_SHM_ADAPT").ok()).as_deref() {
+            None | Some("on" | "1") => forced.is_none(),
+            Some("off" | "0") => false,
+            Some(v) => return Err(Error::invalid(format!("shm_adapt={v:?}: use on or off"))),
+        };
         let placement = cores::placement(&*ctx.store, ctx.rank, ctx.size, left())?;
         let budget = weft::backend::matching::EarlyBudget::from_env()?;
-        let backend = state::ShmBackend::new(ctx.rank, ctx.size, seg, cap, cma, placement, budget);
+        let backend = state::ShmBackend::new(ctx.rank, ctx.size, seg, cap, cma, adapt, placement, budget);
         Ok(Arc::new_cyclic(|me| backend.knowing(me.clone())))
     }
 }

@@ -61,22 +61,26 @@ pub(crate) struct OpState {
     pub(crate) sent: usize,
     /// The single-copy offer, if the send went that way.
     pub(crate) offer: Option<cma::Offer>,
+    /// The scheme its exchange's plan gives it (`None`: the rule).
+    pub(crate) scheme: Option<cma::scheme::Scheme>,
 }
 
 /// Every peer's inbound state and every posted op, driven by one thread at
 /// a time (see `weft::backend::progress`).
-#[derive(Default)]
 pub(crate) struct Engine {
     /// `peers[r]`: what comes from rank r.
     pub(crate) peers: Vec<Peer>,
     /// The posted ops.
     pub(crate) table: Table<OpState>,
+    /// This rank's side of choosing large messages' schemes.
+    pub(crate) chooser: cma::scheme::Chooser,
 }
 
 impl Engine {
-    /// Every peer's state, early messages kept within `budget`.
-    pub(crate) fn new(size: usize, budget: EarlyBudget) -> Engine {
+    /// Every peer's state on `rank` of `size`, early messages kept within
+    /// `budget`.
+    pub(crate) fn new(rank: usize, size: usize, budget: EarlyBudget) -> Engine {
         let peer = || Peer { inbound: Inbound::default().with_budget(budget), ..Peer::default() };
-        Engine { peers: (0..size).map(|_| peer()).collect(), table: Table::default() }
+        Engine { peers: (0..size).map(|_| peer()).collect(), table: Table::default(), chooser: cma::scheme::Chooser::new(rank) }
     }
 }

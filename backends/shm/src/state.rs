@@ -75,8 +75,13 @@ pub fn ring_cap(w: usize, avail: usize) -> usize {
 }
 
 /// Segment size for `w` ranks with rings of `cap` bytes: control blocks,
-/// single-copy cells, rings, fast-path slots.
+/// single-copy cells, rings, fast-path slots, the table of large messages'
+/// schemes.
 pub fn segment_len(w: usize, cap: usize) -> usize {
+    schemes_at(w, cap) + crate::cma::scheme::TABLE_BYTES
+}
+
+fn schemes_at(w: usize, cap: usize) -> usize {
     fastbox_at(w, cap) + Fastbox::len(w)
 }
 
@@ -102,8 +107,12 @@ pub struct ShmBackend {
     pub(crate) failed: std::sync::OnceLock<Error>,
     /// Offer large sends single-copy, and read peers' offers (hint `shm_cma`).
     pub(crate) cma: std::sync::atomic::AtomicBool,
-    /// Which sends are offered single-copy.
+    /// Which sends are offered single-copy (today's rule, see `cma`).
     pub(crate) single_copy: crate::cma::Policy,
+    /// Choose each large message's scheme by what the schemes cost now
+    /// (`cma/scheme.rs`), over the rule; off where the hint `shm_cma` or
+    /// `shm_adapt=off` says so.
+    pub(crate) adapt: bool,
     /// Small collectives and barrier (`fastbox.rs`).
     pub(crate) fast: Fastbox,
     /// More ranks than cores: a waiting rank yields at once instead of
@@ -149,14 +158,18 @@ fn capabilities(ring: &Ring, order: Vec<usize>) -> weft::backend::Capabilities {
 impl ShmBackend {
     /// Wrap a mapped segment of `size` ranks with rings of `cap` bytes
     /// (zeroed by its creator); `cma`: which sends go single-copy, if any;
-    /// `placement`: see `cores`; `budget`: how much of what peers send
-    /// early is kept (see `weft::backend::matching::EarlyBudget`).
+    /// `adapt`: choose large messages' schemes as the run goes (see
+    /// `cma/scheme.rs`); `placement`: see `cores`; `budget`: how much of
+    /// what peers send early is kept (see
+    /// `weft::backend::matching::EarlyBudget`).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         rank: usize,
         size: usize,
         seg: Segment,
         cap: usize,
         cma: Option<crate::cma::Policy>,
+        adapt: bool,
         placement: crate::cores::Placement,
         budget: weft::backend::matching::EarlyBudget,
     ) -> Self {
@@ -178,11 +191,12 @@ impl ShmBackend {
             seg,
             fast,
             rings,
-            engine: DriverLock::new(Engine::new(size, budget)),
+            engine: DriverLock::new(Engine::new(rank, size, budget)),
             posting: Arc::default(),
             failed: std::sync::OnceLock::new(),
             cma: std::sync::atomic::AtomicBool::new(cma.is_some()),
             single_copy: cma.unwrap_or(crate::cma::Policy::FAST),
+            adapt: adapt && cma.is_some(),
             oversubscribed: placement.oversubscribed,
             caps,
             fence_free: crate::membarrier::register(),
@@ -221,6 +235,16 @@ impl ShmBackend {
 
     pub(crate) fn ring(&self, src: usize, dst: usize) -> &Ring {
         &self.rings[src * self.size + dst]
+    }
+
+    /// The group's table of schemes (`cma/scheme.rs`).
+    pub(crate) fn schemes(&self) -> crate::cma::scheme::Table<'_> {
+        let at = schemes_at(self.size, self.rings[0].capacity());
+        // SAFETY: the table closes the segment (segment_len), 64-byte
+        // aligned, zeroed by the creator, touched only through atomics.
+        let words =
+            unsafe { std::slice::from_raw_parts(self.seg.base().add(at) as *const std::sync::atomic::AtomicU64, crate::cma::scheme::KEYS) };
+        crate::cma::scheme::Table(words)
     }
 
     pub(crate) fn cell(&self, src: usize, dst: usize) -> &Cell {

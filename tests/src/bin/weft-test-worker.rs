@@ -150,6 +150,26 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             let served = pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense)).unwrap_or_default();
             println!("rank {r}: done on {served} at {:?}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?);
         }
+        "adaptive_schemes" => {
+            // all_gathers of 1 MiB parts, checked exactly, with each rank's
+            // part rewritten before every op: enough of them that shm
+            // weighs every scheme of these messages several times
+            // (`cma/scheme.rs`).
+            let n = 1 << 18;
+            let mut all = vec![0u32; n * w];
+            for i in 0..700u32 {
+                let mine: Vec<u32> = (0..n as u32).map(|k| k ^ (i << 20) ^ ((r as u32) << 28)).collect();
+                pg.all_gather_single(&mut all, &mine, &o)?.wait()?;
+                for (src, part) in all.chunks(n).enumerate() {
+                    anyhow::ensure!(
+                        part.iter().enumerate().all(|(k, x)| *x == k as u32 ^ (i << 20) ^ ((src as u32) << 28)),
+                        "all_gather {i}: rank {src}'s part"
+                    );
+                }
+            }
+            let served = pg.backend_name((weft::DeviceKind::Cpu, weft::Layout::Dense)).unwrap_or_default();
+            println!("rank {r}: done on {served}");
+        }
         "late_receiver" => {
             // Rank 0 sends the last rank a message and leaves at once; rank
             // 1 sends it one a second later. The last rank receives rank

@@ -53,9 +53,12 @@
 //!
 //! Here: the descriptors, the cells and their phases, the copy policy and
 //! the copies. The exchange's side (which send goes single-copy, reading,
-//! pushing, withdrawing and cancelling offers) is in `offers.rs`.
+//! pushing, withdrawing and cancelling offers) is in `offers.rs`; which
+//! scheme each kind of exchange takes as the run goes (ring, pull or push,
+//! by what they measure), in `scheme.rs`.
 
 mod offers;
+pub mod scheme;
 
 use crate::sync::{AtomicU64, Ordering};
 use std::time::Duration;

@@ -8,6 +8,7 @@
 //! the receiver waits for. The copies themselves are in `mod.rs`.
 
 use super as cma;
+use super::scheme::Scheme;
 use crate::exchange::{plain_header, CANCEL_GRACE};
 use crate::posted::{OpState, Peer, CMA_FLAG, HEADER};
 use crate::state::ShmBackend;
@@ -40,7 +41,9 @@ impl ShmBackend {
 
     /// The frame prefix of send `i`: header, plus the descriptor when it
     /// goes single-copy. The offer is decided at its first byte and kept, so
-    /// a prefix written in several pieces is the same in each.
+    /// a prefix written in several pieces is the same in each. `planned`:
+    /// the scheme its exchange's plan gives it (`cma/scheme.rs`), taken
+    /// where this pair can run it; otherwise the rule ([`Self::rule`]).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn prefix(
         &self,
@@ -51,27 +54,20 @@ impl ShmBackend {
         offer: &mut Option<cma::Offer>,
         first: bool,
         receiving: bool,
+        planned: Option<Scheme>,
     ) -> ([u8; HEADER + cma::DESCRIPTOR], usize) {
         let (mut p, plain) = plain_header(tag, data.len());
         // Until a byte is in the ring (a full ring takes none), the offer is
         // decided afresh.
         if first {
             *offer = None;
-            if self.offers(data.len(), tag, peer, receiving) {
+            let scheme = match planned {
+                Some(s) => self.feasible(s, tag, peer),
+                None => self.rule(data.len(), tag, peer, receiving),
+            };
+            if scheme != Scheme::Ring {
                 peer.out_seq += 1;
-                // Receiving too: push it all (see `cma`), if this rank can,
-                // where the data is likely in its own cache and the receiver
-                // will not reduce it at once (a reduction wants it in the
-                // receiver's cache): data this rank has just written, of
-                // any size, and other data within one core's L2. Pushing
-                // other data was slower: one more hand-over for small
-                // ones, nothing cached to gain for large ones (figures:
-                // bench/RESULTS.md, "Measurements behind code comments").
-                let fresh = weft::tag::fresh(tag);
-                let cached = fresh || (self.l2 / 4..self.l2).contains(&data.len());
-                // An idle sender pushes what it has just written too
-                // (otherwise it copies chunks alongside the reader).
-                let pushes = (receiving || fresh) && !peer.no_push && cached && !weft::tag::combines(tag);
+                let pushes = scheme == Scheme::Push;
                 *offer = Some(cma::Offer { addr: data.as_ptr() as u64, seq: peer.out_seq, busy: receiving, pushes });
                 // Posted before the descriptor can be seen.
                 self.cell(self.rank, to).post(peer.out_seq);
@@ -84,6 +80,42 @@ impl ShmBackend {
                 (p, HEADER + cma::DESCRIPTOR)
             }
             None => (p, plain),
+        }
+    }
+
+    /// How the rule sends `len` bytes under `tag` to `peer` (`receiving`:
+    /// this rank has a large receive pending too): the policy says whether
+    /// single-copy; then, receiving too, the sender pushes it all (see
+    /// `cma`), if it can, where the data is likely in its own cache and the
+    /// receiver will not reduce it at once (a reduction wants it in the
+    /// receiver's cache): data this rank has just written, of any size, and
+    /// other data within one core's L2. Pushing other data was slower: one
+    /// more hand-over for small ones, nothing cached to gain for large ones
+    /// (figures: bench/RESULTS.md, "Measurements behind code comments").
+    /// An idle sender pushes what it has just written too (otherwise it
+    /// copies chunks alongside the reader).
+    pub(crate) fn rule(&self, len: usize, tag: u64, peer: &Peer, receiving: bool) -> Scheme {
+        if !self.offers(len, tag, peer, receiving) {
+            return Scheme::Ring;
+        }
+        let fresh = weft::tag::fresh(tag);
+        let cached = fresh || (self.l2 / 4..self.l2).contains(&len);
+        if (receiving || fresh) && !peer.no_push && cached && !weft::tag::combines(tag) {
+            Scheme::Push
+        } else {
+            Scheme::Pull
+        }
+    }
+
+    /// `scheme` where this pair can run it: single copy only where the
+    /// peer reads this rank's memory, a push only where this rank can
+    /// write the peer's and the receiver does not reduce the message.
+    pub(crate) fn feasible(&self, scheme: Scheme, tag: u64, peer: &Peer) -> Scheme {
+        match scheme {
+            Scheme::Ring => Scheme::Ring,
+            _ if peer.refused || !self.cma.load(Ordering::Relaxed) => Scheme::Ring,
+            Scheme::Push if peer.no_push || weft::tag::combines(tag) => Scheme::Pull,
+            s => s,
         }
     }
 

@@ -1,0 +1,516 @@
+//! Which way a large message moves (its *scheme*), chosen as the run goes
+//! by what each scheme costs now, not once at setup.
+//!
+//! A message of at least [`super::MIN_BYTES`] moves one of three ways: the
+//! ring's two copies (one on each core, through shared memory), or single
+//! copy, pulled by the receiver (helped chunk by chunk by an idle sender)
+//! or pushed whole by the sender. Which is cheapest changes with the
+//! machine's phase (cross-core transfers on a VM come in slow phases that
+//! cost the ring's copies most) and with where the bytes are (a payload
+//! its sender has just written is in the sender's cache).
+//!
+//! **Keys.** Exchanges are sorted by the message that classifies them (its
+//! largest, sent or received): its collective op code (or "user"), its
+//! locality (plain, fresh: the sender has just written it, combines: the
+//! receiver reduces it) and its size class (factors of 4 from 32 KiB).
+//!
+//! **Measuring.** Each rank counts the exchanges of each key. The last
+//! [`BURST`] of every [`PERIOD`] run the next other scheme in turn instead
+//! of the key's current one (so every scheme keeps being measured, at a
+//! bounded cost), and rank 0, the *decider*, times its exchanges (start to
+//! end, on this rank). A burst is weighed against the exchanges just
+//! before it, which ran the current scheme: the ratio of the medians of
+//! its last [`MEASURED`] and of those. Its first exchange is not weighed:
+//! a scheme's first exchange after the others' finds its memory cold (a
+//! lone exploring exchange measured 1.7 to 2 times the scheme's steady
+//! cost here). Pairs taken side by side cancel what moves both (a busy
+//! moment, a slow phase's onset), where comparing each scheme's recent
+//! times alone switched back and forth on noise. The last [`WINDOW`]
+//! ratios of each scheme are kept.
+//!
+//! **Agreeing.** Only the decider writes the group's table (one word per
+//! key in the segment, [`Entry`]): from exchange number `from` of that key
+//! on, use `new`; before it, `old`. It moves a key to another scheme when
+//! that scheme's median ratio is below [`SWITCH`] (hysteresis: a scheme
+//! must win clearly to take over; after a change every scheme is measured
+//! afresh against the new one, [`MIN_SAMPLES`] times at least), and sets
+//! `from` [`LAG`] exchanges ahead of its own count. Every rank reads the word at each
+//! exchange of the key and picks by its own count, so where the ranks'
+//! exchanges of a key line up (every collective whose ranks exchange
+//! alike) all ranks use the same scheme for the same exchange, with no
+//! message of their own. Where they do not line up (uneven sizes, a rank
+//! far ahead), nothing depends on it: each frame says how its payload
+//! moves, and the receiver follows.
+//!
+//! Until the decider has measured a key, its word is zero: today's rule
+//! (`offers.rs`), which the hint `shm_cma` also forces for good. Here:
+//! keys, the table's words and the choice; `exchange.rs` applies it.
+
+// (std's atomics even under loom: one word written by one rank is no
+// protocol to model-check, and the words live in the segment.)
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// How a large message moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Scheme {
+    /// Inline through the pair's ring: the sender copies in, the receiver
+    /// copies out.
+    Ring = 1,
+    /// Single copy pulled by the receiver (an idle sender copies chunks
+    /// alongside).
+    Pull = 2,
+    /// Single copy pushed whole by the sender.
+    Push = 3,
+}
+
+/// Every scheme, in the order exploration takes them.
+const SCHEMES: [Scheme; 3] = [Scheme::Ring, Scheme::Pull, Scheme::Push];
+
+impl Scheme {
+    fn from_code(c: u64) -> Option<Scheme> {
+        SCHEMES.into_iter().find(|s| *s as u64 == c)
+    }
+    /// Whether it may carry a message of `key`: the receiver reduces a
+    /// combining step's message as it arrives, so it is never pushed
+    /// (it wants the bytes in the receiver's cache).
+    fn serves(self, key: Key) -> bool {
+        self != Scheme::Push || key.locality() != COMBINES
+    }
+}
+
+/// Exchanges of a key per exploring burst.
+pub const PERIOD: u64 = 64;
+/// The exchanges of a burst: the last ones of each period.
+pub const BURST: u64 = 4;
+/// The exchanges weighed, the burst's last and the current scheme's
+/// before it.
+pub const MEASURED: usize = 3;
+/// The ratios kept per key and scheme (their median decides).
+pub const WINDOW: usize = 5;
+/// A scheme needs this many ratios before it is weighed.
+pub const MIN_SAMPLES: usize = 3;
+/// Another scheme takes over when its median ratio to the current one is
+/// below this.
+pub const SWITCH: f64 = 0.8;
+/// How many exchanges of a key ahead of the decider's a change applies
+/// from: ranks whose exchanges line up are at most one apart.
+pub const LAG: u64 = 8;
+
+/// Size classes: [32 KiB, 128 KiB), [128 KiB, 512 KiB), ... and from 32 MiB.
+const CLASSES: usize = 6;
+/// Op codes below 32, plus one for user and window messages.
+const KINDS: usize = 33;
+const PLAIN: usize = 0;
+const FRESH: usize = 1;
+const COMBINES: usize = 2;
+/// How many keys there are (the table's words).
+pub const KEYS: usize = KINDS * 3 * CLASSES;
+
+/// Bytes of the table in the segment (a multiple of 64).
+pub const TABLE_BYTES: usize = (KEYS * 8).next_multiple_of(64);
+
+/// What sorts an exchange: see the module notes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Key(u16);
+
+impl Key {
+    /// The key of a message of `len` bytes under `tag`, if it is large
+    /// enough to have a choice.
+    pub fn of(tag: u64, len: usize) -> Option<Key> {
+        if len < super::MIN_BYTES {
+            return None;
+        }
+        let kind = if weft::tag::is_collective(tag) { weft::tag::op_code(tag) as usize } else { KINDS - 1 };
+        let locality = if weft::tag::combines(tag) {
+            COMBINES
+        } else if weft::tag::fresh(tag) {
+            FRESH
+        } else {
+            PLAIN
+        };
+        let class = ((len.ilog2() as usize - super::MIN_BYTES.ilog2() as usize) / 2).min(CLASSES - 1);
+        Some(Key(((kind * 3 + locality) * CLASSES + class) as u16))
+    }
+    fn locality(self) -> usize {
+        self.0 as usize / CLASSES % 3
+    }
+    fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// A key's word in the group's table: `old` before exchange `from` of the
+/// key, `new` from it on (`None`: today's rule). Zero (the segment's
+/// start) is the rule throughout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Entry {
+    /// The exchange of the key from which `new` applies.
+    pub from: u64,
+    /// Before it.
+    pub old: Option<Scheme>,
+    /// From it on.
+    pub new: Option<Scheme>,
+}
+
+impl Entry {
+    fn pack(self) -> u64 {
+        let code = |s: Option<Scheme>| s.map_or(0, |s| s as u64);
+        (self.from << 8) | (code(self.new) << 4) | code(self.old)
+    }
+    fn unpack(w: u64) -> Entry {
+        Entry { from: w >> 8, old: Scheme::from_code(w & 0xf), new: Scheme::from_code((w >> 4) & 0xf) }
+    }
+    /// The scheme of exchange `n` of the key (`None`: the rule).
+    pub fn at(self, n: u64) -> Option<Scheme> {
+        if n >= self.from {
+            self.new
+        } else {
+            self.old
+        }
+    }
+}
+
+/// The group's table: one word per key, in the segment (written by the
+/// decider only).
+pub struct Table<'a>(pub &'a [AtomicU64]);
+
+impl Table<'_> {
+    /// The entry of `key`.
+    pub fn entry(&self, key: Key) -> Entry {
+        Entry::unpack(self.0[key.index()].load(Ordering::Acquire))
+    }
+    fn set(&self, key: Key, e: Entry) {
+        self.0[key.index()].store(e.pack(), Ordering::Release);
+    }
+}
+
+/// What one exchange runs: its key, its number among the key's exchanges
+/// on this rank, and the scheme its sends of that key take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// The key.
+    pub key: Key,
+    /// The exchange's number.
+    pub n: u64,
+    /// Its scheme.
+    pub scheme: Scheme,
+}
+
+/// The last [`WINDOW`] ratios of one scheme's times to the current one's.
+#[derive(Clone, Copy, Default)]
+struct Ratios {
+    r: [f64; WINDOW],
+    count: usize,
+}
+
+impl Ratios {
+    fn add(&mut self, r: f64) {
+        self.r[self.count % WINDOW] = r;
+        self.count += 1;
+    }
+    fn median(&self) -> Option<f64> {
+        if self.count < MIN_SAMPLES {
+            return None;
+        }
+        let mut v = self.r;
+        let v = &mut v[..self.count.min(WINDOW)];
+        v.sort_unstable_by(f64::total_cmp);
+        Some(v[v.len() / 2])
+    }
+}
+
+/// The last [`MEASURED`] times (ns) of a run of exchanges.
+#[derive(Clone, Copy, Default)]
+struct Recent {
+    ns: [u64; MEASURED],
+    count: usize,
+}
+
+impl Recent {
+    fn add(&mut self, ns: u64) {
+        self.ns[self.count % MEASURED] = ns;
+        self.count += 1;
+    }
+    fn median(&self) -> Option<u64> {
+        if self.count < MEASURED {
+            return None;
+        }
+        let mut v = self.ns;
+        v.sort_unstable();
+        Some(v[MEASURED / 2])
+    }
+}
+
+/// One key's state on this rank: its exchange count, and on the decider
+/// the times of the current scheme's last exchanges and of the burst under
+/// way, and every other scheme's ratios to the current one.
+#[derive(Default)]
+struct KeyState {
+    n: u64,
+    /// The table's scheme for the last exchange (`None`: the rule).
+    applied: Option<Scheme>,
+    /// The scheme the ratios are against.
+    base: Option<Scheme>,
+    current: Recent,
+    burst: Recent,
+    ratios: [Ratios; 3],
+}
+
+/// A change the decider made: to print, and for tests.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Change {
+    /// The key.
+    pub key: Key,
+    /// The scheme it leaves.
+    pub from: Scheme,
+    /// The scheme it takes, and its median ratio of times to the other.
+    pub to: (Scheme, f64),
+    /// The exchange from which it applies.
+    pub at: u64,
+}
+
+impl std::fmt::Display for Key {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (kind, locality, class) = (self.0 as usize / CLASSES / 3, self.locality(), self.0 as usize % CLASSES);
+        let low = super::MIN_BYTES << (2 * class);
+        match kind {
+            k if k == KINDS - 1 => write!(f, "point-to-point")?,
+            k => write!(f, "op {k}")?,
+        }
+        let locality = ["", ", fresh", ", combining"][locality];
+        if class == CLASSES - 1 {
+            write!(f, "{locality} messages from {} KiB", low >> 10)
+        } else {
+            write!(f, "{locality} messages of {}-{} KiB", low >> 10, (low << 2) >> 10)
+        }
+    }
+}
+
+impl std::fmt::Display for Change {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: {:?} -> {:?} (median {:.2} x the time in paired exchanges) from exchange {}",
+            self.key, self.from, self.to.0, self.to.1, self.at
+        )
+    }
+}
+
+/// This rank's side of the choice (kept with the engine: one driver at a
+/// time).
+pub struct Chooser {
+    decider: bool,
+    keys: HashMap<Key, KeyState>,
+}
+
+impl Chooser {
+    /// The choice on `rank` (rank 0 decides).
+    pub fn new(rank: usize) -> Chooser {
+        Chooser { decider: rank == 0, keys: HashMap::new() }
+    }
+
+    /// Whether this rank decides (and times its exchanges).
+    pub fn decides(&self) -> bool {
+        self.decider
+    }
+
+    /// The plan of the next exchange of `key`, whose sends the rule would
+    /// give `rule` (`None`: this rank sends nothing of the key, it only
+    /// counts).
+    pub fn plan(&mut self, table: &Table<'_>, key: Key, rule: Option<Scheme>) -> Option<Plan> {
+        let st = self.keys.entry(key).or_default();
+        let n = st.n;
+        st.n += 1;
+        let entry = table.entry(key);
+        if entry.at(n) != st.applied {
+            // What the tests read to see that every rank moved at the same exchange.
+            st.applied = entry.at(n);
+            weft::log::debug(format_args!("shm: {key}: {:?} from exchange {n}", st.applied));
+        }
+        let current = st.applied.or(rule)?;
+        let scheme = match SCHEMES[(n / PERIOD) as usize % SCHEMES.len()] {
+            other if n % PERIOD >= PERIOD - BURST && other.serves(key) => other,
+            _ => current,
+        };
+        Some(Plan { key, n, scheme })
+    }
+
+    /// The decider: exchange `plan` took `ns`; maybe move its key to a
+    /// cheaper scheme (returned).
+    pub fn record(&mut self, table: &Table<'_>, plan: Plan, ns: u64, rule: Option<Scheme>) -> Option<Change> {
+        if !self.decider {
+            return None;
+        }
+        let st = self.keys.get_mut(&plan.key)?;
+        let entry = table.entry(plan.key);
+        let current = entry.at(plan.n).or(rule)?;
+        if st.base != Some(current) {
+            // A new current scheme: every ratio is measured afresh.
+            *st = KeyState { n: st.n, applied: st.applied, base: Some(current), ..KeyState::default() };
+        }
+        if plan.scheme == current {
+            st.current.add(ns);
+            st.burst = Recent::default();
+            return None;
+        }
+        // (A burst's first exchange is not weighed: see the module notes.)
+        if plan.n % PERIOD != PERIOD - BURST {
+            st.burst.add(ns);
+        }
+        if plan.n % PERIOD != PERIOD - 1 {
+            return None;
+        }
+        let (Some(alt), Some(cur)) = (st.burst.median(), st.current.median()) else { return None };
+        st.ratios[plan.scheme as usize - 1].add(alt as f64 / cur.max(1) as f64);
+        if plan.n < entry.from {
+            return None; // The last change is not in force yet.
+        }
+        let (best, ratio) = SCHEMES
+            .into_iter()
+            .filter(|s| *s != current)
+            .filter_map(|s| Some((s, st.ratios[s as usize - 1].median()?)))
+            .min_by(|a, b| a.1.total_cmp(&b.1))?;
+        if ratio >= SWITCH {
+            return None;
+        }
+        let at = plan.n + LAG;
+        table.set(plan.key, Entry { from: at, old: entry.new, new: Some(best) });
+        Some(Change { key: plan.key, from: current, to: (best, ratio), at })
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn table(words: &[AtomicU64]) -> Table<'_> {
+        Table(words)
+    }
+
+    #[test]
+    fn keys_sort_by_op_locality_and_size() {
+        let ag = weft::tag::collective(3, 7, 0, 1);
+        assert_eq!(Key::of(ag, (32 << 10) - 1), None, "too small to choose");
+        let k = Key::of(ag, 32 << 10).unwrap();
+        assert_eq!(Key::of(ag, (128 << 10) - 1), Some(k), "one class up to 128 KiB");
+        assert_ne!(Key::of(ag, 128 << 10), Some(k));
+        assert_eq!(Key::of(ag, 1 << 40), Key::of(ag, 32 << 20), "the last class is open");
+        // Another op, another sequence number, locality bits, user messages.
+        assert_ne!(Key::of(weft::tag::collective(4, 7, 0, 1), 32 << 10), Some(k));
+        assert_eq!(Key::of(weft::tag::collective(3, 9, 5, 2), 32 << 10), Some(k));
+        let fresh = Key::of(ag | weft::tag::FRESH, 1 << 20).unwrap();
+        let combines = Key::of(ag | weft::tag::COMBINES, 1 << 20).unwrap();
+        assert_eq!((fresh.locality(), combines.locality(), Key::of(ag, 1 << 20).unwrap().locality()), (FRESH, COMBINES, PLAIN));
+        let user = Key::of(weft::tag::user(5), 1 << 20).unwrap();
+        assert!(user.index() < KEYS && Key::of(u64::MAX >> 1, 1 << 40).unwrap().index() < KEYS);
+        assert!(!Scheme::Push.serves(combines) && Scheme::Pull.serves(combines) && Scheme::Push.serves(fresh));
+    }
+
+    #[test]
+    fn entries_pack_and_pick_by_exchange_number() {
+        let e = Entry { from: (1 << 56) - 1, old: None, new: Some(Scheme::Push) };
+        assert_eq!(Entry::unpack(e.pack()), e);
+        let e = Entry { from: 40, old: Some(Scheme::Ring), new: Some(Scheme::Pull) };
+        assert_eq!(Entry::unpack(e.pack()), e);
+        assert_eq!((e.at(39), e.at(40)), (Some(Scheme::Ring), Some(Scheme::Pull)));
+        assert_eq!(Entry::unpack(0), Entry { from: 0, old: None, new: None }, "a zeroed segment is the rule");
+    }
+
+    /// Run `exchanges` exchanges of one key on `ranks` ranks, each costing
+    /// `cost(scheme, n)` ns, with the decider as far behind the others as
+    /// ranks of one collective get: it finishes exchange n (and may change
+    /// the table) after they have planned exchange n + 1. Every rank's
+    /// schemes per exchange.
+    fn run(ranks: usize, exchanges: u64, rule: Scheme, cost: impl Fn(Scheme, u64) -> u64) -> (Vec<Vec<Scheme>>, Vec<Change>) {
+        let words: Vec<AtomicU64> = (0..KEYS).map(|_| AtomicU64::new(0)).collect();
+        let t = table(&words);
+        let key = Key::of(weft::tag::collective(3, 1, 0, 0), 1 << 20).unwrap();
+        let mut choosers: Vec<Chooser> = (0..ranks).map(Chooser::new).collect();
+        let mut schemes = vec![Vec::new(); ranks];
+        let mut changes = Vec::new();
+        let mut decider_plan: Option<Plan> = None;
+        for n in 0..=exchanges {
+            for r in 1..ranks {
+                if n < exchanges {
+                    let plan = choosers[r].plan(&t, key, Some(rule)).unwrap();
+                    assert_eq!(plan.n, n);
+                    schemes[r].push(plan.scheme);
+                }
+            }
+            if let Some(plan) = decider_plan.take() {
+                changes.extend(choosers[0].record(&t, plan, cost(plan.scheme, plan.n), Some(rule)));
+            }
+            if n < exchanges {
+                let plan = choosers[0].plan(&t, key, Some(rule)).unwrap();
+                schemes[0].push(plan.scheme);
+                decider_plan = Some(plan);
+            }
+        }
+        (schemes, changes)
+    }
+
+    #[test]
+    fn ranks_agree_on_every_exchange_and_move_to_the_cheaper_scheme_and_back() {
+        // Pull costs 100, then (a slow phase from exchange 400 to 1200) 400;
+        // the ring 200 throughout, Push more than either.
+        let slow = |n: u64| (400..1200).contains(&n);
+        let cost = |s: Scheme, n: u64| match s {
+            Scheme::Ring => 200,
+            Scheme::Pull if slow(n) => 400,
+            Scheme::Pull => 100,
+            Scheme::Push => 450,
+        };
+        let (schemes, changes) = run(3, 2500, Scheme::Pull, cost);
+        assert!(schemes.iter().all(|s| *s == schemes[0]), "every rank runs the same scheme in each exchange");
+        let s = &schemes[0];
+        // Calm: the rule's Pull, with BURST exchanges in PERIOD trying another.
+        let explored = |range: std::ops::Range<usize>| (range.len() as u64 / PERIOD + 1) * BURST;
+        let others = s[..400].iter().filter(|x| **x != Scheme::Pull).count();
+        assert!(others > 0 && others as u64 <= explored(0..400), "{others}");
+        // The slow phase moves it to the ring (the cheapest then), within a few explorations ...
+        let to_ring = changes.iter().find(|c| c.to.0 == Scheme::Ring).expect("moved to the ring");
+        assert!(to_ring.at > 400 && to_ring.at < 400 + 3 * 3 * PERIOD, "{to_ring:?}");
+        assert!(s[1000..1200].iter().filter(|x| **x != Scheme::Ring).count() as u64 <= explored(1000..1200));
+        // ... and once calm again, back to Pull; and only these two changes (no flapping).
+        let back = changes.iter().find(|c| c.to.0 == Scheme::Pull).expect("moved back");
+        assert!(back.at > 1200 && back.at < 1200 + 4 * 3 * PERIOD, "{back:?}");
+        assert_eq!(changes.len(), 2, "{changes:?}");
+        assert!(s[2000..].iter().filter(|x| **x != Scheme::Pull).count() as u64 <= explored(2000..2500));
+    }
+
+    #[test]
+    fn a_scheme_that_wins_narrowly_does_not_take_over_and_push_never_carries_a_reduction() {
+        // 10 % apart: within the hysteresis.
+        let (_, changes) = run(2, 3000, Scheme::Pull, |s, _| if s == Scheme::Push { 90 } else { 100 });
+        assert!(changes.is_empty(), "{changes:?}");
+        // A combining key never tries Push, however cheap it would be.
+        let words: Vec<AtomicU64> = (0..KEYS).map(|_| AtomicU64::new(0)).collect();
+        let key = Key::of(weft::tag::collective(1, 1, 0, 0) | weft::tag::COMBINES, 1 << 20).unwrap();
+        let mut c = Chooser::new(0);
+        for _ in 0..1500 {
+            let plan = c.plan(&table(&words), key, Some(Scheme::Ring)).unwrap();
+            assert_ne!(plan.scheme, Scheme::Push);
+            c.record(&table(&words), plan, if plan.scheme == Scheme::Pull { 100 } else { 300 }, Some(Scheme::Ring));
+        }
+        assert_eq!(table(&words).entry(key).new, Some(Scheme::Pull));
+    }
+
+    #[test]
+    fn a_rank_that_only_receives_counts_and_a_change_waits_until_the_last_is_in_force() {
+        let words: Vec<AtomicU64> = (0..KEYS).map(|_| AtomicU64::new(0)).collect();
+        let t = table(&words);
+        let key = Key::of(weft::tag::user(1), 1 << 20).unwrap();
+        let mut receiver = Chooser::new(1);
+        assert_eq!(receiver.plan(&t, key, None), None);
+        t.set(key, Entry { from: 1, old: None, new: Some(Scheme::Push) });
+        assert_eq!(receiver.plan(&t, key, None).map(|p| (p.n, p.scheme)), Some((1, Scheme::Push)));
+        // The decider weighs nothing while a change is pending.
+        let mut decider = Chooser::new(0);
+        t.set(key, Entry { from: 100, old: None, new: Some(Scheme::Ring) });
+        for _ in 0..99 {
+            let plan = decider.plan(&t, key, Some(Scheme::Pull)).unwrap();
+            assert_eq!(decider.record(&t, plan, if plan.scheme == Scheme::Ring { 1 } else { 1000 }, Some(Scheme::Pull)), None);
+        }
+    }
+}
