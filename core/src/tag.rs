@@ -92,6 +92,19 @@ pub const fn in_space(tag: u64, space: u8) -> u64 {
     }
 }
 
+/// The space of `tag` (see [`in_space`]; 0 for a transport's own frames).
+pub const fn space(tag: u64) -> u8 {
+    if is_collective(tag) {
+        ((tag >> 30) & 0xff) as u8
+    } else if is_window(tag) {
+        ((tag >> 54) & 0xff) as u8
+    } else if tag >> 61 == 0 {
+        ((tag >> 32) & 0xff) as u8
+    } else {
+        0
+    }
+}
+
 /// Whether `tag` carries a window's frames.
 pub const fn is_window(tag: u64) -> bool {
     tag >> 62 == 1
@@ -173,6 +186,7 @@ mod tests {
             assert_ne!(in_space(t, 1), in_space(t, 255));
             // The kind and the fields of the tag are kept.
             let s = in_space(t, 255);
+            assert_eq!((space(t), space(s), space(in_space(t, 7))), (0, 255, 7));
             assert_eq!((is_collective(s), is_window(s), s >> 61 == 0), (is_collective(t), is_window(t), t >> 61 == 0));
             if is_collective(t) {
                 let fields = |t| (seq(t), op_code(t), shape(t), step(t), combines(t), fresh(t));
@@ -187,6 +201,7 @@ mod tests {
         // A sequence number past the mask does not spill into the space.
         assert_eq!(collective(3, SEQ_MASK + 1, 1, 0), collective(3, 0, 1, 0));
         assert_eq!(in_space(1 << 61, 7), 1 << 61, "a transport's own frames");
+        assert_eq!(space(1 << 61), 0);
     }
 
     #[test]

@@ -68,7 +68,13 @@ fn send_of<'a>(ops: &'a [P2p<'_>], gathered: &[Option<&'a dyn Gather>], i: usize
     }
 }
 
-/// The frame prefix of an inline send: tag and length.
+/// A batch's plan (see `ShmBackend::plan`).
+struct Batch {
+    plan: Option<Plan>,
+    rule: Option<Scheme>,
+    weighed: bool,
+}
+
 /// The scheme `plan` gives `op`: sends of its key (others take the rule).
 pub(crate) fn planned(plan: Option<Plan>, op: &P2p<'_>) -> Option<Scheme> {
     let plan = plan?;
@@ -78,6 +84,7 @@ pub(crate) fn planned(plan: Option<Plan>, op: &P2p<'_>) -> Option<Scheme> {
     }
 }
 
+/// The frame prefix of an inline send: tag and length.
 pub(crate) fn plain_header(tag: u64, len: usize) -> ([u8; HEADER + cma::DESCRIPTOR], usize) {
     let mut p = [0u8; HEADER + cma::DESCRIPTOR];
     p[..8].copy_from_slice(&tag.to_le_bytes());
@@ -151,8 +158,11 @@ impl ShmBackend {
             posting.notify();
             return Ok(());
         }
+        // Planned (and counted) as a batch the calling thread runs is: a
+        // rank's count of a key must not depend on which thread ran it.
+        let plan = self.plan(eng, post.ops()).plan;
         let first = eng.table.len();
-        eng.table.add(post, |_, _| OpState::default());
+        eng.table.add(post, |op, _| OpState { scheme: planned(plan, op), ..OpState::default() });
         self.start(eng, first)
     }
 
@@ -199,8 +209,8 @@ impl ShmBackend {
         if let Some(e) = self.refuse(ops.iter(), gathered) {
             return Err(e);
         }
-        let Some((plan, rule)) = self.plan(eng, ops) else { return self.exchange_planned(eng, posting, ops, gathered, deadline, None) };
-        let timed = (plan.is_some() && eng.chooser.decides()).then(Instant::now);
+        let Batch { plan, rule, weighed } = self.plan(eng, ops);
+        let timed = (weighed && eng.chooser.decides()).then(Instant::now);
         let r = self.exchange_planned(eng, posting, ops, gathered, deadline, plan);
         if let (Ok(()), Some(start), Some(plan)) = (&r, timed, plan) {
             let ns = start.elapsed().as_nanos() as u64;
@@ -211,21 +221,24 @@ impl ShmBackend {
         r
     }
 
-    /// The plan of an exchange (where adapting, and it has a message large
-    /// enough to choose): the key of its largest message, this rank's
-    /// exchange of it, its scheme; and how the rule would send it.
-    fn plan(&self, eng: &mut Engine, ops: &[P2p<'_>]) -> Option<(Option<Plan>, Option<Scheme>)> {
+    /// The plan of a batch, where adapting and it has a message large
+    /// enough to choose (the key of its largest message, this rank's
+    /// exchange of that key, its scheme); how the rule would send it; and
+    /// whether its time may be weighed (it sends and receives messages of
+    /// the key: see `cma/scheme.rs`).
+    fn plan(&self, eng: &mut Engine, ops: &[P2p<'_>]) -> Batch {
+        let none = Batch { plan: None, rule: None, weighed: false };
         if !self.adapt {
-            return None;
+            return none;
         }
-        let (tag, len) = ops
+        let largest = ops
             .iter()
             .map(|op| match op {
                 P2p::Send { tag, data, .. } => (*tag, data.len()),
                 P2p::Recv { tag, buf, .. } => (*tag, buf.len()),
             })
-            .max_by_key(|(_, len)| *len)?;
-        let key = Key::of(tag, len)?;
+            .max_by_key(|(_, len)| *len);
+        let Some(key) = largest.and_then(|(tag, len)| Key::of(tag, len)) else { return none };
         let receiving = ops.iter().any(|op| matches!(op, P2p::Recv { buf, .. } if buf.len() >= cma::MIN_BYTES));
         let rule = ops.iter().find_map(|op| match op {
             P2p::Send { peer, tag, data } if Key::of(*tag, data.len()) == Some(key) => {
@@ -233,7 +246,9 @@ impl ShmBackend {
             }
             _ => None,
         });
-        Some((eng.chooser.plan(&self.schemes(), key, rule), rule))
+        let receives_key = ops.iter().any(|op| matches!(op, P2p::Recv { tag, buf, .. } if Key::of(*tag, buf.len()) == Some(key)));
+        let plan = eng.chooser.plan(&self.schemes(), key, rule);
+        Batch { plan, rule, weighed: plan.is_some() && rule.is_some() && receives_key }
     }
 
     /// [`Self::exchange_now`] once planned: with nothing else posted, what

@@ -103,12 +103,14 @@ impl BackendFactory for ShmFactory {
         };
         let agreed = cma::Policy::agreed(&*ctx.store, ctx.rank, ctx.size, left(), forced.is_none())?;
         let cma = forced.unwrap_or(Some(agreed));
-        // Unless forced, the policy is only where each large message's
-        // scheme starts: the group then moves each kind of exchange to the
-        // scheme that costs least as the run goes (`cma/scheme.rs`), unless
-        // the hint `shm_adapt` (or WEFT_SHM_ADAPT) says `off`.
+        // The policy is only where each large message's scheme starts: the
+        // group then moves each kind of exchange to the scheme that costs
+        // least as the run goes (`cma/scheme.rs`), unless the hint
+        // `shm_adapt` (or WEFT_SHM_ADAPT) says `off`, or (without it) a
+        // forced policy fixes the scheme.
         let adapt = match ctx.hints.get("shm_adapt").cloned().or_else(|| std::env::var("WEFT_SHM_ADAPT").ok()).as_deref() {
-            None | Some("on" | "1") => forced.is_none(),
+            None => forced.is_none(),
+            Some("on" | "1") => true,
             Some("off" | "0") => false,
             Some(v) => return Err(Error::invalid(format!("shm_adapt={v:?}: use on or off"))),
         };

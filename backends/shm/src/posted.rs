@@ -81,6 +81,6 @@ impl Engine {
     /// `budget`.
     pub(crate) fn new(rank: usize, size: usize, budget: EarlyBudget) -> Engine {
         let peer = || Peer { inbound: Inbound::default().with_budget(budget), ..Peer::default() };
-        Engine { peers: (0..size).map(|_| peer()).collect(), table: Table::default(), chooser: cma::scheme::Chooser::new(rank) }
+        Engine { peers: (0..size).map(|_| peer()).collect(), table: Table::default(), chooser: cma::scheme::Chooser::new(rank, size) }
     }
 }

@@ -157,7 +157,7 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             // (`cma/scheme.rs`).
             let n = 1 << 18;
             let mut all = vec![0u32; n * w];
-            for i in 0..700u32 {
+            for i in 0..1500u32 {
                 let mine: Vec<u32> = (0..n as u32).map(|k| k ^ (i << 20) ^ ((r as u32) << 28)).collect();
                 pg.all_gather_single(&mut all, &mine, &o)?.wait()?;
                 for (src, part) in all.chunks(n).enumerate() {

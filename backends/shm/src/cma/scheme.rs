@@ -13,12 +13,22 @@
 //! largest, sent or received): its collective op code (or "user"), its
 //! locality (plain, fresh: the sender has just written it, combines: the
 //! receiver reduces it) and its size class (factors of 4 from 32 KiB).
+//! Messages of sub-groups that run over their parent's transport (a tag
+//! space other than 0) have no key: they take the rule, so they never
+//! shift the parent's counts on their members alone.
 //!
-//! **Measuring.** Each rank counts the exchanges of each key. The last
-//! [`BURST`] of every [`PERIOD`] run the next other scheme in turn instead
-//! of the key's current one (so every scheme keeps being measured, at a
-//! bounded cost), and rank 0, the *decider*, times its exchanges (start to
-//! end, on this rank). A burst is weighed against the exchanges just
+//! **Measuring.** Each rank counts the exchanges of each key, every batch
+//! the engine takes (run by the calling thread or posted to whoever
+//! drives), so the count does not depend on which thread ran it. The last
+//! [`BURST`] of every [`PERIOD`] run a scheme other than the key's
+//! current one: the three in a fixed order, the same on every rank
+//! whatever rule each follows (a burst that lands on the current scheme is
+//! an ordinary run of it), so every scheme keeps being measured, at a
+//! bounded cost. Rank 0, the *decider*, times the exchanges it runs itself
+//! in which it both sends and receives a message of the key (start to
+//! end, on this rank: a send alone through the ring ends once its bytes
+//! are in the ring, before its receiver has copied them, and would flatter
+//! the ring). A burst is weighed against the exchanges just
 //! before it, which ran the current scheme: the ratio of the medians of
 //! its last [`MEASURED`] and of those. Its first exchange is not weighed:
 //! a scheme's first exchange after the others' finds its memory cold (a
@@ -34,17 +44,18 @@
 //! that scheme's median ratio is below [`SWITCH`] (hysteresis: a scheme
 //! must win clearly to take over; after a change every scheme is measured
 //! afresh against the new one, [`MIN_SAMPLES`] times at least), and sets
-//! `from` [`LAG`] exchanges ahead of its own count. Every rank reads the word at each
+//! `from` [`lag`] exchanges after the one it weighed. Every rank reads the word at each
 //! exchange of the key and picks by its own count, so where the ranks'
 //! exchanges of a key line up (every collective whose ranks exchange
 //! alike) all ranks use the same scheme for the same exchange, with no
-//! message of their own. Where they do not line up (uneven sizes, a rank
-//! far ahead), nothing depends on it: each frame says how its payload
-//! moves, and the receiver follows.
+//! message of their own. Where they do not line up (uneven sizes, ranks
+//! whose batches classify differently, a rank far ahead), nothing depends
+//! on it: each frame says how its payload moves, and the receiver follows.
 //!
 //! Until the decider has measured a key, its word is zero: today's rule
-//! (`offers.rs`), which the hint `shm_cma` also forces for good. Here:
-//! keys, the table's words and the choice; `exchange.rs` applies it.
+//! (`offers.rs`), which a forced `shm_cma` keeps for good (unless
+//! `shm_adapt=on` too). Here: keys, the table's words and the choice;
+//! `exchange.rs` applies it.
 
 // (std's atomics even under loom: one word written by one rank is no
 // protocol to model-check, and the words live in the segment.)
@@ -93,9 +104,12 @@ pub const MIN_SAMPLES: usize = 3;
 /// Another scheme takes over when its median ratio to the current one is
 /// below this.
 pub const SWITCH: f64 = 0.8;
-/// How many exchanges of a key ahead of the decider's a change applies
-/// from: ranks whose exchanges line up are at most one apart.
-pub const LAG: u64 = 8;
+/// How many exchanges of a key after the decider's a change applies from,
+/// in a group of `size`: ranks of one collective are at most one exchange
+/// apart, or W - 1 down a pipelined chain whose rings buffer its steps.
+pub fn lag(size: usize) -> u64 {
+    (2 * size as u64).max(8)
+}
 
 /// Size classes: [32 KiB, 128 KiB), [128 KiB, 512 KiB), ... and from 32 MiB.
 const CLASSES: usize = 6;
@@ -118,7 +132,7 @@ impl Key {
     /// The key of a message of `len` bytes under `tag`, if it is large
     /// enough to have a choice.
     pub fn of(tag: u64, len: usize) -> Option<Key> {
-        if len < super::MIN_BYTES {
+        if len < super::MIN_BYTES || weft::tag::space(tag) != 0 {
             return None;
         }
         let kind = if weft::tag::is_collective(tag) { weft::tag::op_code(tag) as usize } else { KINDS - 1 };
@@ -155,6 +169,7 @@ pub struct Entry {
 
 impl Entry {
     fn pack(self) -> u64 {
+        debug_assert!(self.from < 1 << 56, "an exchange count past 2^56");
         let code = |s: Option<Scheme>| s.map_or(0, |s| s as u64);
         (self.from << 8) | (code(self.new) << 4) | code(self.old)
     }
@@ -195,6 +210,8 @@ pub struct Plan {
     pub n: u64,
     /// Its scheme.
     pub scheme: Scheme,
+    /// Whether it runs another scheme than the current one, to measure it.
+    pub explores: bool,
 }
 
 /// The last [`WINDOW`] ratios of one scheme's times to the current one's.
@@ -209,6 +226,8 @@ impl Ratios {
         self.r[self.count % WINDOW] = r;
         self.count += 1;
     }
+    /// The median (of an even count, the upper middle: a scheme must win
+    /// clearly).
     fn median(&self) -> Option<f64> {
         if self.count < MIN_SAMPLES {
             return None;
@@ -250,8 +269,9 @@ struct KeyState {
     n: u64,
     /// The table's scheme for the last exchange (`None`: the rule).
     applied: Option<Scheme>,
-    /// The scheme the ratios are against.
-    base: Option<Scheme>,
+    /// The table's scheme the ratios are against (`None`: the rule, whatever
+    /// it gives each exchange).
+    base: Option<Option<Scheme>>,
     current: Recent,
     burst: Recent,
     ratios: [Ratios; 3],
@@ -301,13 +321,14 @@ impl std::fmt::Display for Change {
 /// time).
 pub struct Chooser {
     decider: bool,
+    lag: u64,
     keys: HashMap<Key, KeyState>,
 }
 
 impl Chooser {
-    /// The choice on `rank` (rank 0 decides).
-    pub fn new(rank: usize) -> Chooser {
-        Chooser { decider: rank == 0, keys: HashMap::new() }
+    /// The choice on `rank` of `size` (rank 0 decides).
+    pub fn new(rank: usize, size: usize) -> Chooser {
+        Chooser { decider: rank == 0, lag: lag(size), keys: HashMap::new() }
     }
 
     /// Whether this rank decides (and times its exchanges).
@@ -333,7 +354,7 @@ impl Chooser {
             other if n % PERIOD >= PERIOD - BURST && other.serves(key) => other,
             _ => current,
         };
-        Some(Plan { key, n, scheme })
+        Some(Plan { key, n, scheme, explores: scheme != current })
     }
 
     /// The decider: exchange `plan` took `ns`; maybe move its key to a
@@ -345,11 +366,11 @@ impl Chooser {
         let st = self.keys.get_mut(&plan.key)?;
         let entry = table.entry(plan.key);
         let current = entry.at(plan.n).or(rule)?;
-        if st.base != Some(current) {
+        if st.base != Some(entry.at(plan.n)) {
             // A new current scheme: every ratio is measured afresh.
-            *st = KeyState { n: st.n, applied: st.applied, base: Some(current), ..KeyState::default() };
+            *st = KeyState { n: st.n, applied: st.applied, base: Some(entry.at(plan.n)), ..KeyState::default() };
         }
-        if plan.scheme == current {
+        if !plan.explores {
             st.current.add(ns);
             st.burst = Recent::default();
             return None;
@@ -374,7 +395,7 @@ impl Chooser {
         if ratio >= SWITCH {
             return None;
         }
-        let at = plan.n + LAG;
+        let at = plan.n + self.lag;
         table.set(plan.key, Entry { from: at, old: entry.new, new: Some(best) });
         Some(Change { key: plan.key, from: current, to: (best, ratio), at })
     }
@@ -396,6 +417,7 @@ mod tests {
         assert_eq!(Key::of(ag, (128 << 10) - 1), Some(k), "one class up to 128 KiB");
         assert_ne!(Key::of(ag, 128 << 10), Some(k));
         assert_eq!(Key::of(ag, 1 << 40), Key::of(ag, 32 << 20), "the last class is open");
+        assert_eq!(Key::of(weft::tag::in_space(ag, 3), 1 << 20), None, "a sub-group's message takes the rule");
         // Another op, another sequence number, locality bits, user messages.
         assert_ne!(Key::of(weft::tag::collective(4, 7, 0, 1), 32 << 10), Some(k));
         assert_eq!(Key::of(weft::tag::collective(3, 9, 5, 2), 32 << 10), Some(k));
@@ -403,7 +425,7 @@ mod tests {
         let combines = Key::of(ag | weft::tag::COMBINES, 1 << 20).unwrap();
         assert_eq!((fresh.locality(), combines.locality(), Key::of(ag, 1 << 20).unwrap().locality()), (FRESH, COMBINES, PLAIN));
         let user = Key::of(weft::tag::user(5), 1 << 20).unwrap();
-        assert!(user.index() < KEYS && Key::of(u64::MAX >> 1, 1 << 40).unwrap().index() < KEYS);
+        assert!(user.index() < KEYS && Key::of(weft::tag::collective(31, 0, 0, 0) | weft::tag::COMBINES, 1 << 40).unwrap().index() < KEYS);
         assert!(!Scheme::Push.serves(combines) && Scheme::Pull.serves(combines) && Scheme::Push.serves(fresh));
     }
 
@@ -426,7 +448,7 @@ mod tests {
         let words: Vec<AtomicU64> = (0..KEYS).map(|_| AtomicU64::new(0)).collect();
         let t = table(&words);
         let key = Key::of(weft::tag::collective(3, 1, 0, 0), 1 << 20).unwrap();
-        let mut choosers: Vec<Chooser> = (0..ranks).map(Chooser::new).collect();
+        let mut choosers: Vec<Chooser> = (0..ranks).map(|r| Chooser::new(r, ranks)).collect();
         let mut schemes = vec![Vec::new(); ranks];
         let mut changes = Vec::new();
         let mut decider_plan: Option<Plan> = None;
@@ -487,7 +509,7 @@ mod tests {
         // A combining key never tries Push, however cheap it would be.
         let words: Vec<AtomicU64> = (0..KEYS).map(|_| AtomicU64::new(0)).collect();
         let key = Key::of(weft::tag::collective(1, 1, 0, 0) | weft::tag::COMBINES, 1 << 20).unwrap();
-        let mut c = Chooser::new(0);
+        let mut c = Chooser::new(0, 2);
         for _ in 0..1500 {
             let plan = c.plan(&table(&words), key, Some(Scheme::Ring)).unwrap();
             assert_ne!(plan.scheme, Scheme::Push);
@@ -501,14 +523,14 @@ mod tests {
         let words: Vec<AtomicU64> = (0..KEYS).map(|_| AtomicU64::new(0)).collect();
         let t = table(&words);
         let key = Key::of(weft::tag::user(1), 1 << 20).unwrap();
-        let mut receiver = Chooser::new(1);
+        let mut receiver = Chooser::new(1, 2);
         assert_eq!(receiver.plan(&t, key, None), None);
         t.set(key, Entry { from: 1, old: None, new: Some(Scheme::Push) });
         assert_eq!(receiver.plan(&t, key, None).map(|p| (p.n, p.scheme)), Some((1, Scheme::Push)));
         // The decider weighs nothing while a change is pending.
-        let mut decider = Chooser::new(0);
-        t.set(key, Entry { from: 100, old: None, new: Some(Scheme::Ring) });
-        for _ in 0..99 {
+        let mut decider = Chooser::new(0, 2);
+        t.set(key, Entry { from: 2000, old: None, new: Some(Scheme::Ring) });
+        for _ in 0..1999 {
             let plan = decider.plan(&t, key, Some(Scheme::Pull)).unwrap();
             assert_eq!(decider.record(&t, plan, if plan.scheme == Scheme::Ring { 1 } else { 1000 }, Some(Scheme::Pull)), None);
         }
