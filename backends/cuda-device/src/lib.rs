@@ -1,12 +1,14 @@
-//! `cuda-device`: all_reduce GPU to GPU for ranks on one host (one process
+//! `cuda-device`: collectives GPU to GPU for ranks on one host (one process
 //! per GPU, or several processes sharing one). Buffers and receive slots
 //! allocated with `cuMemAlloc` are shared through CUDA IPC handles, and IPC
-//! events order the ranks' streams. Where every rank uses the same GPU,
-//! each reduces its block of all the ranks' buffers in one kernel
+//! events order the ranks' streams. all_reduce: where every rank uses the
+//! same GPU, each reduces its block of all the ranks' buffers in one kernel
 //! (`direct.rs`); otherwise, or where a buffer cannot be exported, the ring
 //! (reduce-scatter + all-gather, pipelined in slot-sized pieces) moves the
-//! data (`ring.rs`). The other ops are staged through the host (the same
-//! code as `cuda-host-staging`).
+//! data (`ring.rs`). Every other collective: each rank pulls what it needs
+//! from its peers' buffers (`pull.rs`). Point-to-point ops, and
+//! collectives that cannot run on the device, are staged through the host
+//! (the same code as `cuda-host-staging`).
 //!
 //! Created only when every rank is on this host and every rank can export
 //! and open the IPC handles; otherwise creation fails with `Unsupported` on
@@ -17,6 +19,7 @@
 mod agree;
 mod direct;
 mod peer_buffers;
+mod pull;
 mod ring;
 mod setup;
 mod window;
@@ -70,28 +73,60 @@ struct DeviceBackend {
 
 impl DeviceBackend {
     fn all_reduce(&self, buf: &mut weft::TensorMut<'_>, op: weft::ReduceOp, ctx: &OpContext, algorithm: Algorithm) -> Result<()> {
+        let ptr = buf.as_ptr() as u64;
+        let (count, dtype) = (buf.numel(), buf.dtype());
+        self.on_device(ctx, Some(buf.device()), |ring, cpu, stream| {
+            let g = &ring.gpu;
+            if let weft::ReduceOp::PremulSum(f) = op {
+                // SAFETY: the op's buffer, on this stream after the caller's work.
+                unsafe { g.premul(stream, ptr, count, dtype, f)? };
+            }
+            if algorithm != Algorithm::Ring && direct::all_reduce(ring, cpu, ctx, stream, buf, op, algorithm == Algorithm::Direct)? {
+                return Ok(true);
+            }
+            ring::all_reduce(ring, cpu, ctx, stream, buf, op).map(|()| true)
+        })
+        .map(drop)
+    }
+
+    /// Any other collective: pulled device to device (`pull.rs`), or,
+    /// where every rank learns it cannot be, staged through the host.
+    fn pulled(&self, op: &mut Op<'_>, ctx: &OpContext, algorithm: Algorithm) -> Result<()> {
+        let device = first_device(op);
+        let required = algorithm == Algorithm::Direct;
+        if self.on_device(ctx, device, |ring, cpu, stream| pull::run(ring, cpu, ctx, stream, op, required))? {
+            return Ok(());
+        }
+        self.staging.run(op, ctx)
+    }
+
+    /// Run `f` on this backend's stream, ordered after the caller's; its
+    /// completion (the caller's stream waits for it) is the op's. `f`
+    /// returns false where it did nothing the op needs (every rank then
+    /// runs the op another way): this rank's stream is drained first, since
+    /// what `f` queued may still read the caller's buffers.
+    fn on_device(
+        &self,
+        ctx: &OpContext,
+        device: Option<Device>,
+        f: impl FnOnce(&Peers, &dyn Backend, StreamHandle) -> Result<bool>,
+    ) -> Result<bool> {
         let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
-        if buf.device() != Device::Cuda(ring.device as u32) {
+        if let Some(d) = device.filter(|d| *d != Device::Cuda(ring.device as u32)) {
             return Err(Error::invalid(format!(
-                "cuda-device: this rank's ring is on cuda:{}, the tensor on {} (choose the device with the group hint cuda_device=N or LOCAL_RANK)",
-                ring.device,
-                buf.device()
+                "cuda-device: this rank's ring is on cuda:{}, the tensor on {d} (choose the device with the group hint cuda_device=N or LOCAL_RANK)",
+                ring.device
             )));
         }
         let g = ring.gpu.clone();
         let caller = ctx.stream.unwrap_or_default();
         order_after(&*g, ring.device, self.stream, caller)?;
         let cpu = &**self.staging.cpu();
-        let r = (|| {
-            if let weft::ReduceOp::PremulSum(f) = op {
-                // SAFETY: the op's buffer, on this stream after the caller's work.
-                unsafe { g.premul(self.stream, buf.as_ptr() as u64, buf.numel(), buf.dtype(), f)? };
-            }
-            if algorithm != Algorithm::Ring && direct::all_reduce(&ring, cpu, ctx, self.stream, buf, op, algorithm == Algorithm::Direct)? {
-                return Ok(());
-            }
-            ring::all_reduce(&ring, cpu, ctx, self.stream, buf, op)
-        })();
+        let r = f(&ring, cpu, self.stream);
+        if let Ok(false) = r {
+            synchronize_stream(&*g, ring.device, self.stream, ctx.deadline.for_cleanup(), ctx.name)?;
+            return Ok(false);
+        }
         let done = RingCompletion {
             inner: StreamCompletion::record(g, ring.device, self.stream, caller)?,
             others: ring.others.clone(),
@@ -104,8 +139,19 @@ impl DeviceBackend {
             return Err(done.explain(e));
         }
         ctx.completion.set(Arc::new(done));
-        Ok(())
+        Ok(true)
     }
+}
+
+/// The device of `op`'s first tensor (every tensor of an op is on one).
+fn first_device(op: &Op<'_>) -> Option<Device> {
+    Some(match op {
+        Op::Broadcast { buf, .. } | Op::Reduce { buf, .. } => buf.device(),
+        Op::AllGather { input, .. } | Op::Gather { input, .. } => input.device(),
+        Op::ReduceScatter { output, .. } | Op::Scatter { output, .. } => output.device(),
+        Op::AllToAll { inputs, .. } => inputs.first()?.device(),
+        _ => return None,
+    })
 }
 
 /// How `cuda-device` runs an all_reduce (hint `cuda_algorithm`).
@@ -208,6 +254,19 @@ impl Backend for DeviceBackend {
             Op::AllReduce { buf, op } => match Algorithm::from_hints(ctx) {
                 Ok(Algorithm::Staging) => self.staging.run(&mut Op::AllReduce { buf: buf.reborrow(), op: *op }, ctx),
                 Ok(algorithm) => self.all_reduce(buf, *op, ctx, algorithm),
+                Err(e) => Err(e),
+            },
+            Op::Broadcast { .. }
+            | Op::Reduce { .. }
+            | Op::AllGather { .. }
+            | Op::ReduceScatter { .. }
+            | Op::AllToAll { .. }
+            | Op::Gather { .. }
+            | Op::Scatter { .. } => match Algorithm::from_hints(ctx) {
+                // (The ring is all_reduce's: another op told to use one of
+                // core's algorithms runs it on the host.)
+                Ok(Algorithm::Staging | Algorithm::Ring) => self.staging.run(op, ctx),
+                Ok(algorithm) => self.pulled(op, ctx, algorithm),
                 Err(e) => Err(e),
             },
             _ => self.staging.run(op, ctx),

@@ -83,3 +83,178 @@ fn a_named_algorithm_runs_on_the_device_ring_or_staged() {
             .collect()
     });
 }
+
+/// Every collective but point-to-point runs device to device: no payload
+/// byte between host and device (the emulated GPU counts them) while the
+/// ops run, staged through the staging buffers (small) or not, with exact
+/// results. cuda-host-staging, run the same way, moves them: the count
+/// sees the fallback when there is one.
+#[test]
+fn collectives_move_no_payload_through_the_host() {
+    let _gpu = weft_conformance::cuda::exclusive();
+    link();
+    if std::env::var("WEFT_TEST_REAL_GPU").as_deref() == Ok("1") {
+        return; // (Only the emulation counts.)
+    }
+    for w in 2..=4 {
+        on_threads("cpu:shm,cuda:cuda-device", &[], w, |pg, p| device_resident(pg, p, true));
+        on_threads("cpu:shm,cuda:cuda-device", &[("cuda_direct_staged_bytes", "0")], w, |pg, p| device_resident(pg, p, true));
+    }
+    on_threads("cpu:shm,cuda:cuda-host-staging", &[], 3, |pg, p| device_resident(pg, p, false));
+}
+
+/// The ops of [`collectives_move_no_payload_through_the_host`] on `pg`;
+/// `resident`: whether none may copy payload through the host.
+fn device_resident(pg: &weft::ProcessGroup, p: SharedPlacement, resident: bool) -> Vec<Check> {
+    use weft::prelude::*;
+    use weft::DType;
+    use weft_conformance::Buf;
+    weft::stream::set_current_stream(Some(p.stream()));
+    let (r, w) = (pg.rank(), pg.size());
+    let n = 3001;
+    let o = OpOptions::default();
+    // Part `k` of rank `seed`'s data: small integers, exact in f32.
+    let part = |seed: usize, k: usize| -> Vec<f32> { (0..n).map(|i| ((seed * 7 + k * 3 + i) % 101) as f32).collect() };
+    let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_ne_bytes()).collect() };
+    let place = |v: &[f32]| Buf::from_bytes(DType::F32, &bytes(v)).place(Some(&p));
+    let sum = |k: usize| -> Vec<f32> { (0..n).map(|i| (0..w).map(|s| part(s, k)[i]).sum()).collect() };
+    let max = |k: usize| -> Vec<f32> { (0..n).map(|i| (0..w).map(|s| part(s, k)[i]).fold(f32::MIN, f32::max)).collect() };
+    type Case<'a> = (&'static str, Box<dyn Fn() -> weft::Result<(Vec<u8>, Vec<u8>)> + 'a>);
+    // Each case: buffers placed, then (between barriers, counted) the op,
+    // then its outputs read back against what they should hold.
+    let counted = |run: &mut dyn FnMut() -> weft::Result<()>| -> weft::Result<u64> {
+        pg.barrier(&o)?.wait()?;
+        let before = weft_cuda_driver::emulated::host_bytes();
+        run()?;
+        pg.barrier(&o)?.wait()?;
+        let moved = weft_cuda_driver::emulated::host_bytes() - before;
+        pg.barrier(&o)?.wait()?;
+        Ok(moved)
+    };
+    let moved = std::cell::Cell::new(0u64);
+    let count = |run: &mut dyn FnMut() -> weft::Result<()>| -> weft::Result<()> {
+        moved.set(counted(run)?);
+        Ok(())
+    };
+    let read = |bufs: &[Buf]| -> weft::Result<Vec<u8>> { Ok(bufs.iter().map(Buf::read).collect::<weft::Result<Vec<_>>>()?.concat()) };
+    let cases: Vec<Case<'_>> = vec![
+        (
+            "broadcast",
+            Box::new(|| {
+                let mut b = place(&if r == w - 1 { part(9, 0) } else { vec![0.0; n] })?;
+                count(&mut || pg.broadcast(b.tm(), w - 1, &o)?.wait())?;
+                Ok((b.read()?, bytes(&part(9, 0))))
+            }),
+        ),
+        (
+            "reduce",
+            Box::new(|| {
+                let mut b = place(&part(r, 0))?;
+                count(&mut || pg.reduce(b.tm(), 0, ReduceOp::Sum, &o)?.wait())?;
+                Ok((b.read()?, bytes(&if r == 0 { sum(0) } else { part(r, 0) })))
+            }),
+        ),
+        (
+            "all_gather",
+            Box::new(|| {
+                let input = place(&part(r, 0))?;
+                let mut outs = (0..w).map(|_| place(&vec![0.0; n])).collect::<weft::Result<Vec<_>>>()?;
+                count(&mut || pg.all_gather(outs.iter_mut().map(Buf::tm).collect(), input.t(), &o)?.wait())?;
+                Ok((read(&outs)?, (0..w).flat_map(|s| bytes(&part(s, 0))).collect()))
+            }),
+        ),
+        (
+            "reduce_scatter",
+            Box::new(|| {
+                let ins = (0..w).map(|k| place(&part(r, k))).collect::<weft::Result<Vec<_>>>()?;
+                let mut out = place(&vec![0.0; n])?;
+                count(&mut || pg.reduce_scatter(out.tm(), ins.iter().map(Buf::t).collect(), ReduceOp::Max, &o)?.wait())?;
+                Ok((out.read()?, bytes(&max(r))))
+            }),
+        ),
+        (
+            "all_to_all",
+            Box::new(|| {
+                let ins = (0..w).map(|k| place(&part(r, k))).collect::<weft::Result<Vec<_>>>()?;
+                let mut outs = (0..w).map(|_| place(&vec![0.0; n])).collect::<weft::Result<Vec<_>>>()?;
+                count(&mut || pg.all_to_all(outs.iter_mut().map(Buf::tm).collect(), ins.iter().map(Buf::t).collect(), &o)?.wait())?;
+                Ok((read(&outs)?, (0..w).flat_map(|s| bytes(&part(s, r))).collect()))
+            }),
+        ),
+        (
+            "gather",
+            Box::new(|| {
+                let input = place(&part(r, 1))?;
+                let mut outs = if r == 1 { (0..w).map(|_| place(&vec![0.0; n])).collect::<weft::Result<Vec<_>>>()? } else { vec![] };
+                count(&mut || pg.gather(outs.iter_mut().map(Buf::tm).collect(), input.t(), 1, &o)?.wait())?;
+                let want: Vec<u8> = if r == 1 { (0..w).flat_map(|s| bytes(&part(s, 1))).collect() } else { vec![] };
+                Ok((read(&outs)?, want))
+            }),
+        ),
+        (
+            "scatter",
+            Box::new(|| {
+                let ins = if r == 0 { (0..w).map(|k| place(&part(5, k))).collect::<weft::Result<Vec<_>>>()? } else { vec![] };
+                let mut out = place(&vec![0.0; n])?;
+                count(&mut || pg.scatter(out.tm(), ins.iter().map(Buf::t).collect(), 0, &o)?.wait())?;
+                Ok((out.read()?, bytes(&part(5, r))))
+            }),
+        ),
+    ];
+    cases
+        .into_iter()
+        .map(|(op, run)| {
+            let (passed, detail) = match run() {
+                Ok((got, want)) if got != want => (false, "wrong result".to_string()),
+                Ok(_) if resident && moved.get() > 0 => (false, format!("{} payload bytes through the host", moved.get())),
+                Ok(_) if !resident && moved.get() == 0 => (false, "staged through the host, yet no byte counted".to_string()),
+                Ok(_) => (true, String::new()),
+                Err(e) => (false, e.to_string()),
+            };
+            Check { op, dtype: DType::F32, redop: None, passed, detail }
+        })
+        .collect()
+}
+
+/// Ranks that disagree on a pulled collective's sizes or root get
+/// `InvalidArgument` on every rank before anything is read, never a copy
+/// past a buffer's end or a hang (core's tags carry a hash of the sizes and
+/// root, so the CPU transport finds most such mismatches in round 1; the
+/// records' own checks stand behind it).
+#[test]
+fn pulled_collectives_that_disagree_are_refused_on_every_rank() {
+    let _gpu = weft_conformance::cuda::exclusive();
+    link();
+    for staged in ["16777216", "0"] {
+        on_threads("cpu:shm,cuda:cuda-device", &[("cuda_direct_staged_bytes", staged)], 2, disagreeing);
+    }
+}
+
+fn disagreeing(pg: &weft::ProcessGroup, p: SharedPlacement) -> Vec<Check> {
+    use weft::prelude::*;
+    use weft::{DType, ErrorKind};
+    use weft_conformance::Buf;
+    weft::stream::set_current_stream(Some(p.stream()));
+    let r = pg.rank();
+    let o = OpOptions::default().timeout(std::time::Duration::from_secs(20));
+    let place = |n: usize| Buf::zeros(DType::F32, n).place(Some(&p));
+    let refused = |what: &'static str, e: weft::Result<()>| {
+        let (passed, detail) = match e {
+            Err(e) if e.kind() == &ErrorKind::InvalidArgument && e.to_string().contains("mismatch") => (true, String::new()),
+            Err(e) => (false, format!("another error: {e}")),
+            Ok(()) => (false, "ran".to_string()),
+        };
+        Check { op: what, dtype: DType::F32, redop: None, passed, detail }
+    };
+    let run = || -> weft::Result<Vec<Check>> {
+        // Rank 1 gathers parts of 101 elements, rank 0 of 100.
+        let input = place(100 + r)?;
+        let mut outs = [place(100 + r)?, place(100 + r)?];
+        let sizes = pg.all_gather(outs.iter_mut().map(Buf::tm).collect(), input.t(), &o).and_then(|w| w.wait());
+        // Each rank names itself the root.
+        let mut b = place(10)?;
+        let roots = pg.broadcast(b.tm(), r, &o).and_then(|w| w.wait());
+        Ok(vec![refused("all_gather of different sizes", sizes), refused("broadcast from different roots", roots)])
+    };
+    run().unwrap_or_else(|e| vec![Check { op: "disagreeing", dtype: DType::F32, redop: None, passed: false, detail: e.to_string() }])
+}

@@ -19,6 +19,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use weft::{DType, Error, ReduceOp, Result, StreamHandle};
 
+/// Bytes copied between host and device memory in this process
+/// (`copy_htod`, `copy_dtoh`), counted as the copies are queued.
+static HOST_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes this process has copied between host and device memory so far:
+/// tests read it around an op to see that the op's payload stayed on the
+/// device (a real GPU has no such count).
+pub fn host_bytes() -> u64 {
+    HOST_BYTES.load(Ordering::Relaxed)
+}
+
 /// The emulated GPU of this process.
 pub struct EmulatedGpu {
     devices: usize,
@@ -196,10 +207,12 @@ impl Gpu for EmulatedGpu {
         self.pinned.lock().unwrap_or_else(|p| p.into_inner()).remove(&(ptr as u64));
     }
     unsafe fn copy_htod(&self, stream: StreamHandle, dst: DevicePtr, src: *const u8, bytes: usize) -> Result<()> {
+        HOST_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
         // SAFETY: the caller keeps both ranges valid until the task runs.
         unsafe { self.copy_dtod(stream, dst, src as u64, bytes) }
     }
     unsafe fn copy_dtoh(&self, stream: StreamHandle, dst: *mut u8, src: DevicePtr, bytes: usize) -> Result<()> {
+        HOST_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
         // SAFETY: as above.
         unsafe { self.copy_dtod(stream, dst as u64, src, bytes) }
     }
