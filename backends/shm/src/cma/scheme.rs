@@ -214,52 +214,42 @@ pub struct Plan {
     pub explores: bool,
 }
 
-/// The last [`WINDOW`] ratios of one scheme's times to the current one's.
-#[derive(Clone, Copy, Default)]
-struct Ratios {
-    r: [f64; WINDOW],
+/// The last `N` values of a series (an exchange's times, or one scheme's
+/// ratios to the current one), and their median.
+#[derive(Clone, Copy)]
+struct Window<T, const N: usize> {
+    v: [T; N],
     count: usize,
 }
 
-impl Ratios {
-    fn add(&mut self, r: f64) {
-        self.r[self.count % WINDOW] = r;
+impl<T: Copy + Default, const N: usize> Default for Window<T, N> {
+    fn default() -> Self {
+        Window { v: [T::default(); N], count: 0 }
+    }
+}
+
+impl<T: Copy + PartialOrd, const N: usize> Window<T, N> {
+    fn add(&mut self, x: T) {
+        self.v[self.count % N] = x;
         self.count += 1;
     }
-    /// The median (of an even count, the upper middle: a scheme must win
-    /// clearly).
-    fn median(&self) -> Option<f64> {
-        if self.count < MIN_SAMPLES {
+    /// The median of the values kept, once at least `min` have come (of an
+    /// even count, the upper middle: a scheme must win clearly).
+    fn median(&self, min: usize) -> Option<T> {
+        if self.count < min {
             return None;
         }
-        let mut v = self.r;
-        let v = &mut v[..self.count.min(WINDOW)];
-        v.sort_unstable_by(f64::total_cmp);
+        let mut v = self.v;
+        let v = &mut v[..self.count.min(N)];
+        v.sort_unstable_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
         Some(v[v.len() / 2])
     }
 }
 
+/// One scheme's last [`WINDOW`] ratios of times to the current scheme's.
+type Ratios = Window<f64, WINDOW>;
 /// The last [`MEASURED`] times (ns) of a run of exchanges.
-#[derive(Clone, Copy, Default)]
-struct Recent {
-    ns: [u64; MEASURED],
-    count: usize,
-}
-
-impl Recent {
-    fn add(&mut self, ns: u64) {
-        self.ns[self.count % MEASURED] = ns;
-        self.count += 1;
-    }
-    fn median(&self) -> Option<u64> {
-        if self.count < MEASURED {
-            return None;
-        }
-        let mut v = self.ns;
-        v.sort_unstable();
-        Some(v[MEASURED / 2])
-    }
-}
+type Recent = Window<u64, MEASURED>;
 
 /// One key's state on this rank: its exchange count, and on the decider
 /// the times of the current scheme's last exchanges and of the burst under
@@ -382,7 +372,7 @@ impl Chooser {
         if plan.n % PERIOD != PERIOD - 1 {
             return None;
         }
-        let (Some(alt), Some(cur)) = (st.burst.median(), st.current.median()) else { return None };
+        let (Some(alt), Some(cur)) = (st.burst.median(MEASURED), st.current.median(MEASURED)) else { return None };
         st.ratios[plan.scheme as usize - 1].add(alt as f64 / cur.max(1) as f64);
         if plan.n < entry.from {
             return None; // The last change is not in force yet.
@@ -390,7 +380,7 @@ impl Chooser {
         let (best, ratio) = SCHEMES
             .into_iter()
             .filter(|s| *s != current)
-            .filter_map(|s| Some((s, st.ratios[s as usize - 1].median()?)))
+            .filter_map(|s| Some((s, st.ratios[s as usize - 1].median(MIN_SAMPLES)?)))
             .min_by(|a, b| a.1.total_cmp(&b.1))?;
         if ratio >= SWITCH {
             return None;
