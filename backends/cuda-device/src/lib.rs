@@ -154,7 +154,8 @@ fn first_device(op: &Op<'_>) -> Option<Device> {
     })
 }
 
-/// How `cuda-device` runs an all_reduce (hint `cuda_algorithm`).
+/// How `cuda-device` runs a collective (hint `cuda_algorithm`): all_reduce
+/// directly or on the ring, the others pulled (`Direct`, `Auto`) or staged.
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]
 enum Algorithm {
     /// Direct where the ranks share one GPU and it can run, else the ring
@@ -163,7 +164,7 @@ enum Algorithm {
     /// Direct, or an `Unsupported` error.
     Direct,
     Ring,
-    /// Through host memory, as every other op.
+    /// Through host memory (as point-to-point ops always are).
     Staging,
 }
 
@@ -187,7 +188,7 @@ impl Algorithm {
     }
 }
 
-/// The device side of a ring or direct all_reduce; a failure or timeout while a neighbour's
+/// The device side of an op run on this backend's stream; a failure or timeout while a neighbour's
 /// process is gone is reported as that peer lost (its events will never
 /// complete), not as an anonymous device error.
 struct RingCompletion {

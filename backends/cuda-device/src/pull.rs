@@ -34,8 +34,14 @@
 //! rounds 1 and 2, before anything is read: a mismatch is
 //! `InvalidArgument` on every rank, never a copy past a buffer's end.
 //!
-//! A `PremulSum` is summed, then scaled once (the inputs are the caller's,
-//! not this op's to scale in place): every rank must give the same factor.
+//! A `PremulSum` needs the same factor on every rank: staged inputs are
+//! scaled before they are summed (as the other paths scale theirs), unstaged
+//! ones are summed, then scaled once (the inputs are the caller's, not this
+//! op's to scale in place), so there the unscaled sum must fit the dtype.
+//! Ranks of this process on other GPUs cannot be reduced from (a pointer of
+//! this process reaches another GPU's memory only with peer access, which
+//! only the IPC mappings of other processes' buffers enable): such ops are
+//! staged.
 //!
 //! Where it cannot run (a buffer CUDA IPC cannot export, a mapping that
 //! fails, a reduction over more ranks than one kernel takes, non-contiguous
@@ -56,8 +62,8 @@ use weft_cuda_driver::{DevicePtr, MAX_REDUCE_ALL};
 /// Bytes of an IPC handle a record carries, at most.
 const HANDLE_MAX: usize = 64;
 /// Bytes of a record before its buffers: flags, the op, how many buffers,
-/// a `PremulSum`'s factor.
-const HEAD: usize = 4 * 8;
+/// a `PremulSum`'s factor, the size of its staging buffer.
+const HEAD: usize = 5 * 8;
 /// Bytes of one exposed buffer in a record: offset, address, length,
 /// handle length, handle.
 const BUFFER_LEN: usize = 3 * 8 + 4 + HANDLE_MAX;
@@ -112,6 +118,18 @@ impl Plan {
     fn of(op: &mut Op<'_>, rank: usize, size: usize) -> Option<Plan> {
         let (r, w) = (rank, size);
         let contiguous = |ok: bool| ok.then_some(());
+        // (Core checks these; a record has room for `size` buffers.)
+        let (lists, root) = match op {
+            Op::AllGather { outputs, .. } | Op::Gather { outputs, .. } => (outputs.len(), 0),
+            Op::AllToAll { inputs, outputs } => (inputs.len().max(outputs.len()), 0),
+            Op::Scatter { inputs, .. } | Op::ReduceScatter { inputs, .. } => (inputs.len(), 0),
+            _ => (0, 0),
+        };
+        let root = match op {
+            Op::Broadcast { root, .. } | Op::Reduce { root, .. } | Op::Gather { root, .. } | Op::Scatter { root, .. } => *root,
+            _ => root,
+        };
+        contiguous(lists <= w && root < w)?;
         Some(match op {
             Op::Broadcast { buf, root } => {
                 contiguous(buf.is_contiguous())?;
@@ -207,6 +225,8 @@ struct Record {
     what: u64,
     /// A `PremulSum`'s factor (its bits; 0 for other ops).
     factor: u64,
+    /// Bytes of its staging buffer (what a staged buffer must lie within).
+    stage: u64,
     /// (offset in its allocation or staging buffer, address in its own
     /// process, bytes, IPC handle)
     buffers: Vec<(u64, u64, u64, Vec<u8>)>,
@@ -220,7 +240,7 @@ impl Record {
     fn encode(&self, size: usize) -> Vec<u8> {
         let mut b = vec![0u8; Record::len(size)];
         let flags = u64::from(self.staged) | (u64::from(self.exported) << 1) | (u64::from(self.serves) << 2);
-        for (i, w) in [flags, self.what, self.buffers.len() as u64, self.factor].iter().enumerate() {
+        for (i, w) in [flags, self.what, self.buffers.len() as u64, self.factor, self.stage].iter().enumerate() {
             b[8 * i..8 * i + 8].copy_from_slice(&w.to_le_bytes());
         }
         for (k, (offset, at, bytes, handle)) in self.buffers.iter().enumerate() {
@@ -254,7 +274,15 @@ impl Record {
             buffers.push((word(o), word(o + 8), word(o + 16), b[o + 28..o + 28 + h].to_vec()));
         }
         let flags = word(0);
-        Ok(Record { staged: flags & 1 != 0, exported: flags & 2 != 0, serves: flags & 4 != 0, what: word(8), factor: word(24), buffers })
+        Ok(Record {
+            staged: flags & 1 != 0,
+            exported: flags & 2 != 0,
+            serves: flags & 4 != 0,
+            what: word(8),
+            factor: word(24),
+            stage: word(32),
+            buffers,
+        })
     }
 }
 
@@ -270,7 +298,12 @@ pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, stream: StreamHandl
         }
         Ok(false)
     };
-    let plan = Plan::of(op, r, w);
+    // A kernel cannot read another GPU's memory through a pointer of this
+    // process without peer access, which only the IPC mappings of other
+    // processes' buffers enable: reductions with ranks of this process on
+    // other GPUs are staged.
+    let in_process_elsewhere = !ring.one_gpu && ring.others.len() + 1 < w;
+    let plan = Plan::of(op, r, w).filter(|p| p.reduction.is_none() && !matches!(op, Op::Reduce { .. }) || !in_process_elsewhere);
     let g = ring.gpu.clone();
     let c = Steps::new(cpu, ctx).phase(1);
     let (exposed, serves) = match &plan {
@@ -282,12 +315,28 @@ pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, stream: StreamHandl
     let mut buffers = Vec::with_capacity(exposed.len());
     let mut exported = true;
     let mut at = 0u64;
+    let premul = plan.as_ref().and_then(|p| p.reduction.as_ref()).and_then(|x| match x.op {
+        ReduceOp::PremulSum(f) => Some((f, x.dtype)),
+        _ => None,
+    });
+    // (Every rank of a reduce scales, the root's readers' copies included.)
+    let premul = premul.or_else(|| match op {
+        Op::Reduce { buf, op: ReduceOp::PremulSum(f), .. } => Some((*f, buf.dtype())),
+        _ => None,
+    });
     for &(p, n) in &exposed {
         if staged {
             // SAFETY: my staging buffer holds `staged_max` bytes, which these
             // fit; no rank reads it between ops (each op ends with every
             // rank's `done`), and `ready` is recorded after these copies.
             unsafe { g.copy_dtod(stream, ring.stage + at, p, n)? };
+            if let Some((f, dtype)) = premul {
+                // A staged PremulSum input is scaled before it is summed, as
+                // the other paths scale theirs (a sum of 16-bit floats scaled
+                // after could overflow where the scaled one does not).
+                // SAFETY: the staged copy just queued, on this stream.
+                unsafe { g.premul(stream, ring.stage + at, n / dtype.size(), dtype, f)? };
+            }
             buffers.push((at, p, n as u64, Vec::new()));
             at += n.next_multiple_of(STAGE_ALIGN) as u64;
             continue;
@@ -305,7 +354,7 @@ pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, stream: StreamHandl
     // Round 1: what every rank exposes, recorded ready before it is offered.
     g.record(ring.ready, stream)?;
     let (what, factor) = plan.as_ref().map_or((0, 0), |p| (p.what, p.factor));
-    let mine = Record { staged, exported, serves, what, factor, buffers };
+    let mine = Record { staged, exported, serves, what, factor, stage: ring.staged_max as u64, buffers };
     let records = round(&c, 0, &mine.encode(w))?.iter().map(|b| Record::decode(b, w)).collect::<Result<Vec<_>>>()?;
     let unserved = ranks_where(&records, |x| !x.serves);
     if !unserved.is_empty() {
@@ -327,6 +376,12 @@ pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, stream: StreamHandl
     let factors = ranks_where(&records, |x| x.factor != factor);
     if !factors.is_empty() {
         return fallback(format!("rank(s) {factors:?} scale their PremulSum inputs by another factor than this rank"));
+    }
+    // A PremulSum's staged inputs come scaled, its unstaged ones not: all
+    // one way or the other.
+    let unlike = ranks_where(&records, |x| x.staged != staged);
+    if factor != 0 && !unlike.is_empty() {
+        return fallback(format!("rank(s) {unlike:?} stage this PremulSum and others do not"));
     }
 
     // Round 2: every rank's sizes agree with what it reads, and what it
@@ -395,7 +450,7 @@ pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, stream: StreamHandl
         // one of the sources (`reduce`: each element is read before it is
         // written).
         unsafe { g.reduce_all(stream, &srcs, &[red.dst], red.count, red.dtype, red.op)? };
-        if let ReduceOp::PremulSum(f) = red.op {
+        if let (ReduceOp::PremulSum(f), false) = (red.op, staged) {
             // SAFETY: this op's buffer, after the sum above on this stream.
             unsafe { g.premul(stream, red.dst, red.count, red.dtype, f)? };
         }
@@ -439,15 +494,21 @@ fn sources(plan: &Plan, size: usize) -> impl Iterator<Item = (usize, usize)> + '
 /// what it reads (alike on every rank for every mismatch a rank sees: the
 /// op's sizes are every rank's to agree on).
 fn check_sizes(plan: &Plan, records: &[Record], size: usize) -> Result<()> {
-    let held = |from: usize, buf: usize| records[from].buffers.get(buf).map(|b| b.2 as usize);
+    let held = |from: usize, buf: usize| {
+        let x = records.get(from)?;
+        let (offset, _, bytes, _) = x.buffers.get(buf)?;
+        // A staged buffer lies within its owner's staging buffer.
+        (!x.staged || offset.checked_add(*bytes).is_some_and(|end| end <= x.stage)).then_some(*bytes as usize)
+    };
+    let holds = |from: usize, buf: usize| held(from, buf).map_or("nothing".into(), |n| format!("{n} bytes"));
     for read in &plan.reads {
-        if read.bytes > 0 && held(read.from, read.buf) != Some(read.bytes) {
+        if held(read.from, read.buf) != Some(read.bytes) {
             return Err(Error::invalid(format!(
                 "cuda-device: mismatched sizes: this rank reads {} bytes of rank {}'s buffer {}, which holds {}",
                 read.bytes,
                 read.from,
                 read.buf,
-                held(read.from, read.buf).map_or("nothing".into(), |n| format!("{n} bytes"))
+                holds(read.from, read.buf)
             )));
         }
     }
@@ -458,7 +519,7 @@ fn check_sizes(plan: &Plan, records: &[Record], size: usize) -> Result<()> {
                 return Err(Error::invalid(format!(
                     "cuda-device: mismatched sizes: this rank reduces {bytes} bytes of rank {p}'s buffer {}, which holds {}",
                     red.buf[p],
-                    held(p, red.buf[p]).map_or("nothing".into(), |n| format!("{n} bytes"))
+                    holds(p, red.buf[p])
                 )));
             }
         }
@@ -471,7 +532,7 @@ mod tests {
     use super::*;
 
     fn record(buffers: Vec<(u64, u64, u64, Vec<u8>)>) -> Record {
-        Record { staged: false, exported: true, serves: true, what: what(3, DType::F32, None, 0), factor: 0, buffers }
+        Record { staged: false, exported: true, serves: true, what: what(3, DType::F32, None, 0), factor: 0, stage: 1 << 20, buffers }
     }
 
     #[test]
@@ -483,7 +544,7 @@ mod tests {
         };
         let b = r.encode(3);
         let d = Record::decode(&b, 3).unwrap();
-        assert_eq!((d.staged, d.exported, d.serves, d.what, d.factor), (true, true, true, r.what, r.factor));
+        assert_eq!((d.staged, d.exported, d.serves, d.what, d.factor, d.stage), (true, true, true, r.what, r.factor, r.stage));
         assert_eq!(d.buffers, r.buffers);
         // A record of another group size, more buffers than ranks, a handle past its room.
         assert!(Record::decode(&b, 2).is_err());
@@ -508,10 +569,21 @@ mod tests {
         let missing = Plan { reads: vec![Read { from: 0, buf: 1, dst: 0, bytes: 4 }], ..read(0) };
         assert!(check_sizes(&missing, &records, 2).unwrap_err().to_string().contains("which holds nothing"));
         // Reductions: every rank's buffer must hold count elements.
-        let reduce =
-            |count| Plan { reduction: Some(Reduction { buf: vec![0, 0], dst: 0, count, dtype: DType::F32, op: ReduceOp::Sum }), ..read(0) };
+        let reduce = |count| Plan {
+            reads: vec![],
+            reduction: Some(Reduction { buf: vec![0, 0], dst: 0, count, dtype: DType::F32, op: ReduceOp::Sum }),
+            ..read(0)
+        };
         assert!(check_sizes(&reduce(99), &records, 2).unwrap_err().to_string().contains("rank 0's buffer 0"));
         let equal = vec![record(vec![(0, 0, 400, vec![])]), record(vec![(0, 0, 400, vec![])])];
         assert!(check_sizes(&reduce(100), &equal, 2).is_ok());
+        // A zero-byte read of a buffer that holds more is a mismatch too; a
+        // rank past the group's, and a staged buffer past its staging buffer,
+        // hold nothing.
+        assert!(check_sizes(&read(0), &records, 2).is_err());
+        let beyond = Plan { reads: vec![Read { from: 5, buf: 0, dst: 0, bytes: 4 }], ..read(0) };
+        assert!(check_sizes(&beyond, &records, 2).is_err());
+        let staged = vec![record(vec![(0, 0, 400, vec![])]), Record { staged: true, ..record(vec![((1 << 20) - 396, 0, 400, vec![])]) }];
+        assert!(check_sizes(&read(400), &staged, 2).unwrap_err().to_string().contains("which holds nothing"));
     }
 }

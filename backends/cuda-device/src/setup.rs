@@ -41,13 +41,15 @@ pub struct Peers {
     timeout: Duration,
     pub slot_bytes: usize,
     /// The direct all-reduce stages ops of up to this many bytes through
-    /// the staging buffers (hint `cuda_direct_staged_bytes`).
+    /// the staging buffers, and a pulled collective (`pull.rs`) the buffers
+    /// a rank exposes, when they fit (each padded to 256 bytes) (hint
+    /// `cuda_direct_staged_bytes`).
     pub staged_max: usize,
     /// My receive slots (the previous rank writes into them).
     pub my_slots: DevicePtr,
     /// The next rank's receive slots, mapped here (or its pointer, in-process).
     pub next_slots: DevicePtr,
-    /// My staging buffer for the direct all-reduce of small ops
+    /// My staging buffer for the direct all-reduce and pulled collectives of small ops
     /// (`staged_max` bytes; apart from the slots, which the ring may write
     /// while a staged op still reads its buffer).
     pub stage: DevicePtr,

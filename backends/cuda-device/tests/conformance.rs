@@ -218,9 +218,9 @@ fn device_resident(pg: &weft::ProcessGroup, p: SharedPlacement, resident: bool) 
 
 /// Ranks that disagree on a pulled collective's sizes or root get
 /// `InvalidArgument` on every rank before anything is read, never a copy
-/// past a buffer's end or a hang (core's tags carry a hash of the sizes and
-/// root, so the CPU transport finds most such mismatches in round 1; the
-/// records' own checks stand behind it).
+/// past a buffer's end or a hang: all_to_all's counts (which core's tags do
+/// not carry) by the records' own checks; a broadcast's root by core's
+/// tags, or the records'.
 #[test]
 fn pulled_collectives_that_disagree_are_refused_on_every_rank() {
     let _gpu = weft_conformance::cuda::exclusive();
@@ -238,23 +238,72 @@ fn disagreeing(pg: &weft::ProcessGroup, p: SharedPlacement) -> Vec<Check> {
     let r = pg.rank();
     let o = OpOptions::default().timeout(std::time::Duration::from_secs(20));
     let place = |n: usize| Buf::zeros(DType::F32, n).place(Some(&p));
-    let refused = |what: &'static str, e: weft::Result<()>| {
+    let refused = |what: &'static str, e: weft::Result<()>, says: &str| {
         let (passed, detail) = match e {
-            Err(e) if e.kind() == &ErrorKind::InvalidArgument && e.to_string().contains("mismatch") => (true, String::new()),
+            Err(e) if e.kind() == &ErrorKind::InvalidArgument && e.to_string().contains(says) => (true, String::new()),
             Err(e) => (false, format!("another error: {e}")),
             Ok(()) => (false, "ran".to_string()),
         };
         Check { op: what, dtype: DType::F32, redop: None, passed, detail }
     };
     let run = || -> weft::Result<Vec<Check>> {
-        // Rank 1 gathers parts of 101 elements, rank 0 of 100.
-        let input = place(100 + r)?;
+        // Rank 1 sends and expects parts of 101 elements, rank 0 of 100.
+        let ins = [place(100 + r)?, place(100 + r)?];
         let mut outs = [place(100 + r)?, place(100 + r)?];
-        let sizes = pg.all_gather(outs.iter_mut().map(Buf::tm).collect(), input.t(), &o).and_then(|w| w.wait());
+        let counts = pg.all_to_all(outs.iter_mut().map(Buf::tm).collect(), ins.iter().map(Buf::t).collect(), &o).and_then(|w| w.wait());
         // Each rank names itself the root.
         let mut b = place(10)?;
         let roots = pg.broadcast(b.tm(), r, &o).and_then(|w| w.wait());
-        Ok(vec![refused("all_gather of different sizes", sizes), refused("broadcast from different roots", roots)])
+        Ok(vec![
+            refused("all_to_all of different counts", counts, "mismatched sizes"),
+            refused("broadcast from different roots", roots, "mismatch"),
+        ])
     };
     run().unwrap_or_else(|e| vec![Check { op: "disagreeing", dtype: DType::F32, redop: None, passed: false, detail: e.to_string() }])
+}
+
+/// A reduction the device path cannot run (here: PremulSum factors that
+/// differ between the ranks, which only scaling each input first serves)
+/// is staged through the host with the right result under `auto`, and is
+/// `Unsupported` on every rank under `cuda_algorithm=direct`.
+#[test]
+fn a_pulled_collective_that_cannot_run_on_the_device_is_staged_or_refused_alike() {
+    let _gpu = weft_conformance::cuda::exclusive();
+    link();
+    for staged in ["16777216", "0"] {
+        on_threads("cpu:shm,cuda:cuda-device", &[("cuda_direct_staged_bytes", staged)], 3, |pg, p| premul_factors(pg, p, false));
+        let hints = [("cuda_direct_staged_bytes", staged), ("cuda_algorithm", "direct")];
+        on_threads("cpu:shm,cuda:cuda-device", &hints, 3, |pg, p| premul_factors(pg, p, true));
+    }
+}
+
+fn premul_factors(pg: &weft::ProcessGroup, p: SharedPlacement, direct: bool) -> Vec<Check> {
+    use weft::prelude::*;
+    use weft::{DType, ErrorKind};
+    use weft_conformance::Buf;
+    weft::stream::set_current_stream(Some(p.stream()));
+    let (r, w) = (pg.rank(), pg.size());
+    let n = 257;
+    let o = OpOptions::default().timeout(std::time::Duration::from_secs(20));
+    // Rank k's part for rank j: k + j + i % 5; scaled by its factor 1 / 2^(k+1).
+    let part = |k: usize, j: usize| -> Vec<u8> { (0..n).flat_map(|i| ((k + j + i % 5) as f32).to_ne_bytes()).collect() };
+    let factor = |k: usize| 1.0 / f64::from(1u32 << (k + 1));
+    let run = || -> weft::Result<(Vec<u8>, weft::Result<()>)> {
+        let ins = (0..w).map(|j| Buf::from_bytes(DType::F32, &part(r, j)).place(Some(&p))).collect::<weft::Result<Vec<_>>>()?;
+        let mut out = Buf::zeros(DType::F32, n).place(Some(&p))?;
+        let done = pg.reduce_scatter(out.tm(), ins.iter().map(Buf::t).collect(), ReduceOp::PremulSum(factor(r)), &o).and_then(|x| x.wait());
+        Ok((out.read()?, done))
+    };
+    let want: Vec<u8> =
+        (0..n).flat_map(|i| ((0..w).map(|k| (k + r + i % 5) as f64 * factor(k)).sum::<f64>() as f32).to_ne_bytes()).collect();
+    let (passed, detail) = match run() {
+        Ok((_, Err(e))) if direct && e.kind() == &ErrorKind::Unsupported && e.to_string().contains("another factor") => {
+            (true, String::new())
+        }
+        Ok((got, Ok(()))) if !direct && got == want => (true, String::new()),
+        Ok((_, Ok(()))) if direct => (false, "ran on the device".to_string()),
+        Ok((_, Ok(()))) => (false, "wrong result".to_string()),
+        Ok((_, Err(e))) | Err(e) => (false, e.to_string()),
+    };
+    vec![Check { op: "reduce_scatter with per-rank PremulSum factors", dtype: DType::F32, redop: None, passed, detail }]
 }
