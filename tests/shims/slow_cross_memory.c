@@ -35,22 +35,24 @@ static void pause_for(ssize_t bytes) {
 
 typedef ssize_t (*copy_fn)(pid_t, const struct iovec *, unsigned long, const struct iovec *, unsigned long, unsigned long);
 
+/* The real `name` (found once into *real), then the pause. */
+static ssize_t slowed(copy_fn *real, const char *name, pid_t pid, const struct iovec *local, unsigned long nl,
+                      const struct iovec *remote, unsigned long nr, unsigned long flags) {
+    if (!*real)
+        *real = (copy_fn)dlsym(RTLD_NEXT, name);
+    ssize_t n = (*real)(pid, local, nl, remote, nr, flags);
+    pause_for(n);
+    return n;
+}
+
 ssize_t process_vm_readv(pid_t pid, const struct iovec *local, unsigned long nl, const struct iovec *remote, unsigned long nr,
                          unsigned long flags) {
     static copy_fn real;
-    if (!real)
-        real = (copy_fn)dlsym(RTLD_NEXT, "process_vm_readv");
-    ssize_t n = real(pid, local, nl, remote, nr, flags);
-    pause_for(n);
-    return n;
+    return slowed(&real, "process_vm_readv", pid, local, nl, remote, nr, flags);
 }
 
 ssize_t process_vm_writev(pid_t pid, const struct iovec *local, unsigned long nl, const struct iovec *remote, unsigned long nr,
                           unsigned long flags) {
     static copy_fn real;
-    if (!real)
-        real = (copy_fn)dlsym(RTLD_NEXT, "process_vm_writev");
-    ssize_t n = real(pid, local, nl, remote, nr, flags);
-    pause_for(n);
-    return n;
+    return slowed(&real, "process_vm_writev", pid, local, nl, remote, nr, flags);
 }

@@ -93,9 +93,9 @@ struct Reduction {
 struct Plan {
     /// What every rank must agree on: the op, dtype, reduce op and root.
     what: u64,
-    /// A `PremulSum`'s factor (its bits; 0 for other ops), the same on
-    /// every rank of a reduce, the root or not.
-    factor: u64,
+    /// A `PremulSum`'s factor and dtype, the same on every rank of a
+    /// reduce, the root or not.
+    premul: Option<(f64, DType)>,
     /// The buffers its peers read, as (address, bytes).
     exposed: Vec<(DevicePtr, usize)>,
     reads: Vec<Read>,
@@ -130,13 +130,14 @@ impl Plan {
             _ => root,
         };
         contiguous(lists <= w && root < w)?;
+        let gather_kind = if matches!(op, Op::Gather { .. }) { 4 } else { 3 };
         Some(match op {
             Op::Broadcast { buf, root } => {
                 contiguous(buf.is_contiguous())?;
                 let (at, n) = (ptr(buf.as_ptr()), buf.nbytes());
                 Plan {
                     what: what(1, buf.dtype(), None, *root),
-                    factor: 0,
+                    premul: None,
                     exposed: if r == *root { vec![(at, n)] } else { vec![] },
                     reads: if r == *root { vec![] } else { vec![Read { from: *root, buf: 0, dst: at, bytes: n }] },
                     reduction: None,
@@ -147,28 +148,17 @@ impl Plan {
                 let at = ptr(buf.as_ptr());
                 let reduction =
                     (r == *root).then(|| Reduction { buf: vec![0; w], dst: at, count: buf.numel(), dtype: buf.dtype(), op: *op });
-                let factor = premul_factor(*op).to_bits();
-                Plan { what: what(2, buf.dtype(), Some(*op), *root), factor, exposed: vec![(at, buf.nbytes())], reads: vec![], reduction }
+                let premul = premul(*op, buf.dtype());
+                Plan { what: what(2, buf.dtype(), Some(*op), *root), premul, exposed: vec![(at, buf.nbytes())], reads: vec![], reduction }
             }
-            Op::AllGather { input, outputs } => {
+            Op::AllGather { input, outputs } | Op::Gather { input, outputs, .. } => {
                 contiguous(input.is_contiguous() && outputs.iter().all(|o| o.is_contiguous()))?;
+                // (A gather's root is the rank with outputs: the others read nothing.)
                 let reads =
                     outputs.iter().enumerate().map(|(p, o)| Read { from: p, buf: 0, dst: ptr(o.as_ptr()), bytes: o.nbytes() }).collect();
                 Plan {
-                    what: what(3, input.dtype(), None, 0),
-                    factor: 0,
-                    exposed: vec![(ptr(input.as_ptr()), input.nbytes())],
-                    reads,
-                    reduction: None,
-                }
-            }
-            Op::Gather { input, outputs, root } => {
-                contiguous(input.is_contiguous() && outputs.iter().all(|o| o.is_contiguous()))?;
-                let reads =
-                    outputs.iter().enumerate().map(|(p, o)| Read { from: p, buf: 0, dst: ptr(o.as_ptr()), bytes: o.nbytes() }).collect();
-                Plan {
-                    what: what(4, input.dtype(), None, *root),
-                    factor: 0,
+                    what: what(gather_kind, input.dtype(), None, root),
+                    premul: None,
                     exposed: vec![(ptr(input.as_ptr()), input.nbytes())],
                     reads,
                     reduction: None,
@@ -181,7 +171,7 @@ impl Plan {
                     outputs.iter().enumerate().map(|(p, o)| Read { from: p, buf: r, dst: ptr(o.as_ptr()), bytes: o.nbytes() }).collect();
                 Plan {
                     what: what(5, dtype, None, 0),
-                    factor: 0,
+                    premul: None,
                     exposed: inputs.iter().map(|i| (ptr(i.as_ptr()), i.nbytes())).collect(),
                     reads,
                     reduction: None,
@@ -192,7 +182,7 @@ impl Plan {
                 let read = Read { from: *root, buf: r, dst: ptr(output.as_ptr()), bytes: output.nbytes() };
                 Plan {
                     what: what(6, output.dtype(), None, *root),
-                    factor: 0,
+                    premul: None,
                     exposed: inputs.iter().map(|i| (ptr(i.as_ptr()), i.nbytes())).collect(),
                     reads: vec![read],
                     reduction: None,
@@ -204,7 +194,7 @@ impl Plan {
                     Reduction { buf: vec![r; w], dst: ptr(output.as_ptr()), count: output.numel(), dtype: output.dtype(), op: *op };
                 Plan {
                     what: what(7, output.dtype(), Some(*op), 0),
-                    factor: premul_factor(*op).to_bits(),
+                    premul: premul(*op, output.dtype()),
                     exposed: inputs.iter().map(|i| (ptr(i.as_ptr()), i.nbytes())).collect(),
                     reads: vec![],
                     reduction: Some(reduction),
@@ -315,15 +305,7 @@ pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, stream: StreamHandl
     let mut buffers = Vec::with_capacity(exposed.len());
     let mut exported = true;
     let mut at = 0u64;
-    let premul = plan.as_ref().and_then(|p| p.reduction.as_ref()).and_then(|x| match x.op {
-        ReduceOp::PremulSum(f) => Some((f, x.dtype)),
-        _ => None,
-    });
-    // (Every rank of a reduce scales, the root's readers' copies included.)
-    let premul = premul.or_else(|| match op {
-        Op::Reduce { buf, op: ReduceOp::PremulSum(f), .. } => Some((*f, buf.dtype())),
-        _ => None,
-    });
+    let premul = plan.as_ref().and_then(|p| p.premul);
     for &(p, n) in &exposed {
         if staged {
             // SAFETY: my staging buffer holds `staged_max` bytes, which these
@@ -353,7 +335,8 @@ pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, stream: StreamHandl
     }
     // Round 1: what every rank exposes, recorded ready before it is offered.
     g.record(ring.ready, stream)?;
-    let (what, factor) = plan.as_ref().map_or((0, 0), |p| (p.what, p.factor));
+    let what = plan.as_ref().map_or(0, |p| p.what);
+    let factor = premul.map_or(0, |(f, _)| f.to_bits());
     let mine = Record { staged, exported, serves, what, factor, stage: ring.staged_max as u64, buffers };
     let records = round(&c, 0, &mine.encode(w))?.iter().map(|b| Record::decode(b, w)).collect::<Result<Vec<_>>>()?;
     let unserved = ranks_where(&records, |x| !x.serves);
@@ -475,11 +458,11 @@ pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, stream: StreamHandl
     Ok(true)
 }
 
-/// A `PremulSum`'s factor (0 for other ops).
-fn premul_factor(op: ReduceOp) -> f64 {
+/// A `PremulSum`'s factor and the dtype it scales (`None` for other ops).
+fn premul(op: ReduceOp, dtype: DType) -> Option<(f64, DType)> {
     match op {
-        ReduceOp::PremulSum(f) => f,
-        _ => 0.0,
+        ReduceOp::PremulSum(f) => Some((f, dtype)),
+        _ => None,
     }
 }
 
@@ -560,7 +543,7 @@ mod tests {
     fn a_read_or_a_reduction_past_what_a_peer_holds_is_refused() {
         let records = vec![record(vec![(0, 0, 400, vec![])]), record(vec![(0, 0, 396, vec![])])];
         let read =
-            |bytes| Plan { what: 0, factor: 0, exposed: vec![], reads: vec![Read { from: 1, buf: 0, dst: 0, bytes }], reduction: None };
+            |bytes| Plan { what: 0, premul: None, exposed: vec![], reads: vec![Read { from: 1, buf: 0, dst: 0, bytes }], reduction: None };
         assert!(check_sizes(&read(396), &records, 2).is_ok());
         let e = check_sizes(&read(400), &records, 2).unwrap_err();
         assert_eq!(e.kind(), &weft::ErrorKind::InvalidArgument);

@@ -211,7 +211,15 @@ impl ShmBackend {
         }
         let Batch { plan, rule, weighed } = self.plan(eng, ops);
         let timed = (weighed && eng.chooser.decides()).then(Instant::now);
-        let r = self.exchange_planned(eng, posting, ops, gathered, deadline, plan);
+        // With nothing else posted, what can finish at once skips the table
+        // (`direct`). A receive from any rank binds its op to the sender: it
+        // keeps the batch whole.
+        let any_source = ops.iter().any(|op| matches!(op, P2p::Recv { peer: ANY_SOURCE, .. }));
+        let r = if gathered.is_empty() && eng.table.is_idle() && ops.len() <= 64 && !any_source {
+            self.exchange_direct(eng, posting, ops, deadline, plan)
+        } else {
+            self.exchange_in_table(eng, posting, ops, gathered, deadline, plan)
+        };
         if let (Ok(()), Some(start), Some(plan)) = (&r, timed, plan) {
             let ns = start.elapsed().as_nanos() as u64;
             if let Some(c) = eng.chooser.record(&self.schemes(), plan, ns, rule) {
@@ -249,26 +257,6 @@ impl ShmBackend {
         let receives_key = ops.iter().any(|op| matches!(op, P2p::Recv { tag, buf, .. } if Key::of(*tag, buf.len()) == Some(key)));
         let plan = eng.chooser.plan(&self.schemes(), key, rule);
         Batch { plan, rule, weighed: plan.is_some() && rule.is_some() && receives_key }
-    }
-
-    /// [`Self::exchange_now`] once planned: with nothing else posted, what
-    /// can finish at once skips the table (`direct`).
-    fn exchange_planned(
-        &self,
-        eng: &mut Engine,
-        posting: &Posting,
-        ops: &mut [P2p<'_>],
-        gathered: &[GatherSend<'_>],
-        deadline: &Deadline,
-        plan: Option<Plan>,
-    ) -> Result<()> {
-        // A receive from any rank binds its op to the sender: it keeps the
-        // batch whole.
-        let any_source = || ops.iter().any(|op| matches!(op, P2p::Recv { peer: ANY_SOURCE, .. }));
-        if gathered.is_empty() && eng.table.is_idle() && ops.len() <= 64 && !any_source() {
-            return self.exchange_direct(eng, posting, ops, deadline, plan);
-        }
-        self.exchange_in_table(eng, posting, ops, gathered, deadline, plan)
     }
 
     /// [`Self::exchange_now`] through the table: the batch is added, and
