@@ -77,6 +77,43 @@ fn both_ranks_receive_first() {
     }
 }
 
+/// A stream of long sends whose background receives are posted only
+/// after each message has arrived (the receiver is busy with nothing
+/// posted, so shm leaves the frame in its ring for the receive to read
+/// there): every message lands whole, through the rings and single copy,
+/// and replies sent in between still get through.
+#[test]
+fn receives_posted_after_their_message_arrived() {
+    for (spec, cma) in [("shm", "off"), ("shm", "on"), ("cpu-tcp", "off")] {
+        run_threads(2, options(spec).hint("shm_cma", cma), move |pg| {
+            let sizes = [(1 << 20) + 1, 4 << 20, 64 << 10, 3 << 20];
+            for (k, &n) in sizes.iter().cycle().take(8).enumerate() {
+                let tag = k as u32;
+                let what = format!("{spec} (shm_cma={cma}), message {k} of {n} B");
+                if pg.rank() == 0 {
+                    pg.send(&pattern(0, 1, tag, n)[..], 1, tag, &o()).and_then(|w| w.wait()).unwrap_or_else(|e| panic!("{what}: {e}"));
+                } else {
+                    std::thread::sleep(Duration::from_millis(20));
+                    let mut inp = vec![0u8; n];
+                    pg.scope(|s| s.recv(&mut inp[..], 0, tag, &o())?.wait()).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    assert!(inp == pattern(0, 1, tag, n), "{what}: wrong data");
+                }
+                if k % 2 == 1 {
+                    // A reply while the next message may already be in flight.
+                    let back = pattern(1, 0, 100 + tag, n / 2);
+                    if pg.rank() == 1 {
+                        pg.send(&back[..], 0, 100 + tag, &o()).and_then(|w| w.wait()).unwrap_or_else(|e| panic!("{what}: reply: {e}"));
+                    } else {
+                        let mut inp = vec![0u8; n / 2];
+                        pg.recv(&mut inp[..], 1, 100 + tag, &o()).and_then(|w| w.wait()).unwrap_or_else(|e| panic!("{what}: reply: {e}"));
+                        assert!(inp == back, "{what}: wrong reply");
+                    }
+                }
+            }
+        });
+    }
+}
+
 /// A small xorshift, so the shuffles are the same on every run.
 fn shuffle<T>(v: &mut [T], mut seed: u64) {
     for i in (1..v.len()).rev() {

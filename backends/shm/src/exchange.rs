@@ -639,7 +639,16 @@ impl ShmBackend {
                     continue;
                 }
                 let rank_stashed = || incoming.iter().map(|p| p.inbound.stashed_bytes()).sum();
-                if incoming[peer].inbound.holds_back(peer, tag, Some((len & !CMA_FLAG) as usize), table.ops, table.done, rank_stashed) {
+                // With every op of the table finished, nothing waits on this
+                // frame and no op of this rank can wait on the peer: it stays
+                // in the ring for the receive that comes next, which reads it
+                // from there, rather than copied aside and copied again (a
+                // stream of large sends to background receives paid both
+                // copies on every message). Any op posted later decides again.
+                let nothing_waits = table.done.iter().all(|d| *d);
+                if nothing_waits
+                    || incoming[peer].inbound.holds_back(peer, tag, Some((len & !CMA_FLAG) as usize), table.ops, table.done, rank_stashed)
+                {
                     // Left in the ring (header read) until there is room:
                     // the sender waits for ring space.
                     return Ok(moved);
