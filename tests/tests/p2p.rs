@@ -77,35 +77,40 @@ fn both_ranks_receive_first() {
     }
 }
 
-/// A stream of long sends whose background receives are posted only
-/// after each message has arrived (the receiver is busy with nothing
-/// posted, so shm leaves the frame in its ring for the receive to read
-/// there): every message lands whole, through the rings and single copy,
-/// and replies sent in between still get through.
+/// Long messages that arrive while the receiver has nothing in progress:
+/// rank 0 sends a short message and at once a long one; rank 1, late,
+/// receives the short one in the background, whose drain then finds the
+/// long frame (inline, or a single-copy offer) with every op finished and
+/// leaves it in the ring (shm), and receives the long one after a pause.
+/// Every message lands whole, and replies sent in between get through.
 #[test]
-fn receives_posted_after_their_message_arrived() {
+fn long_messages_that_arrive_with_nothing_in_progress() {
     for (spec, cma) in [("shm", "off"), ("shm", "on"), ("cpu-tcp", "off")] {
         run_threads(2, options(spec).hint("shm_cma", cma), move |pg| {
             let sizes = [(1 << 20) + 1, 4 << 20, 64 << 10, 3 << 20];
             for (k, &n) in sizes.iter().cycle().take(8).enumerate() {
-                let tag = k as u32;
+                let (short, long) = (2 * k as u32, 2 * k as u32 + 1);
                 let what = format!("{spec} (shm_cma={cma}), message {k} of {n} B");
                 if pg.rank() == 0 {
-                    pg.send(&pattern(0, 1, tag, n)[..], 1, tag, &o()).and_then(|w| w.wait()).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    let fail = |e: weft::Error| panic!("{what}: {e}");
+                    pg.send(&pattern(0, 1, short, 1024)[..], 1, short, &o()).and_then(|w| w.wait()).unwrap_or_else(fail);
+                    pg.send(&pattern(0, 1, long, n)[..], 1, long, &o()).and_then(|w| w.wait()).unwrap_or_else(fail);
                 } else {
                     std::thread::sleep(Duration::from_millis(20));
-                    let mut inp = vec![0u8; n];
-                    pg.scope(|s| s.recv(&mut inp[..], 0, tag, &o())?.wait()).unwrap_or_else(|e| panic!("{what}: {e}"));
-                    assert!(inp == pattern(0, 1, tag, n), "{what}: wrong data");
+                    let (mut a, mut b) = (vec![0u8; 1024], vec![0u8; n]);
+                    pg.scope(|s| s.recv(&mut a[..], 0, short, &o())?.wait()).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    std::thread::sleep(Duration::from_millis(5));
+                    pg.scope(|s| s.recv(&mut b[..], 0, long, &o())?.wait()).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    assert!(a == pattern(0, 1, short, 1024) && b == pattern(0, 1, long, n), "{what}: wrong data");
                 }
                 if k % 2 == 1 {
-                    // A reply while the next message may already be in flight.
-                    let back = pattern(1, 0, 100 + tag, n / 2);
+                    // A reply while the next messages may already be in flight.
+                    let back = pattern(1, 0, 100 + short, n / 2);
                     if pg.rank() == 1 {
-                        pg.send(&back[..], 0, 100 + tag, &o()).and_then(|w| w.wait()).unwrap_or_else(|e| panic!("{what}: reply: {e}"));
+                        pg.send(&back[..], 0, 100 + short, &o()).and_then(|w| w.wait()).unwrap_or_else(|e| panic!("{what}: reply: {e}"));
                     } else {
                         let mut inp = vec![0u8; n / 2];
-                        pg.recv(&mut inp[..], 1, 100 + tag, &o()).and_then(|w| w.wait()).unwrap_or_else(|e| panic!("{what}: reply: {e}"));
+                        pg.recv(&mut inp[..], 1, 100 + short, &o()).and_then(|w| w.wait()).unwrap_or_else(|e| panic!("{what}: reply: {e}"));
                         assert!(inp == back, "{what}: wrong reply");
                     }
                 }

@@ -1,8 +1,8 @@
 //! Point-to-point exchanges that finish at once, without the table: with
 //! nothing else posted, a send whose whole frame fits in its ring is
 //! written there (header and payload published together), and a lone
-//! receive whose message is next in its ring is read straight into its
-//! buffer. Most small sends and receives go this way, at about half the
+//! receive of at most 64 KiB whose message is next in its ring is read
+//! straight into its buffer. Most small sends and receives go this way, at about half the
 //! cost through the table (figures: bench/RESULTS.md, "Measurements
 //! behind code comments"); the
 //! table (`exchange.rs`) runs whatever cannot: what does not fit, what goes
@@ -12,7 +12,7 @@
 use crate::cma::scheme::{Plan, Scheme};
 use crate::exchange::{plain_header, planned, rewind, sends, skip_padding};
 use crate::posted::{Engine, HEADER};
-use crate::ring::Whole;
+use crate::ring::{Whole, PUBLISH};
 use crate::state::{ShmBackend, PURE_SPINS, SPIN, TURNS_PER_CLOCK};
 use smallvec::SmallVec;
 use std::time::Instant;
@@ -87,9 +87,10 @@ impl ShmBackend {
         (sent, count)
     }
 
-    /// A lone receive from `peer` with nothing else posted, when the
-    /// peer's next frame is the one it waits for (this tag, this size,
-    /// inline) and nothing of the peer's was kept back: read whole, without
+    /// A lone receive of at most one publication ([`PUBLISH`]) from `peer`
+    /// with nothing else posted, when the peer's next frame is the one it
+    /// waits for (this tag, this size, inline) and nothing of the peer's
+    /// was kept back: read whole, without
     /// the table, as soon as it is in the ring. Watched for `PURE_SPINS`
     /// looks; oversubscribed, yielding between looks for as long as a wait
     /// spins (`SPIN`), the sender may need this core, and a look at one
@@ -98,6 +99,13 @@ impl ShmBackend {
     /// what other peers send meanwhile, or finds the mismatch).
     fn recv_at_once(&self, eng: &Engine, posting: &Posting, peer: usize, tag: u64, buf: &mut [u8]) -> bool {
         let st = &eng.peers[peer];
+        // A frame longer than one publication comes in pieces: the table
+        // reads each as it is published, where waiting for the whole would
+        // copy nothing until the sender has copied everything (W = 2, 256
+        // KiB: 5.8 against 4.6 us; bench/RESULTS.md, "ninth session").
+        if buf.len() > PUBLISH {
+            return false;
+        }
         if !eng.table.is_idle() || st.hdr_got != 0 || st.cma_in.is_some() || st.awaiting.is_some() || !st.inbound.is_idle() {
             return false;
         }

@@ -643,8 +643,9 @@ impl ShmBackend {
                 // frame and no op of this rank can wait on the peer: it stays
                 // in the ring for the receive that comes next, which reads it
                 // from there, rather than copied aside and copied again (a
-                // stream of large sends to background receives paid both
-                // copies on every message). Any op posted later decides again.
+                // stream of large sends to background receives paid the
+                // extra copy, into fresh pages, on every message). Any op
+                // posted later decides again.
                 let nothing_waits = table.done.iter().all(|d| *d);
                 if nothing_waits
                     || incoming[peer].inbound.holds_back(peer, tag, Some((len & !CMA_FLAG) as usize), table.ops, table.done, rank_stashed)

@@ -58,7 +58,9 @@ const SPARE_BYTES: usize = 1 << 20;
 /// leaves the next frame where it is (the socket, the ring), so the sender
 /// waits: memory stays bounded whatever peers send, and a program that
 /// receives what it is sent still completes. One message per peer is
-/// always taken, so a single early message of any size gets through.
+/// always taken by a rank with an op in progress, so a single early message
+/// of any size gets through (shm leaves one in its ring while the rank has
+/// no op in progress, for its receive to read there).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EarlyBudget {
     /// Bytes kept from one peer.

@@ -160,9 +160,16 @@ impl ProgressThread {
 /// found the transport in the progress thread's hands and slept until it
 /// stepped aside: about 4.7 context switches per message of 1 MiB on a
 /// core each rank (figures: bench/RESULTS.md, "ninth session").
+///
+/// Only the default policy is changed: a thread the program made real-time
+/// (`chrt`) or idle keeps what it inherited.
 fn yield_on_wake_up() {
     #[cfg(target_os = "linux")]
     {
+        // SAFETY: no arguments but pid 0, this thread.
+        if unsafe { libc::sched_getscheduler(0) } & !libc::SCHED_RESET_ON_FORK != libc::SCHED_OTHER {
+            return;
+        }
         let param = libc::sched_param { sched_priority: 0 };
         // SAFETY: `param` is a valid `sched_param` for the call; pid 0 is
         // this thread, and a failure (refused by a security policy) leaves
