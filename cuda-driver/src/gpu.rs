@@ -133,4 +133,9 @@ pub trait Gpu: Send + Sync {
     fn ipc_export_event(&self, event: Event) -> Result<Vec<u8>>;
     /// Open another process's event, for `wait_event`.
     fn ipc_open_event(&self, handle: &[u8]) -> Result<Event>;
+    /// Whether `stream` is capturing work into a CUDA graph
+    /// (`cuStreamIsCapturing`): while it is, its work runs only when the
+    /// graph is launched, and nothing may copy between it and host memory
+    /// or wait on the host for what it records.
+    fn is_capturing(&self, stream: StreamHandle) -> Result<bool>;
 }

@@ -251,6 +251,10 @@ impl Backend for DeviceBackend {
     // Point-to-point ops go through the host, as in cuda-host-staging.
     weft_cuda_host_staging::staged_transport!(staging);
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
+        let why = "cuda-device coordinates its ranks on the host, which a CUDA graph cannot capture (not supported yet)";
+        if let Err(e) = weft_cuda_host_staging::refuse_capture(&*self.staging.gpu(), ctx.stream, ctx.name, why) {
+            return Some(Err(e));
+        }
         Some(match op {
             Op::AllReduce { buf, op } => match Algorithm::from_hints(ctx) {
                 Ok(Algorithm::Staging) => self.staging.run(&mut Op::AllReduce { buf: buf.reborrow(), op: *op }, ctx),

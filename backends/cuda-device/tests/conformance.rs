@@ -307,3 +307,79 @@ fn premul_factors(pg: &weft::ProcessGroup, p: SharedPlacement, direct: bool) -> 
     };
     vec![Check { op: "reduce_scatter with per-rank PremulSum factors", dtype: DType::F32, redop: None, passed, detail }]
 }
+
+/// An op issued on a stream that is capturing a CUDA graph is refused on
+/// every rank, naming the op and the capture, before it touches a stream:
+/// the capture stays valid (the emulation invalidates one that a host copy
+/// or a host wait touches, as a device does) and the group runs the same
+/// ops once the capture has ended. Collectives and point-to-point, on
+/// cuda-device and cuda-host-staging.
+#[test]
+fn ops_on_a_capturing_stream_are_refused_and_the_capture_stays_valid() {
+    let _gpu = weft_conformance::cuda::exclusive();
+    link();
+    if std::env::var("WEFT_TEST_REAL_GPU").as_deref() == Ok("1") {
+        return; // (The test begins its captures through the emulation.)
+    }
+    for spec in ["cpu:shm,cuda:cuda-device", "cpu:shm,cuda:cuda-host-staging"] {
+        on_threads(spec, &[], 2, capture_refused);
+    }
+}
+
+fn capture_refused(pg: &weft::ProcessGroup, p: SharedPlacement) -> Vec<Check> {
+    use weft::prelude::*;
+    use weft::{DType, ErrorKind};
+    use weft_conformance::Buf;
+    use weft_cuda_driver::emulated::{begin_capture, end_capture};
+    weft::stream::set_current_stream(Some(p.stream()));
+    let (r, peer) = (pg.rank(), 1 - pg.rank());
+    let n = 1000;
+    let o = OpOptions::default().timeout(std::time::Duration::from_secs(10));
+    let ones = |v: f32| -> Vec<u8> { (0..n).flat_map(|_| v.to_ne_bytes()).collect() };
+    let refused = |what: &str, got: weft::Result<()>| -> Option<String> {
+        match got {
+            Err(e)
+                if e.kind() == &ErrorKind::Unsupported
+                    && e.to_string().contains(what)
+                    && e.to_string().contains("capturing a CUDA graph") =>
+            {
+                None
+            }
+            Err(e) => Some(format!("{what}: {e}")),
+            Ok(()) => Some(format!("{what} ran while the stream was capturing")),
+        }
+    };
+    let run = || -> weft::Result<Option<String>> {
+        let mut b = Buf::from_bytes(DType::F32, &ones(r as f32 + 1.0)).place(Some(&p))?;
+        let mut c = Buf::zeros(DType::F32, n).place(Some(&p))?;
+        let mut g = [Buf::zeros(DType::F32, n).place(Some(&p))?, Buf::zeros(DType::F32, n).place(Some(&p))?];
+        begin_capture(p.stream())?;
+        let mut problems = vec![refused("all_reduce", pg.all_reduce(b.tm(), ReduceOp::Sum, &o).and_then(|x| x.wait()))];
+        let [g0, g1] = &mut g;
+        problems.push(refused("all_gather", pg.all_gather(vec![g0.tm(), g1.tm()], b.t(), &o).and_then(|x| x.wait())));
+        let p2p = if r == 0 { pg.send(b.t(), peer, 3, &o) } else { pg.recv(c.tm(), peer, 3, &o) };
+        problems.push(refused(if r == 0 { "send" } else { "recv" }, p2p.and_then(|x| x.wait())));
+        match end_capture(p.stream()) {
+            Ok(0) => {}
+            Ok(k) => problems.push(Some(format!("{k} tasks were recorded into the capture"))),
+            Err(e) => problems.push(Some(format!("the capture was broken: {e}"))),
+        }
+        // The same ops once the capture has ended.
+        pg.all_reduce(b.tm(), ReduceOp::Sum, &o)?.wait()?;
+        if r == 0 {
+            pg.send(b.t(), peer, 3, &o)?.wait()?;
+        } else {
+            pg.recv(c.tm(), peer, 3, &o)?.wait()?;
+        }
+        if b.read()? != ones(3.0) || (r == 1 && c.read()? != ones(3.0)) {
+            problems.push(Some("wrong results after the capture".into()));
+        }
+        Ok(problems.into_iter().flatten().next())
+    };
+    let (passed, detail) = match run() {
+        Ok(None) => (true, String::new()),
+        Ok(Some(why)) => (false, why),
+        Err(e) => (false, e.to_string()),
+    };
+    vec![Check { op: "ops on a capturing stream", dtype: DType::F32, redop: None, passed, detail }]
+}

@@ -12,7 +12,7 @@ mod pipeline;
 mod sparse;
 mod streams;
 
-pub use pipeline::{Staging, DEFAULT_CHUNK_BYTES};
+pub use pipeline::{refuse_capture, Staging, DEFAULT_CHUNK_BYTES};
 
 use std::sync::Arc;
 use weft::backend::{Backend, BackendContext, Op, OpContext};

@@ -30,6 +30,14 @@ impl Staging {
     /// # Safety
     /// The device memory of `op`'s tensors stays valid until `done` runs.
     pub unsafe fn post_p2p(&self, op: &mut Op<'_>, caller: Option<StreamHandle>, deadline: Instant, done: Done) {
+        let name = match op {
+            Op::Send { .. } => "send",
+            Op::Recv { .. } => "recv",
+            _ => "batch_p2p",
+        };
+        if let Err(e) = self.refuse_capture(caller, name) {
+            return done(Err(e));
+        }
         let Staged { parts, device, stream, host } = match self.stage(op, caller.unwrap_or_default(), deadline) {
             Ok(s) => s,
             Err(e) => return done(Err(e)),

@@ -57,11 +57,33 @@ pub struct Staging {
     caps: Capabilities,
 }
 
+/// `Unsupported` where the caller's `stream` is capturing a CUDA graph:
+/// "`op` `why`". No CUDA op of weft records itself into a graph yet, and
+/// running one would break the capture (host copies and host waits on a
+/// capturing stream are refused, and invalidate it) or run its
+/// communication outside the graph. Checked before anything touches a
+/// stream, so the capture stays valid and the group usable.
+pub fn refuse_capture(gpu: &dyn Gpu, stream: Option<weft::StreamHandle>, op: &str, why: &str) -> Result<()> {
+    match stream {
+        Some(s) if gpu.is_capturing(s)? => Err(Error::unsupported(format!(
+            "{op} was issued on a stream that is capturing a CUDA graph, and {why}: issue it outside the capture"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 impl Staging {
     /// Staging over `cpu`.
     pub fn new(gpu: Arc<dyn Gpu>, cpu: Arc<dyn Backend>) -> Staging {
         let caps = Capabilities { posts_device: cpu.capabilities().posts, fast_ops: false, ..cpu.capabilities().clone() };
         Staging { gpu, cpu, devices: Mutex::default(), p2p: Default::default(), caps }
+    }
+
+    /// `Unsupported`, naming `op`, where the caller's `stream` is capturing
+    /// a CUDA graph: staged through host memory, it cannot be captured
+    /// (see [`refuse_capture`]).
+    pub fn refuse_capture(&self, stream: Option<weft::StreamHandle>, op: &str) -> Result<()> {
+        refuse_capture(&*self.gpu, stream, op, "is staged through host memory, which a CUDA graph cannot capture")
     }
 
     /// Staging for a group being created by backend `who`: this process's
@@ -109,6 +131,7 @@ impl Staging {
 
     /// Run `op` (on one CUDA device) staged through the host.
     pub fn run(&self, op: &mut Op<'_>, ctx: &OpContext) -> Result<()> {
+        self.refuse_capture(ctx.stream, ctx.name)?;
         if let Op::AllReduceSparse { .. } = op {
             return self.run_sparse(op, ctx);
         }

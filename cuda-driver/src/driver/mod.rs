@@ -341,4 +341,12 @@ impl Gpu for DriverGpu {
         self.event_device.lock().unwrap_or_else(|p| p.into_inner()).insert(e as u64, 0);
         Ok(Event(e as u64))
     }
+    fn is_capturing(&self, stream: StreamHandle) -> Result<bool> {
+        let s = self.bind_stream(stream)?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: a stream of this process (the caller's or weft's); the
+        // status is written before the call returns.
+        unsafe { sys::cuStreamIsCapturing(s, &mut status) }.result().map_err(|e| err("asking whether a stream captures", e))?;
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
 }

@@ -5,10 +5,14 @@
 //! open it as with CUDA IPC); a stream is a worker thread running its tasks
 //! in order, asynchronously to the host, with a little random delay before
 //! each copy or kernel (`WEFT_CUDA_EMULATION_JITTER_US`, default 20) so that
-//! a missing wait shows up as a wrong result.
+//! a missing wait shows up as a wrong result. Streams capture as CUDA
+//! graphs' do where it matters to weft (`capture.rs`).
 
+mod capture;
 mod queue;
 mod shared;
+
+pub use capture::{begin_capture, end_capture};
 
 use crate::gpu::{check_reduce_all, DevicePtr, Event, Gpu};
 use queue::{EventCell, Queue, Task};
@@ -34,7 +38,6 @@ pub fn host_bytes() -> u64 {
 pub struct EmulatedGpu {
     devices: usize,
     jitter_us: u64,
-    next_id: AtomicU64,
     streams: Mutex<HashMap<u64, Arc<Queue>>>,
     events: Mutex<HashMap<u64, Arc<EventCell>>>,
     /// Allocations by base address: this process's and opened peers'.
@@ -72,7 +75,6 @@ impl EmulatedGpu {
         EmulatedGpu {
             devices,
             jitter_us,
-            next_id: AtomicU64::new(1),
             streams: Mutex::default(),
             events: Mutex::default(),
             memory: Mutex::default(),
@@ -80,8 +82,11 @@ impl EmulatedGpu {
         }
     }
 
+    /// A stream or event id, unique in the process (emulated GPUs made by
+    /// unit tests side by side share `capture.rs`'s state).
     fn id(&self) -> u64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        NEXT.fetch_add(1, Ordering::Relaxed)
     }
 
     fn stream(&self, s: StreamHandle) -> Result<Arc<Queue>> {
@@ -125,6 +130,9 @@ impl EmulatedGpu {
     /// Queue `work` on `s` after a random short delay.
     fn enqueue(&self, s: StreamHandle, work: impl FnOnce() + Send + 'static) -> Result<()> {
         let q = self.stream(s)?;
+        if capture::records(s) {
+            return Ok(());
+        }
         let jitter = if self.jitter_us == 0 { 0 } else { pseudo_random() % (self.jitter_us + 1) };
         let task: Task = Box::new(move || {
             if jitter > 0 {
@@ -207,11 +215,13 @@ impl Gpu for EmulatedGpu {
         self.pinned.lock().unwrap_or_else(|p| p.into_inner()).remove(&(ptr as u64));
     }
     unsafe fn copy_htod(&self, stream: StreamHandle, dst: DevicePtr, src: *const u8, bytes: usize) -> Result<()> {
+        capture::host_copy(stream, "a copy from host memory")?;
         HOST_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
         // SAFETY: the caller keeps both ranges valid until the task runs.
         unsafe { self.copy_dtod(stream, dst, src as u64, bytes) }
     }
     unsafe fn copy_dtoh(&self, stream: StreamHandle, dst: *mut u8, src: DevicePtr, bytes: usize) -> Result<()> {
+        capture::host_copy(stream, "a copy to host memory")?;
         HOST_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
         // SAFETY: as above.
         unsafe { self.copy_dtod(stream, dst as u64, src, bytes) }
@@ -279,16 +289,27 @@ impl Gpu for EmulatedGpu {
         self.events.lock().unwrap_or_else(|p| p.into_inner()).remove(&event.0);
     }
     fn record(&self, event: Event, stream: StreamHandle) -> Result<()> {
-        self.stream(stream)?.record(&self.event(event)?);
+        let (q, e) = (self.stream(stream)?, self.event(event)?);
+        if !capture::record(event.0, stream) {
+            q.record(&e);
+        }
         Ok(())
     }
     fn wait_event(&self, stream: StreamHandle, event: Event) -> Result<()> {
-        let q = self.stream(stream)?;
-        q.push(self.event(event)?.wait_task());
+        let (q, e) = (self.stream(stream)?, self.event(event)?);
+        if !capture::wait(stream, event.0) {
+            q.push(e.wait_task());
+        }
         Ok(())
     }
     fn query(&self, event: Event) -> Result<bool> {
-        self.event(event)?.query()
+        let e = self.event(event)?;
+        capture::query(event.0)?;
+        e.query()
+    }
+    fn is_capturing(&self, stream: StreamHandle) -> Result<bool> {
+        self.stream(stream)?;
+        Ok(capture::capturing(stream))
     }
     fn ipc_export(&self, ptr: DevicePtr) -> Result<(Vec<u8>, u64)> {
         let mem = self.memory.lock().unwrap_or_else(|p| p.into_inner());
