@@ -2,10 +2,10 @@
 //! nothing else posted, a send whose whole frame fits in its ring is
 //! written there (header and payload published together), and a lone
 //! receive of at most 64 KiB whose message is next in its ring is read
-//! straight into its buffer. Most small sends and receives go this way, at about half the
-//! cost through the table (figures: bench/RESULTS.md, "Measurements
-//! behind code comments"); the
-//! table (`exchange.rs`) runs whatever cannot: what does not fit, what goes
+//! straight into its buffer. Most small sends and receives go this way, at
+//! about half the cost through the table (figures: bench/RESULTS.md,
+//! "Measurements behind code comments"); the table (`exchange.rs`) runs
+//! whatever cannot: what does not fit, what goes
 //! single-copy, a receive that finds another message first or waits
 //! longer than a few looks.
 
@@ -90,8 +90,8 @@ impl ShmBackend {
     /// A lone receive of at most one publication ([`PUBLISH`]) from `peer`
     /// with nothing else posted, when the peer's next frame is the one it
     /// waits for (this tag, this size, inline) and nothing of the peer's
-    /// was kept back: read whole, without
-    /// the table, as soon as it is in the ring. Watched for `PURE_SPINS`
+    /// was kept back: read whole, without the table, as soon as it is in
+    /// the ring. Watched for `PURE_SPINS`
     /// looks; oversubscribed, yielding between looks for as long as a wait
     /// spins (`SPIN`), the sender may need this core, and a look at one
     /// ring costs a waiting rank less of its turn than a pass over them
