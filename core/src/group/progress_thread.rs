@@ -68,7 +68,7 @@ impl ProgressThread {
     }
 
     fn run(&self) {
-        yield_on_wake_up();
+        let mut policy = Policy::of_this_thread();
         loop {
             {
                 let g = self.idle.lock().unwrap_or_else(|p| p.into_inner());
@@ -77,6 +77,11 @@ impl ProgressThread {
             }
             if self.finished() {
                 return;
+            }
+            // A window's target answers its peers from this thread: while
+            // one listens, waking it takes the core as before.
+            if let Some(p) = &mut policy {
+                p.yield_on_wake_up(self.listeners.load(Ordering::SeqCst) == 0);
             }
             self.backend.progress(&|| self.idle() || self.finished());
         }
@@ -153,30 +158,52 @@ impl ProgressThread {
     }
 }
 
-/// Make the calling thread (the progress thread) `SCHED_BATCH`: it still
-/// gets its fair share of a core, but waking it no longer preempts the
-/// thread that woke it. A posted op wakes it at once; without this it took
-/// the core from the posting thread, which came back to wait for the op,
-/// found the transport in the progress thread's hands and slept until it
-/// stepped aside: about 4.7 context switches per message of 1 MiB on a
-/// core each rank (figures: bench/RESULTS.md, "ninth session").
-///
-/// Only the default policy is changed: a thread the program made real-time
-/// (`chrt`) or idle keeps what it inherited.
-fn yield_on_wake_up() {
-    #[cfg(target_os = "linux")]
-    {
-        // SAFETY: no arguments but pid 0, this thread.
-        if unsafe { libc::sched_getscheduler(0) } & !libc::SCHED_RESET_ON_FORK != libc::SCHED_OTHER {
+/// The progress thread's scheduling policy: `SCHED_BATCH` while no window
+/// listens, so that waking it no longer preempts the thread that woke it
+/// (it still gets its fair share of a core), `SCHED_OTHER` while one does.
+/// A posted op wakes it at once; under `SCHED_OTHER` it took the core from
+/// the posting thread, which came back to wait for the op, found the
+/// transport in the progress thread's hands and slept until it stepped
+/// aside: about 4.7 context switches per message of 1 MiB on a core each
+/// rank. A window's target, whose puts this thread writes into place, kept
+/// `SCHED_OTHER`: as `SCHED_BATCH`, puts of 1 MiB into a target whose core
+/// computed waited 2-4 ms now and then (figures: bench/RESULTS.md, "ninth
+/// session").
+struct Policy {
+    batch: bool,
+}
+
+impl Policy {
+    /// The calling thread's, if weft may change it: a thread the program
+    /// made real-time (`chrt`) or idle keeps what it inherited.
+    fn of_this_thread() -> Option<Policy> {
+        #[cfg(target_os = "linux")]
+        {
+            // SAFETY: no arguments but pid 0, this thread.
+            let now = unsafe { libc::sched_getscheduler(0) } & !libc::SCHED_RESET_ON_FORK;
+            (now == libc::SCHED_OTHER).then_some(Policy { batch: false })
+        }
+        #[cfg(not(target_os = "linux"))]
+        None
+    }
+
+    /// `SCHED_BATCH` (`batch`) or `SCHED_OTHER` for the calling thread.
+    fn yield_on_wake_up(&mut self, batch: bool) {
+        if batch == self.batch {
             return;
         }
-        let param = libc::sched_param { sched_priority: 0 };
-        // SAFETY: `param` is a valid `sched_param` for the call; pid 0 is
-        // this thread, and a failure (refused by a security policy) leaves
-        // its policy as it was.
-        let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
-        if rc != 0 {
-            crate::log::debug(format_args!("the progress thread stays SCHED_OTHER: {}", std::io::Error::last_os_error()));
+        #[cfg(target_os = "linux")]
+        {
+            let param = libc::sched_param { sched_priority: 0 };
+            let policy = if batch { libc::SCHED_BATCH } else { libc::SCHED_OTHER };
+            // SAFETY: `param` is a valid `sched_param` for the call; pid 0
+            // is this thread, and a failure (refused by a security policy)
+            // leaves its policy as it was.
+            if unsafe { libc::sched_setscheduler(0, policy, &param) } != 0 {
+                crate::log::debug(format_args!("the progress thread's policy stays: {}", std::io::Error::last_os_error()));
+                return;
+            }
         }
+        self.batch = batch;
     }
 }
