@@ -79,11 +79,15 @@ impl ProgressThread {
                 return;
             }
             // A window's target answers its peers from this thread: while
-            // one listens, waking it takes the core as before.
-            if let Some(p) = &mut policy {
-                p.yield_on_wake_up(self.listeners.load(Ordering::SeqCst) == 0);
+            // one listens, waking it takes the core as before (a window
+            // opened or closed meanwhile ends the turn, to switch).
+            let quiet = || self.listeners.load(Ordering::SeqCst) == 0;
+            let batch = policy.as_mut().and_then(|p| p.yield_on_wake_up(quiet()));
+            if batch.is_none() {
+                // Not ours to change, or refused: left as it is from now on.
+                policy = None;
             }
-            self.backend.progress(&|| self.idle() || self.finished());
+            self.backend.progress(&|| self.idle() || self.finished() || batch.is_some_and(|b| b != quiet()));
         }
     }
 
@@ -187,10 +191,11 @@ impl Policy {
         None
     }
 
-    /// `SCHED_BATCH` (`batch`) or `SCHED_OTHER` for the calling thread.
-    fn yield_on_wake_up(&mut self, batch: bool) {
+    /// `SCHED_BATCH` (`batch`) or `SCHED_OTHER` for the calling thread:
+    /// whether it is `SCHED_BATCH` now, or `None` if the change was refused.
+    fn yield_on_wake_up(&mut self, batch: bool) -> Option<bool> {
         if batch == self.batch {
-            return;
+            return Some(batch);
         }
         #[cfg(target_os = "linux")]
         {
@@ -201,9 +206,10 @@ impl Policy {
             // leaves its policy as it was.
             if unsafe { libc::sched_setscheduler(0, policy, &param) } != 0 {
                 crate::log::debug(format_args!("the progress thread's policy stays: {}", std::io::Error::last_os_error()));
-                return;
+                return None;
             }
         }
         self.batch = batch;
+        Some(batch)
     }
 }
