@@ -79,32 +79,32 @@ unsafe fn values(d: &Desc) -> weft::Result<Vec<f64>> {
 }
 
 /// Step one of a dispatch (collective): check `topk` (int64, `[tokens,
-/// k]`) and exchange headers; rows of `hidden` elements of dtype
-/// `code` are to move over `num_experts` experts.
+/// k]`) and `x` (`[tokens, hidden]`, a float dtype) over `num_experts`
+/// experts, and send every rank its header and the first part of its rows.
 #[pyfunction]
-#[pyo3(signature = (group, topk, k, num_experts, hidden, code, timeout = None))]
+#[pyo3(signature = (group, topk, x, k, num_experts, hidden, timeout = None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn moe_plan(
     py: Python<'_>,
     group: &PyGroup,
     topk: Desc,
+    x: Desc,
     k: usize,
     num_experts: usize,
     hidden: usize,
-    code: u8,
     timeout: Option<f64>,
 ) -> PyResult<PyDispatchPlan> {
     let plan = blocking(py, group, timeout, |pg, o| {
-        let dtype = DType::from_code(code).ok_or_else(|| weft::Error::invalid(format!("unknown dtype code {code}")))?;
-        // SAFETY: the Python caller holds `topk` until this returns.
-        let topk = unsafe { host(&topk, "topk_idx") }?;
-        pg.dispatch_plan(topk.as_slice::<i64>()?, k, num_experts, hidden, dtype, o)
+        // SAFETY: the Python caller holds `topk` and `x` until this returns.
+        let (topk, x) = unsafe { (host(&topk, "topk_idx")?, host(&x, "x")?) };
+        pg.dispatch_plan(topk.as_slice::<i64>()?, k, num_experts, x, hidden, o)
     })?;
     Ok(PyDispatchPlan(Mutex::new(Some(plan))))
 }
 
-/// Step two (collective): the rows of `x` into `out` (`plan.rows()`
-/// rows), grouped by local expert.
+/// Step two (collective): the rest of the rows, and all of them into
+/// `out` (`plan.rows()` rows), grouped by local expert; `x` is the tensor
+/// step one took.
 #[pyfunction]
 #[pyo3(signature = (group, plan, x, out, timeout = None))]
 pub(crate) fn moe_dispatch(

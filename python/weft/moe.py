@@ -17,12 +17,14 @@ With ``E`` experts over ``W`` ranks, rank r holds experts ``r*E/W ..
 - A token crosses to a rank once however many of its experts live there,
   and combine sums a token's rows on each rank (weighted) before they
   travel back: one row per (token, rank) each way.
-- Dispatch exchanges a small fixed-size header with every rank (whether its
-  routing is valid, what every rank must agree on, and how many rows it
-  sends), then the rows with each token's local experts; the caller does
-  no count exchange or host synchronisation of its own. The handle keeps
-  the layout: combine, the backward passes and :func:`dispatch_again`
-  reuse it without a header.
+- The counts travel with the data: each rank's message to another starts
+  with a small header (whether its routing is valid, what every rank must
+  agree on, how many rows follow), then the rows and each token's local
+  experts. A first part of fixed size (16 KiB) carries the header and what
+  fits; only a longer message sends the rest in a second exchange. The
+  caller does no count exchange or host synchronisation of its own. The
+  handle keeps the layout: combine, the backward passes and
+  :func:`dispatch_again` reuse it without a header.
 - Gradients flow to ``x``, to ``expert_out`` and to ``topk_weights``
   (dispatch's backward is a combine, combine's a dispatch). The backward
   passes are collective: every rank must run them (as with
@@ -121,8 +123,7 @@ def _dispatch_problem(x: torch.Tensor, topk_idx: torch.Tensor) -> Exception | No
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, handle, plan):
-        xh = _host(x)
+    def forward(ctx, x, handle, plan, xh):
         out = torch.empty(plan.rows(), handle.hidden, dtype=x.dtype)
         handle._routing = _weft.moe_dispatch(handle._native, plan, desc(xh), desc(out), handle._timeout)
         ctx.handle, ctx.device = handle, x.device
@@ -133,7 +134,7 @@ class _Dispatch(torch.autograd.Function):
         # Each row of a token goes back to it and is summed there.
         h = ctx.handle
         g = h._combine(_host(grad), torch.ones(h.rows, dtype=torch.float64))
-        return g.to(ctx.device), None, None
+        return g.to(ctx.device), None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -165,26 +166,27 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group=No
     comm = comm_of(group)
     problem = _dispatch_problem(x, topk_idx)
     if problem is not None:
-        # Take part in the header exchange as an invalid rank, so that the
+        # Take part in the first exchange as an invalid rank, so that the
         # others fail too instead of waiting for this one.
         empty = torch.empty(0, dtype=torch.int64)
         try:
-            _weft.moe_plan(comm._native, desc(empty), 0, int(num_experts), 0, 0, timeout)
+            _weft.moe_plan(comm._native, desc(empty), desc(torch.empty(0)), 0, int(num_experts), 0, timeout)
         except Exception:  # noqa: BLE001 - this rank's own error is the one to raise
             pass
         raise problem
     tokens, k, hidden = x.shape[0], topk_idx.shape[1], x.shape[1]
     handle = Handle(comm._native, tokens, k, hidden, timeout)
-    idx = _host(topk_idx, torch.int64)
-    plan = _weft.moe_plan(comm._native, desc(idx), k, int(num_experts), hidden, desc(x[:0])[2], timeout)
-    expert_x = _Dispatch.apply(x, handle, plan)
+    idx, xh = _host(topk_idx, torch.int64), _host(x)
+    # The counts travel at the head of the rows: step one sends what fits.
+    plan = _weft.moe_plan(comm._native, desc(idx), desc(xh), k, int(num_experts), hidden, timeout)
+    expert_x = _Dispatch.apply(x, handle, plan, xh)
     return expert_x, torch.tensor(handle.counts, dtype=torch.int64), handle
 
 
 def dispatch_again(x: torch.Tensor, handle: Handle) -> torch.Tensor:
     """A second dispatch with ``handle``'s routing (another tensor of the
-    same tokens: ``[tokens, hidden]``, any float dtype), without a header
-    exchange; not differentiable. A wrong ``x`` raises here and on every
+    same tokens: ``[tokens, hidden]``, any float dtype), without headers
+    or counts; not differentiable. A wrong ``x`` raises here and on every
     rank it sends to."""
     return handle._dispatch_again(_host(x)).to(x.device)
 

@@ -115,9 +115,9 @@ fn dispatch_and_combine_rows_of(pg: &ProcessGroup, kind: Routing, k: usize, dtyp
     let weights: Vec<f64> = (0..tokens * k).map(|_| 0.5 * (1 + rng.below(4)) as f64).collect();
     let o = OpOptions::default();
 
-    let plan = pg.dispatch_plan(&topk, k, e, hidden, dtype, &o).unwrap();
-    let rows = plan.rows();
     let xb = Buf::from_bytes(dtype, &encode(&x, dtype));
+    let plan = pg.dispatch_plan(&topk, k, e, xb.t(), hidden, &o).unwrap();
+    let rows = plan.rows();
     let mut recv = Buf::zeros(dtype, rows * hidden);
     let routing = pg.dispatch(plan, xb.t(), recv.tm(), &o).unwrap();
     assert_eq!(routing.counts().iter().sum::<usize>(), rows);
@@ -217,6 +217,12 @@ fn dispatch_then_combine_in_every_float_dtype() {
 /// Bytes sent through `exchange` by every rank of the counting backend.
 static SENT: AtomicUsize = AtomicUsize::new(0);
 
+thread_local! {
+    /// Calls of `exchange` on the counting backend from this thread (the
+    /// rank's: a loopback group runs its ops on the caller's thread).
+    static EXCHANGES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 /// `loopback`, counting the bytes of every send.
 struct Counting(Arc<dyn Backend>);
 
@@ -227,6 +233,7 @@ impl Backend for Counting {
     fn exchange(&self, ops: &mut [P2p<'_>], deadline: &Deadline) -> Result<()> {
         let bytes: usize = ops.iter().map(|op| if let P2p::Send { data, .. } = op { data.len() } else { 0 }).sum();
         SENT.fetch_add(bytes, Ordering::SeqCst);
+        EXCHANGES.set(EXCHANGES.get() + 1);
         self.0.exchange(ops, deadline)
     }
     fn abort(&self, reason: &weft::Error) {
@@ -249,11 +256,11 @@ fn a_token_crosses_to_a_rank_once_each_way_whatever_its_experts_there() {
         let topk: Vec<i64> = (0..tokens).flat_map(|_| (0..4).map(|j| (((rank + 1) % w) * 4 + j) as i64)).collect();
         let x = vec![1.0f64; tokens * hidden];
         let o = OpOptions::default();
-        let plan = pg.dispatch_plan(&topk, k, e, hidden, DType::F64, &o).unwrap();
-        let mut recv = vec![0.0f64; plan.rows() * hidden];
         pg.barrier(&o).unwrap().wait().unwrap();
         let before = SENT.load(Ordering::SeqCst);
         pg.barrier(&o).unwrap().wait().unwrap();
+        let plan = pg.dispatch_plan(&topk, k, e, Tensor::from(&x), hidden, &o).unwrap();
+        let mut recv = vec![0.0f64; plan.rows() * hidden];
         let routing = pg.dispatch(plan, Tensor::from(&x), TensorMut::from(&mut recv), &o).unwrap();
         pg.barrier(&o).unwrap().wait().unwrap();
         let dispatched = SENT.load(Ordering::SeqCst) - before;
@@ -280,7 +287,7 @@ fn bad_routing_on_one_rank_fails_every_rank() {
     let errors = run_threads(3, options("cpu:shm"), |pg| {
         let o = OpOptions::default();
         let id = if pg.rank() == 1 { 99 } else { 0 };
-        pg.dispatch_plan(&[id, 1], 2, 6, 4, DType::F32, &o).unwrap_err()
+        pg.dispatch_plan(&[id, 1], 2, 6, Tensor::from(&[0.0f32; 4][..]), 4, &o).unwrap_err()
     });
     assert!(errors[1].to_string().contains("topk_idx[0][0] = 99"), "{}", errors[1]);
     for e in [&errors[0], &errors[2]] {
@@ -294,8 +301,8 @@ fn ranks_that_disagree_or_uneven_experts_are_errors() {
     let errors = run_threads(2, options("cpu:shm"), |pg| {
         let o = OpOptions::default();
         let hidden = 4 + pg.rank();
-        let e = pg.dispatch_plan(&[0], 1, 4, hidden, DType::F32, &o).unwrap_err().to_string();
-        let uneven = pg.dispatch_plan(&[0], 1, 3, 4, DType::F32, &o).unwrap_err().to_string();
+        let e = pg.dispatch_plan(&[0], 1, 4, Tensor::from(&vec![0.0f32; hidden]), hidden, &o).unwrap_err().to_string();
+        let uneven = pg.dispatch_plan(&[0], 1, 3, Tensor::from(&[0.0f32; 4][..]), 4, &o).unwrap_err().to_string();
         (e, uneven)
     });
     for (e, uneven) in errors {
@@ -305,39 +312,115 @@ fn ranks_that_disagree_or_uneven_experts_are_errors() {
 }
 
 #[test]
-fn a_wrong_input_at_dispatch_fails_its_rank_and_names_it_elsewhere() {
+fn wrong_rows_at_the_plan_fail_every_rank_naming_the_rank() {
     let results = run_threads(2, options("cpu-tcp"), |pg| {
         let o = OpOptions::default();
-        let topk = [0i64, 2, 1, 3];
-        let plan = pg.dispatch_plan(&topk, 2, 4, 3, DType::F32, &o).unwrap();
         // Rank 0 passes 2 tokens of 2 elements instead of 3.
         let x = vec![1.0f32; if pg.rank() == 0 { 4 } else { 6 }];
-        let mut recv = vec![0.0f32; plan.rows() * 3];
-        pg.dispatch(plan, Tensor::from(&x), TensorMut::from(&mut recv), &o).map(|_| ()).unwrap_err().to_string()
+        pg.dispatch_plan(&[0, 2, 1, 3], 2, 4, Tensor::from(&x), 3, &o).unwrap_err().to_string()
     });
     assert!(results[0].contains("x has 4 elements, expected 2 rows of 3"), "{}", results[0]);
-    assert!(results[1].contains("rank(s) [0] passed invalid arguments"), "{}", results[1]);
+    assert!(results[1].contains("rank(s) [0] passed invalid routing or rows"), "{}", results[1]);
+}
+
+#[test]
+fn a_wrong_tensor_at_dispatch_fails_its_rank_only_and_the_others_get_their_rows() {
+    // Messages of 40 tokens of 1 KiB outgrow their first parts: the
+    // failing rank still sends the rest it took at the plan.
+    for bad in ["another x", "a short out"] {
+        let results = run_threads(3, options("cpu:shm"), move |pg| {
+            let (rank, w, hidden, tokens) = (pg.rank(), pg.size(), 128usize, 40usize);
+            let o = OpOptions::default();
+            let topk: Vec<i64> = (0..tokens).map(|t| ((rank + t) % w) as i64).collect();
+            let x: Vec<f64> = (0..tokens * hidden).map(|i| (i / hidden * 10 + rank) as f64).collect();
+            let plan = pg.dispatch_plan(&topk, 1, w, Tensor::from(&x), hidden, &o).unwrap();
+            let rows = plan.rows();
+            let copy = x.clone();
+            let (x_then, rows_out) = match (rank, bad) {
+                (1, "another x") => (&copy, rows),
+                (1, _) => (&x, rows - 1),
+                _ => (&x, rows),
+            };
+            let mut out = vec![0.0f64; rows_out * hidden];
+            let routing = pg.dispatch(plan, Tensor::from(x_then), TensorMut::from(&mut out), &o);
+            routing.map(|_| out.chunks_exact(hidden).map(|r| r[0]).collect::<Vec<_>>()).map_err(|e| e.to_string())
+        });
+        let e = results[1].as_ref().unwrap_err();
+        let want = if bad == "another x" { "x is not the tensor dispatch_plan took" } else { "out has" };
+        assert!(e.contains(want), "{bad}: {e}");
+        for (rank, got) in [(0usize, &results[0]), (2, &results[2])] {
+            // Rank r's expert gets token t of rank s where (s + t) % 3 == r:
+            // grouped by source, tokens ascending; each row starts with
+            // t * 10 + s.
+            let want: Vec<f64> =
+                (0..3).flat_map(|s| (0..40).filter(move |t| (s + t) % 3 == rank).map(move |t| (t * 10 + s) as f64)).collect();
+            assert_eq!(got.as_ref().unwrap(), &want, "{bad}: rank {rank}");
+        }
+    }
+}
+
+#[test]
+fn a_small_dispatch_is_one_exchange_and_a_long_one_two() {
+    // The counts travel at the head of the rows: a dispatch whose messages
+    // fit their first parts costs what one all_to_all costs, one with
+    // longer messages two.
+    let calls = run_threads(3, options("counting"), |pg| {
+        let (rank, w) = (pg.rank(), pg.size());
+        let o = OpOptions::default();
+        let count = |f: &dyn Fn()| {
+            let before = EXCHANGES.get();
+            f();
+            EXCHANGES.get() - before
+        };
+        let dispatch = |tokens: usize, hidden: usize| {
+            let topk: Vec<i64> = (0..tokens).map(|t| ((rank + t) % w) as i64).collect();
+            let x = vec![1.0f64; tokens * hidden];
+            let plan = pg.dispatch_plan(&topk, 1, w, Tensor::from(&x), hidden, &o).unwrap();
+            let mut out = vec![0.0f64; plan.rows() * hidden];
+            pg.dispatch(plan, Tensor::from(&x), TensorMut::from(&mut out), &o).unwrap();
+            assert!(out.iter().all(|v| *v == 1.0));
+        };
+        let all_to_all = count(&|| {
+            let (send, mut got) = (vec![1u8; 3 * 64], vec![0u8; 3 * 64]);
+            pg.all_to_all_single(&mut got[..], &send[..], &o).unwrap().wait().unwrap();
+        });
+        // 6 tokens of 64 B to each rank; then, from rank 0 only, 40 of 4 KiB.
+        let small = count(&|| dispatch(18, 8));
+        let long = count(&|| dispatch(if rank == 0 { 120 } else { 3 }, 512));
+        (all_to_all, small, long)
+    });
+    let (all_to_all, small, long) = calls[0];
+    eprintln!("exchanges: all_to_all {all_to_all}, small {small}, long {long}");
+    assert!(all_to_all > 0);
+    assert_eq!(small, all_to_all, "a dispatch that fits its first parts");
+    assert_eq!(long, 2 * all_to_all, "a dispatch with a second part");
 }
 
 #[test]
 fn a_forged_header_is_refused_before_anything_is_allocated_for_it() {
-    // Rank 1 skips dispatch_plan and sends rank 0 a header (64 bytes:
-    // status, experts, row bytes, dtype code, tokens, pairs, k, a zero
-    // word; part 0 of its all_to_all goes to rank 0): 2^31 tokens in 2^40
-    // pairs, or 16 GiB of metadata for pairs of no token.
+    // Rank 1 skips dispatch_plan and sends rank 0 a first part (16 KiB: a
+    // header of status, experts, row bytes, dtype code, tokens, pairs, k,
+    // whether a second part follows; then zeros) and itself a header:
+    // 2^31 tokens in 2^40 pairs, 16 GiB of metadata for pairs of no token,
+    // or 2,000 tokens (more than a first part holds) and no second part.
     let code = DType::ALL.iter().position(|d| *d == DType::F32).unwrap() as u64;
-    for (tokens, pairs, k) in [(1u64 << 31, 1u64 << 40, 1u64 << 10), (0, u64::from(u32::MAX), 8)] {
+    let forgeries = [(1u64 << 31, 1u64 << 40, 1u64 << 10, "pairs"), (0, u64::from(u32::MAX), 8, "pairs"), (2000, 2000, 1, "second part")];
+    for (tokens, pairs, k, why) in forgeries {
         let errors = run_threads(2, options("cpu:shm"), move |pg| {
             let o = OpOptions::default();
             if pg.rank() == 0 {
-                return Some(pg.dispatch_plan(&[1], 1, 2, 4, DType::F32, &o).unwrap_err());
+                return Some(pg.dispatch_plan(&[1], 1, 2, Tensor::from(&[0.0f32; 4][..]), 4, &o).unwrap_err());
             }
-            let forged: Vec<u64> = [[0, 2, 16, code, tokens, pairs, k, 0], [0, 2, 16, code, 0, 0, 1, 0]].concat();
-            let mut got = [0u64; 16];
-            pg.all_to_all_single(&mut got[..], &forged[..], &o).unwrap().wait().unwrap();
+            let bytes = |words: &[u64]| -> Vec<u8> { words.iter().flat_map(|w| w.to_le_bytes()).collect() };
+            let mut to0 = vec![0u8; 16 << 10];
+            to0[..64].copy_from_slice(&bytes(&[0, 2, 16, code, tokens, pairs, k, 0]));
+            let to1 = bytes(&[0, 2, 16, code, 0, 0, 1, 0]);
+            let (mut from0, mut from1) = (vec![0u8; 16 << 10], vec![0u8; 64]);
+            let outputs = vec![TensorMut::from(&mut from0), TensorMut::from(&mut from1)];
+            pg.all_to_all(outputs, vec![Tensor::from(&to0), Tensor::from(&to1)], &o).unwrap().wait().unwrap();
             None
         });
-        let e = errors[0].as_ref().unwrap();
-        assert!(e.to_string().contains("rank 1 announced a dispatch that cannot be"), "{e}");
+        let e = errors[0].as_ref().unwrap().to_string();
+        assert!(e.contains("rank 1 announced a dispatch that cannot be") && e.contains(why), "{e}");
     }
 }

@@ -64,7 +64,7 @@ pub fn run(pg: &ProcessGroup, w: &Workload) -> Result<u64> {
         pg.barrier(&o)?.wait()?;
         let start = Instant::now();
         let lap = |i: usize, t: &mut [f64; PHASES.len()]| t[i] = start.elapsed().as_secs_f64();
-        let plan = pg.dispatch_plan(&topk, w.k, w.experts, w.hidden, w.dtype, &o)?;
+        let plan = pg.dispatch_plan(&topk, w.k, w.experts, x.t(), w.hidden, &o)?;
         lap(0, &mut t);
         let mut recv = weft_conformance::Buf::zeros(w.dtype, plan.rows() * w.hidden);
         let routing = pg.dispatch(plan, x.t(), recv.tm(), &o)?;
@@ -107,10 +107,10 @@ pub fn run(pg: &ProcessGroup, w: &Workload) -> Result<u64> {
             let mut ms: Vec<f64> = flat[i * w.iters..(i + 1) * w.iters].iter().map(|s| s * 1e3).collect();
             totals.iter_mut().zip(&ms).for_each(|(t, m)| *t += m);
             ms.sort_by(f64::total_cmp);
-            println!("{phase:>18} {:>10.2} {:>10.2} {:>10.2}", ms[ms.len() / 2], ms[0], ms[ms.len() - 1]);
+            println!("{phase:>18} {:>10.3} {:>10.3} {:>10.3}", ms[ms.len() / 2], ms[0], ms[ms.len() - 1]);
         }
         totals.sort_by(f64::total_cmp);
-        println!("{:>18} {:>10.2} {:>10.2} {:>10.2}", "total", totals[totals.len() / 2], totals[0], totals[totals.len() - 1]);
+        println!("{:>18} {:>10.3} {:>10.3} {:>10.3}", "total", totals[totals.len() / 2], totals[0], totals[totals.len() - 1]);
         println!(
             "# rows sent to other ranks per dispatch, all ranks: {:.2} MiB; wrong elements: {}",
             counts[1] as f64 / (1 << 20) as f64,

@@ -5,14 +5,17 @@
 //! - **Dispatch** sends each token's row to the ranks that hold its top-k
 //!   experts, once per rank however many of its experts live there, and
 //!   lands the rows there grouped by local expert (then by source rank,
-//!   then token order), one row per (token, expert). It runs in two
-//!   steps: [`ProcessGroup::dispatch_plan`] exchanges a fixed-size header
-//!   with every rank (validity, what all ranks must agree on, and how many
-//!   tokens and pairs each sends), so the caller can size the output;
-//!   [`ProcessGroup::dispatch`] moves the rows, each message carrying its
-//!   tokens' local experts ahead of the rows, and returns the
-//!   [`ExpertRouting`]: the handle a combine and a second dispatch reuse
-//!   without exchanging counts again.
+//!   then token order), one row per (token, expert). The counts travel
+//!   with the data: each message to another rank starts with a header
+//!   (validity, what all ranks must agree on, how many tokens and pairs
+//!   follow), then the rows, then each token's local experts. It runs in
+//!   two steps: [`ProcessGroup::dispatch_plan`] exchanges fixed-size first
+//!   parts (the header and what fits of the message: a small dispatch is
+//!   all there), so the caller can size the output; [`ProcessGroup::dispatch`]
+//!   exchanges the rest of the messages that did not fit (only if some
+//!   rank's did not: every header says whether its sender has more), lands
+//!   the rows, and returns the [`ExpertRouting`]: the handle a combine and
+//!   a second dispatch reuse without exchanging counts again.
 //! - **Combine** ([`ProcessGroup::combine`]) weights each expert's row,
 //!   sums the rows of one token's experts on their rank, sends one row per
 //!   (token, rank) back, and sums those on the token's rank.
@@ -27,7 +30,7 @@
 //!
 //! Invalid routing on any rank (an expert id out of range, a number of
 //! experts not divisible by W, shapes that disagree) fails the dispatch on
-//! every rank, after the header exchange, naming the ranks; never wrong
+//! every rank, after the first exchange, naming the ranks; never wrong
 //! data. The routing logic (what goes where) is `plan.rs`, without I/O;
 //! this file moves bytes through the group's `all_to_all`.
 
@@ -40,17 +43,36 @@ use crate::group::{Collectives, ProcessGroup};
 use crate::kernels::weighted::{self, WeightedSum};
 use crate::options::OpOptions;
 use crate::tensor::{Tensor, TensorMut};
-use plan::{meta_bytes, Header, Placement, Plan, HEADER};
+use plan::{in_first_part, meta_bytes, Header, Placement, Plan, FIRST_PART, HEADER};
 
-/// Step one of a dispatch, done: every rank's header has arrived. Say
-/// how many rows this rank receives ([`DispatchPlan::rows`]), then pass
-/// it to [`ProcessGroup::dispatch`].
-#[derive(Debug)]
+/// Step one of a dispatch, done: every rank's first part has arrived,
+/// with its header and the start of its rows. Say how many rows this rank
+/// receives ([`DispatchPlan::rows`]), then pass it to
+/// [`ProcessGroup::dispatch`], on every rank (the other ranks' second
+/// parts wait for it).
 pub struct DispatchPlan {
     plan: Plan,
     /// What each rank sends this one.
     headers: Vec<Header>,
     shape: Shape,
+    /// The messages this rank sends (rows, then metadata), whole: their
+    /// first parts are gone, the rest goes in `dispatch`. This rank's own
+    /// is its metadata alone (see `token_rows`).
+    sends: Vec<Vec<u8>>,
+    /// The messages this rank receives, as long as their headers say:
+    /// the first parts in place, the rest to come.
+    got: Vec<Vec<u8>>,
+    /// Some rank's message outgrew its first part: a second exchange runs.
+    more: bool,
+    /// Where the rows of `x` were (address, bytes): `dispatch` reads this
+    /// rank's own tokens from there and takes no other tensor.
+    x_at: (usize, usize),
+}
+
+impl std::fmt::Debug for DispatchPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DispatchPlan").field("rows", &self.rows()).field("second_part", &self.more).finish_non_exhaustive()
+    }
 }
 
 /// What one dispatch's ranks agree on.
@@ -118,49 +140,115 @@ impl ExpertRouting {
 }
 
 impl ProcessGroup {
-    /// Step one of a dispatch: check the routing and exchange a header
-    /// with every rank. `topk_idx` holds `k` expert ids per token (`-1`:
-    /// none), rows of `hidden` elements of `dtype` are to move.
-    /// Collective: every rank calls it, with the same `k`, `num_experts`,
-    /// `hidden` and `dtype`; a rank with no tokens passes an empty list.
+    /// Step one of a dispatch: check the routing and the rows, and send
+    /// every rank the first part of its message: a header (validity, what
+    /// all ranks must agree on, how many tokens and pairs follow), then as
+    /// much of the rows and their metadata as fits ([`plan::FIRST_PART`]).
+    /// `topk_idx` holds `k` expert ids per token (`-1`: none), `x` the
+    /// tokens' rows (`[tokens, hidden]`, a float dtype). Collective: every
+    /// rank calls it, with the same `k`, `num_experts`, `hidden` and dtype;
+    /// a rank with no tokens passes empty lists. Invalid arguments on any
+    /// rank fail it on every rank, naming the ranks. A dispatch whose
+    /// messages all fit their first parts is complete here but for the
+    /// landing; only longer ones exchange a second part, in `dispatch`.
     pub fn dispatch_plan(
         &self,
         topk_idx: &[i64],
         k: usize,
         num_experts: usize,
+        x: Tensor<'_>,
         hidden: usize,
-        dtype: DType,
         opts: &OpOptions,
     ) -> Result<DispatchPlan> {
         const NAME: &str = "dispatch";
-        let (rank, world) = (self.rank(), self.size());
+        let (rank, world, dtype) = (self.rank(), self.size(), x.dtype());
         let fail = |e: Error| e.with_op(NAME).with_rank(rank);
+        let tokens = topk_idx.len().checked_div(k).unwrap_or(0);
+        let shape = Shape { tokens, k, hidden, dtype, experts: num_experts };
+        let row = shape.row_bytes();
         let planned = weighted::require_float(dtype)
             .and_then(|_| if hidden == 0 { Err(Error::invalid("hidden (elements per row) must be at least 1")) } else { Ok(()) })
-            .and_then(|_| Plan::new(topk_idx, k, num_experts, world));
-        let tokens = topk_idx.len().checked_div(k).unwrap_or(0);
+            .and_then(|_| Plan::new(topk_idx, k, num_experts, world))
+            .and_then(|plan| Ok((plan, rows_of(&x, shape, tokens, "x")?)));
+        // The whole messages: rows, then the tokens' local experts.
+        let sends = match &planned {
+            Ok((plan, x)) => {
+                let meta = |r: usize| meta_bytes(plan.tokens[r].len(), plan.pairs[r].len());
+                let mut sends = self.or_abort(token_rows(&plan.tokens, Some(x), row, rank, meta)).map_err(fail)?;
+                for (r, b) in sends.iter_mut().enumerate() {
+                    let at = b.len() - meta(r);
+                    plan.meta(r, k, &mut b[at..]);
+                }
+                sends
+            }
+            Err(_) => vec![Vec::new(); world],
+        };
+        let more = sends.iter().enumerate().any(|(r, b)| r != rank && b.len() > in_first_part(b.len()));
         let mine: Vec<Header> = (0..world)
             .map(|r| Header {
                 ok: planned.is_ok(),
                 experts: num_experts as u64,
-                row_bytes: (hidden * dtype.size()) as u64,
+                row_bytes: row as u64,
                 dtype: dtype as u64,
-                tokens: planned.as_ref().map_or(0, |p| p.tokens[r].len() as u64),
-                pairs: planned.as_ref().map_or(0, |p| p.pairs[r].len() as u64),
+                tokens: planned.as_ref().map_or(0, |(p, _)| p.tokens[r].len() as u64),
+                pairs: planned.as_ref().map_or(0, |(p, _)| p.pairs[r].len() as u64),
                 k: k as u64,
+                more,
             })
             .collect();
-        let mut out = vec![0u8; world * HEADER];
-        let mut send = vec![0u8; world * HEADER];
-        for (h, b) in mine.iter().zip(send.chunks_exact_mut(HEADER)) {
-            h.encode(b);
-        }
-        self.all_to_all_single(&mut out[..], &send[..], opts)?.wait()?;
-        let headers: Vec<Header> = out.chunks_exact(HEADER).map(Header::decode).collect();
-        let plan = planned.map_err(fail)?;
-        let invalid: Vec<usize> = (0..world).filter(|r| !headers[*r].ok).collect();
+        // First parts, a fixed size each way (this rank's own: its header).
+        let part = |r: usize| if r == rank { HEADER } else { FIRST_PART };
+        let firsts = (0..world)
+            .map(|r| {
+                let mut b = spare::take(part(r))?;
+                mine[r].encode(&mut b[..HEADER]);
+                let n = if r == rank { 0 } else { in_first_part(sends[r].len()) };
+                b[HEADER..HEADER + n].copy_from_slice(&sends[r][..n]);
+                b[HEADER + n..].fill(0);
+                Ok(b)
+            })
+            .collect::<Result<Vec<_>>>();
+        let firsts = self.or_abort(firsts).map_err(fail)?;
+        let got_firsts = self.or_abort((0..world).map(|r| spare::take(part(r))).collect::<Result<Vec<_>>>()).map_err(fail)?;
+        let got_firsts = self.all_to_all_bytes(firsts, got_firsts, opts)?;
+        let headers: Vec<Header> = got_firsts.iter().map(|b| Header::decode(&b[..HEADER])).collect();
+        let checked = self.check_headers(&headers, &mine, row);
+        let (plan, x) = planned.map_err(fail)?;
+        checked.map_err(fail)?;
+        // The messages as long as their headers say (checked: no sender
+        // could announce more), their first parts in place.
+        let mut sends = sends;
+        let own_meta = std::mem::take(&mut sends[rank]);
+        let got = headers
+            .iter()
+            .zip(&got_firsts)
+            .enumerate()
+            .map(|(s, (h, first))| {
+                if s == rank {
+                    return Ok(Vec::new());
+                }
+                let len = h.message_bytes(row).expect("checked");
+                let mut b = spare::take(len)?;
+                let n = in_first_part(len);
+                b[..n].copy_from_slice(&first[HEADER..HEADER + n]);
+                Ok(b)
+            })
+            .collect::<Result<Vec<_>>>();
+        spare::give(got_firsts);
+        let mut got = self.or_abort(got).map_err(fail)?;
+        got[rank] = own_meta;
+        let more = headers.iter().any(|h| h.more);
+        Ok(DispatchPlan { plan, headers, shape, sends, got, more, x_at: (x.as_ptr() as usize, x.len()) })
+    }
+
+    /// What `dispatch_plan` makes of the headers every rank sent this one
+    /// (`mine`: what it sent them), rows of `row` bytes: every rank's
+    /// routing valid, the ranks agreeing, and counts that a sender could
+    /// announce.
+    fn check_headers(&self, headers: &[Header], mine: &[Header], row: usize) -> Result<()> {
+        let invalid: Vec<usize> = (0..headers.len()).filter(|r| !headers[*r].ok).collect();
         if !invalid.is_empty() {
-            return Err(fail(Error::invalid(format!("rank(s) {invalid:?} passed invalid routing or rows (see their errors)"))));
+            return Err(Error::invalid(format!("rank(s) {invalid:?} passed invalid routing or rows (see their errors)")));
         }
         let differ = |what: &str, get: fn(&Header) -> u64, show: &dyn Fn(u64) -> String| -> Result<()> {
             let odd: Vec<String> = headers
@@ -172,55 +260,69 @@ impl ProcessGroup {
             if odd.is_empty() {
                 return Ok(());
             }
-            Err(fail(Error::invalid(format!("ranks disagree on {what}: this rank has {}, {}", show(get(&mine[0])), odd.join(", ")))))
+            Err(Error::invalid(format!("ranks disagree on {what}: this rank has {}, {}", show(get(&mine[0])), odd.join(", "))))
         };
         differ("num_experts", |h| h.experts, &|v| v.to_string())?;
         differ("the dtype", |h| h.dtype, &|v| DType::ALL.get(v as usize).map_or(v.to_string(), |d| d.to_string()))?;
         differ("the row size in bytes (hidden x dtype size)", |h| h.row_bytes, &|v| v.to_string())?;
+        let more = headers.iter().any(|h| h.more);
         for (s, h) in headers.iter().enumerate() {
             // Counts no sender could announce are refused before anything
-            // is allocated for them. The peers that got honest headers go
-            // on into the dispatch: the group is aborted, so that they fail
-            // at once instead of at their timeout.
-            if let Err(why) = h.message_bytes(hidden * dtype.size()) {
-                self.abort();
-                return Err(fail(Error::backend(format!("rank {s} announced a dispatch that cannot be: {why}"))));
-            }
+            // is allocated for them, as is a second part nobody announced.
+            // The peers that got honest headers go on into the dispatch:
+            // the group is aborted, so that they fail at once instead of
+            // at their timeout.
+            let why = match h.message_bytes(row) {
+                Err(why) => why,
+                Ok(len) if !more && len > in_first_part(len) => format!("{len} bytes without a second part"),
+                Ok(_) => continue,
+            };
+            self.abort();
+            return Err(Error::backend(format!("rank {s} announced a dispatch that cannot be: {why}")));
         }
-        let shape = Shape { tokens, k, hidden, dtype, experts: num_experts };
-        Ok(DispatchPlan { plan, headers, shape })
+        Ok(())
     }
 
-    /// Step two of a dispatch: move the rows of `x` (`[tokens, hidden]`)
-    /// into `out` (`[plan.rows(), hidden]`, grouped by local expert).
-    /// Collective, after every rank's [`ProcessGroup::dispatch_plan`]. A
-    /// wrong `x` or `out` here fails this rank only (it still takes part,
-    /// so the others finish).
+    /// Step two of a dispatch: the rest of every message that outgrew its
+    /// first part, then the rows land in `out` (`[plan.rows(), hidden]`,
+    /// grouped by local expert). `x` is the tensor `dispatch_plan` took
+    /// (this rank's own tokens are read from it). Collective, after every
+    /// rank's [`ProcessGroup::dispatch_plan`]. A wrong `x` or `out` here
+    /// fails this rank only: what it sends was taken at the plan.
     pub fn dispatch(&self, plan: DispatchPlan, x: Tensor<'_>, mut out: TensorMut<'_>, opts: &OpOptions) -> Result<ExpertRouting> {
         const NAME: &str = "dispatch";
-        let DispatchPlan { plan, headers, shape } = plan;
+        let DispatchPlan { plan, headers, shape, sends, mut got, more, x_at } = plan;
         let (rank, row) = (self.rank(), shape.row_bytes());
         let fail = |e: Error| e.with_op(NAME).with_rank(rank);
-        let rows = rows_of(&x, shape, shape.tokens, "x");
-        let meta = |r: usize| meta_bytes(plan.tokens[r].len(), plan.pairs[r].len());
-        let mut sends = self.or_abort(token_rows(&plan.tokens, rows.as_deref().ok(), row, rank, meta)).map_err(fail)?;
-        for (r, b) in sends.iter_mut().enumerate() {
-            let at = b.len() - meta(r);
-            plan.meta(r, shape.k, &mut b[at..]);
+        if more {
+            let first = |b: &[u8]| in_first_part(b.len());
+            let inputs: Vec<Tensor<'_>> = sends.iter().map(|b| Tensor::from(&b[first(b)..])).collect();
+            let outputs: Vec<TensorMut<'_>> = got
+                .iter_mut()
+                .enumerate()
+                .map(|(s, b)| {
+                    let at = if s == rank { b.len() } else { first(b) };
+                    TensorMut::from(&mut b[at..])
+                })
+                .collect();
+            self.all_to_all(outputs, inputs, opts)?.wait()?;
         }
-        let sizes: Vec<usize> = headers.iter().map(|h| h.message_bytes(row).expect("checked by dispatch_plan")).collect();
-        let got = self.exchange_bytes(NAME, sends, &sizes, rows.is_ok(), opts);
-        let x = rows.map_err(fail)?;
-        let got = got?;
-        // This rank's own part is its metadata alone (see `token_rows`).
-        let metas: Vec<&[u8]> = got
-            .iter()
-            .zip(&headers)
-            .enumerate()
-            .map(|(s, (b, h))| if s == rank { &b[..] } else { &b[h.tokens as usize * row..] })
-            .collect();
-        let placed = Placement::new(&metas, &headers, shape.experts / self.size());
-        let landed = placed.and_then(|placed| {
+        spare::give(sends);
+        let x = rows_of(&x, shape, shape.tokens, "x").and_then(|b| {
+            if (b.as_ptr() as usize, b.len()) != x_at {
+                return Err(Error::invalid("x is not the tensor dispatch_plan took"));
+            }
+            Ok(b)
+        });
+        let landed = x.and_then(|x| {
+            // This rank's own part is its metadata alone (see `token_rows`).
+            let metas: Vec<&[u8]> = got
+                .iter()
+                .zip(&headers)
+                .enumerate()
+                .map(|(s, (b, h))| if s == rank { &b[..] } else { &b[h.tokens as usize * row..] })
+                .collect();
+            let placed = Placement::new(&metas, &headers, shape.experts / self.size())?;
             let out = rows_of_mut(&mut out, shape, placed.total(), "out")?;
             let from = Sources { got: &got, rank, x, own: &plan.tokens[rank], row };
             each_pair(&placed, &from, |r, token_row| out[r * row..(r + 1) * row].copy_from_slice(token_row));
@@ -232,7 +334,7 @@ impl ProcessGroup {
 
     /// A second dispatch with `routing`: the rows of `x` (`[tokens,
     /// hidden]`, any float dtype, the same on every rank) into `out`
-    /// (`[routing.rows(), hidden]`), without the header exchange.
+    /// (`[routing.rows(), hidden]`), without headers or counts.
     pub fn dispatch_again(&self, routing: &ExpertRouting, x: Tensor<'_>, mut out: TensorMut<'_>, opts: &OpOptions) -> Result<()> {
         const NAME: &str = "dispatch";
         let shape = Shape { dtype: x.dtype(), ..routing.shape };
@@ -472,13 +574,8 @@ impl ProcessGroup {
             b.extend_from_slice(&u64::from(!ok).to_le_bytes());
         }
         let got = sizes.iter().enumerate().map(|(s, n)| if s == rank { Ok(Vec::new()) } else { spare::take(n + STATUS) }).collect();
-        let mut got: Vec<Vec<u8>> = self.or_abort(got).map_err(|e| e.with_op(name).with_rank(rank))?;
-        {
-            let inputs: Vec<Tensor<'_>> = sends.iter().map(Tensor::from).collect();
-            let outputs: Vec<TensorMut<'_>> = got.iter_mut().map(TensorMut::from).collect();
-            self.all_to_all(outputs, inputs, opts)?.wait()?;
-        }
-        spare::give(sends);
+        let got: Vec<Vec<u8>> = self.or_abort(got).map_err(|e| e.with_op(name).with_rank(rank))?;
+        let mut got = self.all_to_all_bytes(sends, got, opts)?;
         let mut failed = Vec::new();
         for (s, b) in got.iter_mut().enumerate().filter(|(s, _)| *s != rank) {
             let at = b.len() - STATUS;
@@ -494,6 +591,19 @@ impl ProcessGroup {
                 .with_op(name)
                 .with_rank(rank));
         }
+        Ok(got)
+    }
+
+    /// `sends[r]` to each rank r, into `got[s]` from each rank s (sized
+    /// as the peers send: one `all_to_all`); the sends go back to the
+    /// spare buffers.
+    fn all_to_all_bytes(&self, sends: Vec<Vec<u8>>, mut got: Vec<Vec<u8>>, opts: &OpOptions) -> Result<Vec<Vec<u8>>> {
+        {
+            let inputs: Vec<Tensor<'_>> = sends.iter().map(Tensor::from).collect();
+            let outputs: Vec<TensorMut<'_>> = got.iter_mut().map(TensorMut::from).collect();
+            self.all_to_all(outputs, inputs, opts)?.wait()?;
+        }
+        spare::give(sends);
         Ok(got)
     }
 }

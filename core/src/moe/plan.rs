@@ -16,11 +16,23 @@ use crate::error::{Error, Result};
 
 /// Bytes of a dispatch's header, one per peer: status, number of experts,
 /// row bytes, dtype code, tokens and pairs sent to that peer, experts per
-/// token (k), and a reserved word (zero).
+/// token (k), and whether the sender has a second part for any rank.
 pub(crate) const HEADER: usize = 8 * 8;
 
-/// What a rank tells each peer before the data: whether its routing is
-/// valid, what it agrees on with every rank, and how much it sends.
+/// Bytes of a dispatch's first part to each other rank: the header, then
+/// the start of the message (rows, then metadata), zeros past its end. A
+/// fixed size, so that receivers post it before they know any count; a
+/// message longer than fits follows in a second part, sized by the header.
+pub(crate) const FIRST_PART: usize = 16 << 10;
+
+/// How many of a message's `len` bytes travel in its first part.
+pub(crate) fn in_first_part(len: usize) -> usize {
+    len.min(FIRST_PART - HEADER)
+}
+
+/// What a rank tells each peer at the head of its data: whether its
+/// routing is valid, what it agrees on with every rank, how much it sends,
+/// and whether a second part follows anywhere.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Header {
     /// Its routing was valid (else it sends nothing and every rank fails).
@@ -37,12 +49,15 @@ pub(crate) struct Header {
     pub pairs: u64,
     /// Experts per token.
     pub k: u64,
+    /// The sender has a message too long for its first part, to some rank
+    /// (every rank learns from every header whether a second exchange runs).
+    pub more: bool,
 }
 
 impl Header {
     /// Its bytes on the wire.
     pub(crate) fn encode(&self, out: &mut [u8]) {
-        let words = [u64::from(!self.ok), self.experts, self.row_bytes, self.dtype, self.tokens, self.pairs, self.k, 0];
+        let words = [u64::from(!self.ok), self.experts, self.row_bytes, self.dtype, self.tokens, self.pairs, self.k, u64::from(self.more)];
         for (w, c) in words.iter().zip(out.chunks_exact_mut(8)) {
             c.copy_from_slice(&w.to_le_bytes());
         }
@@ -68,7 +83,7 @@ impl Header {
     /// The header in `b` (`HEADER` bytes).
     pub(crate) fn decode(b: &[u8]) -> Header {
         let w = |i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"));
-        Header { ok: w(0) == 0, experts: w(1), row_bytes: w(2), dtype: w(3), tokens: w(4), pairs: w(5), k: w(6) }
+        Header { ok: w(0) == 0, experts: w(1), row_bytes: w(2), dtype: w(3), tokens: w(4), pairs: w(5), k: w(6), more: w(7) != 0 }
     }
 }
 
@@ -260,7 +275,7 @@ mod tests {
             let mut m = vec![0u8; meta_bytes(t, p)];
             plan.meta(1, 2, &mut m);
             metas.push(m);
-            headers.push(Header { ok: true, experts: 4, row_bytes: 8, dtype: 0, tokens: t as u64, pairs: p as u64, k: 8 });
+            headers.push(Header { ok: true, experts: 4, row_bytes: 8, dtype: 0, tokens: t as u64, pairs: p as u64, k: 8, more: false });
         }
         let metas: Vec<&[u8]> = metas.iter().map(|m| &m[..]).collect();
         let placed = Placement::new(&metas, &headers, 2).unwrap();
@@ -274,7 +289,7 @@ mod tests {
 
     #[test]
     fn a_header_no_sender_could_write_is_refused_before_its_size_is_used() {
-        let h = |tokens: u64, pairs: u64| Header { ok: true, experts: 8, row_bytes: 16, dtype: 0, tokens, pairs, k: 2 };
+        let h = |tokens: u64, pairs: u64| Header { ok: true, experts: 8, row_bytes: 16, dtype: 0, tokens, pairs, k: 2, more: false };
         assert_eq!(h(2, 3).message_bytes(16), Ok(2 * 16 + 4 * 5));
         assert_eq!(h(0, 0).message_bytes(16), Ok(0));
         assert!(h(3, 2).message_bytes(16).is_err(), "more tokens than pairs");
@@ -288,7 +303,7 @@ mod tests {
 
     #[test]
     fn metadata_that_does_not_add_up_is_refused() {
-        let h = Header { ok: true, experts: 4, row_bytes: 8, dtype: 0, tokens: 1, pairs: 1, k: 1 };
+        let h = Header { ok: true, experts: 4, row_bytes: 8, dtype: 0, tokens: 1, pairs: 1, k: 1, more: true };
         // One token with 2 pairs where 1 was announced.
         let meta: Vec<u8> = [2u32, 0].iter().flat_map(|w| w.to_le_bytes()).collect();
         assert!(Placement::new(&[&meta], &[h], 2).is_err());
