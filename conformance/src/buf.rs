@@ -53,6 +53,16 @@ impl Buf {
             }
         }
     }
+    /// Replace the contents with `bytes` (as long as the buffer): for a
+    /// device buffer, uploaded from the host copy on the placement's stream
+    /// (the host copy is not to change again before that stream has run it).
+    pub fn write(&mut self, bytes: &[u8]) -> weft::Result<()> {
+        self.bytes_mut().copy_from_slice(bytes);
+        match &self.device {
+            None => Ok(()),
+            Some((p, addr)) => p.upload(*addr, self.bytes()),
+        }
+    }
     /// The device address (0 for a host buffer).
     pub fn addr(&self) -> u64 {
         self.device.as_ref().map_or(0, |(_, a)| *a)

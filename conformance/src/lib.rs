@@ -11,12 +11,14 @@
 //! same cases on device memory ([`cuda::placement`]). [`run_p2p`] adds
 //! the point-to-point patterns that need sends and receives to progress
 //! together (long messages in a ring, batches, sendrecv), [`run_windows`]
-//! the one-sided window cases. [`on_threads`] runs any of them on a world
-//! of threads: each backend crate's own `cargo test` does.
+//! the one-sided window cases, [`capture::replays`] collectives captured
+//! into a CUDA graph and launched again. [`on_threads`] runs any of them on
+//! a world of threads: each backend crate's own `cargo test` does.
 
 #![warn(missing_docs)]
 
 mod buf;
+pub mod capture;
 pub mod cuda;
 mod placement;
 pub mod reference;

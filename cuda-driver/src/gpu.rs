@@ -20,6 +20,12 @@ pub fn check_reduce_all(srcs: &[DevicePtr], dsts: &[DevicePtr]) -> Result<()> {
     )))
 }
 
+/// A captured CUDA graph, instantiated (a `CUgraphExec` and its
+/// `CUgraph`, or the emulation's recording): launch it with
+/// [`Gpu::launch_graph`], free it with [`Gpu::destroy_graph`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Graph(pub u64);
+
 /// An event handle of one [`Gpu`] implementation.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Event(pub u64);
@@ -138,4 +144,36 @@ pub trait Gpu: Send + Sync {
     /// graph is launched, and nothing may copy between it and host memory
     /// or wait on the host for what it records.
     fn is_capturing(&self, stream: StreamHandle) -> Result<bool>;
+    /// Start capturing the work queued on `stream` into a graph
+    /// (`cuStreamBeginCapture`, relaxed mode: other threads may call the
+    /// driver meanwhile). What frameworks do for their own graphs (torch's
+    /// `torch.cuda.graph`); weft's tests do it here.
+    fn begin_capture(&self, stream: StreamHandle) -> Result<()>;
+    /// End the capture `stream` began: the graph, instantiated; an error if
+    /// anything invalidated the capture.
+    fn end_capture(&self, stream: StreamHandle) -> Result<Graph>;
+    /// Queue one run of `graph` on `stream` (`cuGraphLaunch`).
+    fn launch_graph(&self, graph: Graph, stream: StreamHandle) -> Result<()>;
+    /// Free a graph from [`Gpu::end_capture`] (launches already queued
+    /// still run).
+    fn destroy_graph(&self, graph: Graph);
+    /// A hand-off to other ranks that runs on the device alone, so a graph
+    /// can capture it: after the work queued before it on `stream`, add one
+    /// to the word at `counter` if `advance`, make everything written so far
+    /// visible to other devices and processes, then store the counter's
+    /// value in the word at `flag` (which other ranks read through a
+    /// mapping).
+    ///
+    /// # Safety
+    /// Both words are valid device memory (8 bytes, 8-aligned) until the
+    /// stream has run this; nothing else writes them meanwhile.
+    unsafe fn signal(&self, stream: StreamHandle, counter: DevicePtr, advance: bool, flag: DevicePtr) -> Result<()>;
+    /// Hold `stream` (on the device) until the word at `flag` (another
+    /// rank's [`Gpu::signal`]) is at least the word at `counter`, read when
+    /// the wait starts. Past `timeout` the stream fails (a sticky error its
+    /// next synchronisation reports) instead of waiting forever.
+    ///
+    /// # Safety
+    /// As [`Gpu::signal`]; `flag` may be another process's memory, mapped.
+    unsafe fn wait_flag(&self, stream: StreamHandle, counter: DevicePtr, flag: DevicePtr, timeout: std::time::Duration) -> Result<()>;
 }

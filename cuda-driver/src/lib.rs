@@ -17,7 +17,7 @@ mod pinned;
 mod tensor;
 
 pub use completion::{order_after, synchronize_event, synchronize_event_checked, synchronize_stream, StreamCompletion};
-pub use gpu::{DevicePtr, Event, Gpu, MAX_REDUCE_ALL};
+pub use gpu::{DevicePtr, Event, Gpu, Graph, MAX_REDUCE_ALL};
 pub use pinned::PinnedPool;
 pub use tensor::{cudarc_views, tensor_from_raw, tensor_mut_from_raw};
 

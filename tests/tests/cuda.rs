@@ -101,6 +101,21 @@ fn cuda_device_direct_and_ring_across_processes_over_ipc() {
 }
 
 #[test]
+fn collectives_captured_into_a_graph_replay_across_processes() {
+    // Staged through the staging buffers, and reading the callers' buffers
+    // through IPC mappings that the graph keeps.
+    for (w, hints) in [(2, ""), (3, "cuda_direct_staged_bytes=0")] {
+        let mut env = gpu_env();
+        env.push(("WEFT_TEST_HINTS", hints));
+        let ends = run_world(&worker(), w, &["cuda_capture"], &env, Duration::from_secs(120));
+        for (r, e) in ends.iter().enumerate() {
+            assert!(e.status.success(), "W={w} {hints} rank {r}:\n{}", e.output);
+            assert!(e.output.contains("captured collectives replayed right"), "{}", e.output);
+        }
+    }
+}
+
+#[test]
 fn ranks_on_different_gpus_run_the_ring_unless_direct_is_asked_for() {
     // Two emulated GPUs, one per rank (LOCAL_RANK): events are waited for
     // on the device, and `auto` keeps the ring across GPUs.

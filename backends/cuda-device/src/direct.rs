@@ -30,7 +30,9 @@
 //!
 //! (Ranks that are threads of one process use each other's pointers and
 //! events: nothing is mapped, and round 3 is followed by stream waits on
-//! every rank's `done` instead of host waits.)
+//! every rank's `done` instead of host waits. An op captured into a CUDA
+//! graph hands off through the device-side flags of `handoff.rs` and keeps
+//! its mappings for the graph, so it too ends with waits on every `done`.)
 //!
 //! A wait on an IPC event waits for its latest record: each wait comes after
 //! the round that follows the record it means, and the next record of that
@@ -42,11 +44,13 @@
 //! ranks use different GPUs, unless the hint `cuda_algorithm=direct` asks.
 
 use crate::agree::{ranks_where, round, same_everywhere, Signature};
+use crate::handoff::Handoff;
 use crate::peer_buffers::PeerBuffers;
 use crate::setup::Peers;
+use crate::Required;
 use weft::algorithms::Steps;
 use weft::backend::{Backend, OpContext};
-use weft::{Error, ReduceOp, Result, StreamHandle, TensorMut};
+use weft::{Error, ReduceOp, Result, TensorMut};
 use weft_cuda_driver::{DevicePtr, MAX_REDUCE_ALL};
 
 /// One rank's round-1 record: whether it stages the op, whether its buffer
@@ -129,24 +133,20 @@ fn map_all(
 
 /// In-place all-reduce of `buf` queued on `stream` (a `PremulSum` input is
 /// already scaled). `Ok(false)`, decided alike on every rank, where it
-/// cannot run here and the ring should; `Err` where `required` (the hint
-/// `cuda_algorithm=direct`) and it cannot.
+/// cannot run here and the ring should; `Err` where it is `required` (the hint
+/// `cuda_algorithm=direct`, or a capture) and it cannot.
 pub fn all_reduce(
     ring: &Peers,
     cpu: &dyn Backend,
     ctx: &OpContext,
-    stream: StreamHandle,
+    h: &Handoff<'_>,
     buf: &mut TensorMut<'_>,
     op: ReduceOp,
-    required: bool,
+    required: Required,
 ) -> Result<bool> {
+    let stream = h.stream();
     let (r, w) = (ctx.rank, ctx.size);
-    let fallback = |why: String| -> Result<bool> {
-        if required {
-            return Err(Error::unsupported(format!("cuda-device: cuda_algorithm=direct: {why}")));
-        }
-        Ok(false)
-    };
+    let fallback = |why: String| required.fallback(why);
     if w == 1 {
         // Nothing to exchange: the ring's no-op serves.
         return Ok(false);
@@ -154,7 +154,7 @@ pub fn all_reduce(
     if w > MAX_REDUCE_ALL {
         return fallback(format!("runs on at most {MAX_REDUCE_ALL} ranks, the group has {w}"));
     }
-    if !ring.one_gpu && !required {
+    if !ring.one_gpu && !required.is_required() {
         // Measured only where the ranks share a GPU; across GPUs every
         // block would cross the links as loads and stores, which only a
         // full NVLink mesh carries well (vLLM's custom all-reduce draws
@@ -178,7 +178,7 @@ pub fn all_reduce(
     }
 
     // Round 1: every rank's buffer, recorded ready before it is offered.
-    g.record(ring.ready, stream)?;
+    h.ready()?;
     // Ranks in one process read each other's buffers as they are.
     let (exported, handle, offset) = match g.ipc_export(ptr) {
         _ if staged => (true, Vec::new(), 0),
@@ -216,7 +216,7 @@ pub fn all_reduce(
     };
 
     for p in (0..w).filter(|p| *p != r) {
-        ring.after(stream, ring.ranks_ready[p], ctx.deadline.get(), &format!("rank {p}'s input"))?;
+        h.after_ready(p, &format!("rank {p}'s input"))?;
     }
     if staged {
         // One shot: the whole of every staging buffer, reduced into mine.
@@ -238,15 +238,16 @@ pub fn all_reduce(
     }
 
     // Round 3: my part is done once `done` completes.
-    g.record(ring.done, stream)?;
-    if staged || ring.others.is_empty() {
-        // Nothing mapped for this op alone: my stream (or, where
-        // `host_wait`, this thread) waits for every rank's `done`: their
-        // blocks of my buffer written, or their reads of my staging buffer
-        // over before my next op fills it.
+    h.done()?;
+    if staged || ring.others.is_empty() || h.captured() {
+        // Nothing mapped for this op alone (a captured op's mappings stay
+        // for its graph): my stream (or, where `host_wait`, this thread)
+        // waits for every rank's `done`: their blocks of my buffer written,
+        // or their reads of my staging buffer over before my next op fills it.
+        peers.keep(&ring.kept);
         round(&c, 2, &[1])?;
         for p in (0..w).filter(|p| *p != r) {
-            ring.after(stream, ring.ranks_done[p], ctx.deadline.get(), &format!("rank {p}'s part of the op"))?;
+            h.after_done(p, &format!("rank {p}'s part of the op"))?;
         }
     } else {
         // Other processes' buffers are closed before any rank's op can

@@ -8,7 +8,9 @@
 //! data (`ring.rs`). Every other collective: each rank pulls what it needs
 //! from its peers' buffers (`pull.rs`). Point-to-point ops, and
 //! collectives that cannot run on the device, are staged through the host
-//! (the same code as `cuda-host-staging`).
+//! (the same code as `cuda-host-staging`). On a stream capturing a CUDA
+//! graph, all_reduce and the pulled ops record their work into the graph
+//! with device-side hand-offs (`handoff.rs`); the rest is refused.
 //!
 //! Created only when every rank is on this host and every rank can export
 //! and open the IPC handles; otherwise creation fails with `Unsupported` on
@@ -18,15 +20,17 @@
 
 mod agree;
 mod direct;
+mod handoff;
 mod peer_buffers;
 mod pull;
 mod ring;
 mod setup;
 mod window;
 
+use handoff::Handoff;
 use setup::Peers;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use weft::backend::{Backend, BackendContext, Op, OpContext};
 use weft::registry::{BackendFactory, StaticBackend};
 use weft::stream::DeviceCompletion;
@@ -75,13 +79,16 @@ impl DeviceBackend {
     fn all_reduce(&self, buf: &mut weft::TensorMut<'_>, op: weft::ReduceOp, ctx: &OpContext, algorithm: Algorithm) -> Result<()> {
         let ptr = buf.as_ptr() as u64;
         let (count, dtype) = (buf.numel(), buf.dtype());
-        self.on_device(ctx, Some(buf.device()), |ring, cpu, stream| {
-            let g = &ring.gpu;
+        self.on_device(ctx, Some(buf.device()), |ring, cpu, h| {
+            let (g, stream) = (&ring.gpu, h.stream());
             if let weft::ReduceOp::PremulSum(f) = op {
                 // SAFETY: the op's buffer, on this stream after the caller's work.
                 unsafe { g.premul(stream, ptr, count, dtype, f)? };
             }
-            if algorithm != Algorithm::Ring && direct::all_reduce(ring, cpu, ctx, stream, buf, op, algorithm == Algorithm::Direct)? {
+            if h.captured() && ctx.size == 1 {
+                return Ok(true); // (Nothing to exchange, nothing to divide.)
+            }
+            if algorithm != Algorithm::Ring && direct::all_reduce(ring, cpu, ctx, h, buf, op, Required::of(algorithm, h))? {
                 return Ok(true);
             }
             ring::all_reduce(ring, cpu, ctx, stream, buf, op).map(|()| true)
@@ -93,8 +100,7 @@ impl DeviceBackend {
     /// where every rank learns it cannot be, staged through the host.
     fn pulled(&self, op: &mut Op<'_>, ctx: &OpContext, algorithm: Algorithm) -> Result<()> {
         let device = first_device(op);
-        let required = algorithm == Algorithm::Direct;
-        if self.on_device(ctx, device, |ring, cpu, stream| pull::run(ring, cpu, ctx, stream, op, required))? {
+        if self.on_device(ctx, device, |ring, cpu, h| pull::run(ring, cpu, ctx, h, op, Required::of(algorithm, h)))? {
             return Ok(());
         }
         self.staging.run(op, ctx)
@@ -105,11 +111,15 @@ impl DeviceBackend {
     /// returns false where it did nothing the op needs (every rank then
     /// runs the op another way): this rank's stream is drained first, since
     /// what `f` queued may still read the caller's buffers.
+    ///
+    /// Where the caller's stream is capturing a CUDA graph, `f` queues the
+    /// op on that stream itself, with hand-offs on the device alone
+    /// (`handoff.rs`), and must run it there (no other way can be captured).
     fn on_device(
         &self,
         ctx: &OpContext,
         device: Option<Device>,
-        f: impl FnOnce(&Peers, &dyn Backend, StreamHandle) -> Result<bool>,
+        f: impl FnOnce(&Peers, &dyn Backend, &Handoff<'_>) -> Result<bool>,
     ) -> Result<bool> {
         let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(d) = device.filter(|d| *d != Device::Cuda(ring.device as u32)) {
@@ -120,9 +130,23 @@ impl DeviceBackend {
         }
         let g = ring.gpu.clone();
         let caller = ctx.stream.unwrap_or_default();
-        order_after(&*g, ring.device, self.stream, caller)?;
         let cpu = &**self.staging.cpu();
-        let r = f(&ring, cpu, self.stream);
+        let deadline = ctx.deadline.get();
+        if g.is_capturing(caller)? {
+            // Each launch of the graph waits at most the op's timeout for a peer.
+            let h = Handoff::new(&ring, caller, true, deadline.saturating_duration_since(Instant::now()), deadline);
+            return match f(&ring, cpu, &h) {
+                Ok(true) => {
+                    ctx.completion.set(Arc::new(Captured));
+                    Ok(true)
+                }
+                Ok(false) => Err(Error::unsupported("cuda-device: this op cannot be captured into a CUDA graph")),
+                Err(e) => Err(e.with_op(ctx.name).with_rank(ctx.rank)),
+            };
+        }
+        order_after(&*g, ring.device, self.stream, caller)?;
+        let h = Handoff::new(&ring, self.stream, false, Duration::ZERO, deadline);
+        let r = f(&ring, cpu, &h);
         if let Ok(false) = r {
             synchronize_stream(&*g, ring.device, self.stream, ctx.deadline.for_cleanup(), ctx.name)?;
             return Ok(false);
@@ -152,6 +176,42 @@ fn first_device(op: &Op<'_>) -> Option<Device> {
         Op::AllToAll { inputs, .. } => inputs.first()?.device(),
         _ => return None,
     })
+}
+
+/// Whether an op must run on the device path, and why: else it falls back
+/// (to the ring, or staged through the host) where that path cannot run.
+#[derive(Copy, Clone, PartialEq, Eq, Debug)]
+enum Required {
+    No,
+    /// The hint `cuda_algorithm=direct` asks for it.
+    Hint,
+    /// The caller's stream is capturing a CUDA graph, which no host step
+    /// can join.
+    Capture,
+}
+
+impl Required {
+    fn of(algorithm: Algorithm, h: &Handoff<'_>) -> Required {
+        match (h.captured(), algorithm) {
+            (true, _) => Required::Capture,
+            (false, Algorithm::Direct) => Required::Hint,
+            _ => Required::No,
+        }
+    }
+
+    fn is_required(self) -> bool {
+        self != Required::No
+    }
+
+    /// Where the device path cannot run because of `why`: `Ok(false)` (the
+    /// op falls back), or, where it is required, `Unsupported` saying why.
+    fn fallback(self, why: String) -> Result<bool> {
+        match self {
+            Required::No => Ok(false),
+            Required::Hint => Err(Error::unsupported(format!("cuda-device: cuda_algorithm=direct: {why}"))),
+            Required::Capture => Err(Error::unsupported(format!("cuda-device: this op cannot be captured into a CUDA graph: {why}"))),
+        }
+    }
 }
 
 /// How `cuda-device` runs a collective (hint `cuda_algorithm`): all_reduce
@@ -228,6 +288,23 @@ impl DeviceCompletion for RingCompletion {
     }
 }
 
+/// The device side of an op captured into a CUDA graph: its work is on
+/// the caller's stream, in the graph, and runs when the graph is launched;
+/// there is nothing to order or wait for on the host meanwhile.
+struct Captured;
+
+impl DeviceCompletion for Captured {
+    fn order_caller_stream(&self) -> Result<()> {
+        Ok(())
+    }
+    fn is_complete(&self) -> Result<bool> {
+        Ok(true)
+    }
+    fn synchronize(&self, _deadline: Instant) -> Result<()> {
+        Ok(())
+    }
+}
+
 impl DeviceBackend {
     /// The CPU backend its host-side bytes go through.
     fn cpu(&self) -> &Arc<dyn Backend> {
@@ -251,9 +328,20 @@ impl Backend for DeviceBackend {
     // Point-to-point ops go through the host, as in cuda-host-staging.
     weft_cuda_host_staging::staged_transport!(staging);
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
-        let why = "cuda-device coordinates its ranks on the host, which a CUDA graph cannot capture (not supported yet)";
-        if let Err(e) = weft_cuda_host_staging::refuse_capture(&*self.staging.gpu(), ctx.stream, ctx.name, why) {
-            return Some(Err(e));
+        // Captured ops run on the device alone: all_reduce directly, the
+        // other collectives pulled. The rest (the ring, staged ops) is
+        // refused before it touches a stream, leaving the capture valid.
+        let capturable = match (&*op, Algorithm::from_hints(ctx)) {
+            (_, Err(_) | Ok(Algorithm::Staging | Algorithm::Ring)) => false,
+            (Op::AllReduce { .. } | Op::Broadcast { .. } | Op::Reduce { .. } | Op::AllGather { .. }, _) => true,
+            (Op::ReduceScatter { .. } | Op::AllToAll { .. } | Op::Gather { .. } | Op::Scatter { .. }, _) => true,
+            _ => false,
+        };
+        let why = "cuda-device runs it through the host (cuda_algorithm=ring or staging, point-to-point, or sparse tensors), which a CUDA graph cannot capture";
+        if !capturable {
+            if let Err(e) = weft_cuda_host_staging::refuse_capture(&*self.staging.gpu(), ctx.stream, ctx.name, why) {
+                return Some(Err(e));
+            }
         }
         Some(match op {
             Op::AllReduce { buf, op } => match Algorithm::from_hints(ctx) {

@@ -4,7 +4,10 @@
 //! another process still has it open, and a caller may free its tensor as
 //! soon as its op completes: so a mapping is closed before the op completes
 //! on any rank (never cached across ops), and only once the kernels that
-//! read or wrote through it have finished.
+//! read or wrote through it have finished. An op captured into a CUDA graph
+//! is the exception: its graph reads through the mappings on every launch,
+//! so they stay open until the group closes (the graph's buffers are the
+//! caller's to keep alive as long as it launches the graph).
 
 use std::time::Instant;
 use weft::{Result, StreamHandle};
@@ -31,6 +34,12 @@ impl<'a> PeerBuffers<'a> {
         let ptr = self.gpu.ipc_open(self.device, handle)?;
         self.open.push(ptr);
         Ok(ptr)
+    }
+
+    /// Keep every mapping open in `kept` (closed when the group closes):
+    /// a captured op's graph reads through them on every launch.
+    pub fn keep(&mut self, kept: &std::sync::Mutex<Vec<DevicePtr>>) {
+        kept.lock().unwrap_or_else(|p| p.into_inner()).append(&mut self.open);
     }
 
     /// Close every mapping.

@@ -29,6 +29,9 @@
 //! round 3; order my stream after every rank's done (their reads of what I expose)
 //! ```
 //!
+//! (Captured into a CUDA graph, `ready`, `done` and the waits are the
+//! device-side flags of `handoff.rs`, and mappings stay open for the graph.)
+//!
 //! What every rank must agree on (the op, its dtype, reduce op and root,
 //! and the size of each buffer one rank reads of another's) is checked in
 //! rounds 1 and 2, before anything is read: a mismatch is
@@ -51,12 +54,14 @@
 //! asks for this path: then it fails with `Unsupported`.
 
 use crate::agree::{ranks_where, round};
+use crate::handoff::Handoff;
 use crate::peer_buffers::PeerBuffers;
 use crate::setup::Peers;
+use crate::Required;
 use std::collections::HashMap;
 use weft::algorithms::Steps;
 use weft::backend::{Backend, Op, OpContext};
-use weft::{DType, Error, ReduceOp, Result, StreamHandle};
+use weft::{DType, Error, ReduceOp, Result};
 use weft_cuda_driver::{DevicePtr, MAX_REDUCE_ALL};
 
 /// Bytes of an IPC handle a record carries, at most.
@@ -278,16 +283,12 @@ impl Record {
 
 /// Run `op` device to device, queued on `stream` (ordered after the
 /// caller's already). `Ok(false)`, decided alike on every rank, where it
-/// cannot run here and should be staged; `Err` where `required` (the hint
-/// `cuda_algorithm=direct`) and it cannot.
-pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, stream: StreamHandle, op: &mut Op<'_>, required: bool) -> Result<bool> {
+/// cannot run here and should be staged; `Err` where it is `required` (the hint
+/// `cuda_algorithm=direct`, or a capture) and it cannot.
+pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, h: &Handoff<'_>, op: &mut Op<'_>, required: Required) -> Result<bool> {
+    let stream = h.stream();
     let (r, w) = (ctx.rank, ctx.size);
-    let fallback = |why: String| -> Result<bool> {
-        if required {
-            return Err(Error::unsupported(format!("cuda-device: cuda_algorithm=direct: {why}")));
-        }
-        Ok(false)
-    };
+    let fallback = |why: String| required.fallback(why);
     // A kernel cannot read another GPU's memory through a pointer of this
     // process without peer access, which only the IPC mappings of other
     // processes' buffers enable: reductions with ranks of this process on
@@ -334,7 +335,7 @@ pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, stream: StreamHandl
         }
     }
     // Round 1: what every rank exposes, recorded ready before it is offered.
-    g.record(ring.ready, stream)?;
+    h.ready()?;
     let what = plan.as_ref().map_or(0, |p| p.what);
     let factor = premul.map_or(0, |(f, _)| f.to_bits());
     let mine = Record { staged, exported, serves, what, factor, stage: ring.staged_max as u64, buffers };
@@ -415,7 +416,7 @@ pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, stream: StreamHandl
     from_ranks.sort_unstable();
     from_ranks.dedup();
     for &p in &from_ranks {
-        ring.after(stream, ring.ranks_ready[p], ctx.deadline.get(), &format!("rank {p}'s buffers"))?;
+        h.after_ready(p, &format!("rank {p}'s buffers"))?;
     }
     for read in plan.reads.iter().filter(|x| x.bytes > 0) {
         let src = address[&(read.from, read.buf)];
@@ -442,8 +443,11 @@ pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, stream: StreamHandl
     // Round 3: my reads are done once `done` completes. Mappings are closed
     // before any rank's op can complete (their owners may free the buffers
     // then): my reads first, then the mappings, then the round.
-    g.record(ring.done, stream)?;
-    if !mapped.is_empty() {
+    h.done()?;
+    if h.captured() {
+        // The graph reads through them on every launch.
+        peers.keep(&ring.kept);
+    } else if !mapped.is_empty() {
         ring.wait_host(ring.done, ctx.deadline.get(), "this rank's reads of the others' buffers")?;
         // SAFETY: the copies that used the mappings have finished.
         unsafe { peers.close() };
@@ -453,7 +457,7 @@ pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, stream: StreamHandl
     // read in place by ranks in this process) are over before my op
     // completes.
     for p in (0..w).filter(|p| *p != r) {
-        ring.after(stream, ring.ranks_done[p], ctx.deadline.get(), &format!("rank {p}'s reads"))?;
+        h.after_done(p, &format!("rank {p}'s reads"))?;
     }
     Ok(true)
 }

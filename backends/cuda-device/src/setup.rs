@@ -28,6 +28,11 @@ pub const DEFAULT_SLOT_BYTES: usize = 64 << 20;
 /// (figures: bench/RESULTS.md, "Measurements behind code comments").
 pub const DEFAULT_STAGED_MAX: usize = 16 << 20;
 
+/// Bytes of a rank's hand-off words, at the start of its staging
+/// allocation (so every rank maps them with the staging buffer): its op
+/// counter, then its `ready` and `done` flags (see `handoff.rs`).
+pub const FLAGS: usize = 256;
+
 /// What one rank of `cuda-device` shares with its peers: the ring's slots and events, the
 /// direct all-reduce's staging buffer and events, and what it opened of
 /// the other ranks'.
@@ -55,6 +60,13 @@ pub struct Peers {
     pub stage: DevicePtr,
     /// Every rank's staging buffer by rank (mine included), mapped here.
     pub ranks_stage: Vec<DevicePtr>,
+    /// My hand-off words ([`FLAGS`] bytes before `stage`, in its allocation).
+    pub flags: DevicePtr,
+    /// Every rank's hand-off words by rank (mine included), mapped here.
+    pub ranks_flags: Vec<DevicePtr>,
+    /// Other processes' buffers that captured ops read: a graph reads them
+    /// on every launch, so they stay mapped until the group closes.
+    pub kept: std::sync::Mutex<Vec<DevicePtr>>,
     /// What `ipc_open` mapped here (closed on drop).
     opened: Vec<DevicePtr>,
     /// Recorded by me after writing slot q of the next rank.
@@ -87,7 +99,8 @@ pub struct Peers {
     wait_hint: Option<bool>,
 }
 
-/// Exported parts per rank: the slots, the staging buffer, `filled`,
+/// Exported parts per rank: the slots, the staging allocation (hand-off
+/// words, then the staging buffer), `filled`,
 /// `consumed`, `ready`, `done`.
 const PARTS: usize = 4 + 2 * SLOTS;
 
@@ -132,6 +145,18 @@ pub fn choose_device(ctx: &BackendContext, gpu: &dyn Gpu) -> Result<usize> {
             .ok_or_else(|| Error::invalid(format!("hint cuda_device={v:?}: this host has {count} devices")));
     }
     Ok(std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse::<usize>().ok()).map_or(0, |l| l % count))
+}
+
+/// Zero `bytes` of device memory at `at` (cuMemAlloc leaves it as it was),
+/// through a stream of its own, before this returns.
+fn zero(gpu: &dyn Gpu, device: usize, at: DevicePtr, bytes: usize, timeout: Duration) -> Result<()> {
+    let (zeros, stream) = (vec![0u8; bytes], gpu.new_stream(device)?);
+    // SAFETY: `at` holds `bytes` (just allocated), `zeros` outlives the
+    // synchronisation below.
+    let r = unsafe { gpu.copy_htod(stream, at, zeros.as_ptr(), bytes) }
+        .and_then(|()| weft_cuda_driver::synchronize_stream(gpu, device, stream, Instant::now() + timeout, "zeroing the hand-off words"));
+    gpu.destroy_stream(stream);
+    r
 }
 
 /// The first of `ranks` (rank, pid) whose process has exited.
@@ -181,7 +206,9 @@ impl Peers {
         };
         let uuid = gpu.device_uuid(device)?;
         let my_slots = gpu.alloc(device, slot_bytes * SLOTS)?;
-        let stage = gpu.alloc(device, staged_max)?;
+        let flags = gpu.alloc(device, FLAGS + staged_max)?;
+        let stage = flags + FLAGS as u64;
+        zero(&**gpu, device, flags, FLAGS, ctx.timeout)?;
         let ev = || gpu.new_event(device, true);
         let ring = Peers {
             gpu: gpu.clone(),
@@ -195,6 +222,9 @@ impl Peers {
             next_slots: my_slots,
             stage,
             ranks_stage: Vec::new(),
+            flags,
+            ranks_flags: Vec::new(),
+            kept: std::sync::Mutex::default(),
             opened: Vec::new(),
             filled: [ev()?, ev()?, ev()?, ev()?],
             consumed: [ev()?, ev()?, ev()?, ev()?],
@@ -212,14 +242,14 @@ impl Peers {
             wait_hint,
         };
         let events: Vec<Event> = ring.events().collect();
-        let mut parts = vec![gpu.ipc_export(my_slots)?.0, gpu.ipc_export(stage)?.0];
+        let mut parts = vec![gpu.ipc_export(my_slots)?.0, gpu.ipc_export(flags)?.0];
         for e in &events {
             parts.push(gpu.ipc_export_event(*e)?);
         }
         // In-process peers (ranks as threads) use pointers and events as they
         // are: CUDA IPC cannot open a handle in the process that made it.
         parts.push(my_slots.to_le_bytes().to_vec());
-        parts.push(stage.to_le_bytes().to_vec());
+        parts.push(flags.to_le_bytes().to_vec());
         parts.extend(events.iter().map(|e| e.0.to_le_bytes().to_vec()));
         let record = encode(std::process::id(), uuid, &parts[..PARTS]);
         let local = encode(std::process::id(), uuid, &parts[PARTS..]);
@@ -244,6 +274,7 @@ impl Peers {
             if r == ctx.rank {
                 self.pids.push(me);
                 self.ranks_stage.push(self.stage);
+                self.ranks_flags.push(self.flags);
                 self.ranks_ready.push(self.ready);
                 self.ranks_done.push(self.done);
                 continue;
@@ -257,7 +288,8 @@ impl Peers {
                 if r == next {
                     self.next_slots = as_u64(&local[0]);
                 }
-                self.ranks_stage.push(as_u64(&local[1]));
+                self.ranks_flags.push(as_u64(&local[1]));
+                self.ranks_stage.push(as_u64(&local[1]) + FLAGS as u64);
                 local[2..].iter().map(|b| Event(as_u64(b))).collect()
             } else {
                 self.others.push((r, pid));
@@ -266,9 +298,10 @@ impl Peers {
                     self.next_slots = self.gpu.ipc_open(self.device, &parts[0])?;
                     self.opened.push(self.next_slots);
                 }
-                let stage = self.gpu.ipc_open(self.device, &parts[1])?;
-                self.opened.push(stage);
-                self.ranks_stage.push(stage);
+                let flags = self.gpu.ipc_open(self.device, &parts[1])?;
+                self.opened.push(flags);
+                self.ranks_flags.push(flags);
+                self.ranks_stage.push(flags + FLAGS as u64);
                 // Only the events this rank waits on: the neighbours' ring
                 // events, and everyone's ready and done.
                 let wanted = |i: usize| (r == prev && i < SLOTS) || (r == next && (SLOTS..2 * SLOTS).contains(&i)) || i >= 2 * SLOTS;
@@ -354,7 +387,8 @@ impl Drop for Peers {
         for e in self.opened_events.drain(..) {
             g.destroy_event(e);
         }
-        for mapped in self.opened.drain(..) {
+        let kept = std::mem::take(&mut *self.kept.lock().unwrap_or_else(|p| p.into_inner()));
+        for mapped in self.opened.drain(..).chain(kept) {
             // SAFETY: opened by ipc_open; the backend is shutting down and
             // its stream was drained.
             unsafe { g.ipc_close(mapped) };
@@ -369,7 +403,7 @@ impl Drop for Peers {
         // SAFETY: allocated in `export`; `free` waits for device work.
         unsafe {
             g.free(self.my_slots);
-            g.free(self.stage);
+            g.free(self.flags);
         }
     }
 }

@@ -3,7 +3,8 @@
 //! seconds to compile, one kernel a fraction of that):
 //! `weft_reduce_<dtype>_<op>` (`dst (op)= src`) and
 //! `weft_reduce_all_<dtype>_<op>` (many sources into many destinations) per
-//! dtype and op, plus `weft_premul_<dtype>` and `weft_divide_<dtype>` for floats.
+//! dtype and op, plus `weft_premul_<dtype>` and `weft_divide_<dtype>` for
+//! floats, and the device-side hand-offs `weft_signal` and `weft_wait_flag`.
 //!
 //! f16 and bf16 are carried as their 16-bit patterns and converted with
 //! inline PTX / bit arithmetic, so no CUDA header is needed at run time.
@@ -59,6 +60,37 @@ impl Kernel {
              {GRID_LOOP} {{ buf[i] = st_{d}(({compute})((double)ld_{d}(buf[i]) * f)); }} }}\n"
         );
         Kernel { name, dtype, body }
+    }
+
+    /// A rank's hand-off, on the device ([`crate::Gpu::signal`]): one
+    /// thread; the fence makes the stream's earlier writes visible to other
+    /// devices and processes before the flag says so.
+    pub fn signal() -> Kernel {
+        let body = "extern \"C\" __global__ void weft_signal(unsigned long long* counter, unsigned long long* flag, unsigned advance) {\n\
+                    if (blockIdx.x != 0 || threadIdx.x != 0) return;\n\
+                    unsigned long long c = *(volatile unsigned long long*)counter;\n\
+                    if (advance) { c += 1; *(volatile unsigned long long*)counter = c; }\n\
+                    __threadfence_system();\n\
+                    *(volatile unsigned long long*)flag = c;\n\
+                    __threadfence_system(); }\n";
+        Kernel { name: "weft_signal".into(), dtype: DType::U64, body: body.into() }
+    }
+
+    /// Wait on the device for another rank's flag ([`crate::Gpu::wait_flag`]):
+    /// one thread spins on the (mapped) word; past `limit` nanoseconds of
+    /// the global timer it traps, failing the stream instead of holding it
+    /// forever.
+    pub fn wait_flag() -> Kernel {
+        let body = "extern \"C\" __global__ void weft_wait_flag(const unsigned long long* counter, const unsigned long long* flag, unsigned long long limit) {\n\
+                    if (blockIdx.x != 0 || threadIdx.x != 0) return;\n\
+                    const unsigned long long want = *(volatile const unsigned long long*)counter;\n\
+                    unsigned long long start, now;\n\
+                    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(start));\n\
+                    while (*(volatile const unsigned long long*)flag < want) {\n\
+                    asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"(now));\n\
+                    if (now - start > limit) __trap(); }\n\
+                    __threadfence_system(); }\n";
+        Kernel { name: "weft_wait_flag".into(), dtype: DType::U64, body: body.into() }
     }
 
     /// `buf[i] /= d` (float dtypes).
@@ -226,6 +258,8 @@ pub fn all() -> Vec<Kernel> {
             all.push(Kernel::divide(d));
         }
     }
+    all.push(Kernel::signal());
+    all.push(Kernel::wait_flag());
     all
 }
 

@@ -11,7 +11,7 @@
 
 mod kernels;
 
-use crate::gpu::{check_reduce_all, DevicePtr, Event, Gpu, MAX_REDUCE_ALL};
+use crate::gpu::{check_reduce_all, DevicePtr, Event, Gpu, Graph, MAX_REDUCE_ALL};
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 use kernels::Kernel;
 use std::collections::HashMap;
@@ -29,6 +29,9 @@ pub struct DriverGpu {
     event_device: Mutex<HashMap<u64, usize>>,
     /// Per device and kernel name: the function, in a module of its own.
     functions: Mutex<HashMap<(usize, String), usize>>,
+    /// Each instantiated graph (`CUgraphExec`) and its `CUgraph`, with the
+    /// device it was captured on.
+    graphs: Mutex<HashMap<u64, (u64, usize)>>,
 }
 
 fn err(what: &str, e: DriverError) -> Error {
@@ -49,7 +52,13 @@ impl DriverGpu {
             return Err("no CUDA device".into());
         }
         let contexts = (0..n as usize).map(|_| OnceLock::new()).collect();
-        Ok(DriverGpu { contexts, stream_device: Mutex::default(), event_device: Mutex::default(), functions: Mutex::default() })
+        Ok(DriverGpu {
+            contexts,
+            stream_device: Mutex::default(),
+            event_device: Mutex::default(),
+            functions: Mutex::default(),
+            graphs: Mutex::default(),
+        })
     }
 
     fn bind(&self, device: usize) -> Result<()> {
@@ -348,5 +357,59 @@ impl Gpu for DriverGpu {
         // status is written before the call returns.
         unsafe { sys::cuStreamIsCapturing(s, &mut status) }.result().map_err(|e| err("asking whether a stream captures", e))?;
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+    fn begin_capture(&self, stream: StreamHandle) -> Result<()> {
+        let s = self.bind_stream(stream)?;
+        // SAFETY: a stream of this process.
+        unsafe { sys::cuStreamBeginCapture_v2(s, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED) }
+            .result()
+            .map_err(|e| err("beginning a capture", e))
+    }
+    fn end_capture(&self, stream: StreamHandle) -> Result<Graph> {
+        let s = self.bind_stream(stream)?;
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: a stream of this process that began a capture; writes one graph handle.
+        unsafe { sys::cuStreamEndCapture(s, &mut graph) }.result().map_err(|e| err("ending a capture", e))?;
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: the graph just captured; writes one handle.
+        if let Err(e) = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }.result() {
+            // SAFETY: the graph is ours and instantiated nowhere.
+            let _ = unsafe { sys::cuGraphDestroy(graph) };
+            return Err(err("instantiating a captured graph", e));
+        }
+        let device = self.stream_device.lock().unwrap_or_else(|p| p.into_inner()).get(&stream.0).copied().unwrap_or(0);
+        self.graphs.lock().unwrap_or_else(|p| p.into_inner()).insert(exec as u64, (graph as u64, device));
+        Ok(Graph(exec as u64))
+    }
+    fn launch_graph(&self, graph: Graph, stream: StreamHandle) -> Result<()> {
+        if !self.graphs.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&graph.0) {
+            return Err(Error::invalid(format!("cuda: graph {:#x} is not one end_capture made", graph.0)));
+        }
+        let s = self.bind_stream(stream)?;
+        // SAFETY: an instantiated graph of this process, on a stream of it.
+        unsafe { sys::cuGraphLaunch(graph.0 as sys::CUgraphExec, s) }.result().map_err(|e| err("launching a graph", e))
+    }
+    fn destroy_graph(&self, graph: Graph) {
+        let Some((g, device)) = self.graphs.lock().unwrap_or_else(|p| p.into_inner()).remove(&graph.0) else { return };
+        if self.bind(device).is_ok() {
+            // SAFETY: made by end_capture, not used afterwards (launches
+            // already queued complete first, as the driver documents).
+            unsafe {
+                let _ = sys::cuGraphExecDestroy(graph.0 as sys::CUgraphExec);
+                let _ = sys::cuGraphDestroy(g as sys::CUgraph);
+            }
+        }
+    }
+    unsafe fn signal(&self, stream: StreamHandle, counter: DevicePtr, advance: bool, flag: DevicePtr) -> Result<()> {
+        let (mut c, mut f, mut a) = (counter, flag, u32::from(advance));
+        let mut params = [&mut c as *mut u64 as *mut c_void, &mut f as *mut u64 as *mut c_void, &mut a as *mut u32 as *mut c_void];
+        // SAFETY: (u64*, u64*, unsigned) as the kernel declares; the caller's contract.
+        unsafe { self.launch(stream, Kernel::signal(), 1, &mut params) }
+    }
+    unsafe fn wait_flag(&self, stream: StreamHandle, counter: DevicePtr, flag: DevicePtr, timeout: std::time::Duration) -> Result<()> {
+        let (mut c, mut f, mut t) = (counter, flag, u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX));
+        let mut params = [&mut c as *mut u64 as *mut c_void, &mut f as *mut u64 as *mut c_void, &mut t as *mut u64 as *mut c_void];
+        // SAFETY: (u64*, u64*, u64) as the kernel declares; the caller's contract.
+        unsafe { self.launch(stream, Kernel::wait_flag(), 1, &mut params) }
     }
 }

@@ -1,17 +1,24 @@
 //! Stream capture (CUDA graphs) as the emulation models it: what a real
 //! device refuses while a stream captures, so CPU-only tests see a path
-//! that would break a capture.
+//! that would break a capture, and replay, so they see what a captured op
+//! does on every launch.
 //!
 //! - [`begin_capture`] starts capturing on a stream; [`end_capture`] ends
-//!   it, with an error if anything invalidated the capture meanwhile.
-//! - Work queued on a capturing stream is recorded, not run (replaying a
-//!   graph is not modelled).
+//!   it, with the graph, or an error if anything invalidated the capture
+//!   meanwhile.
+//! - Work queued on a capturing stream is recorded, not run; launching the
+//!   graph queues the recorded work again on the launching stream, in the
+//!   order it was recorded (an order every dependency inside the capture
+//!   respects). Event records and waits inside the capture only join
+//!   streams to it; a capturing stream's wait for an event recorded outside
+//!   it is not replayed.
 //! - A stream that waits for an event recorded during a capture joins that
 //!   capture, as on a real device.
 //! - A copy between a capturing stream and host memory, and a query of an
 //!   event recorded during a capture, are errors ("operation not permitted
 //!   when stream is capturing") that invalidate the capture.
 
+use super::queue::Work;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use weft::{Error, Result, StreamHandle};
@@ -20,8 +27,8 @@ use weft::{Error, Result, StreamHandle};
 struct Capture {
     origin: u64,
     invalid: Option<String>,
-    /// Tasks recorded into it (queued on one of its streams).
-    recorded: usize,
+    /// Work recorded into it (queued on one of its streams), in order.
+    recorded: Vec<Work>,
 }
 
 #[derive(Default)]
@@ -32,6 +39,8 @@ struct State {
     streams: HashMap<u64, u64>,
     /// Event -> the capture its latest record belongs to.
     events: HashMap<u64, u64>,
+    /// Graphs that captures ended in, by id.
+    graphs: HashMap<u64, Vec<Work>>,
 }
 
 /// One emulated GPU per process, so the capture state is the process's.
@@ -43,7 +52,7 @@ fn with<T>(f: impl FnOnce(&mut State) -> T) -> T {
 }
 
 /// Start capturing the work queued on `stream` (`cudaStreamBeginCapture`).
-pub fn begin_capture(stream: StreamHandle) -> Result<()> {
+pub(super) fn begin_capture(stream: StreamHandle) -> Result<()> {
     with(|s| {
         if stream.0 == 0 {
             return Err(Error::invalid("cuda emulation: the legacy default stream cannot capture"));
@@ -53,15 +62,15 @@ pub fn begin_capture(stream: StreamHandle) -> Result<()> {
         }
         s.next += 1;
         let id = s.next;
-        s.captures.insert(id, Capture { origin: stream.0, invalid: None, recorded: 0 });
+        s.captures.insert(id, Capture { origin: stream.0, invalid: None, recorded: Vec::new() });
         s.streams.insert(stream.0, id);
         Ok(())
     })
 }
 
 /// End the capture that `stream` began (`cudaStreamEndCapture`): the
-/// number of tasks it recorded, or why it was invalidated.
-pub fn end_capture(stream: StreamHandle) -> Result<usize> {
+/// graph's id, or why the capture was invalidated.
+pub(super) fn end_capture(stream: StreamHandle) -> Result<u64> {
     with(|s| {
         let id = s.streams.get(&stream.0).copied().filter(|id| s.captures.get(id).is_some_and(|c| c.origin == stream.0));
         let id = id.ok_or_else(|| Error::invalid(format!("cuda emulation: stream {} did not begin a capture", stream.0)))?;
@@ -70,9 +79,29 @@ pub fn end_capture(stream: StreamHandle) -> Result<usize> {
         let c = s.captures.remove(&id).expect("listed");
         match c.invalid {
             Some(why) => Err(Error::backend(format!("cuda emulation: the capture was invalidated: {why}"))),
-            None => Ok(c.recorded),
+            None => {
+                s.graphs.insert(id, c.recorded);
+                Ok(id)
+            }
         }
     })
+}
+
+/// The work a graph recorded, to queue again.
+pub(super) fn graph(id: u64) -> Result<Vec<Work>> {
+    with(|s| s.graphs.get(&id).cloned()).ok_or_else(|| Error::invalid(format!("cuda emulation: graph {id} is not one end_capture made")))
+}
+
+/// Forget a graph.
+pub(super) fn destroy_graph(id: u64) {
+    with(|s| s.graphs.remove(&id));
+}
+
+/// How many tasks graph `id` recorded (copies, kernels, hand-offs), if it
+/// exists: what a test reads to see that a refused op left nothing in a
+/// capture.
+pub fn graph_tasks(id: u64) -> Option<usize> {
+    with(|s| s.graphs.get(&id).map(Vec::len))
 }
 
 /// Whether `stream` takes part in a capture.
@@ -81,10 +110,10 @@ pub(super) fn capturing(stream: StreamHandle) -> bool {
 }
 
 /// Work queued on `stream`: recorded into its capture (true), or to run.
-pub(super) fn records(stream: StreamHandle) -> bool {
+pub(super) fn records(stream: StreamHandle, work: &Work) -> bool {
     with(|s| match s.streams.get(&stream.0).copied() {
         Some(id) => {
-            s.captures.get_mut(&id).expect("listed").recorded += 1;
+            s.captures.get_mut(&id).expect("listed").recorded.push(work.clone());
             true
         }
         None => false,
@@ -155,9 +184,9 @@ mod tests {
         let buf = g.alloc(0, 64).unwrap();
         let mut host = vec![0u8; 64];
         assert!(!g.is_capturing(s).unwrap());
-        begin_capture(s).unwrap();
+        g.begin_capture(s).unwrap();
         assert!(g.is_capturing(s).unwrap() && !g.is_capturing(other).unwrap());
-        assert!(begin_capture(s).is_err(), "twice");
+        assert!(g.begin_capture(s).is_err(), "twice");
         // Device work is recorded, not run.
         // SAFETY: `buf` holds 64 bytes.
         unsafe { g.premul(s, buf, 16, weft::DType::F32, 2.0).unwrap() };
@@ -167,22 +196,23 @@ mod tests {
         g.record(e, s).unwrap();
         g.wait_event(other, e).unwrap();
         assert!(g.is_capturing(other).unwrap());
-        assert_eq!(end_capture(s).unwrap(), 1);
+        let graph = g.end_capture(s).unwrap();
+        assert_eq!(graph_tasks(graph.0), Some(1));
         assert!(!g.is_capturing(s).unwrap() && !g.is_capturing(other).unwrap());
-        assert!(end_capture(s).is_err(), "not capturing any more");
+        assert!(g.end_capture(s).is_err(), "not capturing any more");
 
         // A host copy, or a query of a captured event, is refused and
         // invalidates the capture.
-        begin_capture(s).unwrap();
+        g.begin_capture(s).unwrap();
         // SAFETY: both ranges hold 64 bytes.
         let copy = unsafe { g.copy_dtoh(s, host.as_mut_ptr(), buf, 64) };
         assert!(copy.unwrap_err().to_string().contains("not permitted when stream is capturing"));
-        assert!(end_capture(s).unwrap_err().to_string().contains("copy to host memory"));
-        begin_capture(s).unwrap();
+        assert!(g.end_capture(s).unwrap_err().to_string().contains("copy to host memory"));
+        g.begin_capture(s).unwrap();
         g.record(e, s).unwrap();
         assert!(g.query(e).is_err());
-        assert!(end_capture(s).unwrap_err().to_string().contains("query"));
-        assert!(begin_capture(StreamHandle(0)).is_err(), "the legacy default stream");
+        assert!(g.end_capture(s).unwrap_err().to_string().contains("query"));
+        assert!(g.begin_capture(StreamHandle(0)).is_err(), "the legacy default stream");
         // Outside a capture the stream runs its work again.
         let f = g.new_event(0, false).unwrap();
         // SAFETY: as above.
@@ -190,6 +220,65 @@ mod tests {
         g.record(f, s).unwrap();
         while !g.query(f).unwrap() {
             std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+        g.destroy_graph(graph);
+        assert_eq!(graph_tasks(graph.0), None);
+    }
+
+    #[test]
+    fn each_launch_runs_what_the_capture_recorded_with_the_memory_as_it_is_then() {
+        let g = EmulatedGpu::new(1);
+        let s = g.new_stream(0).unwrap();
+        let buf = g.alloc(0, 16).unwrap();
+        let write = |v: f32| {
+            // SAFETY: `buf` holds 4 f32 and no stream uses it now.
+            unsafe { std::slice::from_raw_parts_mut(buf as *mut f32, 4) }.fill(v)
+        };
+        // SAFETY: as above.
+        let read = || unsafe { std::slice::from_raw_parts(buf as *const f32, 4) }.to_vec();
+        write(1.0);
+        g.begin_capture(s).unwrap();
+        // SAFETY: `buf` holds 4 f32 for as long as the graph is launched.
+        unsafe { g.premul(s, buf, 4, weft::DType::F32, 3.0).unwrap() };
+        let graph = g.end_capture(s).unwrap();
+        assert_eq!(read(), vec![1.0; 4], "capturing ran nothing");
+        let deadline = || std::time::Instant::now() + std::time::Duration::from_secs(10);
+        for (input, want) in [(1.0, 3.0), (2.0, 6.0), (5.0, 15.0)] {
+            write(input);
+            g.launch_graph(graph, s).unwrap();
+            crate::synchronize_stream(&g, 0, s, deadline(), "a launch").unwrap();
+            assert_eq!(read(), vec![want; 4]);
+        }
+        g.destroy_graph(graph);
+        assert!(g.launch_graph(graph, s).is_err(), "a destroyed graph");
+    }
+
+    #[test]
+    fn a_flag_wait_holds_its_stream_until_the_signal_and_fails_it_past_its_limit() {
+        let g = EmulatedGpu::new(1);
+        let (a, b) = (g.new_stream(0).unwrap(), g.new_stream(0).unwrap());
+        // Words: a's counter, a's flag, b's counter, b's flag, a payload.
+        let words = g.alloc(0, 5 * 8).unwrap();
+        let w = |i: u64| words + 8 * i;
+        let deadline = || std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let limit = std::time::Duration::from_secs(10);
+        // SAFETY: every word lies in `words`, alive until the end.
+        unsafe {
+            // b waits for a's flag, then copies the payload a wrote.
+            g.signal(b, w(2), true, w(3)).unwrap();
+            g.wait_flag(b, w(2), w(1), limit).unwrap();
+            g.copy_dtod(b, w(3), w(4), 8).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            assert_eq!(*(w(3) as *const u64), 1, "b waits");
+            *(w(4) as *mut u64) = 77;
+            g.signal(a, w(0), true, w(1)).unwrap();
+            crate::synchronize_stream(&g, 0, b, deadline(), "b").unwrap();
+            assert_eq!(*(w(3) as *const u64), 77);
+            // A flag that never comes fails the stream instead of holding it.
+            *(w(2) as *mut u64) = 1000;
+            g.wait_flag(b, w(2), w(4), std::time::Duration::from_millis(1)).unwrap();
+            let stuck = crate::synchronize_stream(&g, 0, b, deadline(), "b");
+            assert!(stuck.is_err(), "{stuck:?}");
         }
     }
 }

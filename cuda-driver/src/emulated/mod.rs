@@ -6,16 +6,19 @@
 //! in order, asynchronously to the host, with a little random delay before
 //! each copy or kernel (`WEFT_CUDA_EMULATION_JITTER_US`, default 20) so that
 //! a missing wait shows up as a wrong result. Streams capture as CUDA
-//! graphs' do where it matters to weft (`capture.rs`).
+//! graphs' do where it matters to weft, and graphs replay what they
+//! recorded (`capture.rs`); the device-side hand-off (`Gpu::signal`,
+//! `Gpu::wait_flag`) is atomics on the shared words, the wait polling them
+//! on its stream's thread.
 
 mod capture;
 mod queue;
 mod shared;
 
-pub use capture::{begin_capture, end_capture};
+pub use capture::graph_tasks;
 
-use crate::gpu::{check_reduce_all, DevicePtr, Event, Gpu};
-use queue::{EventCell, Queue, Task};
+use crate::gpu::{check_reduce_all, DevicePtr, Event, Gpu, Graph};
+use queue::{EventCell, Queue, Task, Work};
 use shared::Mapping;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -127,23 +130,46 @@ impl EmulatedGpu {
         }
     }
 
-    /// Queue `work` on `s` after a random short delay.
-    fn enqueue(&self, s: StreamHandle, work: impl FnOnce() + Send + 'static) -> Result<()> {
+    /// Queue `work` on `s` after a random short delay (recorded instead,
+    /// while `s` captures).
+    fn enqueue(&self, s: StreamHandle, work: impl Fn() + Send + Sync + 'static) -> Result<()> {
+        self.enqueue_work(
+            s,
+            Arc::new(move || {
+                work();
+                Ok(())
+            }),
+        )
+    }
+
+    /// As [`EmulatedGpu::enqueue`], for work that can fail the stream.
+    fn enqueue_work(&self, s: StreamHandle, work: Work) -> Result<()> {
         let q = self.stream(s)?;
-        if capture::records(s) {
-            return Ok(());
+        if !capture::records(s, &work) {
+            self.push(&q, work);
         }
+        Ok(())
+    }
+
+    fn push(&self, q: &Queue, work: Work) {
         let jitter = if self.jitter_us == 0 { 0 } else { pseudo_random() % (self.jitter_us + 1) };
         let task: Task = Box::new(move || {
             if jitter > 0 {
                 std::thread::sleep(Duration::from_micros(jitter));
             }
-            work();
-            Ok(())
+            work()
         });
         q.push(task);
-        Ok(())
     }
+}
+
+/// The 8-byte word at `at`, shared with other threads and processes.
+///
+/// # Safety
+/// 8 valid, 8-aligned bytes there, accessed only atomically meanwhile.
+unsafe fn word<'a>(at: Addr) -> &'a AtomicU64 {
+    // SAFETY: the caller's contract.
+    unsafe { &*(at.0 as *const AtomicU64) }
 }
 
 /// A xorshift generator per thread, each thread seeded apart (by process
@@ -310,6 +336,58 @@ impl Gpu for EmulatedGpu {
     fn is_capturing(&self, stream: StreamHandle) -> Result<bool> {
         self.stream(stream)?;
         Ok(capture::capturing(stream))
+    }
+    fn begin_capture(&self, stream: StreamHandle) -> Result<()> {
+        self.stream(stream)?;
+        capture::begin_capture(stream)
+    }
+    fn end_capture(&self, stream: StreamHandle) -> Result<Graph> {
+        capture::end_capture(stream).map(Graph)
+    }
+    fn launch_graph(&self, graph: Graph, stream: StreamHandle) -> Result<()> {
+        let (q, works) = (self.stream(stream)?, capture::graph(graph.0)?);
+        for w in works {
+            if !capture::records(stream, &w) {
+                self.push(&q, w);
+            }
+        }
+        Ok(())
+    }
+    fn destroy_graph(&self, graph: Graph) {
+        capture::destroy_graph(graph.0);
+    }
+    unsafe fn signal(&self, stream: StreamHandle, counter: DevicePtr, advance: bool, flag: DevicePtr) -> Result<()> {
+        let (c, f) = (Addr(counter), Addr(flag));
+        self.enqueue(stream, move || {
+            // SAFETY: the caller keeps both words valid until the task runs.
+            let (c, f) = unsafe { (word(c), word(f)) };
+            if advance {
+                c.fetch_add(1, Ordering::AcqRel);
+            }
+            // What this stream wrote before is visible once the flag is.
+            f.store(c.load(Ordering::Acquire), Ordering::Release);
+        })
+    }
+    unsafe fn wait_flag(&self, stream: StreamHandle, counter: DevicePtr, flag: DevicePtr, timeout: Duration) -> Result<()> {
+        let (c, f) = (Addr(counter), Addr(flag));
+        self.enqueue_work(
+            stream,
+            Arc::new(move || {
+                // SAFETY: as in `signal`; another rank's mapping stays open
+                // while its flag may be awaited.
+                let (c, f) = unsafe { (word(c), word(f)) };
+                let (want, start) = (c.load(Ordering::Acquire), std::time::Instant::now());
+                let mut pause = Duration::from_micros(1);
+                while f.load(Ordering::Acquire) < want {
+                    if start.elapsed() > timeout {
+                        return Err(format!("another rank's hand-off did not come within {timeout:?} (its op never ran)"));
+                    }
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_micros(200));
+                }
+                Ok(())
+            }),
+        )
     }
     fn ipc_export(&self, ptr: DevicePtr) -> Result<(Vec<u8>, u64)> {
         let mem = self.memory.lock().unwrap_or_else(|p| p.into_inner());

@@ -11,6 +11,10 @@ use weft::{Error, Result};
 /// A unit of device work.
 pub type Task = Box<dyn FnOnce() -> std::result::Result<(), String> + Send>;
 
+/// Device work that can run again: a copy or a kernel, as a capture
+/// records it and each launch of its graph runs it.
+pub type Work = Arc<dyn Fn() -> std::result::Result<(), String> + Send + Sync>;
+
 /// An ordered queue of device work run by its own thread.
 pub struct Queue {
     /// Tasks, each with whether it runs even after a failure (records do).

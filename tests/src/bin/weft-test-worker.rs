@@ -329,6 +329,15 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             anyhow::ensure!(ok, "rank {r} on {route}:\n{table}");
             println!("rank {r}: cuda={route} cpu={cpu}: {} checks passed", checks.len());
         }
+        "cuda_capture" => {
+            // Collectives captured into a CUDA graph and launched again
+            // with new inputs, the ranks' buffers mapped across processes.
+            let place = weft_conformance::cuda::local_placement(r)?;
+            let checks = weft_conformance::capture::replays(&pg, place);
+            let (table, ok) = weft_conformance::summary(&checks);
+            anyhow::ensure!(ok, "rank {r}:\n{table}");
+            println!("rank {r}: captured collectives replayed right");
+        }
         "cuda_unexported" => {
             // Rank 0's buffer is pinned host memory, which CUDA IPC cannot
             // export: cuda-device's direct all-reduce cannot map it, so every
