@@ -73,6 +73,9 @@ struct Batch {
     plan: Option<Plan>,
     rule: Option<Scheme>,
     weighed: bool,
+    /// The peers it sends messages of its key to, where it receives none:
+    /// a weighed time then runs until they have taken every byte.
+    drains: Vec<usize>,
 }
 
 /// The scheme `plan` gives `op`: sends of its key (others take the rule).
@@ -209,7 +212,7 @@ impl ShmBackend {
         if let Some(e) = self.refuse(ops.iter(), gathered) {
             return Err(e);
         }
-        let Batch { plan, rule, weighed } = self.plan(eng, ops);
+        let Batch { plan, rule, weighed, drains } = self.plan(eng, ops);
         let timed = (weighed && eng.chooser.decides()).then(Instant::now);
         // With nothing else posted, what can finish at once skips the table
         // (`direct`). A receive from any rank binds its op to the sender: it
@@ -221,21 +224,42 @@ impl ShmBackend {
             self.exchange_in_table(eng, posting, ops, gathered, deadline, plan)
         };
         if let (Ok(()), Some(start), Some(plan)) = (&r, timed, plan) {
-            let ns = start.elapsed().as_nanos() as u64;
-            if let Some(c) = eng.chooser.record(&self.schemes(), plan, ns, rule) {
+            let ended = if drains.is_empty() || !plan.weighed_soon() { Some(start.elapsed()) } else { self.drained(&drains, start) };
+            if let Some(c) = ended.and_then(|t| eng.chooser.record(&self.schemes(), plan, t.as_nanos() as u64, rule)) {
                 weft::log::debug(format_args!("shm: {c}"));
             }
         }
         r
     }
 
+    /// How long from `start` until `peers` had read everything this rank
+    /// wrote into their rings: a send alone through the ring ends once its
+    /// bytes are in the ring, before its receiver has copied them, so its
+    /// own time would flatter the ring (single-copy sends end once the
+    /// receiver has the bytes). Waits at most as long again as the
+    /// exchange took (at least 50 µs); `None` (the time is not weighed)
+    /// where a receiver has not come by then.
+    fn drained(&self, peers: &[usize], start: Instant) -> Option<std::time::Duration> {
+        let until = start + start.elapsed().max(std::time::Duration::from_micros(50)) * 2;
+        loop {
+            if peers.iter().all(|p| self.ring(self.rank, *p).drained()) {
+                return Some(start.elapsed());
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            std::hint::spin_loop();
+        }
+    }
+
     /// The plan of a batch, where adapting and it has a message large
     /// enough to choose (the key of its largest message, this rank's
     /// exchange of that key, its scheme); how the rule would send it; and
-    /// whether its time may be weighed (it sends and receives messages of
-    /// the key: see `cma/scheme.rs`).
+    /// whether its time may be weighed (it sends messages of the key:
+    /// see `cma/scheme.rs`), and the peers it must wait for to weigh it
+    /// (where it receives none).
     fn plan(&self, eng: &mut Engine, ops: &[P2p<'_>]) -> Batch {
-        let none = Batch { plan: None, rule: None, weighed: false };
+        let none = Batch { plan: None, rule: None, weighed: false, drains: Vec::new() };
         if !self.adapt {
             return none;
         }
@@ -256,7 +280,15 @@ impl ShmBackend {
         });
         let receives_key = ops.iter().any(|op| matches!(op, P2p::Recv { tag, buf, .. } if Key::of(*tag, buf.len()) == Some(key)));
         let plan = eng.chooser.plan(&self.schemes(), key, rule);
-        Batch { plan, rule, weighed: plan.is_some() && rule.is_some() && receives_key }
+        let mut drains: Vec<usize> = Vec::new();
+        if !receives_key {
+            drains.extend(ops.iter().filter_map(|op| match op {
+                P2p::Send { peer, tag, data } if Key::of(*tag, data.len()) == Some(key) => Some(*peer),
+                _ => None,
+            }));
+            drains.dedup();
+        }
+        Batch { plan, rule, weighed: plan.is_some() && rule.is_some(), drains }
     }
 
     /// [`Self::exchange_now`] through the table: the batch is added, and

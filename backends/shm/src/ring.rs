@@ -293,6 +293,11 @@ impl<B: Bytes> Ring<B> {
         true
     }
 
+    /// Producer: whether the consumer has read everything written so far.
+    pub fn drained(&self) -> bool {
+        self.head().load(Ordering::Acquire) >= self.my_tail.load(Ordering::Relaxed)
+    }
+
     /// Producer: whether the consumer has left room for at least a byte
     /// (the shared head is read again if the last reading showed none).
     pub fn has_room(&self) -> bool {

@@ -20,15 +20,21 @@
 //! **Measuring.** Each rank counts the exchanges of each key, every batch
 //! the engine takes (run by the calling thread or posted to whoever
 //! drives), so the count does not depend on which thread ran it. The last
-//! [`BURST`] of every [`PERIOD`] run a scheme other than the key's
+//! [`BURST`] of every [`PERIOD`] (of every [`WARM_PERIOD`] in a key's first
+//! [`WARM_PERIODS`] periods) run a scheme other than the key's
 //! current one: the three in a fixed order, the same on every rank
 //! whatever rule each follows (a burst that lands on the current scheme is
 //! an ordinary run of it), so every scheme keeps being measured, at a
 //! bounded cost. Rank 0, the *decider*, times the exchanges it runs itself
-//! in which it both sends and receives a message of the key (start to
-//! end, on this rank: a send alone through the ring ends once its bytes
+//! in which it sends a message of the key: start to end, on this rank,
+//! where it receives one too; where it only sends (a broadcast's or a
+//! scatter's root), until its receivers have read every byte it put in
+//! their rings, since a send alone through the ring ends once its bytes
 //! are in the ring, before its receiver has copied them, and would flatter
-//! the ring). A burst is weighed against the exchanges just
+//! the ring (`exchange.rs` waits for that only in exchanges that are
+//! weighed, at most as long again, and drops the time of a receiver that
+//! is late). Keys rank 0 only receives (a gather to it) keep the rule. A
+//! burst is weighed against the exchanges just
 //! before it, which ran the current scheme: the ratio of the medians of
 //! its last [`MEASURED`] and of those. Its first exchange is not weighed:
 //! a scheme's first exchange after the others' finds its memory cold (a
@@ -92,13 +98,33 @@ impl Scheme {
 
 /// Exchanges of a key per exploring burst.
 pub const PERIOD: u64 = 64;
+/// Exchanges per burst in a key's first [`WARM_PERIODS`] periods: a rule
+/// that is wrong on this machine from the start (one threshold cannot
+/// suit every host) is found out within the first 150 or so exchanges,
+/// where 64-exchange periods took 450 (a broadcast of 1 MiB, W = 2, AMD
+/// Zen 5 under KVM: 47 µs pulled, 24 µs through the ring).
+pub const WARM_PERIOD: u64 = 16;
+/// Short periods a key starts with: every other scheme explored
+/// [`MIN_SAMPLES`] times.
+pub const WARM_PERIODS: u64 = 3 * MIN_SAMPLES as u64;
+
+/// Where exchange `n` of a key falls: its period's number, its place in
+/// the period, and the period's length.
+fn position(n: u64) -> (u64, u64, u64) {
+    let warm = WARM_PERIOD * WARM_PERIODS;
+    if n < warm {
+        return (n / WARM_PERIOD, n % WARM_PERIOD, WARM_PERIOD);
+    }
+    let m = n - warm;
+    (WARM_PERIODS + m / PERIOD, m % PERIOD, PERIOD)
+}
 /// The exchanges of a burst: the last ones of each period.
 pub const BURST: u64 = 4;
 /// The exchanges weighed, the burst's last and the current scheme's
 /// before it.
 pub const MEASURED: usize = 3;
 /// The ratios kept per key and scheme (their median decides).
-pub const WINDOW: usize = 5;
+pub const WINDOW: usize = 3;
 /// A scheme needs this many ratios before it is weighed.
 pub const MIN_SAMPLES: usize = 3;
 /// Another scheme takes over when its median ratio to the current one is
@@ -212,6 +238,15 @@ pub struct Plan {
     pub scheme: Scheme,
     /// Whether it runs another scheme than the current one, to measure it.
     pub explores: bool,
+}
+
+impl Plan {
+    /// Whether the decider weighs this exchange's time: one of the last
+    /// [`MEASURED`] before a burst, or of the burst past its first.
+    pub fn weighed_soon(&self) -> bool {
+        let (_, at, len) = position(self.n);
+        (len - BURST - MEASURED as u64..len - BURST).contains(&at) || at > len - BURST
+    }
 }
 
 /// The last `N` values of a series (an exchange's times, or one scheme's
@@ -340,8 +375,9 @@ impl Chooser {
             weft::log::debug(format_args!("shm: {key}: {:?} from exchange {n}", st.applied));
         }
         let current = st.applied.or(rule)?;
-        let scheme = match SCHEMES[(n / PERIOD) as usize % SCHEMES.len()] {
-            other if n % PERIOD >= PERIOD - BURST && other.serves(key) => other,
+        let (period, at, len) = position(n);
+        let scheme = match SCHEMES[period as usize % SCHEMES.len()] {
+            other if at >= len - BURST && other.serves(key) => other,
             _ => current,
         };
         Some(Plan { key, n, scheme, explores: scheme != current })
@@ -366,10 +402,11 @@ impl Chooser {
             return None;
         }
         // (A burst's first exchange is not weighed: see the module notes.)
-        if plan.n % PERIOD != PERIOD - BURST {
+        let (_, at, len) = position(plan.n);
+        if at != len - BURST {
             st.burst.add(ns);
         }
-        if plan.n % PERIOD != PERIOD - 1 {
+        if at != len - 1 {
             return None;
         }
         let (Some(alt), Some(cur)) = (st.burst.median(MEASURED), st.current.median(MEASURED)) else { return None };
@@ -476,19 +513,38 @@ mod tests {
         let (schemes, changes) = run(3, 2500, Scheme::Pull, cost);
         assert!(schemes.iter().all(|s| *s == schemes[0]), "every rank runs the same scheme in each exchange");
         let s = &schemes[0];
-        // Calm: the rule's Pull, with BURST exchanges in PERIOD trying another.
-        let explored = |range: std::ops::Range<usize>| (range.len() as u64 / PERIOD + 1) * BURST;
+        // Calm: the rule's Pull, with the bursts trying another.
+        let explored = |range: std::ops::Range<usize>| {
+            range
+                .filter(|n| {
+                    let (_, at, len) = position(*n as u64);
+                    at >= len - BURST
+                })
+                .count() as u64
+        };
         let others = s[..400].iter().filter(|x| **x != Scheme::Pull).count();
         assert!(others > 0 && others as u64 <= explored(0..400), "{others}");
         // The slow phase moves it to the ring (the cheapest then), within a few explorations ...
         let to_ring = changes.iter().find(|c| c.to.0 == Scheme::Ring).expect("moved to the ring");
-        assert!(to_ring.at > 400 && to_ring.at < 400 + 3 * 3 * PERIOD, "{to_ring:?}");
+        // (A scheme is explored every third period; its window of ratios
+        // must turn over past the calm ones, plus where the periods fall.)
+        assert!(to_ring.at > 400 && to_ring.at < 400 + 4 * 3 * PERIOD, "{to_ring:?}");
         assert!(s[1000..1200].iter().filter(|x| **x != Scheme::Ring).count() as u64 <= explored(1000..1200));
         // ... and once calm again, back to Pull; and only these two changes (no flapping).
         let back = changes.iter().find(|c| c.to.0 == Scheme::Pull).expect("moved back");
         assert!(back.at > 1200 && back.at < 1200 + 4 * 3 * PERIOD, "{back:?}");
         assert_eq!(changes.len(), 2, "{changes:?}");
         assert!(s[2000..].iter().filter(|x| **x != Scheme::Pull).count() as u64 <= explored(2000..2500));
+    }
+
+    #[test]
+    fn a_rule_wrong_from_the_start_is_left_within_the_short_periods() {
+        let (schemes, changes) = run(2, 400, Scheme::Pull, |s, _| if s == Scheme::Ring { 50 } else { 100 });
+        let warm = WARM_PERIOD * WARM_PERIODS;
+        assert_eq!(changes.len(), 1, "{changes:?}");
+        assert_eq!(changes[0].to.0, Scheme::Ring);
+        assert!(changes[0].at <= warm + lag(2), "{:?}", changes[0]);
+        assert!(schemes[0][warm as usize + 8..].iter().filter(|s| **s != Scheme::Ring).count() as u64 <= 8, "long periods after");
     }
 
     #[test]
