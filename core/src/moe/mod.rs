@@ -143,7 +143,7 @@ impl ProcessGroup {
     /// Step one of a dispatch: check the routing and the rows, and send
     /// every rank the first part of its message: a header (validity, what
     /// all ranks must agree on, how many tokens and pairs follow), then as
-    /// much of the rows and their metadata as fits ([`plan::FIRST_PART`]).
+    /// much of the rows and their metadata as fits (16 KiB in all).
     /// `topk_idx` holds `k` expert ids per token (`-1`: none), `x` the
     /// tokens' rows (`[tokens, hidden]`, a float dtype). Collective: every
     /// rank calls it, with the same `k`, `num_experts`, `hidden` and dtype;
