@@ -7,12 +7,12 @@ use crate::{Buf, Check, SharedPlacement};
 use weft::prelude::*;
 use weft::DType;
 
-/// A CUDA graph that captured all_reduce, all_gather, reduce_scatter,
-/// all_to_all and broadcast on every rank, launched 10 times with new
-/// inputs written between launches: every launch must give the exact
-/// results of its inputs (a launch that skipped a hand-off between ranks
-/// reads stale or half-written buffers), and the group runs ops eagerly
-/// afterwards. One [`Check`].
+/// A CUDA graph that captured all_reduce (twice), all_gather,
+/// reduce_scatter, all_to_all and broadcast on every rank, launched 10
+/// times with new inputs written between launches: every launch must give
+/// the exact results of its inputs (a launch that skipped a hand-off
+/// between ranks reads stale or half-written buffers), and the group runs
+/// ops eagerly afterwards. One [`Check`].
 pub fn replays(pg: &weft::ProcessGroup, p: SharedPlacement) -> Vec<Check> {
     weft::stream::set_current_stream(Some(p.stream()));
     let (r, w, n) = (pg.rank(), pg.size(), 300usize);
@@ -31,6 +31,8 @@ pub fn replays(pg: &weft::ProcessGroup, p: SharedPlacement) -> Vec<Check> {
         let stream = p.stream();
         g.begin_capture(stream)?;
         let captured = (|| -> weft::Result<()> {
+            pg.all_reduce(ar[0].tm(), ReduceOp::Sum, &o)?.wait()?;
+            // Twice, on the same buffers: a peer's buffer mapped once serves both.
             pg.all_reduce(ar[0].tm(), ReduceOp::Sum, &o)?.wait()?;
             pg.all_gather(ag_out.iter_mut().map(Buf::tm).collect(), ag_in[0].t(), &o)?.wait()?;
             pg.reduce_scatter(rs_out[0].tm(), rs_in.iter().map(Buf::t).collect(), ReduceOp::Sum, &o)?.wait()?;
@@ -61,7 +63,10 @@ pub fn replays(pg: &weft::ProcessGroup, p: SharedPlacement) -> Vec<Check> {
                 }
                 Ok(())
             };
-            check("all_reduce", &ar[0], sum(it, 0))?;
+            let twice = |b: Vec<u8>| -> Vec<u8> {
+                b.chunks(4).flat_map(|c| (f32::from_ne_bytes(c.try_into().expect("4 bytes")) * w as f32).to_ne_bytes()).collect()
+            };
+            check("all_reduce (twice)", &ar[0], twice(sum(it, 0)))?;
             for (q, b) in ag_out.iter().enumerate() {
                 check("all_gather", b, part(q, it, 1))?;
             }
@@ -72,10 +77,11 @@ pub fn replays(pg: &weft::ProcessGroup, p: SharedPlacement) -> Vec<Check> {
             check("broadcast", &bc[0], part(root, it, 40))?;
         }
         g.destroy_graph(graph);
-        // The same ops run eagerly after the graph, and the graph's
+        // The same ops run eagerly after the graph, on the device (a
+        // mapping the graph keeps serves them too), and the graph's
         // buffers are the group's to use again.
         ar[0].write(&part(r, 99, 0))?;
-        pg.all_reduce(ar[0].tm(), ReduceOp::Sum, &o)?.wait()?;
+        pg.all_reduce(ar[0].tm(), ReduceOp::Sum, &o.clone().hint("cuda_algorithm", "direct"))?.wait()?;
         if ar[0].read()? != sum(99, 0) {
             problems.push("an eager all_reduce after the graph".into());
         }

@@ -20,11 +20,12 @@ With ``E`` experts over ``W`` ranks, rank r holds experts ``r*E/W ..
 - The counts travel with the data: each rank's message to another starts
   with a small header (whether its routing is valid, what every rank must
   agree on, how many rows follow), then the rows and each token's local
-  experts. A first part of fixed size (16 KiB) carries the header and what
-  fits; only a longer message sends the rest in a second exchange. The
-  caller does no count exchange or host synchronisation of its own. The
-  handle keeps the layout: combine, the backward passes and
-  :func:`dispatch_again` reuse it without a header.
+  experts. A first part of fixed size (16 KiB up to 16 ranks, less beyond:
+  256 KiB in all) carries the header and what fits; only a longer message
+  sends the rest in a second exchange. The caller does no count exchange
+  or host synchronisation of its own. The handle keeps the layout:
+  combine, the backward passes and :func:`dispatch_again` reuse it without
+  a header.
 - Gradients flow to ``x``, to ``expert_out`` and to ``topk_weights``
   (dispatch's backward is a combine, combine's a dispatch). The backward
   passes are collective: every rank must run them (as with

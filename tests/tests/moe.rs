@@ -397,6 +397,26 @@ fn a_small_dispatch_is_one_exchange_and_a_long_one_two() {
 }
 
 #[test]
+fn a_long_part_a_rank_keeps_needs_no_second_part() {
+    // A rank's own tokens stay in x, however many: 7 rows of 8 KiB stay,
+    // one goes to the other rank (W = 2) and fits its first part.
+    for w in [1, 2] {
+        run_threads(w, options("cpu:shm"), move |pg| {
+            let (rank, w, hidden, tokens) = (pg.rank(), pg.size(), 1024usize, 8usize);
+            let topk: Vec<i64> = (0..tokens).map(|t| if t == 0 { (rank + 1) % w } else { rank } as i64).collect();
+            let x: Vec<f64> = (0..tokens * hidden).map(|i| (i / hidden * 10 + rank) as f64).collect();
+            let o = OpOptions::default();
+            let plan = pg.dispatch_plan(&topk, 1, w, Tensor::from(&x), hidden, &o).unwrap();
+            let mut out = vec![0.0f64; plan.rows() * hidden];
+            let routing = pg.dispatch(plan, Tensor::from(&x), TensorMut::from(&mut out), &o).unwrap();
+            let mut y = vec![0.0f64; tokens * hidden];
+            pg.combine(&routing, Tensor::from(&out), &vec![1.0; routing.rows()], TensorMut::from(&mut y), &o).unwrap();
+            assert_eq!(y, x, "rank {rank} of {w}");
+        });
+    }
+}
+
+#[test]
 fn a_forged_header_is_refused_before_anything_is_allocated_for_it() {
     // Rank 1 skips dispatch_plan and sends rank 0 a first part (16 KiB: a
     // header of status, experts, row bytes, dtype code, tokens, pairs, k,

@@ -47,17 +47,20 @@ use crate::agree::{ranks_where, round, same_everywhere, Signature};
 use crate::handoff::Handoff;
 use crate::peer_buffers::PeerBuffers;
 use crate::setup::Peers;
-use crate::Required;
+use crate::{capture_mismatch, Required};
 use weft::algorithms::Steps;
 use weft::backend::{Backend, OpContext};
 use weft::{Error, ReduceOp, Result, TensorMut};
 use weft_cuda_driver::{DevicePtr, MAX_REDUCE_ALL};
 
 /// One rank's round-1 record: whether it stages the op, whether its buffer
-/// could be exported, what it reduces, and where its buffer is.
+/// could be exported, whether it captures the op, what it reduces, and
+/// where its buffer is.
 struct Offer {
     staged: bool,
     exported: bool,
+    /// The rank captures the op into a CUDA graph.
+    captured: bool,
     signature: Signature,
     /// The buffer's offset in its allocation.
     offset: u64,
@@ -72,7 +75,7 @@ const OFFER_LEN: usize = 5 * 8 + 4 + HANDLE_MAX;
 impl Offer {
     fn encode(&self) -> [u8; OFFER_LEN] {
         let mut b = [0u8; OFFER_LEN];
-        let flags = u64::from(self.exported) | (u64::from(self.staged) << 1);
+        let flags = u64::from(self.exported) | (u64::from(self.staged) << 1) | (u64::from(self.captured) << 2);
         let words = [flags, self.signature.count, self.signature.kind, self.offset, self.ptr];
         for (i, w) in words.iter().enumerate() {
             b[8 * i..8 * i + 8].copy_from_slice(&w.to_le_bytes());
@@ -91,6 +94,7 @@ impl Offer {
         Ok(Offer {
             exported: word(0) & 1 == 1,
             staged: word(0) & 2 == 2,
+            captured: word(0) & 4 == 4,
             signature: Signature { count: word(1), kind: word(2) },
             offset: word(3),
             ptr: word(4),
@@ -115,7 +119,7 @@ fn map_all(
             bases.push(o.ptr);
             continue;
         }
-        match peers.map(&o.handle) {
+        match peers.map(p, &o.handle) {
             Ok(base) => bases.push(base + o.offset),
             Err(e) => {
                 failed = Some(format!("rank {} cannot map rank {p}'s buffer: {e}", c.rank()));
@@ -132,9 +136,11 @@ fn map_all(
 }
 
 /// In-place all-reduce of `buf` queued on `stream` (a `PremulSum` input is
-/// already scaled). `Ok(false)`, decided alike on every rank, where it
+/// already scaled, or, `scale`, scaled here once every rank has found the
+/// op can run). `Ok(false)`, decided alike on every rank, where it
 /// cannot run here and the ring should; `Err` where it is `required` (the hint
 /// `cuda_algorithm=direct`, or a capture) and it cannot.
+#[allow(clippy::too_many_arguments)]
 pub fn all_reduce(
     ring: &Peers,
     cpu: &dyn Backend,
@@ -142,6 +148,7 @@ pub fn all_reduce(
     h: &Handoff<'_>,
     buf: &mut TensorMut<'_>,
     op: ReduceOp,
+    scale: Option<f64>,
     required: Required,
 ) -> Result<bool> {
     let stream = h.stream();
@@ -170,23 +177,39 @@ pub fn all_reduce(
     // both ways reach with the same record).
     let bytes = count * dtype.size();
     let staged = bytes <= ring.staged_max;
-    if staged {
-        // SAFETY: my staging buffer holds `staged_max` bytes; no rank uses
-        // it between ops (each staged op waits for every rank's `done`, and
-        // ready is recorded after this copy).
-        unsafe { g.copy_dtod(stream, ring.stage, ptr, bytes)? };
+    // My input, staged, then `ready`: before round 1 offers it (an event
+    // wait means the latest record); a captured op only once every rank has
+    // found it can run, so that an op that cannot leaves nothing in the graph.
+    let expose = || -> Result<()> {
+        if let Some(f) = scale {
+            // SAFETY: the op's buffer, on this stream after the caller's work.
+            unsafe { g.premul(stream, ptr, count, dtype, f)? };
+        }
+        if staged {
+            // SAFETY: my staging buffer holds `staged_max` bytes; no rank uses
+            // it between ops (each staged op waits for every rank's `done`, and
+            // ready is recorded after this copy).
+            unsafe { g.copy_dtod(stream, ring.stage, ptr, bytes)? };
+        }
+        h.ready()
+    };
+    if !h.captured() {
+        expose()?;
     }
 
-    // Round 1: every rank's buffer, recorded ready before it is offered.
-    h.ready()?;
+    // Round 1: every rank's buffer, and whether it captures the op.
     // Ranks in one process read each other's buffers as they are.
     let (exported, handle, offset) = match g.ipc_export(ptr) {
         _ if staged => (true, Vec::new(), 0),
         Ok((h, off)) if h.len() <= HANDLE_MAX => (true, h, off),
         _ => (ring.others.is_empty(), Vec::new(), 0),
     };
-    let mine = Offer { staged, exported, signature: Signature::of(count, dtype, op), offset, ptr, handle };
+    let mine = Offer { staged, exported, captured: h.captured(), signature: Signature::of(count, dtype, op), offset, ptr, handle };
     let offers = round(&c, 0, &mine.encode())?.iter().map(|b| Offer::decode(b)).collect::<Result<Vec<_>>>()?;
+    let unlike = ranks_where(&offers, |o| o.captured != h.captured());
+    if !unlike.is_empty() {
+        return Err(capture_mismatch(&unlike, h.captured()));
+    }
     let signatures: Vec<Signature> = offers.iter().map(|o| o.signature).collect();
     same_everywhere(&signatures, mine.signature, dtype, op)?;
     let differ = ranks_where(&offers, |o| o.staged != staged);
@@ -203,7 +226,7 @@ pub fn all_reduce(
     }
 
     // Round 2 (unstaged): every buffer mapped here.
-    let mut peers = PeerBuffers::new(&*g, ring.device, stream, ctx.deadline.get());
+    let mut peers = PeerBuffers::new(&*g, ring.device, stream, ctx.deadline.get(), &ring.kept, h.captured());
     let mapped;
     let bases: &[DevicePtr] = if staged {
         &ring.ranks_stage
@@ -215,6 +238,9 @@ pub fn all_reduce(
         &mapped
     };
 
+    if h.captured() {
+        expose()?;
+    }
     for p in (0..w).filter(|p| *p != r) {
         h.after_ready(p, &format!("rank {p}'s input"))?;
     }
@@ -239,12 +265,12 @@ pub fn all_reduce(
 
     // Round 3: my part is done once `done` completes.
     h.done()?;
-    if staged || ring.others.is_empty() || h.captured() {
-        // Nothing mapped for this op alone (a captured op's mappings stay
-        // for its graph): my stream (or, where `host_wait`, this thread)
-        // waits for every rank's `done`: their blocks of my buffer written,
-        // or their reads of my staging buffer over before my next op fills it.
-        peers.keep(&ring.kept);
+    if !peers.any_open() {
+        // Nothing mapped for this op alone (staged, in-process ranks, or
+        // mappings kept for a graph): my stream (or, where `host_wait`,
+        // this thread) waits for every rank's `done`: their blocks of my
+        // buffer written, or their reads of my staging buffer over before
+        // my next op fills it.
         round(&c, 2, &[1])?;
         for p in (0..w).filter(|p| *p != r) {
             h.after_done(p, &format!("rank {p}'s part of the op"))?;

@@ -25,6 +25,7 @@
 use crate::setup::Peers;
 use std::time::{Duration, Instant};
 use weft::{Result, StreamHandle};
+use weft_cuda_driver::{DevicePtr, Gpu};
 
 /// Offset of a rank's op counter in its hand-off words.
 const COUNTER: u64 = 0;
@@ -32,6 +33,24 @@ const COUNTER: u64 = 0;
 const READY: u64 = 8;
 /// Offset of its done flag.
 const DONE: u64 = 16;
+
+/// Offset of a word no hand-off uses (setup loads the kernels on it).
+const SCRATCH: u64 = 24;
+
+/// Queue on `stream` a signal and a wait on the scratch word of this
+/// rank's hand-off words at `flags` (zeroed: both pass at once), so the
+/// two kernels are compiled and loaded now rather than inside a capture
+/// (NVRTC and a module load there may be refused).
+///
+/// # Safety
+/// `flags` holds the rank's zeroed hand-off words until the stream has run these.
+pub unsafe fn load_kernels(gpu: &dyn Gpu, stream: StreamHandle, flags: DevicePtr) -> Result<()> {
+    // SAFETY: the caller's contract; the scratch word is no peer's flag.
+    unsafe {
+        gpu.signal(stream, flags + COUNTER, false, flags + SCRATCH)?;
+        gpu.wait_flag(stream, flags + COUNTER, flags + SCRATCH, Duration::from_secs(10))
+    }
+}
 
 /// One op's hand-offs on `stream`.
 pub struct Handoff<'a> {

@@ -81,14 +81,24 @@ impl DeviceBackend {
         let (count, dtype) = (buf.numel(), buf.dtype());
         self.on_device(ctx, Some(buf.device()), |ring, cpu, h| {
             let (g, stream) = (&ring.gpu, h.stream());
-            if let weft::ReduceOp::PremulSum(f) = op {
+            let premul = |f: f64| -> Result<()> {
                 // SAFETY: the op's buffer, on this stream after the caller's work.
-                unsafe { g.premul(stream, ptr, count, dtype, f)? };
+                unsafe { g.premul(stream, ptr, count, dtype, f) }
+            };
+            let factor = match op {
+                weft::ReduceOp::PremulSum(f) => Some(f),
+                _ => None,
+            };
+            if h.captured() {
+                if ctx.size == 1 {
+                    return factor.map_or(Ok(()), premul).map(|()| true); // (Nothing to exchange or divide.)
+                }
+                // The direct path scales the input once every rank has found
+                // it can run: a refused op leaves nothing in the graph.
+                return direct::all_reduce(ring, cpu, ctx, h, buf, op, factor, Required::Capture);
             }
-            if h.captured() && ctx.size == 1 {
-                return Ok(true); // (Nothing to exchange, nothing to divide.)
-            }
-            if algorithm != Algorithm::Ring && direct::all_reduce(ring, cpu, ctx, h, buf, op, Required::of(algorithm, h))? {
+            factor.map_or(Ok(()), premul)?;
+            if algorithm != Algorithm::Ring && direct::all_reduce(ring, cpu, ctx, h, buf, op, None, Required::of(algorithm, h))? {
                 return Ok(true);
             }
             ring::all_reduce(ring, cpu, ctx, stream, buf, op).map(|()| true)
@@ -133,6 +143,17 @@ impl DeviceBackend {
         let cpu = &**self.staging.cpu();
         let deadline = ctx.deadline.get();
         if g.is_capturing(caller)? {
+            let threads = (1..ring.pids.len()).any(|i| ring.pids[..i].contains(&ring.pids[i]));
+            if !ring.one_gpu && threads {
+                // A kernel of a process reaches another GPU's memory only
+                // with peer access, which nothing enables for its own ranks
+                // (every rank decides alike: it knows every rank's process).
+                return Err(Error::unsupported(
+                    "cuda-device: where the ranks use several GPUs and some are threads of one process, an op cannot be captured into a CUDA graph (a thread's kernels cannot reach another GPU's hand-off words without peer access)",
+                )
+                .with_op(ctx.name)
+                .with_rank(ctx.rank));
+            }
             // Each launch of the graph waits at most the op's timeout for a peer.
             let h = Handoff::new(&ring, caller, true, deadline.saturating_duration_since(Instant::now()), deadline);
             return match f(&ring, cpu, &h) {
@@ -212,6 +233,17 @@ impl Required {
             Required::Capture => Err(Error::unsupported(format!("cuda-device: this op cannot be captured into a CUDA graph: {why}"))),
         }
     }
+}
+
+/// `InvalidArgument`, alike on every rank, where ranks disagree whether
+/// an op is captured into a CUDA graph (`unlike`: the ranks that differ
+/// from this one, which captures it or not): the hand-offs of the two ways
+/// do not meet, and an eager rank would read what a graph has not yet run.
+fn capture_mismatch(unlike: &[usize], captured: bool) -> Error {
+    let (they, me) = if captured { ("do not capture", "does") } else { ("capture", "does not") };
+    Error::invalid(format!(
+        "cuda-device: mismatched capture: rank(s) {unlike:?} {they} this op into a CUDA graph and this rank {me}: every rank must capture the same ops"
+    ))
 }
 
 /// How `cuda-device` runs a collective (hint `cuda_algorithm`): all_reduce

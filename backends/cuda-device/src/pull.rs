@@ -57,7 +57,7 @@ use crate::agree::{ranks_where, round};
 use crate::handoff::Handoff;
 use crate::peer_buffers::PeerBuffers;
 use crate::setup::Peers;
-use crate::Required;
+use crate::{capture_mismatch, Required};
 use std::collections::HashMap;
 use weft::algorithms::Steps;
 use weft::backend::{Backend, Op, OpContext};
@@ -217,6 +217,8 @@ struct Record {
     exported: bool,
     /// Whether this path serves the op on that rank (else every rank stages it).
     serves: bool,
+    /// Whether that rank captures the op into a CUDA graph.
+    captured: bool,
     what: u64,
     /// A `PremulSum`'s factor (its bits; 0 for other ops).
     factor: u64,
@@ -234,7 +236,8 @@ impl Record {
 
     fn encode(&self, size: usize) -> Vec<u8> {
         let mut b = vec![0u8; Record::len(size)];
-        let flags = u64::from(self.staged) | (u64::from(self.exported) << 1) | (u64::from(self.serves) << 2);
+        let flags =
+            u64::from(self.staged) | (u64::from(self.exported) << 1) | (u64::from(self.serves) << 2) | (u64::from(self.captured) << 3);
         for (i, w) in [flags, self.what, self.buffers.len() as u64, self.factor, self.stage].iter().enumerate() {
             b[8 * i..8 * i + 8].copy_from_slice(&w.to_le_bytes());
         }
@@ -273,6 +276,7 @@ impl Record {
             staged: flags & 1 != 0,
             exported: flags & 2 != 0,
             serves: flags & 4 != 0,
+            captured: flags & 8 != 0,
             what: word(8),
             factor: word(24),
             stage: word(32),
@@ -309,17 +313,6 @@ pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, h: &Handoff<'_>, op
     let premul = plan.as_ref().and_then(|p| p.premul);
     for &(p, n) in &exposed {
         if staged {
-            // SAFETY: my staging buffer holds `staged_max` bytes, which these
-            // fit; no rank reads it between ops (each op ends with every
-            // rank's `done`), and `ready` is recorded after these copies.
-            unsafe { g.copy_dtod(stream, ring.stage + at, p, n)? };
-            if let Some((f, dtype)) = premul {
-                // A staged PremulSum input is scaled before it is summed, as
-                // the other paths scale theirs (a sum of 16-bit floats scaled
-                // after could overflow where the scaled one does not).
-                // SAFETY: the staged copy just queued, on this stream.
-                unsafe { g.premul(stream, ring.stage + at, n / dtype.size(), dtype, f)? };
-            }
             buffers.push((at, p, n as u64, Vec::new()));
             at += n.next_multiple_of(STAGE_ALIGN) as u64;
             continue;
@@ -334,12 +327,40 @@ pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, h: &Handoff<'_>, op
             }
         }
     }
-    // Round 1: what every rank exposes, recorded ready before it is offered.
-    h.ready()?;
+    // What I expose, staged (and a PremulSum's inputs scaled there), then
+    // `ready`: before round 1 offers it (an event wait means the latest
+    // record); a captured op only once every rank has found it can run,
+    // so that an op that cannot leaves nothing in the graph.
+    let staging: Vec<(DevicePtr, DevicePtr, usize)> =
+        if staged { buffers.iter().map(|(at, p, n, _)| (ring.stage + at, *p, *n as usize)).collect() } else { Vec::new() };
+    let expose = || -> Result<()> {
+        for &(to, from, n) in &staging {
+            // SAFETY: my staging buffer holds `staged_max` bytes, which these
+            // fit; no rank reads it between ops (each op ends with every
+            // rank's `done`), and `ready` is recorded after these copies.
+            unsafe { g.copy_dtod(stream, to, from, n)? };
+            if let Some((f, dtype)) = premul {
+                // A staged PremulSum input is scaled before it is summed, as
+                // the other paths scale theirs (a sum of 16-bit floats scaled
+                // after could overflow where the scaled one does not).
+                // SAFETY: the staged copy just queued, on this stream.
+                unsafe { g.premul(stream, to, n / dtype.size(), dtype, f)? };
+            }
+        }
+        h.ready()
+    };
+    if !h.captured() {
+        expose()?;
+    }
+    // Round 1: what every rank exposes, and whether it captures the op.
     let what = plan.as_ref().map_or(0, |p| p.what);
     let factor = premul.map_or(0, |(f, _)| f.to_bits());
-    let mine = Record { staged, exported, serves, what, factor, stage: ring.staged_max as u64, buffers };
+    let mine = Record { staged, exported, serves, captured: h.captured(), what, factor, stage: ring.staged_max as u64, buffers };
     let records = round(&c, 0, &mine.encode(w))?.iter().map(|b| Record::decode(b, w)).collect::<Result<Vec<_>>>()?;
+    let unlike = ranks_where(&records, |x| x.captured != h.captured());
+    if !unlike.is_empty() {
+        return Err(capture_mismatch(&unlike, h.captured()));
+    }
     let unserved = ranks_where(&records, |x| !x.serves);
     if !unserved.is_empty() {
         return fallback(format!(
@@ -371,9 +392,8 @@ pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, h: &Handoff<'_>, op
     // Round 2: every rank's sizes agree with what it reads, and what it
     // reads from other processes is mapped here (a rank sees only its own
     // reads, so every rank learns of any mismatch or failure in one round).
-    let mut peers = PeerBuffers::new(&*g, ring.device, stream, ctx.deadline.get());
+    let mut peers = PeerBuffers::new(&*g, ring.device, stream, ctx.deadline.get(), &ring.kept, h.captured());
     let mut address: HashMap<(usize, usize), DevicePtr> = HashMap::new();
-    let mut mapped: HashMap<(usize, Vec<u8>), DevicePtr> = HashMap::new();
     let mismatch = check_sizes(&plan, &records, w).err();
     let mut failed = None;
     if mismatch.is_none() {
@@ -384,11 +404,9 @@ pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, h: &Handoff<'_>, op
                 ring.ranks_stage[from] + offset
             } else if from == r || ring.pids[from] == std::process::id() || handle.is_empty() {
                 *at
-            } else if let Some(base) = mapped.get(&(from, handle.clone())) {
-                base + offset
             } else {
-                match peers.map(handle) {
-                    Ok(base) => *mapped.entry((from, handle.clone())).or_insert(base) + offset,
+                match peers.map(from, handle) {
+                    Ok(base) => base + offset,
                     Err(e) => {
                         failed = Some(format!("rank {r} cannot map rank {from}'s buffer: {e}"));
                         break;
@@ -411,6 +429,9 @@ pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, h: &Handoff<'_>, op
         return fallback(failed.unwrap_or_else(|| format!("rank(s) {unmapped:?} cannot map the others' buffers")));
     }
 
+    if h.captured() {
+        expose()?;
+    }
     // Wait for every rank I read from, then read.
     let mut from_ranks: Vec<usize> = sources(&plan, w).map(|(p, _)| p).filter(|p| *p != r).collect();
     from_ranks.sort_unstable();
@@ -444,10 +465,7 @@ pub fn run(ring: &Peers, cpu: &dyn Backend, ctx: &OpContext, h: &Handoff<'_>, op
     // before any rank's op can complete (their owners may free the buffers
     // then): my reads first, then the mappings, then the round.
     h.done()?;
-    if h.captured() {
-        // The graph reads through them on every launch.
-        peers.keep(&ring.kept);
-    } else if !mapped.is_empty() {
+    if peers.any_open() {
         ring.wait_host(ring.done, ctx.deadline.get(), "this rank's reads of the others' buffers")?;
         // SAFETY: the copies that used the mappings have finished.
         unsafe { peers.close() };
@@ -519,19 +537,32 @@ mod tests {
     use super::*;
 
     fn record(buffers: Vec<(u64, u64, u64, Vec<u8>)>) -> Record {
-        Record { staged: false, exported: true, serves: true, what: what(3, DType::F32, None, 0), factor: 0, stage: 1 << 20, buffers }
+        Record {
+            staged: false,
+            exported: true,
+            serves: true,
+            captured: false,
+            what: what(3, DType::F32, None, 0),
+            factor: 0,
+            stage: 1 << 20,
+            buffers,
+        }
     }
 
     #[test]
     fn records_round_trip_and_malformed_ones_are_refused() {
         let r = Record {
             staged: true,
+            captured: true,
             factor: 0.5f64.to_bits(),
             ..record(vec![(256, 0x7000, 12, vec![]), (0, 0x9000, 4, vec![7; HANDLE_MAX])])
         };
         let b = r.encode(3);
         let d = Record::decode(&b, 3).unwrap();
-        assert_eq!((d.staged, d.exported, d.serves, d.what, d.factor, d.stage), (true, true, true, r.what, r.factor, r.stage));
+        assert_eq!(
+            (d.staged, d.exported, d.serves, d.captured, d.what, d.factor, d.stage),
+            (true, true, true, true, r.what, r.factor, r.stage)
+        );
         assert_eq!(d.buffers, r.buffers);
         // A record of another group size, more buffers than ranks, a handle past its room.
         assert!(Record::decode(&b, 2).is_err());

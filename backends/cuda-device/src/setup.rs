@@ -66,7 +66,7 @@ pub struct Peers {
     pub ranks_flags: Vec<DevicePtr>,
     /// Other processes' buffers that captured ops read: a graph reads them
     /// on every launch, so they stay mapped until the group closes.
-    pub kept: std::sync::Mutex<Vec<DevicePtr>>,
+    pub kept: crate::peer_buffers::Kept,
     /// What `ipc_open` mapped here (closed on drop).
     opened: Vec<DevicePtr>,
     /// Recorded by me after writing slot q of the next rank.
@@ -147,14 +147,21 @@ pub fn choose_device(ctx: &BackendContext, gpu: &dyn Gpu) -> Result<usize> {
     Ok(std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse::<usize>().ok()).map_or(0, |l| l % count))
 }
 
-/// Zero `bytes` of device memory at `at` (cuMemAlloc leaves it as it was),
-/// through a stream of its own, before this returns.
-fn zero(gpu: &dyn Gpu, device: usize, at: DevicePtr, bytes: usize, timeout: Duration) -> Result<()> {
-    let (zeros, stream) = (vec![0u8; bytes], gpu.new_stream(device)?);
-    // SAFETY: `at` holds `bytes` (just allocated), `zeros` outlives the
-    // synchronisation below.
-    let r = unsafe { gpu.copy_htod(stream, at, zeros.as_ptr(), bytes) }
-        .and_then(|()| weft_cuda_driver::synchronize_stream(gpu, device, stream, Instant::now() + timeout, "zeroing the hand-off words"));
+/// Zero this rank's hand-off words at `at` ([`FLAGS`] bytes: cuMemAlloc
+/// leaves memory as it was) and load the hand-off kernels, through a
+/// stream of its own, before this returns. Kernels that cannot be loaded
+/// (no NVRTC) only fail the captured ops that would use them.
+fn prepare_flags(gpu: &dyn Gpu, device: usize, at: DevicePtr, timeout: Duration) -> Result<()> {
+    let (zeros, stream) = (vec![0u8; FLAGS], gpu.new_stream(device)?);
+    // SAFETY: `at` holds FLAGS bytes (just allocated), `zeros` outlives the
+    // synchronisation below, and the kernels run after the zeroing.
+    let r = unsafe { gpu.copy_htod(stream, at, zeros.as_ptr(), FLAGS) }.and_then(|()| {
+        // SAFETY: as above.
+        if let Err(e) = unsafe { crate::handoff::load_kernels(gpu, stream, at) } {
+            weft::log::debug(format_args!("cuda-device: the hand-off kernels are not loaded ({e}); captured ops would fail"));
+        }
+        weft_cuda_driver::synchronize_stream(gpu, device, stream, Instant::now() + timeout, "preparing the hand-off words")
+    });
     gpu.destroy_stream(stream);
     r
 }
@@ -208,7 +215,7 @@ impl Peers {
         let my_slots = gpu.alloc(device, slot_bytes * SLOTS)?;
         let flags = gpu.alloc(device, FLAGS + staged_max)?;
         let stage = flags + FLAGS as u64;
-        zero(&**gpu, device, flags, FLAGS, ctx.timeout)?;
+        prepare_flags(&**gpu, device, flags, ctx.timeout)?;
         let ev = || gpu.new_event(device, true);
         let ring = Peers {
             gpu: gpu.clone(),
@@ -388,7 +395,7 @@ impl Drop for Peers {
             g.destroy_event(e);
         }
         let kept = std::mem::take(&mut *self.kept.lock().unwrap_or_else(|p| p.into_inner()));
-        for mapped in self.opened.drain(..).chain(kept) {
+        for mapped in self.opened.drain(..).chain(kept.into_values()) {
             // SAFETY: opened by ipc_open; the backend is shutting down and
             // its stream was drained.
             unsafe { g.ipc_close(mapped) };

@@ -400,3 +400,66 @@ fn a_captured_graph_replays_its_collectives_with_fresh_inputs() {
         on_threads("cpu:shm,cuda:cuda-device", hints, w, weft_conformance::capture::replays);
     }
 }
+
+/// Ranks that disagree whether an op is captured (one captures, the other
+/// runs it eagerly) all get `InvalidArgument` naming the capture, instead
+/// of the eager rank reading what the graph has not run; nothing is
+/// recorded, and the group runs the op right afterwards.
+#[test]
+fn ranks_that_disagree_about_a_capture_are_refused_alike() {
+    let _gpu = weft_conformance::cuda::exclusive();
+    link();
+    let unstaged = [("cuda_direct_staged_bytes", "0")];
+    for hints in [&[][..], &unstaged[..]] {
+        on_threads("cpu:shm,cuda:cuda-device", hints, 2, capture_disagreement);
+    }
+}
+
+fn capture_disagreement(pg: &weft::ProcessGroup, p: SharedPlacement) -> Vec<Check> {
+    use weft::prelude::*;
+    use weft::{DType, ErrorKind};
+    use weft_conformance::Buf;
+    weft::stream::set_current_stream(Some(p.stream()));
+    let (r, n) = (pg.rank(), 64);
+    let o = OpOptions::default().timeout(std::time::Duration::from_secs(10));
+    let ones = |v: f32| -> Vec<u8> { (0..n).flat_map(|_| v.to_ne_bytes()).collect() };
+    let run = || -> weft::Result<Option<String>> {
+        let gpu = weft_cuda_driver::gpu().map_err(weft::Error::unsupported)?;
+        let mut b = Buf::from_bytes(DType::F32, &ones(r as f32 + 1.0)).place(Some(&p))?;
+        let mut g = [Buf::zeros(DType::F32, n).place(Some(&p))?, Buf::zeros(DType::F32, n).place(Some(&p))?];
+        let mut problems = Vec::new();
+        for op in ["all_reduce", "all_gather"] {
+            if r == 0 {
+                gpu.begin_capture(p.stream())?;
+            }
+            let [g0, g1] = &mut g;
+            let got = match op {
+                "all_reduce" => pg.all_reduce(b.tm(), ReduceOp::Sum, &o).and_then(|x| x.wait()),
+                _ => pg.all_gather(vec![g0.tm(), g1.tm()], b.t(), &o).and_then(|x| x.wait()),
+            };
+            match got {
+                Err(e) if e.kind() == &ErrorKind::InvalidArgument && e.to_string().contains("mismatched capture") => {}
+                Err(e) => problems.push(format!("{op}: {e}")),
+                Ok(()) => problems.push(format!("{op} ran on rank {r}")),
+            }
+            if r == 0 {
+                match gpu.end_capture(p.stream()).map(|graph| weft_cuda_driver::emulated::graph_tasks(graph.0)) {
+                    Ok(Some(0) | None) => {}
+                    Ok(Some(k)) => problems.push(format!("{op}: {k} tasks were recorded")),
+                    Err(e) => problems.push(format!("{op}: the capture was broken: {e}")),
+                }
+            }
+        }
+        pg.all_reduce(b.tm(), ReduceOp::Sum, &o)?.wait()?;
+        if b.read()? != ones(3.0) {
+            problems.push("wrong result after the refused captures".into());
+        }
+        Ok(problems.into_iter().next())
+    };
+    let (passed, detail) = match run() {
+        Ok(None) => (true, String::new()),
+        Ok(Some(why)) => (false, why),
+        Err(e) => (false, e.to_string()),
+    };
+    vec![Check { op: "an op captured on one rank only", dtype: DType::F32, redop: None, passed, detail }]
+}

@@ -225,8 +225,13 @@ impl ShmBackend {
         };
         if let (Ok(()), Some(start), Some(plan)) = (&r, timed, plan) {
             let ended = if drains.is_empty() || !plan.weighed_soon() { Some(start.elapsed()) } else { self.drained(&drains, start) };
-            if let Some(c) = ended.and_then(|t| eng.chooser.record(&self.schemes(), plan, t.as_nanos() as u64, rule)) {
-                weft::log::debug(format_args!("shm: {c}"));
+            match ended {
+                None => eng.chooser.missed(plan),
+                Some(t) => {
+                    if let Some(c) = eng.chooser.record(&self.schemes(), plan, t.as_nanos() as u64, rule) {
+                        weft::log::debug(format_args!("shm: {c}"));
+                    }
+                }
             }
         }
         r

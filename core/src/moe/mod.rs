@@ -43,7 +43,7 @@ use crate::group::{Collectives, ProcessGroup};
 use crate::kernels::weighted::{self, WeightedSum};
 use crate::options::OpOptions;
 use crate::tensor::{Tensor, TensorMut};
-use plan::{in_first_part, meta_bytes, Header, Placement, Plan, FIRST_PART, HEADER};
+use plan::{first_part, in_first_part, meta_bytes, Header, Placement, Plan, HEADER};
 
 /// Step one of a dispatch, done: every rank's first part has arrived,
 /// with its header and the start of its rows. Say how many rows this rank
@@ -143,7 +143,7 @@ impl ProcessGroup {
     /// Step one of a dispatch: check the routing and the rows, and send
     /// every rank the first part of its message: a header (validity, what
     /// all ranks must agree on, how many tokens and pairs follow), then as
-    /// much of the rows and their metadata as fits (16 KiB in all).
+    /// much of the rows and their metadata as fits (16 KiB in all up to 16 ranks, less beyond).
     /// `topk_idx` holds `k` expert ids per token (`-1`: none), `x` the
     /// tokens' rows (`[tokens, hidden]`, a float dtype). Collective: every
     /// rank calls it, with the same `k`, `num_experts`, `hidden` and dtype;
@@ -183,7 +183,7 @@ impl ProcessGroup {
             }
             Err(_) => vec![Vec::new(); world],
         };
-        let more = sends.iter().enumerate().any(|(r, b)| r != rank && b.len() > in_first_part(b.len()));
+        let more = sends.iter().enumerate().any(|(r, b)| r != rank && b.len() > in_first_part(b.len(), world));
         let mine: Vec<Header> = (0..world)
             .map(|r| Header {
                 ok: planned.is_ok(),
@@ -197,12 +197,12 @@ impl ProcessGroup {
             })
             .collect();
         // First parts, a fixed size each way (this rank's own: its header).
-        let part = |r: usize| if r == rank { HEADER } else { FIRST_PART };
+        let part = |r: usize| if r == rank { HEADER } else { first_part(world) };
         let firsts = (0..world)
             .map(|r| {
                 let mut b = spare::take(part(r))?;
                 mine[r].encode(&mut b[..HEADER]);
-                let n = if r == rank { 0 } else { in_first_part(sends[r].len()) };
+                let n = if r == rank { 0 } else { in_first_part(sends[r].len(), world) };
                 b[HEADER..HEADER + n].copy_from_slice(&sends[r][..n]);
                 b[HEADER + n..].fill(0);
                 Ok(b)
@@ -229,7 +229,7 @@ impl ProcessGroup {
                 }
                 let len = h.message_bytes(row).expect("checked");
                 let mut b = spare::take(len)?;
-                let n = in_first_part(len);
+                let n = in_first_part(len, world);
                 b[..n].copy_from_slice(&first[HEADER..HEADER + n]);
                 Ok(b)
             })
@@ -272,9 +272,12 @@ impl ProcessGroup {
             // The peers that got honest headers go on into the dispatch:
             // the group is aborted, so that they fail at once instead of
             // at their timeout.
+            // (This rank's own part never travels: its rows stay in `x`.)
             let why = match h.message_bytes(row) {
                 Err(why) => why,
-                Ok(len) if !more && len > in_first_part(len) => format!("{len} bytes without a second part"),
+                Ok(len) if s != self.rank() && !more && len > in_first_part(len, headers.len()) => {
+                    format!("{len} bytes without a second part")
+                }
                 Ok(_) => continue,
             };
             self.abort();
@@ -295,7 +298,7 @@ impl ProcessGroup {
         let (rank, row) = (self.rank(), shape.row_bytes());
         let fail = |e: Error| e.with_op(NAME).with_rank(rank);
         if more {
-            let first = |b: &[u8]| in_first_part(b.len());
+            let first = |b: &[u8]| in_first_part(b.len(), self.size());
             let inputs: Vec<Tensor<'_>> = sends.iter().map(|b| Tensor::from(&b[first(b)..])).collect();
             let outputs: Vec<TensorMut<'_>> = got
                 .iter_mut()

@@ -19,15 +19,21 @@ use crate::error::{Error, Result};
 /// token (k), and whether the sender has a second part for any rank.
 pub(crate) const HEADER: usize = 8 * 8;
 
-/// Bytes of a dispatch's first part to each other rank: the header, then
-/// the start of the message (rows, then metadata), zeros past its end. A
-/// fixed size, so that receivers post it before they know any count; a
-/// message longer than fits follows in a second part, sized by the header.
-pub(crate) const FIRST_PART: usize = 16 << 10;
+/// Bytes of a dispatch's first part to each other rank of a group of
+/// `world`: the header, then the start of the message (rows, then
+/// metadata), zeros past its end. A size every rank knows, so that
+/// receivers post it before they know any count; a message longer than
+/// fits follows in a second part, sized by the header. 16 KiB up to 16
+/// ranks, less beyond (a rank sends at most 256 KiB of first parts in all,
+/// at least 1 KiB each).
+pub(crate) fn first_part(world: usize) -> usize {
+    ((256 << 10) / world.max(1)).clamp(1 << 10, 16 << 10) / 64 * 64
+}
 
-/// How many of a message's `len` bytes travel in its first part.
-pub(crate) fn in_first_part(len: usize) -> usize {
-    len.min(FIRST_PART - HEADER)
+/// How many of a message's `len` bytes travel in its first part, in a
+/// group of `world`.
+pub(crate) fn in_first_part(len: usize, world: usize) -> usize {
+    len.min(first_part(world) - HEADER)
 }
 
 /// What a rank tells each peer at the head of its data: whether its
@@ -299,6 +305,14 @@ mod tests {
         assert!(many.message_bytes(16).is_err(), "2^32 pairs");
         let huge = Header { k: 1, ..h(u32::MAX.into(), u32::MAX.into()) };
         assert!(huge.message_bytes(usize::MAX / 4).is_err(), "past the address range");
+    }
+
+    #[test]
+    fn first_parts_are_16_kib_up_to_16_ranks_and_256_kib_in_all_beyond() {
+        assert_eq!((first_part(1), first_part(2), first_part(16)), (16 << 10, 16 << 10, 16 << 10));
+        assert_eq!((first_part(64), first_part(256), first_part(4096)), (4 << 10, 1 << 10, 1 << 10));
+        assert_eq!(first_part(3) % 64, 0);
+        assert_eq!((in_first_part(100, 2), in_first_part(1 << 20, 2)), (100, (16 << 10) - HEADER));
     }
 
     #[test]

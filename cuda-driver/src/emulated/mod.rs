@@ -45,6 +45,9 @@ pub struct EmulatedGpu {
     events: Mutex<HashMap<u64, Arc<EventCell>>>,
     /// Allocations by base address: this process's and opened peers'.
     memory: Mutex<HashMap<u64, Mapping>>,
+    /// IPC handles open here, by the base they were opened at: a handle
+    /// opens once at a time (CUDA: `CUDA_ERROR_ALREADY_MAPPED`).
+    opened: Mutex<HashMap<u64, Vec<u8>>>,
     pinned: Mutex<HashMap<u64, Vec<u64>>>,
 }
 
@@ -81,6 +84,7 @@ impl EmulatedGpu {
             streams: Mutex::default(),
             events: Mutex::default(),
             memory: Mutex::default(),
+            opened: Mutex::default(),
             pinned: Mutex::default(),
         }
     }
@@ -399,12 +403,18 @@ impl Gpu for EmulatedGpu {
     }
     fn ipc_open(&self, device: usize, handle: &[u8]) -> Result<DevicePtr> {
         self.device(device)?;
+        let mut opened = self.opened.lock().unwrap_or_else(|p| p.into_inner());
+        if opened.values().any(|h| h == handle) {
+            return Err(Error::backend("cuda emulation: this IPC handle is already open in this process (CUDA_ERROR_ALREADY_MAPPED)"));
+        }
         let m = Mapping::open(handle)?;
         let base = m.base() as u64;
         self.memory.lock().unwrap_or_else(|p| p.into_inner()).insert(base, m);
+        opened.insert(base, handle.to_vec());
         Ok(base)
     }
     unsafe fn ipc_close(&self, ptr: DevicePtr) {
+        self.opened.lock().unwrap_or_else(|p| p.into_inner()).remove(&ptr);
         self.memory.lock().unwrap_or_else(|p| p.into_inner()).remove(&ptr);
     }
     fn ipc_export_event(&self, event: Event) -> Result<Vec<u8>> {
@@ -470,11 +480,18 @@ mod tests {
         let buf = g.alloc(0, 64).unwrap();
         let other = g.ipc_open(0, &g.ipc_export(buf).unwrap().0).unwrap();
         assert_ne!(buf, other);
+        let again = g.ipc_open(0, &g.ipc_export(buf).unwrap().0);
+        assert!(again.unwrap_err().to_string().contains("already open"), "a handle opens once at a time");
         // SAFETY: 64 valid bytes each; both map the same pages.
         unsafe {
             *(buf as *mut u8) = 42;
             assert_eq!(*(other as *const u8), 42);
             g.ipc_close(other);
+        }
+        let reopened = g.ipc_open(0, &g.ipc_export(buf).unwrap().0).unwrap();
+        // SAFETY: as above.
+        unsafe {
+            g.ipc_close(reopened);
             g.free(buf);
         }
         let e = g.new_event(0, true).unwrap();

@@ -32,8 +32,8 @@
 //! their rings, since a send alone through the ring ends once its bytes
 //! are in the ring, before its receiver has copied them, and would flatter
 //! the ring (`exchange.rs` waits for that only in exchanges that are
-//! weighed, at most as long again, and drops the time of a receiver that
-//! is late). Keys rank 0 only receives (a gather to it) keep the rule. A
+//! weighed, at most as long again; a late receiver drops the runs that
+//! exchange belongs to, [`Chooser::missed`]). Keys rank 0 only receives (a gather to it) keep the rule. A
 //! burst is weighed against the exchanges just
 //! before it, which ran the current scheme: the ratio of the medians of
 //! its last [`MEASURED`] and of those. Its first exchange is not weighed:
@@ -381,6 +381,15 @@ impl Chooser {
             _ => current,
         };
         Some(Plan { key, n, scheme, explores: scheme != current })
+    }
+
+    /// The decider could not time exchange `plan` (a receiver came late):
+    /// the runs it belonged to are dropped, so that no older time stands in
+    /// for it.
+    pub fn missed(&mut self, plan: Plan) {
+        if let Some(st) = self.keys.get_mut(&plan.key) {
+            (st.current, st.burst) = (Recent::default(), Recent::default());
+        }
     }
 
     /// The decider: exchange `plan` took `ns`; maybe move its key to a
