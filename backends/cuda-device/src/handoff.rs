@@ -13,8 +13,7 @@
 //!   a rank's `ready` adds one to its op counter and stores it in its
 //!   ready flag, its `done` stores the counter in its done flag, and a
 //!   wait holds the stream until a peer's flag reaches this rank's counter
-//!   ([`Gpu::signal`](weft_cuda_driver::Gpu::signal),
-//!   [`Gpu::wait_flag`](weft_cuda_driver::Gpu::wait_flag)).
+//!   ([`Gpu::signal`], [`Gpu::wait_flag`]).
 //!
 //! Counters agree because every rank launches the same captured ops in
 //! the same order (as NCCL asks of graphs, and as a rank's op sequence
