@@ -87,10 +87,5 @@ pub fn replays(pg: &weft::ProcessGroup, p: SharedPlacement) -> Vec<Check> {
         }
         Ok(problems.into_iter().next())
     };
-    let (passed, detail) = match run() {
-        Ok(None) => (true, String::new()),
-        Ok(Some(why)) => (false, why),
-        Err(e) => (false, e.to_string()),
-    };
-    vec![Check { op: "collectives captured into a graph and replayed", dtype: weft::DType::F32, redop: None, passed, detail }]
+    vec![Check::of_scenario("collectives captured into a graph and replayed", weft::DType::F32, run())]
 }

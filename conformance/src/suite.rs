@@ -21,6 +21,19 @@ pub struct Check {
     pub detail: String,
 }
 
+impl Check {
+    /// The check of a scenario that returns its first problem, if any
+    /// (`Ok(None)`: passed; an error fails it with its message).
+    pub fn of_scenario(op: &'static str, dtype: DType, outcome: weft::Result<Option<String>>) -> Check {
+        let (passed, detail) = match outcome {
+            Ok(None) => (true, String::new()),
+            Ok(Some(why)) => (false, why),
+            Err(e) => (false, e.to_string()),
+        };
+        Check { op, dtype, redop: None, passed, detail }
+    }
+}
+
 /// Matches results, allowing f16/bf16 product rounding differences.
 fn same(dtype: DType, op: Option<ReduceOp>, got: &[u8], want: &[u8]) -> bool {
     std::panic::catch_unwind(|| crate::assert_close(dtype, op, got, want, "")).is_ok()

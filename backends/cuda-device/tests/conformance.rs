@@ -377,12 +377,7 @@ fn capture_refused(pg: &weft::ProcessGroup, p: SharedPlacement) -> Vec<Check> {
         }
         Ok(problems.into_iter().flatten().next())
     };
-    let (passed, detail) = match run() {
-        Ok(None) => (true, String::new()),
-        Ok(Some(why)) => (false, why),
-        Err(e) => (false, e.to_string()),
-    };
-    vec![Check { op: "ops on a capturing stream", dtype: DType::F32, redop: None, passed, detail }]
+    vec![Check::of_scenario("ops on a capturing stream", DType::F32, run())]
 }
 
 /// A CUDA graph that captured all_reduce, all_gather, reduce_scatter,
@@ -456,10 +451,5 @@ fn capture_disagreement(pg: &weft::ProcessGroup, p: SharedPlacement) -> Vec<Chec
         }
         Ok(problems.into_iter().next())
     };
-    let (passed, detail) = match run() {
-        Ok(None) => (true, String::new()),
-        Ok(Some(why)) => (false, why),
-        Err(e) => (false, e.to_string()),
-    };
-    vec![Check { op: "an op captured on one rank only", dtype: DType::F32, redop: None, passed, detail }]
+    vec![Check::of_scenario("an op captured on one rank only", DType::F32, run())]
 }
