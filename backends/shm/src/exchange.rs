@@ -245,15 +245,23 @@ impl ShmBackend {
     /// exchange took (at least 50 µs); `None` (the time is not weighed)
     /// where a receiver has not come by then.
     fn drained(&self, peers: &[usize], start: Instant) -> Option<std::time::Duration> {
+        let waits = Instant::now();
         let until = start + start.elapsed().max(std::time::Duration::from_micros(50)) * 2;
         loop {
             if peers.iter().all(|p| self.ring(self.rank, *p).drained()) {
                 return Some(start.elapsed());
             }
-            if Instant::now() >= until {
+            let now = Instant::now();
+            if now >= until {
                 return None;
             }
-            std::hint::spin_loop();
+            // Spinning keeps a short wait exact; past 20 µs the receiver
+            // may need this core (more ranks than cores).
+            if now - waits < std::time::Duration::from_micros(20) {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
         }
     }
 
