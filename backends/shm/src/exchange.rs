@@ -73,9 +73,9 @@ struct Batch {
     plan: Option<Plan>,
     rule: Option<Scheme>,
     weighed: bool,
-    /// The peers it sends messages of its key to, where it receives none:
-    /// a weighed time then runs until they have taken every byte.
-    drains: Vec<usize>,
+    /// It sends messages of its key and receives none: a weighed time then
+    /// runs until the receivers have taken every byte (`drained`).
+    one_way: bool,
 }
 
 /// The scheme `plan` gives `op`: sends of its key (others take the rule).
@@ -212,7 +212,7 @@ impl ShmBackend {
         if let Some(e) = self.refuse(ops.iter(), gathered) {
             return Err(e);
         }
-        let Batch { plan, rule, weighed, drains } = self.plan(eng, ops);
+        let Batch { plan, rule, weighed, one_way } = self.plan(eng, ops);
         let timed = (weighed && eng.chooser.decides()).then(Instant::now);
         // With nothing else posted, what can finish at once skips the table
         // (`direct`). A receive from any rank binds its op to the sender: it
@@ -224,7 +224,7 @@ impl ShmBackend {
             self.exchange_in_table(eng, posting, ops, gathered, deadline, plan)
         };
         if let (Ok(()), Some(start), Some(plan)) = (&r, timed, plan) {
-            let ended = if drains.is_empty() || !plan.weighed_soon() { Some(start.elapsed()) } else { self.drained(&drains, start) };
+            let ended = if one_way && plan.weighed_soon() { self.drained(ops, plan.key, start) } else { Some(start.elapsed()) };
             match ended {
                 None => eng.chooser.missed(plan),
                 Some(t) => {
@@ -237,18 +237,22 @@ impl ShmBackend {
         r
     }
 
-    /// How long from `start` until `peers` had read everything this rank
-    /// wrote into their rings: a send alone through the ring ends once its
+    /// How long from `start` until the peers `ops` sent messages of `key`
+    /// to had read everything this rank wrote into their rings: a send alone through the ring ends once its
     /// bytes are in the ring, before its receiver has copied them, so its
     /// own time would flatter the ring (single-copy sends end once the
     /// receiver has the bytes). Waits at most as long again as the
     /// exchange took (at least 50 µs); `None` (the time is not weighed)
     /// where a receiver has not come by then.
-    fn drained(&self, peers: &[usize], start: Instant) -> Option<std::time::Duration> {
+    fn drained(&self, ops: &[P2p<'_>], key: Key, start: Instant) -> Option<std::time::Duration> {
+        let peers = ops.iter().filter_map(|op| match op {
+            P2p::Send { peer, tag, data } if Key::of(*tag, data.len()) == Some(key) => Some(*peer),
+            _ => None,
+        });
         let waits = Instant::now();
         let until = start + start.elapsed().max(std::time::Duration::from_micros(50)) * 2;
         loop {
-            if peers.iter().all(|p| self.ring(self.rank, *p).drained()) {
+            if peers.clone().all(|p| self.ring(self.rank, p).drained()) {
                 return Some(start.elapsed());
             }
             let now = Instant::now();
@@ -269,10 +273,10 @@ impl ShmBackend {
     /// enough to choose (the key of its largest message, this rank's
     /// exchange of that key, its scheme); how the rule would send it; and
     /// whether its time may be weighed (it sends messages of the key:
-    /// see `cma/scheme.rs`), and the peers it must wait for to weigh it
-    /// (where it receives none).
+    /// see `cma/scheme.rs`), and whether it only sends them (its receivers
+    /// are then waited for before it is weighed).
     fn plan(&self, eng: &mut Engine, ops: &[P2p<'_>]) -> Batch {
-        let none = Batch { plan: None, rule: None, weighed: false, drains: Vec::new() };
+        let none = Batch { plan: None, rule: None, weighed: false, one_way: false };
         if !self.adapt {
             return none;
         }
@@ -293,15 +297,7 @@ impl ShmBackend {
         });
         let receives_key = ops.iter().any(|op| matches!(op, P2p::Recv { tag, buf, .. } if Key::of(*tag, buf.len()) == Some(key)));
         let plan = eng.chooser.plan(&self.schemes(), key, rule);
-        let mut drains: Vec<usize> = Vec::new();
-        if !receives_key {
-            drains.extend(ops.iter().filter_map(|op| match op {
-                P2p::Send { peer, tag, data } if Key::of(*tag, data.len()) == Some(key) => Some(*peer),
-                _ => None,
-            }));
-            drains.dedup();
-        }
-        Batch { plan, rule, weighed: plan.is_some() && rule.is_some(), drains }
+        Batch { plan, rule, weighed: plan.is_some() && rule.is_some(), one_way: !receives_key }
     }
 
     /// [`Self::exchange_now`] through the table: the batch is added, and

@@ -299,16 +299,12 @@ impl ProcessGroup {
         let fail = |e: Error| e.with_op(NAME).with_rank(rank);
         if more {
             let first = |b: &[u8]| in_first_part(b.len(), self.size());
-            let inputs: Vec<Tensor<'_>> = sends.iter().map(|b| Tensor::from(&b[first(b)..])).collect();
-            let outputs: Vec<TensorMut<'_>> = got
-                .iter_mut()
-                .enumerate()
-                .map(|(s, b)| {
-                    let at = if s == rank { b.len() } else { first(b) };
-                    TensorMut::from(&mut b[at..])
-                })
-                .collect();
-            self.all_to_all(outputs, inputs, opts)?.wait()?;
+            let inputs = sends.iter().map(|b| &b[first(b)..]);
+            let outputs = got.iter_mut().enumerate().map(|(s, b)| {
+                let at = if s == rank { b.len() } else { first(b) };
+                &mut b[at..]
+            });
+            self.exchange_slices(inputs, outputs, opts)?;
         }
         spare::give(sends);
         let x = rows_of(&x, shape, shape.tokens, "x").and_then(|b| {
@@ -601,13 +597,22 @@ impl ProcessGroup {
     /// as the peers send: one `all_to_all`); the sends go back to the
     /// spare buffers.
     fn all_to_all_bytes(&self, sends: Vec<Vec<u8>>, mut got: Vec<Vec<u8>>, opts: &OpOptions) -> Result<Vec<Vec<u8>>> {
-        {
-            let inputs: Vec<Tensor<'_>> = sends.iter().map(Tensor::from).collect();
-            let outputs: Vec<TensorMut<'_>> = got.iter_mut().map(TensorMut::from).collect();
-            self.all_to_all(outputs, inputs, opts)?.wait()?;
-        }
+        self.exchange_slices(sends.iter().map(|b| &b[..]), got.iter_mut().map(|b| &mut b[..]), opts)?;
         spare::give(sends);
         Ok(got)
+    }
+
+    /// One `all_to_all` of bytes: the i-th of `sends` to rank i, the i-th
+    /// of `got` from rank i (sized as rank i sends).
+    fn exchange_slices<'a>(
+        &self,
+        sends: impl Iterator<Item = &'a [u8]>,
+        got: impl Iterator<Item = &'a mut [u8]>,
+        opts: &OpOptions,
+    ) -> Result<()> {
+        let inputs: Vec<Tensor<'_>> = sends.map(Tensor::from).collect();
+        let outputs: Vec<TensorMut<'_>> = got.map(TensorMut::from).collect();
+        self.all_to_all(outputs, inputs, opts)?.wait()
     }
 }
 
