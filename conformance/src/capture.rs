@@ -8,7 +8,8 @@ use weft::prelude::*;
 use weft::DType;
 
 /// A CUDA graph that captured all_reduce (twice), all_gather,
-/// reduce_scatter, all_to_all and broadcast on every rank, launched 10
+/// reduce_scatter, all_to_all, broadcast and a ring of `sendrecv` (send
+/// to the right, receive from the left) on every rank, launched 10
 /// times with new inputs written between launches: every launch must give
 /// the exact results of its inputs (a launch that skipped a hand-off
 /// between ranks reads stale or half-written buffers), and the group runs
@@ -28,6 +29,8 @@ pub fn replays(pg: &weft::ProcessGroup, p: SharedPlacement) -> Vec<Check> {
         let zeros = |k: usize| -> weft::Result<Vec<Buf>> { (0..k).map(|_| Buf::zeros(DType::F32, n).place(Some(&p))).collect() };
         let (mut ar, mut ag_in, mut rs_out, mut bc) = (zeros(1)?, zeros(1)?, zeros(1)?, zeros(1)?);
         let (mut ag_out, mut rs_in, mut a2a_in, mut a2a_out) = (zeros(w)?, zeros(w)?, zeros(w)?, zeros(w)?);
+        let (mut p2p_in, mut p2p_out) = (zeros(1)?, zeros(1)?);
+        let (right, left) = ((r + 1) % w, (r + w - 1) % w);
         let stream = p.stream();
         g.begin_capture(stream)?;
         let captured = (|| -> weft::Result<()> {
@@ -37,7 +40,8 @@ pub fn replays(pg: &weft::ProcessGroup, p: SharedPlacement) -> Vec<Check> {
             pg.all_gather(ag_out.iter_mut().map(Buf::tm).collect(), ag_in[0].t(), &o)?.wait()?;
             pg.reduce_scatter(rs_out[0].tm(), rs_in.iter().map(Buf::t).collect(), ReduceOp::Sum, &o)?.wait()?;
             pg.all_to_all(a2a_out.iter_mut().map(Buf::tm).collect(), a2a_in.iter().map(Buf::t).collect(), &o)?.wait()?;
-            pg.broadcast(bc[0].tm(), root, &o)?.wait()
+            pg.broadcast(bc[0].tm(), root, &o)?.wait()?;
+            pg.sendrecv(p2p_in[0].t(), right, p2p_out[0].tm(), left, 7, &o)?.wait()
         })();
         let graph = g.end_capture(stream);
         captured?;
@@ -56,6 +60,7 @@ pub fn replays(pg: &weft::ProcessGroup, p: SharedPlacement) -> Vec<Check> {
                 b.write(&part(r, it, 20 + q))?;
             }
             bc[0].write(&if r == root { part(r, it, 40) } else { vec![0; 4 * n] })?;
+            p2p_in[0].write(&part(r, it, 50))?;
             g.launch_graph(graph, stream)?;
             let mut check = |what: &str, b: &Buf, want: Vec<u8>| -> weft::Result<()> {
                 if b.read()? != want {
@@ -75,6 +80,7 @@ pub fn replays(pg: &weft::ProcessGroup, p: SharedPlacement) -> Vec<Check> {
                 check("all_to_all", b, part(q, it, 20 + r))?;
             }
             check("broadcast", &bc[0], part(root, it, 40))?;
+            check("sendrecv", &p2p_out[0], part(left, it, 50))?;
         }
         g.destroy_graph(graph);
         // The same ops run eagerly after the graph, on the device (a

@@ -107,3 +107,106 @@ impl Placement for CudaPlacement {
         unsafe { self.gpu.free(addr) }
     }
 }
+
+/// Point-to-point between ranks on one GPU through `pg` (cuda-device,
+/// ranks in separate processes): a ring of sends and receives in a scope,
+/// both neighbours sending before receiving, `sendrecv`, a batch and an
+/// empty message, each exact, and (on the emulated GPU, which counts them)
+/// no payload byte copied between host and device while they run. One
+/// [`Check`] per case.
+pub fn p2p_stays_on_the_device(pg: &ProcessGroup, p: SharedPlacement) -> Vec<Check> {
+    use crate::Buf;
+    use weft::prelude::*;
+    use weft::{DType, P2pOp};
+    weft::stream::set_current_stream(Some(p.stream()));
+    let (r, w) = (pg.rank(), pg.size());
+    let (right, left) = ((r + 1) % w, (r + w - 1) % w);
+    let o = OpOptions::default().timeout(Duration::from_secs(30));
+    let emulated = std::env::var("WEFT_TEST_REAL_GPU").as_deref() != Ok("1");
+    let data = |seed: usize, n: usize| -> Vec<u8> { (0..n).map(|i| ((seed * 31 + i * 7) % 251) as u8).collect() };
+    let place = |v: Vec<u8>| Buf::from_bytes(DType::U8, &v).place(Some(&p));
+    // Run `op` between barriers; its result against `want`, and the payload
+    // bytes the emulated GPU saw cross between host and device meanwhile.
+    let counted = |op: &mut dyn FnMut() -> weft::Result<Vec<(Buf, Vec<u8>)>>| -> weft::Result<Option<String>> {
+        pg.barrier(&o)?.wait()?;
+        let before = weft_cuda_driver::emulated::host_bytes();
+        let outs = op()?;
+        pg.barrier(&o)?.wait()?;
+        let moved = weft_cuda_driver::emulated::host_bytes() - before;
+        for (i, (b, want)) in outs.iter().enumerate() {
+            if b.read()? != *want {
+                return Ok(Some(format!("output {i} wrong")));
+            }
+        }
+        Ok((emulated && moved > 0).then(|| format!("{moved} payload bytes through the host")))
+    };
+    let n = 300_001;
+    type Case<'a> = (&'static str, Box<dyn Fn() -> weft::Result<Option<String>> + 'a>);
+    let cases: Vec<Case<'_>> = vec![
+        (
+            "p2p on the device: a ring in a scope",
+            Box::new(|| {
+                let input = place(data(r, n))?;
+                let mut out = Some(place(vec![0; n])?);
+                counted(&mut || {
+                    let mut out = out.take().expect("one run");
+                    pg.scope(|s| -> weft::Result<()> {
+                        let a = s.send(input.t(), right, 11, &o)?;
+                        let b = s.recv(out.tm(), left, 11, &o)?;
+                        a.wait()?;
+                        b.wait()
+                    })?;
+                    Ok(vec![(out, data(left, n))])
+                })
+            }),
+        ),
+        (
+            "p2p on the device: every rank sends first, twice",
+            Box::new(|| {
+                let (x, y) = (place(data(r, n))?, place(data(r + 9, 1000))?);
+                let mut outs = Some((place(vec![0; n])?, place(vec![0; 1000])?));
+                counted(&mut || {
+                    let (mut a, mut b) = outs.take().expect("one run");
+                    pg.scope(|s| -> weft::Result<()> {
+                        let sends = [s.send(x.t(), right, 12, &o)?, s.send(y.t(), right, 13, &o)?];
+                        let recvs = [s.recv(a.tm(), left, 12, &o)?, s.recv(b.tm(), left, 13, &o)?];
+                        sends.into_iter().chain(recvs).try_for_each(|wk| wk.wait())
+                    })?;
+                    Ok(vec![(a, data(left, n)), (b, data(left + 9, 1000))])
+                })
+            }),
+        ),
+        (
+            "p2p on the device: sendrecv and an empty message",
+            Box::new(|| {
+                let (x, empty) = (place(data(r + 3, n))?, place(vec![])?);
+                let mut outs = Some((place(vec![0; n])?, place(vec![])?));
+                counted(&mut || {
+                    let (mut a, mut none) = outs.take().expect("one run");
+                    pg.sendrecv(x.t(), right, a.tm(), left, 14, &o)?.wait()?;
+                    pg.sendrecv(empty.t(), left, none.tm(), right, 15, &o)?.wait()?;
+                    Ok(vec![(a, data(left + 3, n)), (none, vec![])])
+                })
+            }),
+        ),
+        (
+            "p2p on the device: a batch, receives first, both ways",
+            Box::new(|| {
+                let (to_right, to_left) = (place(data(r + 5, n))?, place(data(r + 7, 4097))?);
+                let mut outs = Some((place(vec![0; n])?, place(vec![0; 4097])?));
+                counted(&mut || {
+                    let (mut from_left, mut from_right) = outs.take().expect("one run");
+                    let ops = vec![
+                        P2pOp::recv(from_left.tm(), left, 16),
+                        P2pOp::recv(from_right.tm(), right, 17),
+                        P2pOp::send(to_right.t(), right, 16),
+                        P2pOp::send(to_left.t(), left, 17),
+                    ];
+                    pg.batch_p2p(ops, &o)?.wait()?;
+                    Ok(vec![(from_left, data(left + 5, n)), (from_right, data(right + 7, 4097))])
+                })
+            }),
+        ),
+    ];
+    cases.into_iter().map(|(op, run)| Check::of_scenario(op, DType::U8, run())).collect()
+}

@@ -8,7 +8,8 @@
 //!
 //! ```text
 //! bit 63      : 1 = internal (collective), 0 = user send/recv
-//! user        : bits 32..40 space, low 32 bits = the user's tag
+//! user        : bits 32..40 space, bit 31 device record (below), low
+//!               31 bits = the user's tag
 //! collective  : bits 58..63 op code, bit 57 combines, bit 56 fresh,
 //!               38..56 shape, 30..38 space, 16..30 sequence number
 //!               (mod 2^14), 0..16 step
@@ -42,6 +43,12 @@
 
 /// Largest tag a user may pass to send/recv (tags are `u32`, top bit reserved).
 pub const MAX_USER_TAG: u32 = (1 << 31) - 1;
+
+/// Bit 31 of a user tag (above [`MAX_USER_TAG`]): a device backend's own
+/// record of a user message whose payload travels another way
+/// (cuda-device's point-to-point: its size and place in the sender's
+/// order), matched like the message itself, never with a host message.
+pub const DEVICE_RECORD: u64 = 1 << 31;
 
 /// Tag of a user send/recv.
 pub const fn user(tag: u32) -> u64 {

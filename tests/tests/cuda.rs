@@ -87,7 +87,7 @@ fn cuda_device_direct_and_ring_across_processes_over_ipc() {
         (2, ""),
         (3, "cuda_algorithm=direct"),
         (3, "cuda_algorithm=direct,cuda_direct_staged_bytes=0"),
-        (2, "cuda_algorithm=ring,cuda_slot_bytes=4096"),
+        (2, "cuda_algorithm=ring,cuda_slot_bytes=4096,cuda_p2p_chunk_bytes=4096"),
     ];
     for (w, hints) in runs {
         let mut env = gpu_env();
@@ -104,7 +104,7 @@ fn cuda_device_direct_and_ring_across_processes_over_ipc() {
 fn collectives_captured_into_a_graph_replay_across_processes() {
     // Staged through the staging buffers, and reading the callers' buffers
     // through IPC mappings that the graph keeps.
-    for (w, hints) in [(2, ""), (3, "cuda_direct_staged_bytes=0")] {
+    for (w, hints) in [(2, ""), (3, "cuda_direct_staged_bytes=0,cuda_p2p_chunk_bytes=256")] {
         let mut env = gpu_env();
         env.push(("WEFT_TEST_HINTS", hints));
         let ends = run_world(&worker(), w, &["cuda_capture"], &env, Duration::from_secs(120));
@@ -151,6 +151,24 @@ fn cuda_device_falls_back_to_the_ring_where_a_buffer_cannot_be_exported() {
     let ends = run_world(&worker(), 3, &["cuda_unexported"], &env, Duration::from_secs(120));
     for (r, e) in ends.iter().enumerate() {
         assert!(e.status.success(), "rank {r}:\n{}", e.output);
+    }
+}
+
+/// Sends and receives GPU to GPU whose sizes or order disagree fail the
+/// receiving rank with `InvalidArgument` naming the sender (their records
+/// say so), and its later point-to-point ops the same way: the two ranks'
+/// chunk counts no longer agree.
+#[test]
+fn point_to_point_on_the_device_that_disagrees_is_refused() {
+    for case in ["size", "order"] {
+        let mut env = gpu_env();
+        env.push(("WEFT_TEST_CASE", case));
+        let ends = run_world(&worker(), 2, &["cuda_p2p_mismatch"], &env, Duration::from_secs(120));
+        for (r, e) in ends.iter().enumerate() {
+            assert!(e.status.success(), "{case}: rank {r}:\n{}", e.output);
+        }
+        let why = if case == "size" { "rank 0 sent 100 bytes with tag 1, and this receive takes 200" } else { "in the order sent" };
+        assert!(ends[1].output.contains(why), "{case}: {}", ends[1].output);
     }
 }
 

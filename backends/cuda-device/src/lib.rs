@@ -6,11 +6,13 @@
 //! (`direct.rs`); otherwise, or where a buffer cannot be exported, the ring
 //! (reduce-scatter + all-gather, pipelined in slot-sized pieces) moves the
 //! data (`ring.rs`). Every other collective: each rank pulls what it needs
-//! from its peers' buffers (`pull.rs`). Point-to-point ops, and
-//! collectives that cannot run on the device, are staged through the host
+//! from its peers' buffers (`pull.rs`). Point-to-point ops move in chunks
+//! through every rank's outboxes, with device-side hand-offs (`p2p.rs`).
+//! Collectives that cannot run on the device are staged through the host
 //! (the same code as `cuda-host-staging`). On a stream capturing a CUDA
-//! graph, all_reduce and the pulled ops record their work into the graph
-//! with device-side hand-offs (`handoff.rs`); the rest is refused.
+//! graph, all_reduce, the pulled ops and point-to-point record their work
+//! into the graph with device-side hand-offs (`handoff.rs`, `p2p.rs`); the
+//! rest is refused.
 //!
 //! Created only when every rank is on this host and every rank can export
 //! and open the IPC handles; otherwise creation fails with `Unsupported` on
@@ -21,6 +23,7 @@
 mod agree;
 mod direct;
 mod handoff;
+mod p2p;
 mod peer_buffers;
 mod pull;
 mod ring;
@@ -64,7 +67,18 @@ impl BackendFactory for CudaDevice {
         weft::locality::check("cuda-device", &ctx)?;
         let ring = Peers::connect(&ctx, gpu.clone())?;
         let stream = gpu.new_stream(ring.device)?;
-        Ok(Arc::new(DeviceBackend { staging, ring: Mutex::new(ring), stream }))
+        // Ranks that are threads of one process on several GPUs have no
+        // peer access to each other's words: their sends and receives stay
+        // staged through the host.
+        let threads = (1..ring.pids.len()).any(|i| ring.pids[..i].contains(&ring.pids[i]));
+        let p2p_eager = !threads;
+        let p2p = (ring.one_gpu || !threads)
+            .then(|| p2p::DeviceP2p::new(gpu.clone(), ring.device, ctx.rank, ring.p2p, ring.ranks_flags.clone(), ring.others.clone()));
+        let mut caps = staging.capabilities().clone();
+        // A message moves through its sender's outbox for this rank, which
+        // only a receive from that sender reads.
+        caps.receives_from_any &= p2p.is_none();
+        Ok(Arc::new(DeviceBackend { staging, ring: Mutex::new(ring), stream, p2p, p2p_eager, caps }))
     }
 }
 
@@ -73,6 +87,15 @@ struct DeviceBackend {
     /// One ring op at a time (ops of a group are serial anyway).
     ring: Mutex<Peers>,
     stream: StreamHandle,
+    /// Point-to-point on the device (`p2p.rs`); `None`: staged through the host.
+    p2p: Option<p2p::DeviceP2p>,
+    /// Whether eager point-to-point ops run on the device too, not only
+    /// captured ones: not where ranks are threads of one process. They
+    /// share a CUDA context, whose `cuMemFree` waits for all its work, so
+    /// one rank freeing memory would wait for another's receive spinning on
+    /// the device for a send the first has not issued yet.
+    p2p_eager: bool,
+    caps: weft::backend::Capabilities,
 }
 
 impl DeviceBackend {
@@ -338,6 +361,23 @@ impl DeviceCompletion for Captured {
 }
 
 impl DeviceBackend {
+    /// Run a send, a receive or a batch issued as an op of the group (a
+    /// `sendrecv`, a batch) on the device (`p2p.rs`): posted, then the
+    /// CPU backend driven until its records have been exchanged; the device
+    /// work is left in the op's completion.
+    fn p2p_now(&self, p2p: &p2p::DeviceP2p, op: &Op<'_>, ctx: &OpContext) -> Result<()> {
+        let result: Arc<Mutex<Option<Result<()>>>> = Arc::default();
+        let set = result.clone();
+        let done: weft::backend::progress::Done = Box::new(move |r| *set.lock().unwrap_or_else(|p| p.into_inner()) = Some(r));
+        // SAFETY: this returns only once `done` has run; the device work
+        // left in `ctx.completion` keeps the tensors, as every device op's.
+        unsafe { p2p.post(&**self.cpu(), op, ctx.stream, ctx.deadline.get(), ctx.completion.clone(), done) };
+        let finished = || result.lock().unwrap_or_else(|p| p.into_inner()).is_some();
+        self.cpu().progress(&finished);
+        let r = result.lock().unwrap_or_else(|p| p.into_inner()).take();
+        r.unwrap_or_else(|| Err(Error::backend("cuda-device: a point-to-point op's records were never exchanged")))
+    }
+
     /// The CPU backend its host-side bytes go through.
     fn cpu(&self) -> &Arc<dyn Backend> {
         self.staging.cpu()
@@ -346,8 +386,11 @@ impl DeviceBackend {
 
 impl Drop for DeviceBackend {
     fn drop(&mut self) {
-        let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         let deadline = Instant::now() + std::time::Duration::from_secs(30);
+        if let Some(p2p) = &self.p2p {
+            p2p.close(deadline);
+        }
+        let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         let _ = synchronize_stream(&*ring.gpu, ring.device, self.stream, deadline, "closing cuda-device");
         ring.gpu.destroy_stream(self.stream);
     }
@@ -357,19 +400,41 @@ impl Backend for DeviceBackend {
     fn name(&self) -> &str {
         "cuda-device"
     }
-    // Point-to-point ops go through the host, as in cuda-host-staging.
-    weft_cuda_host_staging::staged_transport!(staging);
+    weft::forward_transport!(cpu);
+    fn capabilities(&self) -> &weft::backend::Capabilities {
+        &self.caps
+    }
+    /// Sends and receives GPU to GPU (`p2p.rs`), or staged through the host
+    /// as in cuda-host-staging where the device path cannot reach a peer.
+    unsafe fn post_device(
+        &self,
+        op: &mut Op<'_>,
+        stream: Option<StreamHandle>,
+        deadline: Instant,
+        completion: weft::stream::CompletionSlot,
+        done: weft::backend::progress::Done,
+    ) {
+        let on_device = |p2p: &p2p::DeviceP2p| self.p2p_eager || p2p.capturing(stream);
+        match &self.p2p {
+            // SAFETY: the caller's promise, passed on.
+            Some(p2p) if on_device(p2p) => unsafe { p2p.post(&**self.cpu(), op, stream, deadline, completion, done) },
+            // SAFETY: as above.
+            _ => unsafe { self.staging.post_p2p(op, stream, deadline, done) },
+        }
+    }
     fn native_op(&self, op: &mut Op<'_>, ctx: &OpContext) -> Option<Result<()>> {
         // Captured ops run on the device alone: all_reduce directly, the
         // other collectives pulled. The rest (the ring, staged ops) is
         // refused before it touches a stream, leaving the capture valid.
         let capturable = match (&*op, Algorithm::from_hints(ctx)) {
             (_, Err(_) | Ok(Algorithm::Staging | Algorithm::Ring)) => false,
+            (Op::Send { .. } | Op::Recv { .. } | Op::Batch { .. }, _) => self.p2p.is_some(),
             (Op::AllReduce { .. } | Op::Broadcast { .. } | Op::Reduce { .. } | Op::AllGather { .. }, _) => true,
             (Op::ReduceScatter { .. } | Op::AllToAll { .. } | Op::Gather { .. } | Op::Scatter { .. }, _) => true,
             _ => false,
         };
-        let why = "cuda-device runs it through the host (cuda_algorithm=ring or staging, point-to-point, or sparse tensors), which a CUDA graph cannot capture";
+        let why =
+            "cuda-device runs it through the host (cuda_algorithm=ring or staging, or sparse tensors), which a CUDA graph cannot capture";
         if !capturable {
             if let Err(e) = weft_cuda_host_staging::refuse_capture(&*self.staging.gpu(), ctx.stream, ctx.name, why) {
                 return Some(Err(e));
@@ -393,6 +458,13 @@ impl Backend for DeviceBackend {
                 Ok(Algorithm::Staging | Algorithm::Ring) => self.staging.run(op, ctx),
                 Ok(algorithm) => self.pulled(op, ctx, algorithm),
                 Err(e) => Err(e),
+            },
+            Op::Send { .. } | Op::Recv { .. } | Op::Batch { .. } => match (&self.p2p, Algorithm::from_hints(ctx)) {
+                (_, Err(e)) => Err(e),
+                (Some(p2p), Ok(a)) if a != Algorithm::Staging && (self.p2p_eager || p2p.capturing(ctx.stream)) => {
+                    self.p2p_now(p2p, op, ctx)
+                }
+                _ => self.staging.run(op, ctx),
             },
             _ => self.staging.run(op, ctx),
         })

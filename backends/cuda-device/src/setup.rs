@@ -30,7 +30,9 @@ pub const DEFAULT_STAGED_MAX: usize = 16 << 20;
 
 /// Bytes of a rank's hand-off words, at the start of its staging
 /// allocation (so every rank maps them with the staging buffer): its op
-/// counter, then its `ready` and `done` flags (see `handoff.rs`).
+/// counter, then its `ready` and `done` flags (see `handoff.rs`). The
+/// point-to-point words and outboxes follow ([`crate::p2p::Layout`]), then
+/// the staging buffer.
 pub const FLAGS: usize = 256;
 
 /// What one rank of `cuda-device` shares with its peers: the ring's slots and events, the
@@ -60,10 +62,14 @@ pub struct Peers {
     pub stage: DevicePtr,
     /// Every rank's staging buffer by rank (mine included), mapped here.
     pub ranks_stage: Vec<DevicePtr>,
-    /// My hand-off words ([`FLAGS`] bytes before `stage`, in its allocation).
+    /// My staging allocation, which starts with my hand-off words
+    /// ([`FLAGS`] bytes), then the point-to-point words and outboxes, then `stage`.
     pub flags: DevicePtr,
-    /// Every rank's hand-off words by rank (mine included), mapped here.
+    /// Every rank's staging allocation (hand-off words first) by rank
+    /// (mine included), mapped here.
     pub ranks_flags: Vec<DevicePtr>,
+    /// Where the point-to-point words and outboxes lie in each.
+    pub p2p: crate::p2p::Layout,
     /// Other processes' buffers that captured ops read: a graph reads them
     /// on every launch, so they stay mapped until the group closes.
     pub kept: crate::peer_buffers::Kept,
@@ -147,15 +153,16 @@ pub fn choose_device(ctx: &BackendContext, gpu: &dyn Gpu) -> Result<usize> {
     Ok(std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse::<usize>().ok()).map_or(0, |l| l % count))
 }
 
-/// Zero this rank's hand-off words at `at` ([`FLAGS`] bytes: cuMemAlloc
-/// leaves memory as it was) and load the hand-off kernels, through a
-/// stream of its own, before this returns. Kernels that cannot be loaded
-/// (no NVRTC) only fail the captured ops that would use them.
-fn prepare_flags(gpu: &dyn Gpu, device: usize, at: DevicePtr, timeout: Duration) -> Result<()> {
-    let (zeros, stream) = (vec![0u8; FLAGS], gpu.new_stream(device)?);
-    // SAFETY: `at` holds FLAGS bytes (just allocated), `zeros` outlives the
+/// Zero this rank's hand-off and point-to-point words at `at` (`bytes`:
+/// cuMemAlloc leaves memory as it was) and load the hand-off kernels,
+/// through a stream of its own, before this returns. Kernels that cannot be
+/// loaded (no NVRTC) only fail the ops that would use them (captured ones,
+/// point-to-point).
+fn prepare_flags(gpu: &dyn Gpu, device: usize, at: DevicePtr, bytes: usize, timeout: Duration) -> Result<()> {
+    let (zeros, stream) = (vec![0u8; bytes], gpu.new_stream(device)?);
+    // SAFETY: `at` holds `bytes` (just allocated), `zeros` outlives the
     // synchronisation below, and the kernels run after the zeroing.
-    let r = unsafe { gpu.copy_htod(stream, at, zeros.as_ptr(), FLAGS) }.and_then(|()| {
+    let r = unsafe { gpu.copy_htod(stream, at, zeros.as_ptr(), bytes) }.and_then(|()| {
         // SAFETY: as above.
         if let Err(e) = unsafe { crate::handoff::load_kernels(gpu, stream, at) } {
             weft::log::debug(format_args!("cuda-device: the hand-off kernels are not loaded ({e}); captured ops would fail"));
@@ -213,9 +220,10 @@ impl Peers {
         };
         let uuid = gpu.device_uuid(device)?;
         let my_slots = gpu.alloc(device, slot_bytes * SLOTS)?;
-        let flags = gpu.alloc(device, FLAGS + staged_max)?;
-        let stage = flags + FLAGS as u64;
-        prepare_flags(&**gpu, device, flags, ctx.timeout)?;
+        let p2p = crate::p2p::Layout::new(ctx.size, ctx.hints.get("cuda_p2p_chunk_bytes"))?;
+        let flags = gpu.alloc(device, p2p.stage_offset() + staged_max)?;
+        let stage = flags + p2p.stage_offset() as u64;
+        prepare_flags(&**gpu, device, flags, p2p.zeroed(), ctx.timeout)?;
         let ev = || gpu.new_event(device, true);
         let ring = Peers {
             gpu: gpu.clone(),
@@ -231,6 +239,7 @@ impl Peers {
             ranks_stage: Vec::new(),
             flags,
             ranks_flags: Vec::new(),
+            p2p,
             kept: std::sync::Mutex::default(),
             opened: Vec::new(),
             filled: [ev()?, ev()?, ev()?, ev()?],
@@ -296,7 +305,7 @@ impl Peers {
                     self.next_slots = as_u64(&local[0]);
                 }
                 self.ranks_flags.push(as_u64(&local[1]));
-                self.ranks_stage.push(as_u64(&local[1]) + FLAGS as u64);
+                self.ranks_stage.push(as_u64(&local[1]) + self.p2p.stage_offset() as u64);
                 local[2..].iter().map(|b| Event(as_u64(b))).collect()
             } else {
                 self.others.push((r, pid));
@@ -308,7 +317,7 @@ impl Peers {
                 let flags = self.gpu.ipc_open(self.device, &parts[1])?;
                 self.opened.push(flags);
                 self.ranks_flags.push(flags);
-                self.ranks_stage.push(flags + FLAGS as u64);
+                self.ranks_stage.push(flags + self.p2p.stage_offset() as u64);
                 // Only the events this rank waits on: the neighbours' ring
                 // events, and everyone's ready and done.
                 let wanted = |i: usize| (r == prev && i < SLOTS) || (r == next && (SLOTS..2 * SLOTS).contains(&i)) || i >= 2 * SLOTS;

@@ -310,7 +310,7 @@ fn premul_factors(pg: &weft::ProcessGroup, p: SharedPlacement, direct: bool) -> 
 
 /// An op issued on a stream that is capturing a CUDA graph, which would
 /// run through the host (cuda-host-staging; on cuda-device the ring and
-/// staged ops, and point-to-point), is refused on every rank, naming the op
+/// staged ops, point-to-point included), is refused on every rank, naming the op
 /// and the capture, before it touches a stream: the capture stays valid
 /// (the emulation invalidates one that a host copy or a host wait touches,
 /// as a device does), records nothing, and the group runs the same ops
@@ -357,7 +357,7 @@ fn capture_refused(pg: &weft::ProcessGroup, p: SharedPlacement) -> Vec<Check> {
         let mut problems = vec![refused("all_reduce", pg.all_reduce(b.tm(), ReduceOp::Sum, &ring).and_then(|x| x.wait()))];
         let [g0, g1] = &mut g;
         problems.push(refused("all_gather", pg.all_gather(vec![g0.tm(), g1.tm()], b.t(), &staged).and_then(|x| x.wait())));
-        let p2p = if r == 0 { pg.send(b.t(), peer, 3, &o) } else { pg.recv(c.tm(), peer, 3, &o) };
+        let p2p = if r == 0 { pg.send(b.t(), peer, 3, &staged) } else { pg.recv(c.tm(), peer, 3, &staged) };
         problems.push(refused(if r == 0 { "send" } else { "recv" }, p2p.and_then(|x| x.wait())));
         match gpu.end_capture(p.stream()).map(|graph| weft_cuda_driver::emulated::graph_tasks(graph.0)) {
             // (None: a real GPU's graph, whose nodes are not counted here.)
@@ -390,7 +390,8 @@ fn capture_refused(pg: &weft::ProcessGroup, p: SharedPlacement) -> Vec<Check> {
 fn a_captured_graph_replays_its_collectives_with_fresh_inputs() {
     let _gpu = weft_conformance::cuda::exclusive();
     link();
-    let unstaged = [("cuda_direct_staged_bytes", "0")];
+    // (Unstaged runs also cut the sendrecv into 256-byte chunks, five per message.)
+    let unstaged = [("cuda_direct_staged_bytes", "0"), ("cuda_p2p_chunk_bytes", "256")];
     for (w, hints) in [(2, &[][..]), (2, &unstaged[..]), (4, &[][..]), (3, &unstaged[..])] {
         on_threads("cpu:shm,cuda:cuda-device", hints, w, weft_conformance::capture::replays);
     }

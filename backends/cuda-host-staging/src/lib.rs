@@ -65,6 +65,7 @@ macro_rules! staged_transport {
             op: &mut weft::backend::Op<'_>,
             stream: Option<weft::StreamHandle>,
             deadline: std::time::Instant,
+            _completion: weft::stream::CompletionSlot,
             done: weft::backend::progress::Done,
         ) {
             // SAFETY: the caller's promise, passed on.

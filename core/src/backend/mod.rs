@@ -610,20 +610,25 @@ pub trait Backend: Send + Sync {
 
     /// Post a send, a receive or a batch ([`Op::Send`], [`Op::Recv`],
     /// [`Op::Batch`]) whose tensors are on this backend's device, ordered
-    /// after `stream`'s work; `done` is called exactly once, when the
-    /// received bytes are in place (or the op failed). Only called where
-    /// [`Capabilities::posts_device`] says so.
+    /// after `stream`'s work; `done` is called exactly once, when the op's
+    /// host side has finished (or the op failed). Where device work may
+    /// still run after that, the backend leaves its end in `completion`
+    /// before calling `done` (the caller's stream then waits for it, as for
+    /// a collective); otherwise the received bytes are in place when `done`
+    /// runs. Only called where [`Capabilities::posts_device`] says so.
     ///
     /// # Safety
-    /// The memory of `op`'s tensors stays valid until `done` has run.
+    /// The memory of `op`'s tensors stays valid until `done` has run and,
+    /// where the backend set `completion`, until that has completed.
     unsafe fn post_device(
         &self,
         op: &mut Op<'_>,
         stream: Option<crate::stream::StreamHandle>,
         deadline: Instant,
+        completion: crate::stream::CompletionSlot,
         done: crate::backend::progress::Done,
     ) {
-        let _ = (op, stream, deadline);
+        let _ = (op, stream, deadline, completion);
         done(Err(Error::unsupported(format!("backend {} cannot post point-to-point ops", self.name()))))
     }
 

@@ -142,6 +142,9 @@ impl GroupCore {
         let (kick, mine) = (progress.clone(), state.clone());
         let core = self.clone();
         let from = source.clone();
+        // Where a device backend leaves what of the op still runs on the device.
+        let completion = if host { crate::stream::CompletionSlot::default() } else { crate::stream::CompletionSlot::for_device() };
+        let device = completion.clone();
         let done: crate::backend::progress::Done = Box::new(move |r: Result<()>| {
             let r = r.map_err(|e| {
                 let e = core.explain(e).with_op(name).with_rank(core.rank);
@@ -161,7 +164,8 @@ impl GroupCore {
             if let (Ok(()), Some(from)) = (&r, &from) {
                 state.set_source(from.load(Ordering::Acquire));
             }
-            state.complete(r, None);
+            let device = if r.is_ok() { device.take() } else { None };
+            state.complete(r, device);
             if let Some(l) = progress {
                 l.end();
             }
@@ -169,7 +173,7 @@ impl GroupCore {
         if !host {
             // SAFETY: the tensors are valid until `state` completes (the
             // caller's promise), which `done` does last.
-            unsafe { backend.post_device(&mut job.op, opts.stream, deadline, done) };
+            unsafe { backend.post_device(&mut job.op, opts.stream, deadline, completion, done) };
             if let Some(l) = kick {
                 l.kick();
             }

@@ -323,7 +323,11 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             let mut checks = weft_conformance::run_on(&pg, 29, Some(place.clone()));
             if route == "cuda-device" {
                 // Windows in device memory, mapped across the processes.
-                checks.extend(weft_conformance::run_windows_on(&pg, place));
+                checks.extend(weft_conformance::run_windows_on(&pg, place.clone()));
+                // Sends and receives GPU to GPU: every pattern, and no
+                // payload byte through the host.
+                checks.extend(weft_conformance::run_p2p(&pg, Some(place.clone()), 4 << 20));
+                checks.extend(weft_conformance::cuda::p2p_stays_on_the_device(&pg, place));
             }
             let (table, ok) = weft_conformance::summary(&checks);
             anyhow::ensure!(ok, "rank {r} on {route}:\n{table}");
@@ -337,6 +341,44 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             let (table, ok) = weft_conformance::summary(&checks);
             anyhow::ensure!(ok, "rank {r}:\n{table}");
             println!("rank {r}: captured collectives replayed right");
+        }
+        "cuda_p2p_mismatch" => {
+            // Two ranks in processes on one GPU disagree on point-to-point
+            // ops: a receive of another size, then receives taken in another
+            // order than sent. The receiving rank gets InvalidArgument naming
+            // the sender, and its later point-to-point ops the same error.
+            anyhow::ensure!(w == 2, "two ranks");
+            let place = weft_conformance::cuda::local_placement(r)?;
+            weft::stream::set_current_stream(Some(place.stream()));
+            let o = OpOptions::default().timeout(Duration::from_secs(10));
+            let buf = |n: usize| weft_conformance::Buf::from_bytes(weft::DType::U8, &vec![r as u8 + 1; n]).place(Some(&place));
+            let (size, order) =
+                (std::env::var("WEFT_TEST_CASE").as_deref() == Ok("size"), std::env::var("WEFT_TEST_CASE").as_deref() == Ok("order"));
+            if r == 0 {
+                let (a, b) = (buf(100)?, buf(100)?);
+                pg.send(a.t(), 1, 1, &o)?.wait()?;
+                if order {
+                    pg.send(b.t(), 1, 2, &o)?.wait()?;
+                }
+                println!("rank 0: sent");
+            } else {
+                let (mut a, mut b) = (buf(if size { 200 } else { 100 })?, buf(100)?);
+                let got = if order {
+                    pg.scope(|s| -> weft::Result<()> {
+                        let second = s.recv(b.tm(), 0, 2, &o)?;
+                        let first = s.recv(a.tm(), 0, 1, &o)?;
+                        first.wait().and(second.wait())
+                    })
+                } else {
+                    pg.recv(a.tm(), 0, 1, &o).and_then(|wk| wk.wait())
+                };
+                let e = got.err().ok_or_else(|| anyhow::anyhow!("the mismatched receive succeeded"))?;
+                anyhow::ensure!(e.kind() == &weft::ErrorKind::InvalidArgument && e.to_string().contains("rank 0"), "{e}");
+                let later = pg.send(b.t(), 0, 3, &o).and_then(|wk| wk.wait()).err().ok_or_else(|| anyhow::anyhow!("a later send ran"))?;
+                let why = |e: &weft::Error| e.to_string().split_once("invalid argument: ").map(|(_, w)| w.to_string());
+                anyhow::ensure!(why(&later).is_some() && why(&later) == why(&e), "later: {later}");
+                println!("rank 1: refused: {e}");
+            }
         }
         "cuda_unexported" => {
             // Rank 0's buffer is pinned host memory, which CUDA IPC cannot
