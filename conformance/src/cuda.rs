@@ -177,6 +177,23 @@ pub fn p2p_stays_on_the_device(pg: &ProcessGroup, p: SharedPlacement) -> Vec<Che
             }),
         ),
         (
+            "p2p on the device: two short sends, each waited for, before the receives",
+            Box::new(|| {
+                let (x, y) = (place(data(r + 1, 1000))?, place(data(r + 2, 1000))?);
+                let mut outs = Some((place(vec![0; 1000])?, place(vec![0; 1000])?));
+                counted(&mut || {
+                    let (mut a, mut b) = outs.take().expect("one run");
+                    // Each send fits one half of the outbox: neither waits for a receive.
+                    let short = o.clone().timeout(Duration::from_secs(5));
+                    pg.send(x.t(), right, 18, &short)?.wait()?;
+                    pg.send(y.t(), right, 19, &short)?.wait()?;
+                    pg.recv(a.tm(), left, 18, &short)?.wait()?;
+                    pg.recv(b.tm(), left, 19, &short)?.wait()?;
+                    Ok(vec![(a, data(left + 1, 1000)), (b, data(left + 2, 1000))])
+                })
+            }),
+        ),
+        (
             "p2p on the device: sendrecv and an empty message",
             Box::new(|| {
                 let (x, empty) = (place(data(r + 3, n))?, place(vec![])?);

@@ -72,7 +72,8 @@ impl BackendFactory for CudaDevice {
         // staged through the host.
         let threads = (1..ring.pids.len()).any(|i| ring.pids[..i].contains(&ring.pids[i]));
         let p2p_eager = !threads;
-        let p2p = (ring.one_gpu || !threads)
+        // Without the hand-off kernels (no NVRTC), nothing waits on the device.
+        let p2p = ((ring.one_gpu || !threads) && ring.kernels)
             .then(|| p2p::DeviceP2p::new(gpu.clone(), ring.device, ctx.rank, ring.p2p, ring.ranks_flags.clone(), ring.others.clone()));
         let mut caps = staging.capabilities().clone();
         // A message moves through its sender's outbox for this rank, which
@@ -406,6 +407,8 @@ impl Backend for DeviceBackend {
     }
     /// Sends and receives GPU to GPU (`p2p.rs`), or staged through the host
     /// as in cuda-host-staging where the device path cannot reach a peer.
+    /// Decided per group, never per op (no hint applies): both ranks of a
+    /// message must take the same path, and a posted op sees no hints.
     unsafe fn post_device(
         &self,
         op: &mut Op<'_>,
@@ -427,8 +430,9 @@ impl Backend for DeviceBackend {
         // other collectives pulled. The rest (the ring, staged ops) is
         // refused before it touches a stream, leaving the capture valid.
         let capturable = match (&*op, Algorithm::from_hints(ctx)) {
-            (_, Err(_) | Ok(Algorithm::Staging | Algorithm::Ring)) => false,
+            // (Point-to-point takes no algorithm hint: see `post_device`.)
             (Op::Send { .. } | Op::Recv { .. } | Op::Batch { .. }, _) => self.p2p.is_some(),
+            (_, Err(_) | Ok(Algorithm::Staging | Algorithm::Ring)) => false,
             (Op::AllReduce { .. } | Op::Broadcast { .. } | Op::Reduce { .. } | Op::AllGather { .. }, _) => true,
             (Op::ReduceScatter { .. } | Op::AllToAll { .. } | Op::Gather { .. } | Op::Scatter { .. }, _) => true,
             _ => false,
@@ -459,11 +463,10 @@ impl Backend for DeviceBackend {
                 Ok(algorithm) => self.pulled(op, ctx, algorithm),
                 Err(e) => Err(e),
             },
-            Op::Send { .. } | Op::Recv { .. } | Op::Batch { .. } => match (&self.p2p, Algorithm::from_hints(ctx)) {
-                (_, Err(e)) => Err(e),
-                (Some(p2p), Ok(a)) if a != Algorithm::Staging && (self.p2p_eager || p2p.capturing(ctx.stream)) => {
-                    self.p2p_now(p2p, op, ctx)
-                }
+            // The same way as when posted (`post_device`): a rank's messages
+            // to a peer take one path whichever way they were issued.
+            Op::Send { .. } | Op::Recv { .. } | Op::Batch { .. } => match &self.p2p {
+                Some(p2p) if self.p2p_eager || p2p.capturing(ctx.stream) => self.p2p_now(p2p, op, ctx),
                 _ => self.staging.run(op, ctx),
             },
             _ => self.staging.run(op, ctx),

@@ -7,7 +7,8 @@
 //! peer and half three words: `sent` (chunks it put in that half of its
 //! outbox for the peer), `want` (chunks it began to take from that half of
 //! the peer's outbox for it) and `got` (chunks it took). A message moves in
-//! chunks, chunk k through half k % 2:
+//! chunks, each direction's chunks alternating halves (across messages, so
+//! two short ones in a row do not wait for each other):
 //!
 //! - the sender waits on the device until the receiver's `got` reaches its
 //!   `sent` (the half is free), copies the chunk into its outbox, and bumps
@@ -25,8 +26,9 @@
 //!
 //! Eager ops run each direction to each peer on a stream of its own,
 //! ordered after the caller's: a rank's sends never wait behind its own
-//! receives, so two ranks that both send first (separate ops) never wait
-//! for each other. A captured op (the caller's stream capturing a graph)
+//! receives, so two ranks that both issue their sends, then their
+//! receives, complete (as with NCCL, a send of more than two chunks is
+//! done only once received). A captured op (the caller's stream capturing a graph)
 //! queues its messages on the caller's stream, interleaved chunk by chunk
 //! across peers and directions, which a batch (or `sendrecv`) needs; as
 //! with NCCL, separately captured sends and receives that depend on each
@@ -44,8 +46,11 @@
 //! the host, in the background), so mismatched sizes or messages taken in
 //! another order than sent fail the receive with `InvalidArgument` naming
 //! the peer, instead of copying the wrong bytes silently. After such a
-//! failure the two ranks' chunk counts no longer agree: every later
-//! point-to-point op of the group fails with the same error.
+//! failure, or any other once an op's messages have their places (a record
+//! that never came), the ranks' chunk counts may no longer agree: every
+//! later point-to-point op of this rank fails with the same error. What a
+//! failed op queued on the device still runs: its work handle waits for it
+//! before the tensors are free.
 
 use crate::setup::FLAGS;
 use std::collections::HashMap;
@@ -136,6 +141,14 @@ struct Message {
 /// A message's record: its place in the sender's order and its size.
 type Record = [u64; 2];
 
+/// Chunk `k` of message `m`, through half `half` of the outbox.
+#[derive(Copy, Clone, Debug)]
+struct Chunk {
+    m: Message,
+    k: usize,
+    half: usize,
+}
+
 /// What this rank's point-to-point ops share: where every rank's words and
 /// outboxes are, the eager ops' streams and the order of messages so far.
 pub struct DeviceP2p {
@@ -163,6 +176,8 @@ struct State {
     streams: HashMap<Lane, StreamHandle>,
     /// Messages issued so far, by lane.
     issued: HashMap<Lane, u64>,
+    /// Chunks queued so far, by lane: which half the next one takes.
+    chunks: HashMap<Lane, u64>,
 }
 
 impl DeviceP2p {
@@ -216,7 +231,7 @@ impl DeviceP2p {
         let limit = deadline.saturating_duration_since(Instant::now());
         // One op queues at a time, so that the order of messages on the
         // device is the order of their records.
-        let queued = {
+        let (device, queued) = {
             let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
             for m in &mut messages {
                 let n = state.issued.entry((m.peer, m.send)).or_default();
@@ -226,11 +241,22 @@ impl DeviceP2p {
             // SAFETY: the caller's promise: the tensors outlive the device work.
             unsafe { self.queue(&mut state, &messages, caller, limit) }
         };
-        let device = match queued {
-            Ok(d) => d,
-            Err(e) => return done(Err(self.explain(e).with_op(name).with_rank(self.rank))),
-        };
-        self.exchange_records(cpu, &messages, deadline, device, completion, done);
+        // What was queued runs whatever happens next: the op's work handle
+        // waits for it before the tensors are free again.
+        if let Some(d) = device {
+            completion.set(d);
+        }
+        if let Err(e) = queued {
+            return done(Err(self.fail(self.explain(e).with_op(name).with_rank(self.rank))));
+        }
+        self.exchange_records(cpu, &messages, deadline, done);
+    }
+
+    /// Mark the group's point-to-point broken by `e` (the ranks' chunk
+    /// counts may no longer agree: see the module doc); `e`.
+    fn fail(&self, e: Error) -> Error {
+        *self.broken.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
+        e
     }
 
     /// The messages of `op`, checked: contiguous tensors on this rank's GPU,
@@ -266,8 +292,9 @@ impl DeviceP2p {
     }
 
     /// Queue `messages`' device work: captured on `caller`, else each
-    /// direction to each peer on its own stream (see the module doc); the
-    /// device side to wait for, if any.
+    /// direction to each peer on its own stream (see the module doc). The
+    /// device side of what was queued (even where queueing failed part
+    /// way), and whether all of it was.
     ///
     /// # Safety
     /// As [`DeviceP2p::post`].
@@ -277,55 +304,84 @@ impl DeviceP2p {
         messages: &[Message],
         caller: StreamHandle,
         limit: Duration,
-    ) -> Result<Option<Arc<dyn DeviceCompletion>>> {
+    ) -> (Option<Arc<dyn DeviceCompletion>>, Result<()>) {
         let g = &*self.gpu;
-        // Each direction to each peer: its chunks, in order.
-        let mut lanes: Vec<(Lane, Vec<(Message, usize)>)> = Vec::new();
+        // Each direction to each peer: its chunks, in order, each with its
+        // half (the lane's chunks so far alternate, across messages too, so
+        // two short messages in a row do not wait for each other).
+        let mut lanes: Vec<(Lane, Vec<Chunk>)> = Vec::new();
         for m in messages {
-            let chunks = (0..m.bytes.div_ceil(self.layout.chunk)).map(|k| (*m, k));
-            match lanes.iter_mut().find(|(key, _)| *key == (m.peer, m.send)) {
+            let lane = (m.peer, m.send);
+            let count = state.chunks.entry(lane).or_default();
+            let chunks: Vec<Chunk> = (0..m.bytes.div_ceil(self.layout.chunk))
+                .map(|k| {
+                    let half = (*count % 2) as usize;
+                    *count += 1;
+                    Chunk { m: *m, k, half }
+                })
+                .collect();
+            match lanes.iter_mut().find(|(key, _)| *key == lane) {
                 Some((_, l)) => l.extend(chunks),
-                None => lanes.push(((m.peer, m.send), chunks.collect())),
+                None => lanes.push((lane, chunks)),
             }
         }
-        if g.is_capturing(caller)? {
+        let capturing = match g.is_capturing(caller) {
+            Ok(c) => c,
+            Err(e) => return (None, Err(e)),
+        };
+        if capturing {
             // Sends before receives at each step: a chunk's send waits only
             // for earlier steps' receives, on either rank.
             lanes.sort_by_key(|((_, send), _)| !*send);
             let steps = lanes.iter().map(|(_, l)| l.len()).max().unwrap_or(0);
-            for step in 0..steps {
-                for (_, lane) in &lanes {
-                    if let Some(&(m, k)) = lane.get(step) {
-                        // SAFETY: the caller's promise.
-                        unsafe { self.chunk(caller, &m, k, limit)? };
-                    }
-                }
-            }
-            return Ok(Some(Arc::new(crate::Captured)));
+            let queued = (0..steps).try_for_each(|step| {
+                lanes.iter().filter_map(|(_, lane)| lane.get(step)).try_for_each(|c| {
+                    // SAFETY: the caller's promise.
+                    unsafe { self.chunk(caller, c, limit) }
+                })
+            });
+            return (Some(Arc::new(crate::Captured)), queued);
         }
         let mut ends = Vec::new();
+        let mut queued = Ok(());
         for (key, lane) in lanes.iter().filter(|(_, l)| !l.is_empty()) {
             let stream = match state.streams.get(key) {
-                Some(s) => *s,
-                None => *state.streams.entry(*key).or_insert(g.new_stream(self.device)?),
+                Some(s) => Ok(*s),
+                None => g.new_stream(self.device).inspect(|s| {
+                    state.streams.insert(*key, *s);
+                }),
             };
-            order_after(g, self.device, stream, caller)?;
-            for (m, k) in lane {
-                // SAFETY: the caller's promise.
-                unsafe { self.chunk(stream, m, *k, limit)? };
+            let Ok(stream) = stream.inspect_err(|e| queued = Err(e.clone())) else { break };
+            queued = order_after(g, self.device, stream, caller).and_then(|()| {
+                lane.iter().try_for_each(|c| {
+                    // SAFETY: the caller's promise.
+                    unsafe { self.chunk(stream, c, limit) }
+                })
+            });
+            match StreamCompletion::record(self.gpu.clone(), self.device, stream, caller) {
+                Ok(end) => ends.push(end),
+                Err(e) => {
+                    // Nothing marks the end of what this stream queued:
+                    // wait for it here, so the tensors are free when the op is.
+                    let _ = synchronize_stream(g, self.device, stream, Instant::now() + limit, "a failed point-to-point op");
+                    queued = queued.and(Err(e));
+                }
             }
-            ends.push(StreamCompletion::record(self.gpu.clone(), self.device, stream, caller)?);
+            if queued.is_err() {
+                break;
+            }
         }
-        Ok((!ends.is_empty()).then(|| Arc::new(Lanes { ends, others: self.others.clone() }) as Arc<dyn DeviceCompletion>))
+        let device = (!ends.is_empty()).then(|| Arc::new(Lanes { ends, others: self.others.clone() }) as Arc<dyn DeviceCompletion>);
+        (device, queued)
     }
 
-    /// Queue on `stream` chunk `k` of `m` (see the module doc).
+    /// Queue on `stream` chunk `c` (see the module doc).
     ///
     /// # Safety
-    /// `m`'s tensor is valid until the stream has run this.
-    unsafe fn chunk(&self, stream: StreamHandle, m: &Message, k: usize, limit: Duration) -> Result<()> {
+    /// The chunk's tensor is valid until the stream has run this.
+    unsafe fn chunk(&self, stream: StreamHandle, c: &Chunk, limit: Duration) -> Result<()> {
         let (g, l, me) = (&*self.gpu, &self.layout, self.rank);
-        let (half, at) = (k % 2, k * l.chunk);
+        let (m, half, at) = (&c.m, c.half, c.k * l.chunk);
         let n = l.chunk.min(m.bytes - at);
         let (mine, theirs) = (self.bases[me], self.bases[m.peer]);
         // SAFETY: the words and outboxes lie in staging allocations mapped
@@ -350,15 +406,7 @@ impl DeviceP2p {
     /// Send every message's record to its peer and take every receive's
     /// (not for messages to this rank itself), through `cpu`; then check
     /// the receives' and finish the op.
-    fn exchange_records(
-        &self,
-        cpu: &dyn Backend,
-        messages: &[Message],
-        deadline: Instant,
-        device: Option<Arc<dyn DeviceCompletion>>,
-        completion: CompletionSlot,
-        done: Done,
-    ) {
+    fn exchange_records(&self, cpu: &dyn Backend, messages: &[Message], deadline: Instant, done: Done) {
         let me = self.rank;
         let mut records: Vec<(Message, Box<Record>)> = messages
             .iter()
@@ -383,26 +431,10 @@ impl DeviceP2p {
             .collect();
         let broken = self.broken.clone();
         let finish: Done = Box::new(move |r: Result<()>| {
-            let checked = r.and_then(|()| {
-                records.iter().filter(|(m, _)| !m.send).try_for_each(|(m, got)| check(m, got)).inspect_err(|e| {
-                    *broken.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
-                })
-            });
-            match (checked, device) {
-                (Ok(()), Some(d)) => {
-                    completion.set(d);
-                    done(Ok(()))
-                }
-                (Ok(()), None) => done(Ok(())),
-                (Err(e), d) => {
-                    // Nothing queued may outlive the failed op (it touches the
-                    // caller's memory): wait for it a little.
-                    if let Some(d) = d {
-                        let _ = d.synchronize(Instant::now() + Duration::from_secs(10));
-                    }
-                    done(Err(e))
-                }
-            }
+            let checked = r.and_then(|()| records.iter().filter(|(m, _)| !m.send).try_for_each(|(m, got)| check(m, got)));
+            // Whatever went wrong (a record missing, or one that disagrees),
+            // this rank's counts may no longer match its peers'.
+            done(checked.inspect_err(|e| *broken.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone())))
         });
         if transfers.is_empty() {
             // (Only messages to this rank itself: nothing to check.)

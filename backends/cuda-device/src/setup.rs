@@ -70,6 +70,9 @@ pub struct Peers {
     pub ranks_flags: Vec<DevicePtr>,
     /// Where the point-to-point words and outboxes lie in each.
     pub p2p: crate::p2p::Layout,
+    /// Whether the hand-off kernels loaded here (alike on every rank of
+    /// the host, which share its NVRTC).
+    pub kernels: bool,
     /// Other processes' buffers that captured ops read: a graph reads them
     /// on every launch, so they stay mapped until the group closes.
     pub kept: crate::peer_buffers::Kept,
@@ -155,22 +158,26 @@ pub fn choose_device(ctx: &BackendContext, gpu: &dyn Gpu) -> Result<usize> {
 
 /// Zero this rank's hand-off and point-to-point words at `at` (`bytes`:
 /// cuMemAlloc leaves memory as it was) and load the hand-off kernels,
-/// through a stream of its own, before this returns. Kernels that cannot be
-/// loaded (no NVRTC) only fail the ops that would use them (captured ones,
-/// point-to-point).
-fn prepare_flags(gpu: &dyn Gpu, device: usize, at: DevicePtr, bytes: usize, timeout: Duration) -> Result<()> {
+/// through a stream of its own, before this returns; whether the kernels
+/// loaded. Where they cannot be (no NVRTC), captured ops fail and
+/// point-to-point is staged through the host.
+fn prepare_flags(gpu: &dyn Gpu, device: usize, at: DevicePtr, bytes: usize, timeout: Duration) -> Result<bool> {
     let (zeros, stream) = (vec![0u8; bytes], gpu.new_stream(device)?);
+    let mut loaded = true;
     // SAFETY: `at` holds `bytes` (just allocated), `zeros` outlives the
     // synchronisation below, and the kernels run after the zeroing.
     let r = unsafe { gpu.copy_htod(stream, at, zeros.as_ptr(), bytes) }.and_then(|()| {
         // SAFETY: as above.
         if let Err(e) = unsafe { crate::handoff::load_kernels(gpu, stream, at) } {
-            weft::log::debug(format_args!("cuda-device: the hand-off kernels are not loaded ({e}); captured ops would fail"));
+            loaded = false;
+            weft::log::debug(format_args!(
+                "cuda-device: the hand-off kernels are not loaded ({e}); captured ops would fail, and point-to-point is staged"
+            ));
         }
         weft_cuda_driver::synchronize_stream(gpu, device, stream, Instant::now() + timeout, "preparing the hand-off words")
     });
     gpu.destroy_stream(stream);
-    r
+    r.map(|()| loaded)
 }
 
 /// The first of `ranks` (rank, pid) whose process has exited.
@@ -223,7 +230,7 @@ impl Peers {
         let p2p = crate::p2p::Layout::new(ctx.size, ctx.hints.get("cuda_p2p_chunk_bytes"))?;
         let flags = gpu.alloc(device, p2p.stage_offset() + staged_max)?;
         let stage = flags + p2p.stage_offset() as u64;
-        prepare_flags(&**gpu, device, flags, p2p.zeroed(), ctx.timeout)?;
+        let kernels = prepare_flags(&**gpu, device, flags, p2p.zeroed(), ctx.timeout)?;
         let ev = || gpu.new_event(device, true);
         let ring = Peers {
             gpu: gpu.clone(),
@@ -240,6 +247,7 @@ impl Peers {
             flags,
             ranks_flags: Vec::new(),
             p2p,
+            kernels,
             kept: std::sync::Mutex::default(),
             opened: Vec::new(),
             filled: [ev()?, ev()?, ev()?, ev()?],

@@ -309,8 +309,8 @@ fn premul_factors(pg: &weft::ProcessGroup, p: SharedPlacement, direct: bool) -> 
 }
 
 /// An op issued on a stream that is capturing a CUDA graph, which would
-/// run through the host (cuda-host-staging; on cuda-device the ring and
-/// staged ops, point-to-point included), is refused on every rank, naming the op
+/// run through the host (cuda-host-staging, point-to-point included; on
+/// cuda-device the ring and staged ops), is refused on every rank, naming the op
 /// and the capture, before it touches a stream: the capture stays valid
 /// (the emulation invalidates one that a host copy or a host wait touches,
 /// as a device does), records nothing, and the group runs the same ops
@@ -357,8 +357,11 @@ fn capture_refused(pg: &weft::ProcessGroup, p: SharedPlacement) -> Vec<Check> {
         let mut problems = vec![refused("all_reduce", pg.all_reduce(b.tm(), ReduceOp::Sum, &ring).and_then(|x| x.wait()))];
         let [g0, g1] = &mut g;
         problems.push(refused("all_gather", pg.all_gather(vec![g0.tm(), g1.tm()], b.t(), &staged).and_then(|x| x.wait())));
-        let p2p = if r == 0 { pg.send(b.t(), peer, 3, &staged) } else { pg.recv(c.tm(), peer, 3, &staged) };
-        problems.push(refused(if r == 0 { "send" } else { "recv" }, p2p.and_then(|x| x.wait())));
+        // (cuda-device captures point-to-point, which takes no hint.)
+        if pg.backend_name((weft::DeviceKind::Cuda, weft::Layout::Dense)).as_deref() == Some("cuda-host-staging") {
+            let p2p = if r == 0 { pg.send(b.t(), peer, 3, &o) } else { pg.recv(c.tm(), peer, 3, &o) };
+            problems.push(refused(if r == 0 { "send" } else { "recv" }, p2p.and_then(|x| x.wait())));
+        }
         match gpu.end_capture(p.stream()).map(|graph| weft_cuda_driver::emulated::graph_tasks(graph.0)) {
             // (None: a real GPU's graph, whose nodes are not counted here.)
             Ok(Some(0) | None) => {}

@@ -164,8 +164,9 @@ impl GroupCore {
             if let (Ok(()), Some(from)) = (&r, &from) {
                 state.set_source(from.load(Ordering::Acquire));
             }
-            let device = if r.is_ok() { device.take() } else { None };
-            state.complete(r, device);
+            // Also after a failure: what the backend queued may still use the
+            // tensors, and the work handle waits for it before freeing them.
+            state.complete(r, device.take());
             if let Some(l) = progress {
                 l.end();
             }

@@ -346,7 +346,7 @@ fn run(scenario: &str) -> anyhow::Result<()> {
             // Two ranks in processes on one GPU disagree on point-to-point
             // ops: a receive of another size, then receives taken in another
             // order than sent. The receiving rank gets InvalidArgument naming
-            // the sender, and its later point-to-point ops the same error.
+            // the sender, and its later point-to-point ops such an error.
             anyhow::ensure!(w == 2, "two ranks");
             let place = weft_conformance::cuda::local_placement(r)?;
             weft::stream::set_current_stream(Some(place.stream()));
@@ -375,8 +375,8 @@ fn run(scenario: &str) -> anyhow::Result<()> {
                 let e = got.err().ok_or_else(|| anyhow::anyhow!("the mismatched receive succeeded"))?;
                 anyhow::ensure!(e.kind() == &weft::ErrorKind::InvalidArgument && e.to_string().contains("rank 0"), "{e}");
                 let later = pg.send(b.t(), 0, 3, &o).and_then(|wk| wk.wait()).err().ok_or_else(|| anyhow::anyhow!("a later send ran"))?;
-                let why = |e: &weft::Error| e.to_string().split_once("invalid argument: ").map(|(_, w)| w.to_string());
-                anyhow::ensure!(why(&later).is_some() && why(&later) == why(&e), "later: {later}");
+                // (The error of whichever failed receive came last.)
+                anyhow::ensure!(later.kind() == &weft::ErrorKind::InvalidArgument && later.to_string().contains("rank 0"), "later: {later}");
                 println!("rank 1: refused: {e}");
             }
         }
