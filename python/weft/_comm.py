@@ -20,7 +20,7 @@ import torch
 
 from . import _bootstrap, _errors, _weft
 from ._ops import Call, Ops, reduce_name, split_elements
-from ._tensors import Staged
+from ._tensors import Staged, capturing
 from ._window import Window
 from ._work import Work, _positive_seconds, _seconds
 
@@ -259,9 +259,11 @@ class Comm:
         """Run `fn(*args, call)` (a native op); the Work.
 
         A synchronous collective runs on this thread; sends and receives
-        always run in the background (a synchronous one is waited for), so
-        their progress never depends on the order peers issue them."""
-        direct = not async_op and not p2p
+        run in the background (a synchronous one is waited for), so their
+        progress never depends on the order peers issue them. While a CUDA
+        graph is being captured, every op runs on this thread (see
+        `capturing`)."""
+        direct = (not async_op and not p2p) or capturing()
         call = Call(s.keep, _seconds(timeout), _hints(hints), direct)
         native = self._guard(fn, *args, call)
         w = Ops._work_of(s, [native], outputs, call, self._failed if self._abort else None)

@@ -23,7 +23,7 @@ from torch._C import _distributed_c10d as c10d
 
 from . import _weft
 from ._reduce_op import _Kind
-from ._tensors import Staged
+from ._tensors import Staged, capturing
 from ._work import Work, _seconds
 
 _RED = dist.ReduceOp.RedOpType
@@ -112,16 +112,19 @@ class Ops:
 
     def _call(self, s: Staged, opts) -> Call:
         """The native ops' call settings. A synchronous torch call
-        (`opts.asyncOp` False) runs directly on this thread, with no
-        hand-over to weft's threads."""
+        (`opts.asyncOp` False), or any call while the current CUDA stream
+        captures a graph (see `capturing`), runs directly on this thread,
+        with no hand-over to weft's threads."""
         timeout = _seconds(getattr(opts, "timeout", None)) or self._timeout
-        return Call(s.keep, timeout, None, not getattr(opts, "asyncOp", True))
+        return Call(s.keep, timeout, None, not getattr(opts, "asyncOp", True) or capturing())
 
     def _p2p_call(self, s: Staged) -> Call:
-        """Sends and receives always run in the background: torch's
-        `isend` and `irecv` must not block, and its blocking `send` and
-        `recv` wait on the work."""
-        return Call(s.keep, self._timeout, None, False)
+        """Sends and receives run in the background: torch's `isend` and
+        `irecv` must not block, and its blocking `send` and `recv` wait on
+        the work. While a CUDA graph is being captured they run directly
+        (see `capturing`): only their small records wait for the peer's
+        host, their device work is queued on the capturing stream."""
+        return Call(s.keep, self._timeout, None, capturing())
 
     @staticmethod
     def _work_of(s: Staged, natives, outputs, call: Call, on_error=None) -> Work:

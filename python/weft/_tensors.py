@@ -47,6 +47,15 @@ def desc(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), t.numel(), code, dev.index or 0)
 
 
+def capturing() -> bool:
+    """Whether torch's current CUDA stream is capturing a CUDA graph. An
+    op issued then runs on the calling thread (a direct call), so that its
+    device work and the copy-back of staged outputs are queued on the
+    capturing stream before the capture ends, and no weft thread makes a
+    CUDA call the capture would refuse."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 class Staged:
     """The tensors of one op, made contiguous where they were not.
 

@@ -70,10 +70,19 @@ impl DriverGpu {
         ctx.bind_to_thread().map_err(|e| err("binding the context", e))
     }
 
-    /// Bind the device of `stream` (a caller's stream unknown to weft: device 0).
+    /// The device of `stream`: one weft made, else a caller's (torch's, say:
+    /// captured ops are queued on it), found from its context; the default
+    /// stream's is device 0's.
+    fn stream_device(&self, stream: StreamHandle) -> usize {
+        let known = self.stream_device.lock().unwrap_or_else(|p| p.into_inner()).get(&stream.0).copied();
+        // (A caller's stream is looked up every time: its handle may be
+        // reused by a stream of another device once it is destroyed.)
+        known.or_else(|| foreign_stream_device(stream)).unwrap_or(0)
+    }
+
+    /// Bind the device of `stream`.
     fn bind_stream(&self, stream: StreamHandle) -> Result<sys::CUstream> {
-        let d = self.stream_device.lock().unwrap_or_else(|p| p.into_inner()).get(&stream.0).copied().unwrap_or(0);
-        self.bind(d)?;
+        self.bind(self.stream_device(stream))?;
         Ok(stream.0 as sys::CUstream)
     }
 
@@ -85,7 +94,7 @@ impl DriverGpu {
 
     /// The compiled kernel `name` on the device of `stream`.
     fn function(&self, stream: StreamHandle, kernel: &Kernel) -> Result<sys::CUfunction> {
-        let d = self.stream_device.lock().unwrap_or_else(|p| p.into_inner()).get(&stream.0).copied().unwrap_or(0);
+        let d = self.stream_device(stream);
         let key = (d, kernel.name.clone());
         // Held while loading, so two threads do not load the same kernel twice.
         let mut functions = self.functions.lock().unwrap_or_else(|p| p.into_inner());
@@ -118,6 +127,54 @@ impl DriverGpu {
         // SAFETY: the caller's contract; the context of `s` is bound.
         unsafe { result::launch_kernel(f, (blocks, 1, 1), (256, 1, 1), 0, s, params) }.map_err(|e| err(&kernel.name, e))
     }
+}
+
+/// This thread in relaxed stream-capture mode while the guard lives: calls
+/// that a capture in global mode (torch's default) refuses on every thread
+/// (an event query, exporting or opening IPC memory) neither fail nor
+/// invalidate a capture another thread, or a captured op on this one, is
+/// making, as torch's and NCCL's own such calls are guarded. None of them
+/// queues work on a capturing stream.
+struct Relaxed(sys::CUstreamCaptureMode);
+
+impl Relaxed {
+    fn here() -> Relaxed {
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: swaps this thread's capture mode with `mode` (the old one).
+        let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        Relaxed(mode)
+    }
+}
+
+impl Drop for Relaxed {
+    fn drop(&mut self) {
+        let mut mode = self.0;
+        // SAFETY: restores the mode `here` found.
+        let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    }
+}
+
+/// The device of a stream weft did not make, from its context; `None` for
+/// the default stream or where the driver cannot say.
+fn foreign_stream_device(stream: StreamHandle) -> Option<usize> {
+    if stream.0 == 0 {
+        return None;
+    }
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: a stream the caller passed as live; the out-pointer is ours.
+    unsafe { sys::cuStreamGetCtx(stream.0 as sys::CUstream, &mut ctx) }.result().ok()?;
+    let mut device: sys::CUdevice = 0;
+    // SAFETY: the context pushed here is popped before returning, leaving
+    // this thread's context stack as it was; the out-pointers are ours.
+    let got = unsafe {
+        sys::cuCtxPushCurrent_v2(ctx).result().ok()?;
+        let got = sys::cuCtxGetDevice(&mut device).result();
+        let mut popped: sys::CUcontext = std::ptr::null_mut();
+        let _ = sys::cuCtxPopCurrent_v2(&mut popped).result();
+        got
+    };
+    got.ok()?;
+    usize::try_from(device).ok()
 }
 
 /// A kernel's PTX, compiled the first time this process needs it (for
@@ -290,6 +347,7 @@ impl Gpu for DriverGpu {
     }
     fn query(&self, event: Event) -> Result<bool> {
         let e = self.bind_event(event)?;
+        let _relaxed = Relaxed::here();
         // SAFETY: a live event.
         match unsafe { result::event::query(e) } {
             Ok(()) => Ok(true),
@@ -304,6 +362,7 @@ impl Gpu for DriverGpu {
             .result()
             .map_err(|e| err("finding the allocation (cuMemGetAddressRange)", e))?;
         let mut h = std::mem::MaybeUninit::<sys::CUipcMemHandle>::uninit();
+        let _relaxed = Relaxed::here();
         // SAFETY: writes the handle of the allocation at `base`.
         unsafe { sys::cuIpcGetMemHandle(h.as_mut_ptr(), base) }.result().map_err(|e| err("exporting memory (cuIpcGetMemHandle)", e))?;
         // SAFETY: initialised by the call above; a plain byte array.
@@ -318,6 +377,7 @@ impl Gpu for DriverGpu {
         }
         h.reserved.iter_mut().zip(handle).for_each(|(d, s)| *d = *s as _);
         let mut ptr: sys::CUdeviceptr = 0;
+        let _relaxed = Relaxed::here();
         // SAFETY: a handle exported by another process of this host.
         unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32) }
             .result()

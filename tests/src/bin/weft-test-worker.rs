@@ -376,7 +376,10 @@ fn run(scenario: &str) -> anyhow::Result<()> {
                 anyhow::ensure!(e.kind() == &weft::ErrorKind::InvalidArgument && e.to_string().contains("rank 0"), "{e}");
                 let later = pg.send(b.t(), 0, 3, &o).and_then(|wk| wk.wait()).err().ok_or_else(|| anyhow::anyhow!("a later send ran"))?;
                 // (The error of whichever failed receive came last.)
-                anyhow::ensure!(later.kind() == &weft::ErrorKind::InvalidArgument && later.to_string().contains("rank 0"), "later: {later}");
+                anyhow::ensure!(
+                    later.kind() == &weft::ErrorKind::InvalidArgument && later.to_string().contains("rank 0"),
+                    "later: {later}"
+                );
                 println!("rank 1: refused: {e}");
             }
         }
