@@ -75,7 +75,7 @@ impl BackendFactory for CudaDevice {
         // Without the hand-off kernels (no NVRTC), nothing waits on the device.
         let p2p = ((ring.one_gpu || !threads) && ring.kernels)
             .then(|| p2p::DeviceP2p::new(gpu.clone(), ring.device, ctx.rank, ring.p2p, ring.ranks_flags.clone(), ring.others.clone()));
-        let mut caps = staging.capabilities().clone();
+        let mut caps = weft::backend::Capabilities { native_algorithms: NATIVE, ..staging.capabilities().clone() };
         // A message moves through its sender's outbox for this rank, which
         // only a receive from that sender reads.
         caps.receives_from_any &= p2p.is_none();
@@ -137,7 +137,7 @@ impl DeviceBackend {
         if self.on_device(ctx, device, |ring, cpu, h| pull::run(ring, cpu, ctx, h, op, Required::of(algorithm, h)))? {
             return Ok(());
         }
-        self.staging.run(op, ctx)
+        self.staged(op, ctx)
     }
 
     /// Run `f` on this backend's stream, ordered after the caller's; its
@@ -284,14 +284,41 @@ enum Algorithm {
     Staging,
 }
 
+/// The algorithms cuda-device offers where core chooses one for every
+/// backend (`weft::algorithms::select`: hint `algorithm`, `WEFT_ALGORITHM`),
+/// beside core's names: `direct` (all_reduce's direct algorithm, the other
+/// families pulled, or an error) and `staging` (through the host). A named
+/// `ring` is all_reduce's device ring; core's other names run staged.
+/// (reduce_scatter, gather and scatter, which core has one way to run,
+/// take the same names through the hint `cuda_algorithm`.)
+const NATIVE: &[weft::backend::NativeAlgorithm] = &{
+    use weft::algorithms::select::Family::{AllGather, AllReduce, AllToAll, Broadcast, Reduce};
+    use weft::backend::NativeAlgorithm as N;
+    [
+        N { family: AllReduce, name: "direct" },
+        N { family: AllReduce, name: "staging" },
+        N { family: Broadcast, name: "direct" },
+        N { family: Broadcast, name: "staging" },
+        N { family: Reduce, name: "direct" },
+        N { family: Reduce, name: "staging" },
+        N { family: AllToAll, name: "direct" },
+        N { family: AllToAll, name: "staging" },
+        N { family: AllGather, name: "direct" },
+        N { family: AllGather, name: "staging" },
+    ]
+};
+
 impl Algorithm {
     /// The hint `cuda_algorithm`; without it, the algorithm the op was
-    /// told to use (`algorithm`, `WEFT_ALGORITHM`): `ring` is the device
-    /// ring, any other of core's runs on the host, staged.
+    /// told to use where core chooses (`algorithm`, `WEFT_ALGORITHM`,
+    /// checked against core's names and [`NATIVE`]): `direct` and
+    /// `staging` as above, `ring` the device ring, any other of core's
+    /// runs on the host, staged.
     fn from_hints(ctx: &OpContext) -> Result<Algorithm> {
         Ok(match ctx.hints.get("cuda_algorithm").map(String::as_str) {
             None => match ctx.algorithm {
                 None => Algorithm::Auto,
+                Some("direct") => Algorithm::Direct,
                 Some("ring") => Algorithm::Ring,
                 Some(_) => Algorithm::Staging,
             },
@@ -362,6 +389,16 @@ impl DeviceCompletion for Captured {
 }
 
 impl DeviceBackend {
+    /// Run `op` staged through the host (`cuda-host-staging`'s pipeline),
+    /// on core's algorithm the op was told to use, if any: a name of
+    /// cuda-device's own ([`NATIVE`]) chose the staging itself.
+    fn staged(&self, op: &mut Op<'_>, ctx: &OpContext) -> Result<()> {
+        if ctx.algorithm.is_some_and(|a| NATIVE.iter().any(|n| n.name == a)) {
+            return self.staging.run(op, &OpContext { algorithm: None, ..ctx.clone() });
+        }
+        self.staging.run(op, ctx)
+    }
+
     /// Run a send, a receive or a batch issued as an op of the group (a
     /// `sendrecv`, a batch) on the device (`p2p.rs`): posted, then the
     /// CPU backend driven until its records have been exchanged; the device
@@ -446,7 +483,7 @@ impl Backend for DeviceBackend {
         }
         Some(match op {
             Op::AllReduce { buf, op } => match Algorithm::from_hints(ctx) {
-                Ok(Algorithm::Staging) => self.staging.run(&mut Op::AllReduce { buf: buf.reborrow(), op: *op }, ctx),
+                Ok(Algorithm::Staging) => self.staged(&mut Op::AllReduce { buf: buf.reborrow(), op: *op }, ctx),
                 Ok(algorithm) => self.all_reduce(buf, *op, ctx, algorithm),
                 Err(e) => Err(e),
             },
@@ -459,7 +496,7 @@ impl Backend for DeviceBackend {
             | Op::Scatter { .. } => match Algorithm::from_hints(ctx) {
                 // (The ring is all_reduce's: another op told to use one of
                 // core's algorithms runs it on the host.)
-                Ok(Algorithm::Staging | Algorithm::Ring) => self.staging.run(op, ctx),
+                Ok(Algorithm::Staging | Algorithm::Ring) => self.staged(op, ctx),
                 Ok(algorithm) => self.pulled(op, ctx, algorithm),
                 Err(e) => Err(e),
             },
@@ -467,9 +504,9 @@ impl Backend for DeviceBackend {
             // to a peer take one path whichever way they were issued.
             Op::Send { .. } | Op::Recv { .. } | Op::Batch { .. } => match &self.p2p {
                 Some(p2p) if self.p2p_eager || p2p.capturing(ctx.stream) => self.p2p_now(p2p, op, ctx),
-                _ => self.staging.run(op, ctx),
+                _ => self.staged(op, ctx),
             },
-            _ => self.staging.run(op, ctx),
+            _ => self.staged(op, ctx),
         })
     }
     /// Windows in device memory, mapped by every rank (`window.rs`).

@@ -46,9 +46,12 @@ fn the_direct_all_reduce_passes_conformance() {
     on_threads("cpu:cpu-tcp,cuda:auto", &[], 3, suite);
 }
 
-/// An all_reduce told to use an algorithm (hint `algorithm`, without
-/// `cuda_algorithm`): `ring` is the device ring, core's others run staged
-/// through the host; each sums right.
+/// An all_reduce and an all_gather told to use an algorithm where core
+/// chooses for every backend (hint `algorithm`, without `cuda_algorithm`):
+/// cuda-device's own `direct` stays on the device and `staging` goes
+/// through the host (the emulated GPU counts the payload bytes), `ring` is
+/// all_reduce's device ring, core's others run staged; each is exact, and
+/// a name no one offers is refused.
 #[test]
 fn a_named_algorithm_runs_on_the_device_ring_or_staged() {
     let _gpu = weft_conformance::cuda::exclusive();
@@ -57,27 +60,76 @@ fn a_named_algorithm_runs_on_the_device_ring_or_staged() {
         use weft::prelude::*;
         // The ops on the stream the buffers' copies use.
         weft::stream::set_current_stream(Some(p.stream()));
-        ["ring", "recursive_doubling", "halving_doubling", "auto"]
+        let emulated = std::env::var("WEFT_TEST_REAL_GPU").as_deref() != Ok("1");
+        let r = pg.rank() as f32;
+        let place = |v: f32, n: usize| {
+            weft_conformance::Buf::from_bytes(weft::DType::F32, &vec![v; n].into_iter().flat_map(f32::to_ne_bytes).collect::<Vec<u8>>())
+                .place(Some(&p))
+        };
+        // The payload bytes between host and device (of every rank: they
+        // share this process) while `op` runs, between barriers.
+        let o = OpOptions::default();
+        let counted = |op: &mut dyn FnMut() -> weft::Result<()>| -> weft::Result<u64> {
+            pg.barrier(&o)?.wait()?;
+            let before = weft_cuda_driver::emulated::host_bytes();
+            let r = op();
+            pg.barrier(&o)?.wait()?;
+            let moved = weft_cuda_driver::emulated::host_bytes() - before;
+            pg.barrier(&o)?.wait()?;
+            r.map(|()| moved)
+        };
+        // Each run: (result, want, payload bytes through the host).
+        let all_reduce = |algo: &str| -> weft::Result<(Vec<u8>, Vec<u8>, u64)> {
+            let mut b = place(r + 1.0, 1000)?;
+            let moved = counted(&mut || pg.all_reduce(b.tm(), weft::ReduceOp::Sum, &o.clone().hint("algorithm", algo))?.wait())?;
+            Ok((b.read()?, [6.0f32; 1000].map(f32::to_ne_bytes).concat(), moved))
+        };
+        let all_gather = |algo: &str| -> weft::Result<(Vec<u8>, Vec<u8>, u64)> {
+            let input = place(r + 1.0, 500)?;
+            let mut outs = (0..3).map(|_| place(0.0, 500)).collect::<weft::Result<Vec<_>>>()?;
+            let moved = counted(&mut || {
+                pg.all_gather(outs.iter_mut().map(weft_conformance::Buf::tm).collect(), input.t(), &o.clone().hint("algorithm", algo))?
+                    .wait()
+            })?;
+            let got: Vec<u8> = outs.iter().map(weft_conformance::Buf::read).collect::<weft::Result<Vec<_>>>()?.concat();
+            let want = (1..=3).flat_map(|k| vec![k as f32; 500]).flat_map(f32::to_ne_bytes).collect();
+            Ok((got, want, moved))
+        };
+        let cases: [(&'static str, &str, Option<bool>); 10] = [
+            // (op, algorithm, whether payload stays on the device, if known)
+            ("all_reduce", "ring", Some(true)),
+            ("all_reduce", "recursive_doubling", Some(false)),
+            ("all_reduce", "halving_doubling", Some(false)),
+            ("all_reduce", "auto", Some(true)),
+            ("all_reduce", "direct", Some(true)),
+            ("all_reduce", "staging", Some(false)),
+            ("all_gather", "direct", Some(true)),
+            ("all_gather", "staging", Some(false)),
+            ("all_gather", "at_once", Some(false)),
+            ("all_gather", "no_such", None),
+        ];
+        cases
             .into_iter()
-            .map(|algo| {
-                let r = pg.rank() as f32;
-                let run = || -> weft::Result<Vec<u8>> {
-                    let mut b = weft_conformance::Buf::from_bytes(weft::DType::F32, &[r + 1.0; 1000].map(f32::to_ne_bytes).concat())
-                        .place(Some(&p))?;
-                    pg.all_reduce(b.tm(), weft::ReduceOp::Sum, &weft::OpOptions::default().hint("algorithm", algo))?.wait()?;
-                    b.read()
-                };
-                let want = [6.0f32; 1000].map(f32::to_ne_bytes).concat();
-                let (passed, detail) = match run() {
-                    Ok(got) => (got == want, String::new()),
-                    Err(e) => (false, e.to_string()),
+            .map(|(op, algo, resident)| {
+                let got = if op == "all_reduce" { all_reduce(algo) } else { all_gather(algo) };
+                let (passed, detail) = match (got, resident) {
+                    (Err(e), None) => {
+                        (e.kind() == &weft::ErrorKind::InvalidArgument && e.to_string().contains("no algorithm"), e.to_string())
+                    }
+                    (Ok(_), None) => (false, "an unknown name ran".into()),
+                    (Err(e), Some(_)) => (false, e.to_string()),
+                    (Ok((got, want, _)), _) if got != want => (false, "wrong result".into()),
+                    (Ok((_, _, moved)), Some(resident)) if emulated && (moved == 0) != resident => {
+                        (false, format!("{moved} payload bytes through the host"))
+                    }
+                    (Ok(_), _) => (true, String::new()),
                 };
                 Check {
-                    op: "all_reduce with a named algorithm",
+                    op: "an op with a named algorithm",
                     dtype: weft::DType::F32,
-                    redop: Some(weft::ReduceOp::Sum),
+                    redop: None,
                     passed,
-                    detail: format!("{algo}: {detail}"),
+                    detail: format!("{op} {algo}: {detail}"),
                 }
             })
             .collect()

@@ -14,9 +14,10 @@
 //! each family an enum whose variants the runner (`mod.rs`) matches
 //! without a default, so a new algorithm is a line here, its rule in its
 //! family's choice, and the arm the compiler then asks for in `mod.rs`.
-//! (cuda-device's own hint, `cuda_algorithm`, chooses its all_reduce;
-//! without it a named `ring` is its device ring, and any other of core's
-//! names runs on the host, staged.)
+//! (cuda-device offers `direct` and `staging` here as its own names; a
+//! named `ring` is its device ring for all_reduce, and core's other names
+//! run on the host, staged. Its hint `cuda_algorithm` takes the same names
+//! and also reaches the families core has one way to run.)
 //!
 //! [`Capabilities::native_algorithms`]: crate::backend::Capabilities::native_algorithms
 
