@@ -229,27 +229,30 @@ impl DeviceP2p {
         };
         let caller = caller.unwrap_or_default();
         let limit = deadline.saturating_duration_since(Instant::now());
-        // One op queues at a time, so that the order of messages on the
-        // device is the order of their records.
-        let (device, queued) = {
-            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            for m in &mut messages {
-                let n = state.issued.entry((m.peer, m.send)).or_default();
-                m.seq = *n;
-                *n += 1;
-            }
-            // SAFETY: the caller's promise: the tensors outlive the device work.
-            unsafe { self.queue(&mut state, &messages, caller, limit) }
-        };
+        // One op at a time takes its places, queues its chunks and posts
+        // its records, so that messages of one tag reach the device and
+        // the peer's matching in the same order.
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        for m in &mut messages {
+            let n = state.issued.entry((m.peer, m.send)).or_default();
+            m.seq = *n;
+            *n += 1;
+        }
+        // SAFETY: the caller's promise: the tensors outlive the device work.
+        let (device, queued) = unsafe { self.queue(&mut state, &messages, caller, limit) };
         // What was queued runs whatever happens next: the op's work handle
         // waits for it before the tensors are free again.
         if let Some(d) = device {
             completion.set(d);
         }
-        if let Err(e) = queued {
-            return done(Err(self.fail(self.explain(e).with_op(name).with_rank(self.rank))));
+        match queued {
+            // (Posting returns at once; `done` never takes this lock.)
+            Ok(()) => self.exchange_records(cpu, &messages, deadline, done),
+            Err(e) => {
+                drop(state);
+                done(Err(self.fail(self.explain(e).with_op(name).with_rank(self.rank))))
+            }
         }
-        self.exchange_records(cpu, &messages, deadline, done);
     }
 
     /// Mark the group's point-to-point broken by `e` (the ranks' chunk
