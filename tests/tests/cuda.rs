@@ -81,10 +81,11 @@ fn worker() -> String {
 
 #[test]
 fn cuda_device_direct_and_ring_across_processes_over_ipc() {
-    // (world size, group hints): the default (direct, staged), direct
+    // (world size, group hints): the default (direct, staged) at 2 and 4, direct
     // required, direct mapping the callers' buffers, the ring.
     let runs = [
         (2, ""),
+        (4, ""),
         (3, "cuda_algorithm=direct"),
         (3, "cuda_algorithm=direct,cuda_direct_staged_bytes=0"),
         (2, "cuda_algorithm=ring,cuda_slot_bytes=4096,cuda_p2p_chunk_bytes=4096"),
