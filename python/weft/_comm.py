@@ -262,8 +262,8 @@ class Comm:
         run in the background (a synchronous one is waited for), so their
         progress never depends on the order peers issue them. While a CUDA
         graph is being captured, every op runs on this thread (see
-        `capturing`)."""
-        direct = (not async_op and not p2p) or capturing()
+        `capturing`; sends and receives only if theirs is a CUDA tensor)."""
+        direct = (not async_op and not p2p) or capturing(outputs if p2p else None)
         call = Call(s.keep, _seconds(timeout), _hints(hints), direct)
         native = self._guard(fn, *args, call)
         w = Ops._work_of(s, [native], outputs, call, self._failed if self._abort else None)

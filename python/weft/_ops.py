@@ -118,13 +118,15 @@ class Ops:
         timeout = _seconds(getattr(opts, "timeout", None)) or self._timeout
         return Call(s.keep, timeout, None, not getattr(opts, "asyncOp", True) or capturing())
 
-    def _p2p_call(self, s: Staged) -> Call:
+    def _p2p_call(self, s: Staged, tensors) -> Call:
         """Sends and receives run in the background: torch's `isend` and
         `irecv` must not block, and its blocking `send` and `recv` wait on
-        the work. While a CUDA graph is being captured they run directly
-        (see `capturing`): only their small records wait for the peer's
-        host, their device work is queued on the capturing stream."""
-        return Call(s.keep, self._timeout, None, capturing())
+        the work. Those of CUDA `tensors` whose stream captures a CUDA
+        graph run directly (see `capturing`): only their small records
+        wait for the peer's host, their device work is queued on the
+        capturing stream. (Host tensors stay in the background: two ranks
+        that both send first must not block.)"""
+        return Call(s.keep, self._timeout, None, capturing(tensors))
 
     @staticmethod
     def _work_of(s: Staged, natives, outputs, call: Call, on_error=None) -> Work:
@@ -155,7 +157,7 @@ class Ops:
         s = batch.staged
         natives = list(batch.natives)
         if batch.p2p:
-            natives.append(self._native.batch_p2p(batch.p2p, self._p2p_call(s)))
+            natives.append(self._native.batch_p2p(batch.p2p, self._p2p_call(s, batch.outputs)))
         finishes = ([s.finish] if s.needs_finish else []) + batch.finishes
         batch.work._rebind(natives, batch.outputs, (lambda: [f() for f in finishes]) if finishes else None)
         return batch.work
@@ -343,7 +345,7 @@ class Ops:
         if batch is not None:
             return batch.add(True, tensors, dst, tag)
         s = Staged()
-        call = self._p2p_call(s)
+        call = self._p2p_call(s, tensors)
         natives = [self._native.send(s.input(x), dst, tag, call) for x in tensors]
         return self._work(s, natives, list(tensors), call)
 
@@ -352,13 +354,13 @@ class Ops:
         if batch is not None:
             return batch.add(False, tensors, src, tag)
         s = Staged()
-        call = self._p2p_call(s)
+        call = self._p2p_call(s, tensors)
         natives = [self._native.recv(s.output(x), src, tag, call) for x in tensors]
         return self._work(s, natives, list(tensors), call)
 
     def recv_anysource(self, tensors, tag=0):
         s = Staged()
-        call = self._p2p_call(s)
+        call = self._p2p_call(s, tensors)
         natives = [self._native.recv_any(s.output(x), tag, call) for x in tensors]
         return self._work(s, natives, list(tensors), call)
 

@@ -47,13 +47,23 @@ def desc(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), t.numel(), code, dev.index or 0)
 
 
-def capturing() -> bool:
-    """Whether torch's current CUDA stream is capturing a CUDA graph. An
-    op issued then runs on the calling thread (a direct call), so that its
-    device work and the copy-back of staged outputs are queued on the
-    capturing stream before the capture ends, and no weft thread makes a
-    CUDA call the capture would refuse."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+def capturing(tensors=None) -> bool:
+    """Whether torch's current CUDA stream is capturing a CUDA graph: on
+    the current device, or, given `tensors`, on the device of any of them
+    on CUDA (host tensors alone: never). An op issued then runs on the
+    calling thread (a direct call), so that its device work and the
+    copy-back of staged outputs are queued on the capturing stream before
+    the capture ends, and no weft thread makes a CUDA call the capture
+    would refuse."""
+    if not torch.cuda.is_initialized():
+        return False
+    if tensors is None:
+        return torch.cuda.is_current_stream_capturing()
+    for d in {t.device for t in tensors if t.is_cuda}:
+        with torch.cuda.device(d):
+            if torch.cuda.is_current_stream_capturing():
+                return True
+    return False
 
 
 class Staged:

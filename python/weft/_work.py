@@ -124,8 +124,12 @@ class Work(dist._Work):
             self._result_fn = result
         if done:
             # It ran directly on this thread and succeeded (a failure was
-            # raised by the call): settled already, outputs copied back.
+            # raised by the call): settled already, outputs copied back,
+            # after torch's current stream is ordered after a CUDA op's
+            # device side (which may still run on weft's stream).
             if finish is not None:
+                for n in natives:
+                    n.wait()
                 finish()
             self._settled = True
             return

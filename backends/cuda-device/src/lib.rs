@@ -228,7 +228,7 @@ fn first_device(op: &Op<'_>) -> Option<Device> {
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]
 enum Required {
     No,
-    /// The hint `cuda_algorithm=direct` asks for it.
+    /// The hint `cuda_algorithm=direct` (or `algorithm=direct`) asks for it.
     Hint,
     /// The caller's stream is capturing a CUDA graph, which no host step
     /// can join.
@@ -253,7 +253,9 @@ impl Required {
     fn fallback(self, why: String) -> Result<bool> {
         match self {
             Required::No => Ok(false),
-            Required::Hint => Err(Error::unsupported(format!("cuda-device: cuda_algorithm=direct: {why}"))),
+            Required::Hint => Err(Error::unsupported(format!(
+                "cuda-device: the direct algorithm was asked for (algorithm or cuda_algorithm=direct): {why}"
+            ))),
             Required::Capture => Err(Error::unsupported(format!("cuda-device: this op cannot be captured into a CUDA graph: {why}"))),
         }
     }

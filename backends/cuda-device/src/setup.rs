@@ -70,8 +70,7 @@ pub struct Peers {
     pub ranks_flags: Vec<DevicePtr>,
     /// Where the point-to-point words and outboxes lie in each.
     pub p2p: crate::p2p::Layout,
-    /// Whether the hand-off kernels loaded here (alike on every rank of
-    /// the host, which share its NVRTC).
+    /// Whether the hand-off kernels loaded on every rank (found at setup).
     pub kernels: bool,
     /// Other processes' buffers that captured ops read: a graph reads them
     /// on every launch, so they stay mapped until the group closes.
@@ -200,6 +199,10 @@ impl Peers {
         let mut ring = weft::store::all_or_none(store, "export", ctx.rank, ctx.size, ctx.timeout, Self::export(ctx, &gpu), what)?;
         let opened = ring.open_peers(ctx);
         weft::store::all_or_none(store, "open", ctx.rank, ctx.size, ctx.timeout, opened, what)?;
+        // Point-to-point runs on the device only where every rank has the
+        // hand-off kernels: a rank staging its messages meets no peer.
+        let loaded = weft::store::all_gather(store, "kernels", ctx.rank, ctx.size, ctx.timeout, &[u8::from(ring.kernels)])?;
+        ring.kernels = loaded.iter().all(|k| k.as_slice() == [1]);
         Ok(ring)
     }
 

@@ -131,26 +131,27 @@ impl DriverGpu {
 
 /// This thread in relaxed stream-capture mode while the guard lives: calls
 /// that a capture in global mode (torch's default) refuses on every thread
-/// (an event query, exporting or opening IPC memory) neither fail nor
+/// (an event query, exporting, opening or closing IPC memory) neither fail nor
 /// invalidate a capture another thread, or a captured op on this one, is
 /// making, as torch's and NCCL's own such calls are guarded. None of them
 /// queues work on a capturing stream.
-struct Relaxed(sys::CUstreamCaptureMode);
+struct Relaxed(Option<sys::CUstreamCaptureMode>);
 
 impl Relaxed {
     fn here() -> Relaxed {
         let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
         // SAFETY: swaps this thread's capture mode with `mode` (the old one).
-        let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
-        Relaxed(mode)
+        let swapped = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) }.result().is_ok();
+        Relaxed(swapped.then_some(mode))
     }
 }
 
 impl Drop for Relaxed {
     fn drop(&mut self) {
-        let mut mode = self.0;
-        // SAFETY: restores the mode `here` found.
-        let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        if let Some(mut mode) = self.0 {
+            // SAFETY: restores the mode `here` found (only if it swapped).
+            let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        }
     }
 }
 
@@ -340,7 +341,14 @@ impl Gpu for DriverGpu {
         unsafe { result::event::record(e, stream.0 as sys::CUstream) }.map_err(|e| err("recording an event", e))
     }
     fn wait_event(&self, stream: StreamHandle, event: Event) -> Result<()> {
-        let s = self.bind_stream(stream)?;
+        let s = if stream.0 == 0 {
+            // The default stream is its context's: the event's device's (a
+            // caller on another device's default stream gets that one).
+            self.bind_event(event)?;
+            std::ptr::null_mut()
+        } else {
+            self.bind_stream(stream)?
+        };
         // SAFETY: live handles.
         unsafe { result::stream::wait_event(s, event.0 as sys::CUevent, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
             .map_err(|e| err("waiting on an event", e))
@@ -385,6 +393,7 @@ impl Gpu for DriverGpu {
         Ok(ptr)
     }
     unsafe fn ipc_close(&self, ptr: DevicePtr) {
+        let _relaxed = Relaxed::here();
         // SAFETY: the caller's contract; opened memory is closed, never freed.
         let _ = unsafe { sys::cuIpcCloseMemHandle(ptr) };
     }
@@ -437,7 +446,7 @@ impl Gpu for DriverGpu {
             let _ = unsafe { sys::cuGraphDestroy(graph) };
             return Err(err("instantiating a captured graph", e));
         }
-        let device = self.stream_device.lock().unwrap_or_else(|p| p.into_inner()).get(&stream.0).copied().unwrap_or(0);
+        let device = self.stream_device(stream);
         self.graphs.lock().unwrap_or_else(|p| p.into_inner()).insert(exec as u64, (graph as u64, device));
         Ok(Graph(exec as u64))
     }
