@@ -26,18 +26,7 @@ cd "$(dirname "$0")/.."
 export WEFT_TIMEOUT_SECONDS=${WEFT_TIMEOUT_SECONDS:-60}
 unset WEFT_CUDA_EMULATION
 step_limit=${GPU_STEP_SECONDS:-120}
-failed=()
-step() {
-  local name=$1
-  shift
-  echo "== $name ($(date +%T))"
-  timeout -k 10 "$step_limit" "$@"
-  local rc=$?
-  if ((rc != 0)); then
-    echo "!! $name: exit $rc"
-    failed+=("$name")
-  fi
-}
+source scripts/gpu-steps.sh
 
 nvidia-smi -L || { echo "no GPU here (nvidia-smi failed)"; exit 1; }
 pre=${WEFT_PREBUILT:?pack the binaries first: bash scripts/gpu-pack.sh, then WEFT_PREBUILT=.gpu}
@@ -63,9 +52,6 @@ for be in cuda-device cuda-host-staging; do
       -b "$size" -e "$size" -n 10 -w 3
   done
 done
-# field FILE OP COLUMN: the time (7) or busbw (12) of OP in a bench table.
-field() { awk -v op="$2" -v c="$3" '$NF == op && $1 !~ /^#/ { print $c }' "$1" 2>/dev/null; }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a > 0 && b > 0) printf "%.2f", a / b; else print "n/a" }'; }
 echo "== summary at 64 MiB (targets: busbw >= 0.6 x device_copy, >= 3 x faster than cuda-host-staging)"
 copy=$(field "$log/cuda-device-64M" device_copy 12)
 for op in ${ops//,/ }; do
@@ -81,8 +67,4 @@ for size in 8 1M; do
   done
 done
 
-if ((${#failed[@]})); then
-  printf '!! failed: %s\n' "${failed[@]}"
-  exit 1
-fi
-echo "== all quick GPU steps passed"
+finish

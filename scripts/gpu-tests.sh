@@ -23,20 +23,7 @@ cd "$(dirname "$0")/.."
 export WEFT_TIMEOUT_SECONDS=${WEFT_TIMEOUT_SECONDS:-120}
 unset WEFT_CUDA_EMULATION
 step_limit=${GPU_STEP_SECONDS:-300}
-failed=()
-
-# step NAME CMD...: run one step under the time limit, remember a failure.
-step() {
-  local name=$1
-  shift
-  echo "== $name"
-  timeout -k 10 "$step_limit" "$@"
-  local rc=$?
-  if ((rc != 0)); then
-    echo "!! $name: exit $rc"
-    failed+=("$name")
-  fi
-}
+source scripts/gpu-steps.sh
 
 nvidia-smi || { echo "no GPU here (nvidia-smi failed)"; exit 1; }
 if [[ -n ${WEFT_PREBUILT:-} ]]; then
@@ -83,9 +70,6 @@ bench() {
   shift
   step "bench $label" bash -c 'set -o pipefail; "$@" | tee "$0"' "$log/$label" "$weft" bench "$@"
 }
-# field LABEL OP COLUMN: busbw (12) or time (7) of OP in LABEL's table.
-field() { awk -v op="$2" -v c="$3" '$NF == op && $1 !~ /^#/ { print $c }' "$log/$1" 2>/dev/null; }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a > 0 && b > 0) printf "%.2f", a / b; else print "n/a" }'; }
 
 size=${GPU_BENCH_SIZE:-256M}
 # Processes sharing a GPU time-slice it unless MPS merges their contexts:
@@ -105,11 +89,11 @@ for mode in "${modes[@]}"; do
     bench "$mode-$n-ring" "${common[@]}" --backend cpu:shm,cuda:cuda-device --hint cuda_algorithm=ring --ops all_reduce -n 20 --time-per-size 3
     bench "$mode-$n-staging" "${common[@]}" --backend cpu:shm,cuda:cuda-host-staging --ops all_reduce -n 10 --time-per-size 3
     bench "$mode-$n-whole" "${common[@]}" --backend cpu:shm,cuda:cuda-host-staging --hint staging=whole --ops all_reduce -n 10 --time-per-size 3
-    copy=$(field "$mode-$n-device" device_copy 12)
-    direct=$(field "$mode-$n-device" all_reduce 12)
-    ring=$(field "$mode-$n-ring" all_reduce 12)
-    piped=$(field "$mode-$n-staging" all_reduce 7)
-    whole=$(field "$mode-$n-whole" all_reduce 7)
+    copy=$(field "$log/$mode-$n-device" device_copy 12)
+    direct=$(field "$log/$mode-$n-device" all_reduce 12)
+    ring=$(field "$log/$mode-$n-ring" all_reduce 12)
+    piped=$(field "$log/$mode-$n-staging" all_reduce 7)
+    whole=$(field "$log/$mode-$n-whole" all_reduce 7)
     summary+=("$mode W=$n all_reduce $size: cuda-device busbw $direct GB/s = $(ratio "$direct" "$copy") x device_copy ($copy GB/s; the ring: $ring GB/s); cuda-host-staging $piped us = $(ratio "$whole" "$piped") x faster than staging=whole ($whole us)")
   done
   if [[ $mode == mps ]]; then
@@ -119,12 +103,8 @@ done
 # One-sided windows in device memory: put + signal + wait_signal at 64 MiB
 # against a device copy of the same size.
 bench "put-2" --world 2 --device cuda -b 64M -e 64M --backend cpu:shm,cuda:cuda-device --ops device_copy,put -n 20 --time-per-size 3
-summary+=("W=2 put 64M: $(field put-2 put 7) us against a device copy's $(field put-2 device_copy 7) us")
+summary+=("W=2 put 64M: $(field "$log/put-2" put 7) us against a device copy's $(field "$log/put-2" device_copy 7) us")
 echo "== summary (targets: cuda-device >= 0.50 x device_copy; staging >= 1.5 x faster than whole)"
 printf '%s\n' "${summary[@]}"
 
-if ((${#failed[@]})); then
-  printf '!! failed: %s\n' "${failed[@]}"
-  exit 1
-fi
-echo "== all GPU steps passed"
+finish
