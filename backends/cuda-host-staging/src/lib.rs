@@ -48,7 +48,8 @@ struct HostStagingBackend {
 }
 
 /// The [`Backend`] methods of a backend whose bytes go through a
-/// [`Staging`] in field `$staging` (this crate's and cuda-device's): the
+/// [`Staging`] in field `$staging` (this crate's; cuda-device writes its
+/// own, to move point-to-point on the device): the
 /// CPU transport's (`weft::forward_transport!`, through a method `cpu()`),
 /// its capabilities with device point-to-point ops posted
 /// ([`Staging::capabilities`]), and those posts. Use inside its `impl
