@@ -345,19 +345,7 @@ struct RingCompletion {
 
 impl RingCompletion {
     fn explain(&self, e: Error) -> Error {
-        if matches!(e.kind(), weft::ErrorKind::PeerLost { .. }) {
-            // Already names the lost peer (a neighbour gone now may only
-            // have exited after seeing that same loss).
-            return e.with_op(self.op).with_rank(self.rank);
-        }
-        match setup::first_gone(&self.others) {
-            Some((peer, pid)) => {
-                Error::peer_lost(peer, format!("rank {peer} (pid {pid}) exited while the ring waited for it on the GPU: {e}"))
-                    .with_op(self.op)
-                    .with_rank(self.rank)
-            }
-            None => e.with_op(self.op).with_rank(self.rank),
-        }
+        setup::blame_gone(&self.others, e, "the ring").with_op(self.op).with_rank(self.rank)
     }
 }
 

@@ -180,6 +180,18 @@ struct State {
     chunks: HashMap<Lane, u64>,
 }
 
+impl State {
+    /// The eager ops' stream of `lane`, made on first use.
+    fn stream(&mut self, g: &dyn Gpu, device: usize, lane: Lane) -> Result<StreamHandle> {
+        if let Some(s) = self.streams.get(&lane) {
+            return Ok(*s);
+        }
+        let s = g.new_stream(device)?;
+        self.streams.insert(lane, s);
+        Ok(s)
+    }
+}
+
 impl DeviceP2p {
     /// Over the staging allocations `bases` (by rank) of a group laid out as `layout`.
     pub fn new(
@@ -347,14 +359,14 @@ impl DeviceP2p {
         }
         let mut ends = Vec::new();
         let mut queued = Ok(());
-        for (key, lane) in lanes.iter().filter(|(_, l)| !l.is_empty()) {
-            let stream = match state.streams.get(key) {
-                Some(s) => Ok(*s),
-                None => g.new_stream(self.device).inspect(|s| {
-                    state.streams.insert(*key, *s);
-                }),
+        for (lane_key, lane) in lanes.iter().filter(|(_, l)| !l.is_empty()) {
+            let stream = match state.stream(g, self.device, *lane_key) {
+                Ok(s) => s,
+                Err(e) => {
+                    queued = Err(e);
+                    break;
+                }
             };
-            let Ok(stream) = stream.inspect_err(|e| queued = Err(e.clone())) else { break };
             queued = order_after(g, self.device, stream, caller).and_then(|()| {
                 lane.iter().try_for_each(|c| {
                     // SAFETY: the caller's promise.
@@ -483,17 +495,9 @@ fn check(m: &Message, got: &Record) -> Result<()> {
     Ok(())
 }
 
-/// `e`, or, where a rank of `others` (rank, pid) has exited, that peer lost.
+/// `e`, or the peer lost, where a rank of `others` (rank, pid) has exited.
 fn explain(others: &[(usize, u32)], e: Error) -> Error {
-    if matches!(e.kind(), weft::ErrorKind::PeerLost { .. }) {
-        return e;
-    }
-    match crate::setup::first_gone(others) {
-        Some((peer, pid)) => {
-            Error::peer_lost(peer, format!("rank {peer} (pid {pid}) exited while a point-to-point op waited for it on the GPU: {e}"))
-        }
-        None => e,
-    }
+    crate::setup::blame_gone(others, e, "a point-to-point op")
 }
 
 /// The device side of an eager op: the end of each stream it used.

@@ -184,6 +184,21 @@ pub fn first_gone(ranks: &[(usize, u32)]) -> Option<(usize, u32)> {
     ranks.iter().copied().find(|(_, pid)| !std::path::Path::new(&format!("/proc/{pid}")).exists())
 }
 
+/// `e` (a device wait that failed or timed out while `waiter` waited on
+/// the GPU), or, where a rank of `others` (rank, pid) has exited, that
+/// peer lost: its events and flags will never come. An error that already
+/// names a lost peer stays (a rank gone now may only have exited after
+/// seeing that same loss).
+pub fn blame_gone(others: &[(usize, u32)], e: Error, waiter: &str) -> Error {
+    if matches!(e.kind(), weft::ErrorKind::PeerLost { .. }) {
+        return e;
+    }
+    match first_gone(others) {
+        Some((peer, pid)) => Error::peer_lost(peer, format!("rank {peer} (pid {pid}) exited while {waiter} waited for it on the GPU: {e}")),
+        None => e,
+    }
+}
+
 impl Peers {
     /// Set up (collective). `Unsupported` on every rank if any rank failed.
     ///
