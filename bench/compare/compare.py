@@ -27,8 +27,8 @@ on its own core before every iteration, untimed, as programs compute what
 they send right before sending it; rows of that mode read "op/fresh".
 
 --phases labels every run with the machine's phase: a probe (weft's shm
-ring handing 1 MiB across cores, `sendrecv` with single copy off, the
-median of 10) runs between tool runs, and a run is "calm" when the probes
+ring handing 4 MiB one way across cores, `broadcast` with single copy off,
+the median of 10) runs between tool runs, and a run is "calm" when the probes
 before and after it are both within 2 x the session's fastest probe, "slow"
 when both are past it (or past --slow-above us), "mixed" otherwise (the
 tables judge by every probe of the session; --until-phases decides to
@@ -100,10 +100,14 @@ def run_weft(a, size, weft, fresh, hints=()):
 
 
 def probe(weft):
-    """The phase probe: weft's shm ring handing 1 MiB across cores
-    (sendrecv at W = 2, single copy off), median of 10, in us."""
-    csv = sh([weft, "bench", "--world", "2", "--backend", "shm", "--hint", "shm_cma=off", "--ops", "sendrecv", "-b", "1048576",
-              "-e", "1048576", "-n", "10", "-w", "3", "--no-check", "--csv", "-"])
+    """The phase probe: weft's shm ring handing 4 MiB one way across cores
+    (broadcast at W = 2, single copy off), median of 10, in us. One way,
+    because the receiver's copy then reads lines the other core has just
+    written, which is what slow phases tax: it took 76-90 us calm and
+    205-240 us slow, where a 1 MiB sendrecv (each core copying both ways)
+    moved less than 2 x (bench/RESULTS.md, twelfth session)."""
+    csv = sh([weft, "bench", "--world", "2", "--backend", "shm", "--hint", "shm_cma=off", "--ops", "broadcast", "-b", "4194304",
+              "-e", "4194304", "-n", "10", "-w", "3", "--no-check", "--csv", "-"])
     return float(csv.splitlines()[1].split(",")[9])
 
 
@@ -226,7 +230,7 @@ def main():
     table(samples, tools, None)
     if a.phases:
         line = slow_line(a, probes)
-        print(f"# phase probe (shm ring, 1 MiB across cores): {min(probes):.0f}-{max(probes):.0f} us; slow above {line:.0f} us")
+        print(f"# phase probe (shm ring, 4 MiB one way across cores): {min(probes):.0f}-{max(probes):.0f} us; slow above {line:.0f} us")
         for phase in ("calm", "slow", "mixed"):
             picked = {k: [x for x in v if phase_of(x[2], line) == phase] for k, v in samples.items()}
             print(f"\n# {phase} runs")
@@ -236,7 +240,8 @@ def main():
 
 
 # By default a run is slow when its probes took more than this many times
-# the session's fastest (the hand-over took 3-4 x as long in slow phases).
+# the session's fastest (the one-way hand-over took 2.5-3 x as long in slow
+# phases).
 SLOW = 2.0
 
 

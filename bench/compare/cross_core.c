@@ -2,9 +2,13 @@
 //
 // One thread on CPU A writes 1 MiB, a thread on CPU B copies it out (the
 // bytes cross cores just written, as in a shared-memory ring), and one
-// thread copies 1 MiB within its own core for comparison. Prints one line
-// per sample: the single-core copy and the cross-core hand-over, best and
-// mean of 50, in microseconds.
+// thread copies 1 MiB within its own core for comparison; then the two
+// threads bounce one cache line back and forth (the round trip of a line
+// between the cores: about 120 ns on this VM calm, 520-720 ns in phases
+// where its shared-memory hand-overs slow down). Prints one line per
+// sample: the single-core copy and the cross-core hand-over, best and
+// mean of 50, in microseconds, and the round trip, mean of 20,000, in
+// nanoseconds.
 //
 //   gcc -O2 -pthread -o cross_core bench/compare/cross_core.c
 //   ./cross_core [SAMPLES=10] [CPU_A=0] [CPU_B=1]
@@ -19,9 +23,12 @@
 
 #define MIB (1 << 20)
 #define REPS 50
+#define BOUNCES 20000
 
 static _Alignas(64) atomic_long posted;
 static _Alignas(64) atomic_long taken;
+static _Alignas(64) atomic_long ping;
+static _Alignas(64) atomic_long pong;
 static char *shared, *src, *dst, *far_dst;
 static int cpu_b, samples;
 
@@ -41,15 +48,26 @@ static void pin(int cpu) {
     }
 }
 
-// CPU B: copy out each megabyte CPU A posts, then say so.
+// CPU B, each sample: copy out each megabyte CPU A posts, then say so;
+// then answer each bounce.
 static void *reader(void *arg) {
     (void)arg;
     pin(cpu_b);
-    for (long k = 1; k <= (long)samples * REPS; k++) {
-        while (atomic_load_explicit(&posted, memory_order_acquire) != k) {
+    long k = 0, b = 0;
+    for (int s = 0; s < samples; s++) {
+        for (int i = 0; i < REPS; i++) {
+            k++;
+            while (atomic_load_explicit(&posted, memory_order_acquire) != k) {
+            }
+            memcpy(far_dst, shared, MIB);
+            atomic_store_explicit(&taken, k, memory_order_release);
         }
-        memcpy(far_dst, shared, MIB);
-        atomic_store_explicit(&taken, k, memory_order_release);
+        for (int i = 0; i < BOUNCES; i++) {
+            b++;
+            while (atomic_load_explicit(&ping, memory_order_acquire) != b) {
+            }
+            atomic_store_explicit(&pong, b, memory_order_release);
+        }
     }
     return NULL;
 }
@@ -69,7 +87,7 @@ int main(int argc, char **argv) {
     pin(cpu_a);
     pthread_t t;
     pthread_create(&t, NULL, reader, NULL);
-    long k = 0;
+    long k = 0, b = 0;
     for (int s = 0; s < samples; s++) {
         double local = 1e18, cross = 1e18, sum = 0;
         for (int i = 0; i < REPS; i++) {
@@ -89,7 +107,15 @@ int main(int argc, char **argv) {
             sum += d;
             if (d < cross) cross = d;
         }
-        printf("local copy %5.0f us   cross-core hand-over %5.0f us (mean %5.0f)\n", local, cross, sum / REPS);
+        double t0 = now_us();
+        for (int i = 0; i < BOUNCES; i++) {
+            atomic_store_explicit(&ping, ++b, memory_order_release);
+            while (atomic_load_explicit(&pong, memory_order_acquire) != b) {
+            }
+        }
+        double bounce = (now_us() - t0) * 1e3 / BOUNCES;
+        printf("local copy %5.0f us   cross-core hand-over %5.0f us (mean %5.0f)   line round trip %4.0f ns\n", local, cross,
+               sum / REPS, bounce);
         fflush(stdout);
         struct timespec pause = {0, 100 * 1000 * 1000};
         nanosleep(&pause, NULL);

@@ -245,10 +245,11 @@ fn shm_two_sided_copies_land_in_posted_and_stashed_buffers() {
 
 /// A large send nobody receives: the sender times out and withdraws its
 /// offer (its buffer is its own again); the late receiver gets an error,
-/// never the sender's reused memory.
+/// never the sender's reused memory. (`shm_cma=on`: where kernel copies
+/// are slow, the group's own policy starts everything on the ring.)
 #[test]
 fn shm_withdrawn_single_copy_offer_is_never_read() {
-    run_threads(2, options("cpu:shm"), |pg| {
+    run_threads(2, options("cpu:shm").hint("shm_cma", "on"), |pg| {
         let o = OpOptions::default().timeout(Duration::from_millis(300));
         if pg.rank() == 0 {
             let mut data = vec![7u8; 1 << 20];
@@ -566,22 +567,35 @@ fn auto_picks_shm_on_one_host_and_leaves_it_when_a_rank_looks_remote() {
     }
 }
 
-/// Where cross-memory copies turn slow while the run goes (an LD_PRELOAD
-/// shim adds 2 ms a MiB to every `process_vm_readv`/`writev` after a
-/// process's first 200, as page pinning under some hypervisors does), shm
-/// moves 1 MiB all_gathers from single copy (the policy `shm_cma=on`, on
-/// every host) to the ring by what it measures, every rank at the same
-/// exchange, after which only the exploring bursts copy across processes;
-/// every result stays exact. With `shm_adapt=off` every op keeps copying
-/// across processes, as slow as that is.
-#[test]
-fn shm_moves_large_messages_to_the_ring_when_cross_memory_copies_turn_slow_and_every_rank_moves_together() {
+/// What a run of the `adaptive_schemes` scenario (1,500 checked all_gathers
+/// of 1 MiB parts, W = 2) under the `slow_copies` shim showed: the lines
+/// each rank logged when the group's table changed its scheme for a key,
+/// and the copies the shim counted (cross-memory, large `memcpy`) over
+/// both ranks.
+struct AdaptiveRun {
+    moves: [Vec<String>; 2],
+    cma_copies: u64,
+    large_memcpys: u64,
+    /// Rank 0's output (the decider says why it moved).
+    decider: String,
+}
+
+/// Run `adaptive_schemes` with policy `cma` and `shm_adapt` as `adapt`,
+/// under the shim with `slow` (its variables).
+fn adaptive_run(cma: &str, adapt: &str, slow: &[(&str, &str)]) -> AdaptiveRun {
     let worker = env!("CARGO_BIN_EXE_weft-test-worker");
-    let dir = weft_tests::plugins::scratch("slow-cross-memory");
-    let shim = dir.join("slow_cross_memory.so");
-    weft_tests::plugins::cc(&weft_tests::plugins::repo().join("tests/shims/slow_cross_memory.c"), &shim, &[]);
+    let dir = weft_tests::plugins::scratch("slow-copies");
+    let shim = dir.join("slow_copies.so");
+    weft_tests::plugins::cc(&weft_tests::plugins::repo().join("tests/shims/slow_copies.c"), &shim, &[]);
     let shim = shim.to_str().unwrap();
-    // The lines each rank logs when the group's table changes its scheme for a key.
+    let mut env =
+        vec![("WEFT_BACKEND", "cpu:shm"), ("WEFT_LOG", "debug"), ("WEFT_SHM_CMA", cma), ("WEFT_SHM_ADAPT", adapt), ("LD_PRELOAD", shim)];
+    env.extend_from_slice(slow);
+    let ends = run_world(worker, 2, &["adaptive_schemes"], &env, Duration::from_secs(120));
+    for (r, e) in ends.iter().enumerate() {
+        assert!(e.status.success(), "{cma}, adapt {adapt}, rank {r}: {:?}\n{}", e.status, e.output);
+        assert!(e.output.contains("done on shm"), "{cma}, adapt {adapt}, rank {r}:\n{}", e.output);
+    }
     let moves = |output: &str| -> Vec<String> {
         output
             .lines()
@@ -589,39 +603,71 @@ fn shm_moves_large_messages_to_the_ring_when_cross_memory_copies_turn_slow_and_e
             .map(|l| l.trim().to_string())
             .collect()
     };
-    // How many cross-memory copies a rank made (the shim says at exit).
-    let copies = |output: &str| -> u64 {
-        let line = output.lines().find_map(|l| l.strip_prefix("slow_cross_memory: ")).expect("the shim's count");
-        line.trim_end_matches(" copies").parse().unwrap()
+    // "slow_copies: N cross-memory, M large memcpy", at exit.
+    let counts = |output: &str| -> (u64, u64) {
+        let line = output.lines().find_map(|l| l.strip_prefix("slow_copies: ")).expect("the shim's counts");
+        let mut n = line.split(", ").map(|part| part.split(' ').next().unwrap().parse::<u64>().unwrap());
+        (n.next().unwrap(), n.next().unwrap())
     };
-    let mut made = Vec::new();
-    for adapt in ["on", "off"] {
-        let env = [
-            ("WEFT_BACKEND", "cpu:shm"),
-            ("WEFT_LOG", "debug"),
-            ("WEFT_SHM_CMA", "on"),
-            ("WEFT_SHM_ADAPT", adapt),
-            ("LD_PRELOAD", shim),
-            ("SLOW_CMA_AFTER", "200"),
-        ];
-        let ends = run_world(worker, 2, &["adaptive_schemes"], &env, Duration::from_secs(120));
-        for (r, e) in ends.iter().enumerate() {
-            assert!(e.status.success(), "adapt {adapt} rank {r}: {:?}\n{}", e.status, e.output);
-            assert!(e.output.contains("done on shm"), "adapt {adapt} rank {r}:\n{}", e.output);
-        }
-        made.push(copies(&ends[0].output) + copies(&ends[1].output));
-        let (zero, one) = (moves(&ends[0].output), moves(&ends[1].output));
-        if adapt == "off" {
-            assert!(zero.is_empty() && one.is_empty(), "{zero:?} {one:?}");
-            continue;
-        }
-        assert!(zero.iter().any(|l| l.contains("Some(Ring) from exchange")), "rank 0 never moved to the ring:\n{}", ends[0].output);
-        // The same key to the same scheme at the same exchange, on both.
-        assert_eq!(zero, one, "the ranks moved apart");
-        // The decider said why.
-        assert!(ends[0].output.contains("-> Ring (median"), "{}", ends[0].output);
+    let (a, b) = (counts(&ends[0].output), counts(&ends[1].output));
+    AdaptiveRun {
+        moves: [moves(&ends[0].output), moves(&ends[1].output)],
+        cma_copies: a.0 + b.0,
+        large_memcpys: a.1 + b.1,
+        decider: ends[0].output.clone(),
     }
+}
+
+/// The ranks of an adapting run moved `to` a scheme, together: the same
+/// key to the same scheme at the same exchange on both, and the decider
+/// said why.
+fn moved_together(run: &AdaptiveRun, to: &str) {
+    let [zero, one] = &run.moves;
+    assert!(zero.iter().any(|l| l.contains(&format!("Some({to}) from exchange"))), "rank 0 never moved to {to}:\n{}", run.decider);
+    assert_eq!(zero, one, "the ranks moved apart");
+    assert!(run.decider.contains(&format!("-> {to} (median")), "{}", run.decider);
+}
+
+/// Where cross-memory copies turn slow while the run goes (the shim adds
+/// 2 ms a MiB to every `process_vm_readv`/`writev` after a process's first
+/// 200, as page pinning under some hypervisors does), shm moves 1 MiB
+/// all_gathers from single copy (the policy `shm_cma=on`, on every host)
+/// to the ring by what it measures, every rank at the same exchange, after
+/// which only the exploring bursts copy across processes; every result
+/// stays exact. With `shm_adapt=off` every op keeps copying across
+/// processes, as slow as that is.
+#[test]
+fn shm_moves_large_messages_to_the_ring_when_cross_memory_copies_turn_slow_and_every_rank_moves_together() {
+    let slow = [("SLOW_CMA_AFTER", "200"), ("SLOW_CMA_NS_PER_BYTE", "2")];
+    let adapting = adaptive_run("on", "on", &slow);
+    moved_together(&adapting, "Ring");
+    let fixed = adaptive_run("on", "off", &slow);
+    assert!(fixed.moves.iter().all(Vec::is_empty), "{:?}", fixed.moves);
     // 1,500 all_gathers: about a copy per op and rank kept single copy; moved
     // to the ring after a few hundred, only the bursts exploring the others.
+    let made = [adapting.cma_copies, fixed.cma_copies];
     assert!(made[0] * 2 < made[1], "cross-memory copies adapting and not: {made:?}");
+}
+
+/// The other way round: where the group starts every message on the ring
+/// (the policy `shm_cma=ring`, taken where kernel copies are slow) and
+/// copies through shared memory turn slow while the run goes (the shim
+/// adds 2 ms a MiB to every `memcpy` of 16 KiB or more after a process's
+/// first 3,000, as cross-core hand-overs slow down in a VM's slow phases;
+/// an op's own output copy slows alike whatever the scheme), shm moves
+/// the all_gathers to single copy, every rank at the same exchange; every
+/// result stays exact. Kept on the ring, every op pays for its two copies
+/// through the ring.
+#[test]
+fn shm_moves_large_messages_off_the_ring_when_its_copies_turn_slow_and_every_rank_moves_together() {
+    let slow = [("SLOW_MEMCPY_AFTER", "3000"), ("SLOW_MEMCPY_NS_PER_BYTE", "2")];
+    let adapting = adaptive_run("ring", "on", &slow);
+    let single_copy = adapting.moves[0].iter().any(|l| l.contains("Some(Pull) from") || l.contains("Some(Push) from"));
+    assert!(single_copy, "rank 0 never left the ring:\n{}", adapting.decider);
+    let to = if adapting.decider.contains("-> Push (median") { "Push" } else { "Pull" };
+    moved_together(&adapting, to);
+    let fixed = adaptive_run("ring", "off", &slow);
+    assert!(fixed.moves.iter().all(Vec::is_empty) && fixed.cma_copies == 0, "{:?}, {} cross-memory copies", fixed.moves, fixed.cma_copies);
+    let made = [adapting.large_memcpys, fixed.large_memcpys];
+    assert!(made[0] * 3 < made[1] * 2, "large copies adapting and not: {made:?}");
 }

@@ -91,15 +91,18 @@ impl BackendFactory for ShmFactory {
         // Single-copy large messages as the group's copy costs say
         // (`cma::Policy::agreed`, alike on every rank), unless the hint
         // `shm_cma` (or WEFT_SHM_CMA) says `on` (from 32 KiB, every
-        // message), `large` (the policy for slow kernel copies) or `off`; a
+        // message), `large` (from 4 MiB, 1 MiB from an idle sender),
+        // `ring` (every message starts on the ring: the policy for slow
+        // kernel copies) or `off`; a
         // peer that may not read our memory refuses offers and everything
         // goes through the ring.
         let forced = match ctx.hints.get("shm_cma").cloned().or_else(|| std::env::var("WEFT_SHM_CMA").ok()).as_deref() {
             None | Some("auto") => None,
             Some("on" | "1") => Some(Some(cma::Policy::FAST)),
             Some("large") => Some(Some(cma::Policy::SLOW)),
+            Some("ring") => Some(Some(cma::Policy::RING)),
             Some("off" | "0") => Some(None),
-            Some(v) => return Err(Error::invalid(format!("shm_cma={v:?}: use auto, on, large or off"))),
+            Some(v) => return Err(Error::invalid(format!("shm_cma={v:?}: use auto, on, large, ring or off"))),
         };
         let agreed = cma::Policy::agreed(&*ctx.store, ctx.rank, ctx.size, left(), forced.is_none())?;
         let cma = forced.unwrap_or(Some(agreed));
