@@ -62,6 +62,30 @@ fn shm_direct_p2p_keeps_order_whatever_goes_at_once() {
     });
 }
 
+/// Messages of 16 MiB and more are read out of the ring with stores past
+/// the cache: sent both ways at once, into a receive buffer at an odd
+/// address, of a length that leaves a tail short of a store's width, every
+/// byte arrives and no other is written; so does a broadcast of that length
+/// among three ranks.
+#[test]
+fn shm_long_messages_read_to_memory_arrive_whole() {
+    run_threads(3, options("cpu:shm").hint("shm_cma", "off"), |pg| {
+        let o = OpOptions::default();
+        let (r, n) = (pg.rank(), (16 << 20) + 13);
+        let pattern = |from: usize| (0..n).map(|i| (i * 7 + i / 4093 + from * 31) as u8 | 1).collect::<Vec<u8>>();
+        if r < 2 {
+            let peer = 1 - r;
+            let mut inp = vec![0u8; n + 8];
+            pg.sendrecv(&pattern(r)[..], peer, &mut inp[3..3 + n], peer, 4, &o).unwrap().wait().unwrap();
+            assert!(inp[3..3 + n] == pattern(peer)[..], "rank {r}: the message from {peer}");
+            assert!(inp[..3].iter().chain(&inp[3 + n..]).all(|b| *b == 0), "rank {r}: wrote outside the receive");
+        }
+        let mut all = if r == 2 { pattern(2) } else { vec![0u8; n] };
+        pg.broadcast(&mut all[..], 2, &o).unwrap().wait().unwrap();
+        assert!(all == pattern(2), "rank {r}: the broadcast");
+    });
+}
+
 /// Large frames sent several at once start at their ring's start when it
 /// is empty (padding to its end first), and lone receives and the table
 /// alike skip the padding: sizes that leave every kind of offset behind,

@@ -21,6 +21,14 @@ use weft::backend::progress::{Columns, Post, Posting, Table, View};
 use weft::backend::{Backend, Deadline, Gather, GatherSend, P2p, ANY_SOURCE};
 use weft::{Error, Result};
 
+/// Messages at least this long are read out of the ring with stores that
+/// go past the receiving core's caches (`Ring::read_to_memory`): their
+/// destination cannot stay in cache, and streaming skips reading each of
+/// its lines first. Shorter ones keep cached stores: messages of 4 and
+/// 8 MiB, whose buffers stay in the L3 from one op to the next, were slower
+/// streamed (figures: bench/RESULTS.md, twelfth session).
+const TO_MEMORY_BYTES: usize = 16 << 20;
+
 /// After a failure, how long a peer copying to or from this rank's buffers
 /// gets to finish before they go back to the caller anyway (a running one
 /// needs well under a millisecond; a stopped one may never finish).
@@ -714,9 +722,11 @@ impl ShmBackend {
                     continue;
                 }
             }
+            // A message too large to stay in cache goes to memory.
+            let to_memory = st.inbound.frame_len().is_some_and(|len| len >= TO_MEMORY_BYTES);
             let dst = st.inbound.payload(table.ops);
             if !dst.is_empty() {
-                let n = ring.read(dst);
+                let n = if to_memory { ring.read_to_memory(dst) } else { ring.read(dst) };
                 if n == 0 {
                     return Ok(moved);
                 }

@@ -24,6 +24,15 @@ pub trait Bytes {
     /// # Safety
     /// As `put`.
     unsafe fn get(&self, at: usize, dst: &mut [u8]);
+    /// [`Bytes::get`] for a piece of a destination too large to stay in
+    /// cache: past this core's caches where it can (`kernels::copy_to_memory`).
+    ///
+    /// # Safety
+    /// As `put`.
+    unsafe fn get_to_memory(&self, at: usize, dst: &mut [u8]) {
+        // SAFETY: the caller's contract.
+        unsafe { self.get(at, dst) }
+    }
     /// Let `f` write the `len` bytes at offset `at`: in place where they
     /// can be (the segment), else through a copy.
     ///
@@ -78,6 +87,10 @@ impl Bytes for RawBytes {
         // SAFETY: the caller's contract: inside the mapping, and no one
         // writes these bytes until the call returns.
         weft::kernels::copy(dst, unsafe { std::slice::from_raw_parts(self.0.add(at), dst.len()) })
+    }
+    unsafe fn get_to_memory(&self, at: usize, dst: &mut [u8]) {
+        // SAFETY: as `get`.
+        weft::kernels::copy_to_memory(dst, unsafe { std::slice::from_raw_parts(self.0.add(at), dst.len()) })
     }
     unsafe fn read_with<R>(&self, at: usize, len: usize, f: impl FnOnce(&[u8]) -> R) -> R {
         // SAFETY: the caller's contract: inside the mapping, and no one
@@ -343,6 +356,17 @@ impl<B: Bytes> Ring<B> {
         n
     }
 
+    /// Consumer: [`Ring::read`] into a piece of a destination too large to
+    /// stay in cache (a message of at least `kernels::STREAM_COPY_BYTES`),
+    /// with stores that go past this core's caches.
+    pub fn read_to_memory(&self, dst: &mut [u8]) -> usize {
+        let head = self.my_head.load(Ordering::Relaxed);
+        let n = dst.len().min((self.known_tail(head, dst.len()) - head) as usize);
+        self.copy_out_to(head, &mut dst[..n], true);
+        self.skip(n);
+        n
+    }
+
     /// Consumer: copy up to `dst.len()` bytes (all of them if they are
     /// there), leaving them to read.
     pub fn peek(&self, dst: &mut [u8]) -> usize {
@@ -379,14 +403,24 @@ impl<B: Bytes> Ring<B> {
     /// producer has published.
     #[inline]
     fn copy_out(&self, from: u64, dst: &mut [u8]) {
+        self.copy_out_to(from, dst, false)
+    }
+
+    /// [`Ring::copy_out`], past this core's caches if `to_memory`.
+    #[inline]
+    fn copy_out_to(&self, from: u64, dst: &mut [u8], to_memory: bool) {
         let at = self.offset(from);
         let first = dst.len().min(self.cap - at);
+        let (a, b) = dst.split_at_mut(first);
         // SAFETY: these bytes were published by the producer (acquire when
         // the tail was read) and stay untouched until `head` moves past them.
         unsafe {
-            self.data.get(at, &mut dst[..first]);
-            if dst.len() > first {
-                self.data.get(0, &mut dst[first..]);
+            for (at, piece) in [(at, a), (0, b)] {
+                match to_memory {
+                    _ if piece.is_empty() => {}
+                    true => self.data.get_to_memory(at, piece),
+                    false => self.data.get(at, piece),
+                }
             }
         }
     }
@@ -483,6 +517,28 @@ mod tests {
             got.extend_from_slice(&buf[..n]);
         }
         got
+    }
+
+    /// Reading with stores past the cache (a long message) hands over the
+    /// same bytes as `read`, across wrap-arounds, in reads of any length
+    /// into a destination at any alignment, and writes nothing else.
+    #[test]
+    fn reading_to_memory_hands_over_every_byte_in_order() {
+        let mut mem = Vec::new();
+        let ring = ring_in(&mut mem, 4096);
+        let data: Vec<u8> = (0..50_000u32).map(|i| (i * 31 + i / 257) as u8 | 1).collect();
+        let mut out = vec![0u8; data.len() + 8];
+        let (dst, mut sent, mut got) = (&mut out[3..3 + data.len()], 0, 0);
+        for step in 0.. {
+            if got == data.len() {
+                break;
+            }
+            sent += ring.write(&data[sent..(sent + 1500).min(data.len())]);
+            let want = [1000, 7, 3000, 64, 65, 1][step % 6];
+            got += ring.read_to_memory(&mut dst[got..(got + want).min(data.len())]);
+        }
+        assert!(out[3..3 + data.len()] == data[..], "the bytes read");
+        assert!(out[..3].iter().chain(&out[3 + data.len()..]).all(|b| *b == 0), "wrote outside");
     }
 
     #[test]

@@ -355,6 +355,11 @@ impl Inbound {
         }
     }
 
+    /// The open frame's whole payload length, if a frame is open.
+    pub fn frame_len(&self) -> Option<usize> {
+        self.frame.as_ref().map(|f| f.len)
+    }
+
     /// Whether the open frame fills a receive posted in this batch (not a
     /// copy set aside for a later one).
     pub fn fills_receive(&self) -> bool {

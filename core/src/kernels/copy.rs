@@ -62,6 +62,23 @@ pub fn copy(dst: &mut [u8], src: &[u8]) {
     dst.copy_from_slice(src);
 }
 
+/// `dst.copy_from_slice(src)` with non-temporal stores whatever its
+/// length (on x86_64, from 64 bytes; elsewhere [`copy`]): for a piece of
+/// a large destination filled piece by piece (a message arriving through
+/// a transport's buffer), which cannot stay in this core's cache anyway;
+/// streaming also skips reading each destination line before writing it
+/// (figures: bench/RESULTS.md, twelfth session). Ends with a store fence,
+/// as [`copy`]'s streaming does.
+#[inline]
+pub fn copy_to_memory(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "copy between slices of different lengths");
+    #[cfg(target_arch = "x86_64")]
+    if src.len() >= 64 {
+        return stream_copy(dst, src);
+    }
+    copy(dst, src);
+}
+
 /// The streaming part of [`copy`]: plain copies up to the first 16-byte
 /// aligned destination address and for the tail, 16-byte non-temporal
 /// stores between, then a store fence so that later stores (a flag a peer
@@ -134,12 +151,15 @@ mod tests {
     fn copy_is_exact_at_any_alignment_and_length() {
         let src: Vec<u8> = (0..STREAM_COPY_BYTES + 200).map(|i| (i * 7 + i / 251) as u8).collect();
         let mut dst = vec![0u8; src.len() + 32];
-        for len in [1000, PIECE + 1, 64 << 10, STREAM_COPY_BYTES - 1, STREAM_COPY_BYTES, STREAM_COPY_BYTES + 63, STREAM_COPY_BYTES + 129] {
-            for (d_off, s_off) in [(0, 0), (1, 0), (7, 3), (15, 17), (16, 1)] {
-                dst.fill(0);
-                copy(&mut dst[d_off..d_off + len], &src[s_off..s_off + len]);
-                assert!(dst[d_off..d_off + len] == src[s_off..s_off + len], "len {len}, offsets {d_off}/{s_off}");
-                assert!(dst[..d_off].iter().chain(&dst[d_off + len..]).all(|b| *b == 0), "len {len}: wrote outside");
+        let lens = [0, 5, 63, 64, 65, 1000, PIECE + 1, 64 << 10, STREAM_COPY_BYTES - 1, STREAM_COPY_BYTES, STREAM_COPY_BYTES + 129];
+        for (name, f) in [("copy", copy as fn(&mut [u8], &[u8])), ("copy_to_memory", copy_to_memory)] {
+            for len in lens {
+                for (d_off, s_off) in [(0, 0), (1, 0), (7, 3), (15, 17), (16, 1)] {
+                    dst.fill(0);
+                    f(&mut dst[d_off..d_off + len], &src[s_off..s_off + len]);
+                    assert!(dst[d_off..d_off + len] == src[s_off..s_off + len], "{name}: len {len}, offsets {d_off}/{s_off}");
+                    assert!(dst[..d_off].iter().chain(&dst[d_off + len..]).all(|b| *b == 0), "{name}: len {len}: wrote outside");
+                }
             }
         }
     }

@@ -15,7 +15,7 @@ mod copy;
 pub mod weighted;
 
 pub use buffers::{AlignedBuf, Scratch};
-pub use copy::{copy, prefetch, slow_copy_distance, STREAM_COPY_BYTES};
+pub use copy::{copy, copy_to_memory, prefetch, slow_copy_distance, STREAM_COPY_BYTES};
 
 /// Arithmetic each element type provides for the reductions.
 trait Arith: Copy {
