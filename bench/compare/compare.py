@@ -103,8 +103,8 @@ def probe(weft):
     """The phase probe: weft's shm ring handing 4 MiB one way across cores
     (broadcast at W = 2, single copy off), median of 10, in us. One way,
     because the receiver's copy then reads lines the other core has just
-    written, which is what slow phases tax: it took 76-90 us calm and
-    205-240 us slow, where a 1 MiB sendrecv (each core copying both ways)
+    written, which is what slow phases tax: it took 74-90 us calm and
+    195-306 us slow, where a 1 MiB sendrecv (each core copying both ways)
     moved less than 2 x (bench/RESULTS.md, twelfth session)."""
     csv = sh([weft, "bench", "--world", "2", "--backend", "shm", "--hint", "shm_cma=off", "--ops", "broadcast", "-b", "4194304",
               "-e", "4194304", "-n", "10", "-w", "3", "--no-check", "--csv", "-"])
@@ -240,7 +240,7 @@ def main():
 
 
 # By default a run is slow when its probes took more than this many times
-# the session's fastest (the one-way hand-over took 2.5-3 x as long in slow
+# the session's fastest (the one-way hand-over took 2.2-4 x as long in slow
 # phases).
 SLOW = 2.0
 

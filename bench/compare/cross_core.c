@@ -3,9 +3,11 @@
 // One thread on CPU A writes 1 MiB, a thread on CPU B copies it out (the
 // bytes cross cores just written, as in a shared-memory ring), and one
 // thread copies 1 MiB within its own core for comparison; then the two
-// threads bounce one cache line back and forth (the round trip of a line
-// between the cores: about 120 ns on this VM calm, 520-720 ns in phases
-// where its shared-memory hand-overs slow down). Prints one line per
+// threads bounce a counter back and forth, each writing its own cache line
+// and reading the other's (the round trip between the cores: about 120 ns
+// on this VM calm, 520-720 ns in most moments where its shared-memory
+// hand-overs slowed down, though some slow moments kept 120 ns). Prints
+// one line per
 // sample: the single-core copy and the cross-core hand-over, best and
 // mean of 50, in microseconds, and the round trip, mean of 20,000, in
 // nanoseconds.

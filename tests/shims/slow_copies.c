@@ -9,7 +9,9 @@
  * - Large copies in the process (memcpy of at least 16 KiB: the ring's
  *   pieces and an op's own outputs): after the first SLOW_MEMCPY_AFTER,
  *   each takes SLOW_MEMCPY_NS_PER_BYTE more, as copies through shared
- *   memory do where a VM's cores hand lines over slowly.
+ *   memory do where a VM's cores hand lines over slowly. Copies weft
+ *   streams to memory (kernels::copy from 4 MiB, a ring's reads of
+ *   messages from 16 MiB) call no memcpy and are not slowed.
  *
  * Unset or 0: no slower. At exit the process prints how many of each it
  * made ("slow_copies: N cross-memory, M large memcpy"). */

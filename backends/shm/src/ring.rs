@@ -357,7 +357,7 @@ impl<B: Bytes> Ring<B> {
     }
 
     /// Consumer: [`Ring::read`] into a piece of a destination too large to
-    /// stay in cache (a message of at least `kernels::STREAM_COPY_BYTES`),
+    /// stay in cache (a long message: the exchange's `TO_MEMORY_BYTES`),
     /// with stores that go past this core's caches.
     pub fn read_to_memory(&self, dst: &mut [u8]) -> usize {
         let head = self.my_head.load(Ordering::Relaxed);

@@ -110,9 +110,10 @@ impl Policy {
     /// copies one on each core and in cache, whatever its size; the run
     /// then moves a kind of exchange to single copy where it measures that
     /// cheaper (`scheme.rs`: large idle sends on AMD Zen 3, and any kind
-    /// in a phase that slows cross-core hand-overs). On AMD Zen 5 under
-    /// KVM (8 x) the ring was the faster at every size from 1 to 64 MiB in
-    /// calm phases (figures: bench/RESULTS.md, twelfth session).
+    /// in a phase that slows cross-core hand-overs; kinds that do not adapt
+    /// keep the ring). On AMD Zen 5 under KVM (8 x) the ring was the faster
+    /// in calm phases for every op measured from 1 to 64 MiB (figures:
+    /// bench/RESULTS.md, twelfth session).
     pub const RING: Policy = Policy { min_bytes: usize::MAX, idle_min_bytes: usize::MAX, combining: false };
 
     /// Whether a message of `len` bytes with `tag` goes single-copy, from a
