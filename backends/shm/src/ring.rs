@@ -351,28 +351,36 @@ impl<B: Bytes> Ring<B> {
     /// Consumer: read up to `dst.len()` bytes (all of them if they are
     /// there).
     pub fn read(&self, dst: &mut [u8]) -> usize {
-        let n = self.peek(dst);
-        self.skip(n);
-        n
+        self.take(dst, false)
     }
 
     /// Consumer: [`Ring::read`] into a piece of a destination too large to
     /// stay in cache (a long message: the exchange's `TO_MEMORY_BYTES`),
     /// with stores that go past this core's caches.
     pub fn read_to_memory(&self, dst: &mut [u8]) -> usize {
-        let head = self.my_head.load(Ordering::Relaxed);
-        let n = dst.len().min((self.known_tail(head, dst.len()) - head) as usize);
-        self.copy_out_to(head, &mut dst[..n], true);
-        self.skip(n);
-        n
+        self.take(dst, true)
     }
 
     /// Consumer: copy up to `dst.len()` bytes (all of them if they are
     /// there), leaving them to read.
     pub fn peek(&self, dst: &mut [u8]) -> usize {
+        self.peek_to(dst, false)
+    }
+
+    /// [`Ring::read`], past this core's caches if `to_memory`.
+    #[inline]
+    fn take(&self, dst: &mut [u8], to_memory: bool) -> usize {
+        let n = self.peek_to(dst, to_memory);
+        self.skip(n);
+        n
+    }
+
+    /// [`Ring::peek`], past this core's caches if `to_memory`.
+    #[inline]
+    fn peek_to(&self, dst: &mut [u8], to_memory: bool) -> usize {
         let head = self.my_head.load(Ordering::Relaxed);
         let n = dst.len().min((self.known_tail(head, dst.len()) - head) as usize);
-        self.copy_out(head, &mut dst[..n]);
+        self.copy_out_to(head, &mut dst[..n], to_memory);
         n
     }
 
