@@ -609,7 +609,7 @@ struct AdaptiveRun {
 fn adaptive_run(cma: &str, adapt: &str, slow: &[(&str, &str)]) -> AdaptiveRun {
     let worker = env!("CARGO_BIN_EXE_weft-test-worker");
     // A folder per run: tests run side by side, and each removes its own.
-    let dir = weft_tests::plugins::scratch(&format!("slow-copies-{cma}-{adapt}-{}", slow.len()));
+    let dir = weft_tests::plugins::scratch(&format!("slow-copies-{cma}-{adapt}"));
     let shim = dir.join("slow_copies.so");
     weft_tests::plugins::cc(&weft_tests::plugins::repo().join("tests/shims/slow_copies.c"), &shim, &[]);
     let shim = shim.to_str().unwrap();
@@ -691,8 +691,7 @@ fn shm_moves_large_messages_to_the_ring_when_cross_memory_copies_turn_slow_and_e
 fn shm_moves_large_messages_off_the_ring_when_its_copies_turn_slow_and_every_rank_moves_together() {
     let slow = [("SLOW_MEMCPY_AFTER", "3000"), ("SLOW_MEMCPY_NS_PER_BYTE", "2")];
     let adapting = adaptive_run("ring", "on", &slow);
-    let single_copy = adapting.moves[0].iter().any(|l| l.contains("Some(Pull) from") || l.contains("Some(Push) from"));
-    assert!(single_copy, "rank 0 never left the ring:\n{}", adapting.decider);
+    // Either single copy will do (`moved_together` fails if neither came).
     let to = if adapting.decider.contains("-> Push (median") { "Push" } else { "Pull" };
     moved_together(&adapting, to);
     let fixed = adaptive_run("ring", "off", &slow);
