@@ -35,7 +35,8 @@ tables judge by every probe of the session; --until-phases decides to
 stop by the probes so far). One table per phase follows the
 overall one, pairing tools only within rounds where both ran in that
 phase. --until-phases N keeps adding rounds (up to --rounds) until every
-tool has N calm and N slow runs of every row, and says when it had fewer.
+tool (the copy aside) has N calm and N slow runs of every row, and says
+when it had fewer.
 --runs-csv FILE writes every run (its round, time, probes and phase): the
 per-round table behind the medians.
 
@@ -54,6 +55,9 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 # Every tool compare.py can run, in the order each round runs them.
 TOOLS = ["weft", "weft-fixed", "weft-ring", "weft-single", "gloo", "mpi-tcp", "mpi-shm", "mpich", "copy"]
+# weft with shm hints: they mean something on --backend shm only, so they
+# run only when named.
+SHM_VARIANTS = {"weft-fixed", "weft-ring", "weft-single"}
 
 
 def sh(cmd, **kw):
@@ -106,7 +110,7 @@ def probe(weft):
     (broadcast at W = 2, single copy off), median of 10, in us. One way,
     because the receiver's copy then reads lines the other core has just
     written, which is what slow phases tax; 1 MiB, because that stays in
-    one core's L2: a 4 MiB probe also read slow (195-313 us against 71-90)
+    one core's L2: a 4 MiB probe also read slow (200-313 us against 70-100)
     where 1 MiB ops ran at their calm times, while ring-based ops were 1.4
     x slower at readings of 100-150 us (bench/RESULTS.md, thirteenth
     session)."""
@@ -172,7 +176,7 @@ def main():
     p.add_argument("--backend", default="cpu-tcp")
     p.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,p2p,sendrecv,barrier")
     p.add_argument("--sizes", default="8,1048576,67108864")
-    p.add_argument("--tools", default=",".join(TOOLS),
+    p.add_argument("--tools", default=",".join(t for t in TOOLS if t not in SHM_VARIANTS),
                    help="which tools run, comma-separated (weft always does): e.g. weft,mpi-shm for the shm anchor alone")
     p.add_argument("--out", default=os.path.join(ROOT, "target", "compare"))
     p.add_argument("--timing", choices=["window", "span"], default="window",
@@ -187,13 +191,15 @@ def main():
     p.add_argument("--slow-above", type=float, default=0.0,
                    help="with --phases: a probe slower than this many us is slow (default: 1.3 x the session's lower-decile probe)")
     p.add_argument("--until-phases", type=int, default=0,
-                   help="with --phases: keep adding rounds (up to --rounds) until every tool has this many calm and slow runs of every row")
+                   help="with --phases: keep adding rounds (up to --rounds) until every tool but the copy has this many calm and slow runs of every row")
     p.add_argument("--runs-csv", default="",
                    help="also write every run (round, tool, op, bytes, us; with --phases its probes and phase) to this CSV file")
     a = p.parse_args()
     chosen = set(a.tools.split(",")) | {"weft"}
     if chosen - set(TOOLS):
         p.error(f"unknown tools {sorted(chosen - set(TOOLS))}; known: {', '.join(TOOLS)}")
+    if chosen & SHM_VARIANTS and a.backend != "shm":
+        p.error(f"{', '.join(sorted(chosen & SHM_VARIANTS))}: shm hints; pass --backend shm")
     modes = a.inputs.split(",")
     if set(modes) - {"reused", "fresh"} or not modes:
         p.error("--inputs: reused, fresh or reused,fresh")
@@ -217,15 +223,15 @@ def main():
     }
     tools = {t: run for t, run in tools.items() if t in chosen}
     samples = {}  # (tool, op, bytes) -> [(round, median_us, phase probes)]
-    probes = []
     last = probe(weft) if a.phases else None
+    probes = [last] if a.phases else []  # each probe once, in order
     for rnd in range(a.rounds):
         for size in [int(s) for s in a.sizes.split(",")]:
             for tool, run in tools.items():  # alternate tools within each round
                 for mode in modes if tool != "copy" else ["reused"]:
                     got = run(size, mode == "fresh")
                     before, last = last, probe(weft) if a.phases else None
-                    probes += [before, last] if a.phases else []
+                    probes += [last] if a.phases else []
                     for (op, b), us in got.items():
                         if mode == "fresh":  # all_gather/fresh, all_gather/fresh/p99
                             op = op.replace("/p99", "") + "/fresh" + ("/p99" if op.endswith("/p99") else "")
@@ -258,14 +264,14 @@ def write_runs(path, samples, line):
         runs = [(r, t, op, b, us, pr) for (t, op, b), v in samples.items() if not op.endswith("/p99") for r, us, pr in v]
         for r, t, op, b, us, pr in sorted(runs, key=lambda x: (x[0], x[2], x[3], x[1])):
             before, after = ("" if p is None else f"{p:.1f}" for p in pr)
-            f.write(f"{r + 1},{t},{op},{b},{us:.2f},{before},{after},{phase_of(pr, line) if line else ''}\n")
+            f.write(f"{r + 1},{t},{op},{b},{us:.2f},{before},{after},{phase_of(pr, line) if line is not None else ''}\n")
 
 
 # By default a run is slow when its probes took more than this many times
-# the session's lower decile (a calm reading; the fastest alone can be an
-# outlier). Calm 1 MiB probes read 18-24 us, slow ones 26-60, and ring-based
-# ops were 1.3 x slower at 25-38 already (bench/RESULTS.md, thirteenth
-# session).
+# the session's lower decile (a calm reading, where the session has calm
+# moments; the fastest alone can be an outlier). Calm 1 MiB probes read
+# 18-24 us, slow ones 25-140, and ring-based ops were 1.3 x slower at 25-38
+# already (bench/RESULTS.md, thirteenth session).
 SLOW = 1.3
 
 
