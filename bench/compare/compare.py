@@ -212,7 +212,7 @@ def main():
         "weft": lambda s, f: run_weft(a, s, weft, f),
         # shm keeping the copy policy agreed at setup (no scheme chosen as the run goes).
         "weft-fixed": lambda s, f: run_weft(a, s, weft, f, ["shm_adapt=off"]),
-        # shm holding every large message to one scheme for the whole run: the ring's two copies, or single copy.
+        # shm with the scheme of large messages fixed for the whole run: all through the ring, or single copy (pulled or pushed).
         "weft-ring": lambda s, f: run_weft(a, s, weft, f, ["shm_cma=off"]),
         "weft-single": lambda s, f: run_weft(a, s, weft, f, ["shm_cma=on"]),
         "gloo": lambda s, f: run_gloo(a, s, a.out, weft, f),
