@@ -44,13 +44,25 @@
 //! times alone switched back and forth on noise. The last [`WINDOW`]
 //! ratios of each scheme are kept.
 //!
+//! **Pace.** Exploring costs the exchanges that run a dearer scheme, and
+//! those are the slow tail of a key's times (at full pace, 8 exchanges in
+//! 192 explore: a 1 MiB op's 99th percentile is an exploring one). Where
+//! every other scheme stays [`FAR`] dearer, the decider slows the key's
+//! pace a step at a time, to periods of up to `PERIOD << MAX_PACE`, but
+//! never so far that [`QUIET_NS`] would pass between bursts at the current
+//! scheme's time. A burst that comes under [`NEAR`], or the current
+//! scheme's own time drifting by [`DRIFT`] from what it was when the key
+//! left full pace (a phase change), brings it back to full pace at once.
+//!
 //! **Agreeing.** Only the decider writes the group's table (one word per
 //! key in the segment, [`Entry`]): from exchange number `from` of that key
-//! on, use `new`; before it, `old`. It moves a key to another scheme when
+//! on, use `new` at `new_pace`; before it, `old` at `old_pace`. It moves a key to another scheme when
 //! that scheme's median ratio is below [`SWITCH`] (hysteresis: a scheme
 //! must win clearly to take over; after a change every scheme is measured
-//! afresh against the new one, [`MIN_SAMPLES`] times at least), and sets
-//! `from` [`lag`] exchanges after the one it weighed. Every rank reads the word at each
+//! afresh against the new one, [`MIN_SAMPLES`] times at least, at full
+//! pace), and sets `from` [`lag`] exchanges after the one it weighed (a
+//! change of pace: the next period start from there, so that no burst is
+//! cut in two). Every rank reads the word at each
 //! exchange of the key and picks by its own count, so where the ranks'
 //! exchanges of a key line up (every collective whose ranks exchange
 //! alike) all ranks use the same scheme for the same exchange, with no
@@ -96,7 +108,7 @@ impl Scheme {
     }
 }
 
-/// Exchanges of a key per exploring burst.
+/// Exchanges of a key per exploring burst, at full pace (pace 0).
 pub const PERIOD: u64 = 64;
 /// Exchanges per burst in a key's first [`WARM_PERIODS`] periods: a rule
 /// that is wrong on this machine from the start (one threshold cannot
@@ -107,16 +119,44 @@ pub const WARM_PERIOD: u64 = 16;
 /// Short periods a key starts with: every other scheme explored
 /// [`MIN_SAMPLES`] times.
 pub const WARM_PERIODS: u64 = 3 * MIN_SAMPLES as u64;
+/// The slowest pace: a period of `PERIOD << MAX_PACE` (512) exchanges.
+pub const MAX_PACE: u8 = 3;
+/// Every other scheme at least this much dearer (its median ratio) slows
+/// a key's pace one step, halving what exploring costs it.
+pub const FAR: f64 = 1.25;
+/// A burst whose ratio comes under this brings a slowed key back to full
+/// pace: another scheme is close to taking over.
+pub const NEAR: f64 = 1.0;
+/// So does the current scheme's time moving this far (either way) from
+/// what it was when the key left full pace: the phase has changed.
+pub const DRIFT: f64 = 1.3;
+/// A slowed pace keeps a key at most this long between bursts, by its
+/// current scheme's time, so a phase change is still found within a few
+/// tenths of a second: large messages keep the full pace (a 64 MiB
+/// exchange of 3 ms is 0.2 s a period already).
+pub const QUIET_NS: u64 = 20_000_000;
 
-/// Where exchange `n` of a key falls: its period's number, its place in
-/// the period, and the period's length.
-fn position(n: u64) -> (u64, u64, u64) {
+/// Where exchange `n` of a key falls at `pace`: its period's number, its
+/// place in the period, and the period's length. Periods start at fixed
+/// exchange numbers (multiples of their length past the warm ones), so
+/// every rank places an exchange alike from the pace alone.
+fn position(n: u64, pace: u8) -> (u64, u64, u64) {
     let warm = WARM_PERIOD * WARM_PERIODS;
     if n < warm {
         return (n / WARM_PERIOD, n % WARM_PERIOD, WARM_PERIOD);
     }
+    let len = PERIOD << pace;
     let m = n - warm;
-    (WARM_PERIODS + m / PERIOD, m % PERIOD, PERIOD)
+    (WARM_PERIODS + m / len, m % len, len)
+}
+
+/// The first exchange from `n` on that starts a period at `pace` (and so
+/// at every faster pace). A change of pace applies from one at the faster
+/// of the two paces: the slower's periods end there too (or further on),
+/// so no burst is cut in two.
+fn period_start(n: u64, pace: u8) -> u64 {
+    let warm = WARM_PERIOD * WARM_PERIODS;
+    warm + n.saturating_sub(warm).next_multiple_of(PERIOD << pace)
 }
 /// The exchanges of a burst: the last ones of each period.
 pub const BURST: u64 = 4;
@@ -180,27 +220,39 @@ impl Key {
     }
 }
 
-/// A key's word in the group's table: `old` before exchange `from` of the
-/// key, `new` from it on (`None`: today's rule). Zero (the segment's
-/// start) is the rule throughout.
+/// A key's word in the group's table: `old` and `old_pace` before
+/// exchange `from` of the key, `new` and `new_pace` from it on (`None`:
+/// today's rule). Zero (the segment's start) is the rule throughout, at
+/// full pace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Entry {
-    /// The exchange of the key from which `new` applies.
+    /// The exchange of the key from which `new` and `new_pace` apply.
     pub from: u64,
-    /// Before it.
+    /// The scheme before it.
     pub old: Option<Scheme>,
-    /// From it on.
+    /// The scheme from it on.
     pub new: Option<Scheme>,
+    /// The exploring pace before it (periods of `PERIOD << pace`).
+    pub old_pace: u8,
+    /// The pace from it on.
+    pub new_pace: u8,
 }
 
 impl Entry {
     fn pack(self) -> u64 {
-        debug_assert!(self.from < 1 << 56, "an exchange count past 2^56");
+        debug_assert!(self.from < 1 << 48, "an exchange count past 2^48");
         let code = |s: Option<Scheme>| s.map_or(0, |s| s as u64);
-        (self.from << 8) | (code(self.new) << 4) | code(self.old)
+        (self.from << 16) | (u64::from(self.old_pace) << 12) | (u64::from(self.new_pace) << 8) | (code(self.new) << 4) | code(self.old)
     }
     fn unpack(w: u64) -> Entry {
-        Entry { from: w >> 8, old: Scheme::from_code(w & 0xf), new: Scheme::from_code((w >> 4) & 0xf) }
+        let pace = |shift: u32| (((w >> shift) & 0xf) as u8).min(MAX_PACE);
+        Entry {
+            from: w >> 16,
+            old: Scheme::from_code(w & 0xf),
+            new: Scheme::from_code((w >> 4) & 0xf),
+            old_pace: pace(12),
+            new_pace: pace(8),
+        }
     }
     /// The scheme of exchange `n` of the key (`None`: the rule).
     pub fn at(self, n: u64) -> Option<Scheme> {
@@ -208,6 +260,14 @@ impl Entry {
             self.new
         } else {
             self.old
+        }
+    }
+    /// The exploring pace of exchange `n` of the key.
+    pub fn pace_at(self, n: u64) -> u8 {
+        if n >= self.from {
+            self.new_pace
+        } else {
+            self.old_pace
         }
     }
 }
@@ -238,13 +298,15 @@ pub struct Plan {
     pub scheme: Scheme,
     /// Whether it runs another scheme than the current one, to measure it.
     pub explores: bool,
+    /// The exploring pace it was placed at.
+    pub pace: u8,
 }
 
 impl Plan {
     /// Whether the decider weighs this exchange's time: one of the last
     /// [`MEASURED`] before a burst, or of the burst past its first.
     pub fn weighed_soon(&self) -> bool {
-        let (_, at, len) = position(self.n);
+        let (_, at, len) = position(self.n, self.pace);
         (len - BURST - MEASURED as u64..len - BURST).contains(&at) || at > len - BURST
     }
 }
@@ -267,6 +329,10 @@ impl<T: Copy + PartialOrd, const N: usize> Window<T, N> {
     fn add(&mut self, x: T) {
         self.v[self.count % N] = x;
         self.count += 1;
+    }
+    /// The value added last.
+    fn last(&self) -> Option<T> {
+        self.count.checked_sub(1).map(|i| self.v[i % N])
     }
     /// The median of the values kept, once at least `min` have come (of an
     /// even count, the upper middle: a scheme must win clearly).
@@ -300,6 +366,8 @@ struct KeyState {
     current: Recent,
     burst: Recent,
     ratios: [Ratios; 3],
+    /// The current scheme's median time (ns) when the key left full pace.
+    calm: u64,
 }
 
 /// A change the decider made: to print, and for tests.
@@ -313,6 +381,22 @@ pub struct Change {
     pub to: (Scheme, f64),
     /// The exchange from which it applies.
     pub at: u64,
+}
+
+/// What the decider wrote into the group's table.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Decision {
+    /// A key moves to another scheme (at full pace).
+    Move(Change),
+    /// A key's exploring pace changes, from exchange `at` on.
+    Pace {
+        /// The key.
+        key: Key,
+        /// Its new pace.
+        pace: u8,
+        /// The exchange from which it applies.
+        at: u64,
+    },
 }
 
 impl std::fmt::Display for Key {
@@ -339,6 +423,15 @@ impl std::fmt::Display for Change {
             "{}: {:?} -> {:?} (median {:.2} x the time in paired exchanges) from exchange {}",
             self.key, self.from, self.to.0, self.to.1, self.at
         )
+    }
+}
+
+impl std::fmt::Display for Decision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Decision::Move(c) => c.fmt(f),
+            Decision::Pace { key, pace, at } => write!(f, "{key}: one exploring burst in {} exchanges, past exchange {at}", PERIOD << pace),
+        }
     }
 }
 
@@ -375,12 +468,13 @@ impl Chooser {
             weft::log::debug(format_args!("shm: {key}: {:?} from exchange {n}", st.applied));
         }
         let current = st.applied.or(rule)?;
-        let (period, at, len) = position(n);
+        let pace = entry.pace_at(n);
+        let (period, at, len) = position(n, pace);
         let scheme = match SCHEMES[period as usize % SCHEMES.len()] {
             other if at >= len - BURST && other.serves(key) => other,
             _ => current,
         };
-        Some(Plan { key, n, scheme, explores: scheme != current })
+        Some(Plan { key, n, scheme, explores: scheme != current, pace })
     }
 
     /// The decider could not time exchange `plan` (a receiver came late):
@@ -393,8 +487,8 @@ impl Chooser {
     }
 
     /// The decider: exchange `plan` took `ns`; maybe move its key to a
-    /// cheaper scheme (returned).
-    pub fn record(&mut self, table: &Table<'_>, plan: Plan, ns: u64, rule: Option<Scheme>) -> Option<Change> {
+    /// cheaper scheme, or change how often it explores (returned).
+    pub fn record(&mut self, table: &Table<'_>, plan: Plan, ns: u64, rule: Option<Scheme>) -> Option<Decision> {
         if !self.decider {
             return None;
         }
@@ -405,35 +499,78 @@ impl Chooser {
             // A new current scheme: every ratio is measured afresh.
             *st = KeyState { n: st.n, applied: st.applied, base: Some(entry.at(plan.n)), ..KeyState::default() };
         }
-        if !plan.explores {
+        let (_, at, len) = position(plan.n, plan.pace);
+        if plan.explores {
+            // (A burst's first exchange is not weighed: see the module notes.)
+            if at != len - BURST {
+                st.burst.add(ns);
+            }
+        } else {
             st.current.add(ns);
             st.burst = Recent::default();
-            return None;
-        }
-        // (A burst's first exchange is not weighed: see the module notes.)
-        let (_, at, len) = position(plan.n);
-        if at != len - BURST {
-            st.burst.add(ns);
         }
         if at != len - 1 {
             return None;
         }
-        let (Some(alt), Some(cur)) = (st.burst.median(MEASURED), st.current.median(MEASURED)) else { return None };
-        st.ratios[plan.scheme as usize - 1].add(alt as f64 / cur.max(1) as f64);
+        // A period's end: its burst is weighed where it explored; in one
+        // period of three exploring comes round to the current scheme, whose
+        // time alone still says whether the phase has changed.
+        let cur = st.current.median(MEASURED)?;
+        let mut near = false;
+        if plan.explores {
+            let alt = st.burst.median(MEASURED)?;
+            let ratio = alt as f64 / cur.max(1) as f64;
+            st.ratios[plan.scheme as usize - 1].add(ratio);
+            near = ratio < NEAR;
+        }
         if plan.n < entry.from {
             return None; // The last change is not in force yet.
         }
-        let (best, ratio) = SCHEMES
+        let best = SCHEMES
             .into_iter()
             .filter(|s| *s != current)
             .filter_map(|s| Some((s, st.ratios[s as usize - 1].median(MIN_SAMPLES)?)))
-            .min_by(|a, b| a.1.total_cmp(&b.1))?;
-        if ratio >= SWITCH {
+            .min_by(|a, b| a.1.total_cmp(&b.1));
+        let pace = entry.pace_at(plan.n);
+        if let Some((best, ratio)) = best.filter(|b| b.1 < SWITCH) {
+            let at = plan.n + self.lag;
+            table.set(plan.key, Entry { from: at, old: entry.new, new: Some(best), old_pace: pace, new_pace: 0 });
+            return Some(Decision::Move(Change { key: plan.key, from: current, to: (best, ratio), at }));
+        }
+        let next = next_pace(st, plan.key, current, pace, cur, near);
+        if next == pace {
             return None;
         }
-        let at = plan.n + self.lag;
-        table.set(plan.key, Entry { from: at, old: entry.new, new: Some(best) });
-        Some(Change { key: plan.key, from: current, to: (best, ratio), at })
+        if pace == 0 {
+            st.calm = cur;
+        }
+        let at = period_start(plan.n + self.lag, pace.min(next));
+        table.set(plan.key, Entry { from: at, old: entry.new, new: entry.new, old_pace: pace, new_pace: next });
+        Some(Decision::Pace { key: plan.key, pace: next, at })
+    }
+}
+
+/// The pace a key of `current` scheme explores at next, from `pace`, at a
+/// period's end where the current scheme's median time is `cur` ns and
+/// `near` says whether the burst just weighed came under [`NEAR`]: back to
+/// full pace where another scheme came close, the current one's time
+/// drifted, or the pace keeps the key too long between bursts; one step
+/// slower where every other scheme stays [`FAR`] dearer (its median ratio
+/// and its last).
+fn next_pace(st: &KeyState, key: Key, current: Scheme, pace: u8, cur: u64, near: bool) -> u8 {
+    let fits = |p: u8| (PERIOD << p).saturating_mul(cur) <= QUIET_NS;
+    let drifted = (cur as f64) > st.calm as f64 * DRIFT || (cur as f64) * DRIFT < st.calm as f64;
+    if pace > 0 && (near || drifted || !fits(pace)) {
+        return 0;
+    }
+    let far = SCHEMES.into_iter().filter(|s| *s != current && s.serves(key)).all(|s| {
+        let r = &st.ratios[s as usize - 1];
+        r.median(MIN_SAMPLES).is_some_and(|m| m >= FAR) && r.last().is_some_and(|l| l >= FAR)
+    });
+    if far && pace < MAX_PACE && fits(pace + 1) {
+        pace + 1
+    } else {
+        pace
     }
 }
 
@@ -467,12 +604,14 @@ mod tests {
 
     #[test]
     fn entries_pack_and_pick_by_exchange_number() {
-        let e = Entry { from: (1 << 56) - 1, old: None, new: Some(Scheme::Push) };
+        let e = Entry { from: (1 << 48) - 1, old: None, new: Some(Scheme::Push), old_pace: MAX_PACE, new_pace: 0 };
         assert_eq!(Entry::unpack(e.pack()), e);
-        let e = Entry { from: 40, old: Some(Scheme::Ring), new: Some(Scheme::Pull) };
+        let e = Entry { from: 40, old: Some(Scheme::Ring), new: Some(Scheme::Pull), old_pace: 1, new_pace: 2 };
         assert_eq!(Entry::unpack(e.pack()), e);
         assert_eq!((e.at(39), e.at(40)), (Some(Scheme::Ring), Some(Scheme::Pull)));
-        assert_eq!(Entry::unpack(0), Entry { from: 0, old: None, new: None }, "a zeroed segment is the rule");
+        assert_eq!((e.pace_at(39), e.pace_at(40)), (1, 2));
+        assert_eq!(Entry::unpack(0), Entry { from: 0, old: None, new: None, old_pace: 0, new_pace: 0 }, "a zeroed segment is the rule");
+        assert_eq!(Entry::unpack(0xff00).new_pace, MAX_PACE, "a pace past the slowest is the slowest");
     }
 
     /// Run `exchanges` exchanges of one key on `ranks` ranks, each costing
@@ -481,6 +620,13 @@ mod tests {
     /// the table) after they have planned exchange n + 1. Every rank's
     /// schemes per exchange.
     fn run(ranks: usize, exchanges: u64, rule: Scheme, cost: impl Fn(Scheme, u64) -> u64) -> (Vec<Vec<Scheme>>, Vec<Change>) {
+        let (schemes, decisions) = run_deciding(ranks, exchanges, rule, cost);
+        let moves = decisions.iter().filter_map(|d| if let Decision::Move(c) = d { Some(*c) } else { None }).collect();
+        (schemes, moves)
+    }
+
+    /// [`run`], with every decision (changes of pace too).
+    fn run_deciding(ranks: usize, exchanges: u64, rule: Scheme, cost: impl Fn(Scheme, u64) -> u64) -> (Vec<Vec<Scheme>>, Vec<Decision>) {
         let words: Vec<AtomicU64> = (0..KEYS).map(|_| AtomicU64::new(0)).collect();
         let t = table(&words);
         let key = Key::of(weft::tag::collective(3, 1, 0, 0), 1 << 20).unwrap();
@@ -526,7 +672,7 @@ mod tests {
         let explored = |range: std::ops::Range<usize>| {
             range
                 .filter(|n| {
-                    let (_, at, len) = position(*n as u64);
+                    let (_, at, len) = position(*n as u64, 0);
                     at >= len - BURST
                 })
                 .count() as u64
@@ -544,6 +690,38 @@ mod tests {
         assert!(back.at > 1200 && back.at < 1200 + 4 * 3 * PERIOD, "{back:?}");
         assert_eq!(changes.len(), 2, "{changes:?}");
         assert!(s[2000..].iter().filter(|x| **x != Scheme::Pull).count() as u64 <= explored(2000..2500));
+    }
+
+    #[test]
+    fn exploring_slows_while_the_others_stay_far_dearer_and_speeds_up_when_the_current_scheme_drifts() {
+        // Pull half the ring's cost and a quarter of Push's, then (from
+        // exchange 4000) 1.4 times dearer: still the cheapest, but moved.
+        let cost = |s: Scheme, n: u64| match s {
+            Scheme::Pull if n >= 4000 => 140,
+            Scheme::Pull => 100,
+            Scheme::Ring => 200,
+            Scheme::Push => 400,
+        };
+        let (schemes, decisions) = run_deciding(3, 6000, Scheme::Pull, cost);
+        assert!(schemes.iter().all(|s| *s == schemes[0]), "every rank runs the same scheme in each exchange");
+        let paces: Vec<(u8, u64)> =
+            decisions.iter().map(|d| if let Decision::Pace { pace, at, .. } = d { (*pace, *at) } else { panic!("{d:?}") }).collect();
+        let explored = |range: std::ops::Range<usize>| schemes[0][range].iter().filter(|s| **s != Scheme::Pull).count();
+        // Slowest pace well before the drift: a burst (4 exchanges) in 512,
+        // two of every three exploring; at full pace, in 64.
+        let slowest = paces.iter().find(|p| p.0 == MAX_PACE).expect("reached the slowest pace").1;
+        assert!(slowest < 1500, "{paces:?}");
+        let full = 8 * 2000 / (3 * PERIOD as usize);
+        assert!(explored(1500..3500) <= full / 4, "{} explored, {full} at full pace", explored(1500..3500));
+        // The drift brings it back to full pace within a slowest period.
+        let back = paces.iter().find(|p| p.0 == 0 && p.1 > 4000).expect("back to full pace").1;
+        assert!(back <= 4000 + (PERIOD << MAX_PACE) + lag(3), "{paces:?}");
+        // Exchanges of 1 ms keep the full pace: a slower one would leave
+        // more than `QUIET_NS` between bursts.
+        let (schemes, decisions) = run_deciding(2, 2000, Scheme::Pull, |s, n| cost(s, n) * 10_000);
+        assert!(decisions.is_empty(), "{decisions:?}");
+        let explored = schemes[0][500..2000].iter().filter(|s| **s != Scheme::Pull).count();
+        assert!(explored >= 8 * 1500 / (3 * PERIOD as usize) - 8, "{explored}");
     }
 
     #[test]
@@ -580,11 +758,11 @@ mod tests {
         let key = Key::of(weft::tag::user(1), 1 << 20).unwrap();
         let mut receiver = Chooser::new(1, 2);
         assert_eq!(receiver.plan(&t, key, None), None);
-        t.set(key, Entry { from: 1, old: None, new: Some(Scheme::Push) });
+        t.set(key, Entry { from: 1, old: None, new: Some(Scheme::Push), old_pace: 0, new_pace: 0 });
         assert_eq!(receiver.plan(&t, key, None).map(|p| (p.n, p.scheme)), Some((1, Scheme::Push)));
         // The decider weighs nothing while a change is pending.
         let mut decider = Chooser::new(0, 2);
-        t.set(key, Entry { from: 2000, old: None, new: Some(Scheme::Ring) });
+        t.set(key, Entry { from: 2000, old: None, new: Some(Scheme::Ring), old_pace: 0, new_pace: 0 });
         for _ in 0..1999 {
             let plan = decider.plan(&t, key, Some(Scheme::Pull)).unwrap();
             assert_eq!(decider.record(&t, plan, if plan.scheme == Scheme::Ring { 1 } else { 1000 }, Some(Scheme::Pull)), None);
