@@ -20,55 +20,61 @@
 //! **Measuring.** Each rank counts the exchanges of each key, every batch
 //! the engine takes (run by the calling thread or posted to whoever
 //! drives), so the count does not depend on which thread ran it. The last
-//! [`BURST`] of every [`PERIOD`] (of every [`WARM_PERIOD`] in a key's first
-//! [`WARM_PERIODS`] periods) run a scheme other than the key's
-//! current one: the three in a fixed order, the same on every rank
-//! whatever rule each follows (a burst that lands on the current scheme is
-//! an ordinary run of it), so every scheme keeps being measured, at a
-//! bounded cost. Rank 0, the *decider*, times the exchanges it runs itself
-//! in which it sends a message of the key: start to end, on this rank,
-//! where it receives one too; where it only sends (a broadcast's or a
-//! scatter's root), until its receivers have read every byte it put in
-//! their rings, since a send alone through the ring ends once its bytes
-//! are in the ring, before its receiver has copied them, and would flatter
-//! the ring (`exchange.rs` waits for that only in exchanges that are
-//! weighed, at most as long again; a late receiver drops the runs that
-//! exchange belongs to, [`Chooser::missed`]). Keys rank 0 only receives (a gather to it) keep the rule. A
-//! burst is weighed against the exchanges just
-//! before it, which ran the current scheme: the ratio of the medians of
-//! its last [`MEASURED`] and of those. Its first exchange is not weighed:
-//! a scheme's first exchange after the others' finds its memory cold (a
-//! lone exploring exchange measured 1.7 to 2 times the scheme's steady
-//! cost here). Pairs taken side by side cancel what moves both (a busy
-//! moment, a slow phase's onset), where comparing each scheme's recent
-//! times alone switched back and forth on noise. The last [`WINDOW`]
-//! ratios of each scheme are kept.
+//! [`BURST`] of every period ([`PERIOD`] at full pace, longer at a slower
+//! one: below; [`WARM_PERIOD`] in a key's first [`WARM_PERIODS`]) run a
+//! scheme other than the key's current one: the three in a fixed order,
+//! the same on every rank whatever rule each follows (a burst that lands
+//! on the current scheme is an ordinary run of it), so every scheme keeps
+//! being measured, at a bounded cost. Rank 0, the *decider*, times the
+//! exchanges it runs itself in which it sends a message of the key: start
+//! to end, on this rank, where it receives one too; where it only sends (a
+//! broadcast's or a scatter's root), until its receivers have read every
+//! byte it put in their rings, since a send alone through the ring ends
+//! once its bytes are in the ring, before its receiver has copied them,
+//! and would flatter the ring (`exchange.rs` waits for that only in
+//! exchanges that are weighed, at most as long again; a late receiver
+//! drops the runs that exchange belongs to, [`Chooser::missed`]). Keys
+//! rank 0 only receives (a gather to it) keep the rule. A burst is weighed
+//! against the exchanges just before it, which ran the current scheme: the
+//! ratio of the medians of its last [`MEASURED`] and of those. Its first
+//! exchange is not weighed: a scheme's first exchange after the others'
+//! finds its memory cold (a lone exploring exchange measured 1.7 to 2
+//! times the scheme's steady cost here). Pairs taken side by side cancel
+//! what moves both (a busy moment, a slow phase's onset), where comparing
+//! each scheme's recent times alone switched back and forth on noise. The
+//! last [`WINDOW`] ratios of each scheme are kept.
 //!
 //! **Pace.** Exploring costs the exchanges that run a dearer scheme, and
 //! those are the slow tail of a key's times (at full pace, 8 exchanges in
 //! 192 explore: a 1 MiB op's 99th percentile is an exploring one). Where
 //! every other scheme stays [`FAR`] dearer, the decider slows the key's
-//! pace a step at a time, to periods of up to `PERIOD << MAX_PACE`, but
-//! never so far that [`QUIET_NS`] would pass between bursts at the current
-//! scheme's time. A burst that comes under [`NEAR`], or the current
-//! scheme's own time drifting by [`DRIFT`] from what it was when the key
-//! left full pace (a phase change), brings it back to full pace at once.
+//! pace a step at a time (at a burst's end, each step on ratios measured
+//! since the key was last at full pace), to periods of up to
+//! `PERIOD << MAX_PACE`, but never so far that [`QUIET_NS`] would pass
+//! between bursts at the current scheme's time. A burst that comes under
+//! [`NEAR`], the current scheme's own time drifting by [`DRIFT`] from what
+//! it was when the key left full pace (a phase change), or that time
+//! outgrowing the pace, brings it back to full pace from the next period
+//! start.
 //!
 //! **Agreeing.** Only the decider writes the group's table (one word per
 //! key in the segment, [`Entry`]): from exchange number `from` of that key
-//! on, use `new` at `new_pace`; before it, `old` at `old_pace`. It moves a key to another scheme when
-//! that scheme's median ratio is below [`SWITCH`] (hysteresis: a scheme
-//! must win clearly to take over; after a change every scheme is measured
-//! afresh against the new one, [`MIN_SAMPLES`] times at least, at full
-//! pace), and sets `from` [`lag`] exchanges after the one it weighed (a
-//! change of pace: the next period start from there, so that no burst is
-//! cut in two). Every rank reads the word at each
-//! exchange of the key and picks by its own count, so where the ranks'
-//! exchanges of a key line up (every collective whose ranks exchange
-//! alike) all ranks use the same scheme for the same exchange, with no
-//! message of their own. Where they do not line up (uneven sizes, ranks
-//! whose batches classify differently, a rank far ahead), nothing depends
-//! on it: each frame says how its payload moves, and the receiver follows.
+//! on, use `new` at `new_pace`; before it, `old` at `old_pace`. It moves a
+//! key to another scheme when that scheme's median ratio is below
+//! [`SWITCH`] (hysteresis: a scheme must win clearly to take over; after a
+//! change every scheme is measured afresh against the new one,
+//! [`MIN_SAMPLES`] times at least, at full pace), and sets `from` [`lag`]
+//! exchanges after the one it weighed (a change of pace: the first period
+//! start from there, so that no burst is cut in two). It writes again only
+//! once every rank is past `from` (the decider [`lag`] exchanges past it),
+//! so that the word's `old` half is what every rank still short of the new
+//! `from` runs. Every rank reads the word at each exchange of the key and
+//! picks by its own count, so where the ranks' exchanges of a key line up
+//! (every collective whose ranks exchange alike) all ranks use the same
+//! scheme for the same exchange, with no message of their own. Where they
+//! do not line up (uneven sizes, ranks whose batches classify differently,
+//! a rank far ahead), nothing depends on it: each frame says how its
+//! payload moves, and the receiver follows.
 //!
 //! Until the decider has measured a key, its word is zero: today's rule
 //! (`offers.rs`), which a forced `shm_cma` keeps for good (unless
@@ -119,10 +125,12 @@ pub const WARM_PERIOD: u64 = 16;
 /// Short periods a key starts with: every other scheme explored
 /// [`MIN_SAMPLES`] times.
 pub const WARM_PERIODS: u64 = 3 * MIN_SAMPLES as u64;
+/// The exchanges of the short periods.
+const WARM: u64 = WARM_PERIOD * WARM_PERIODS;
 /// The slowest pace: a period of `PERIOD << MAX_PACE` (512) exchanges.
 pub const MAX_PACE: u8 = 3;
-/// Every other scheme at least this much dearer (its median ratio) slows
-/// a key's pace one step, halving what exploring costs it.
+/// Every other scheme at least this much dearer (its median ratio and its
+/// last) slows a key's pace one step, halving what exploring costs it.
 pub const FAR: f64 = 1.25;
 /// A burst whose ratio comes under this brings a slowed key back to full
 /// pace: another scheme is close to taking over.
@@ -141,12 +149,11 @@ pub const QUIET_NS: u64 = 20_000_000;
 /// exchange numbers (multiples of their length past the warm ones), so
 /// every rank places an exchange alike from the pace alone.
 fn position(n: u64, pace: u8) -> (u64, u64, u64) {
-    let warm = WARM_PERIOD * WARM_PERIODS;
-    if n < warm {
+    if n < WARM {
         return (n / WARM_PERIOD, n % WARM_PERIOD, WARM_PERIOD);
     }
     let len = PERIOD << pace;
-    let m = n - warm;
+    let m = n - WARM;
     (WARM_PERIODS + m / len, m % len, len)
 }
 
@@ -155,8 +162,7 @@ fn position(n: u64, pace: u8) -> (u64, u64, u64) {
 /// of the two paces: the slower's periods end there too (or further on),
 /// so no burst is cut in two.
 fn period_start(n: u64, pace: u8) -> u64 {
-    let warm = WARM_PERIOD * WARM_PERIODS;
-    warm + n.saturating_sub(warm).next_multiple_of(PERIOD << pace)
+    WARM + n.saturating_sub(WARM).next_multiple_of(PERIOD << pace)
 }
 /// The exchanges of a burst: the last ones of each period.
 pub const BURST: u64 = 4;
@@ -241,6 +247,7 @@ pub struct Entry {
 impl Entry {
     fn pack(self) -> u64 {
         debug_assert!(self.from < 1 << 48, "an exchange count past 2^48");
+        debug_assert!(self.old_pace <= MAX_PACE && self.new_pace <= MAX_PACE);
         let code = |s: Option<Scheme>| s.map_or(0, |s| s as u64);
         (self.from << 16) | (u64::from(self.old_pace) << 12) | (u64::from(self.new_pace) << 8) | (code(self.new) << 4) | code(self.old)
     }
@@ -360,6 +367,8 @@ struct KeyState {
     n: u64,
     /// The table's scheme for the last exchange (`None`: the rule).
     applied: Option<Scheme>,
+    /// The table's pace for the last exchange.
+    applied_pace: u8,
     /// The table's scheme the ratios are against (`None`: the rule, whatever
     /// it gives each exchange).
     base: Option<Option<Scheme>>,
@@ -368,6 +377,11 @@ struct KeyState {
     ratios: [Ratios; 3],
     /// The current scheme's median time (ns) when the key left full pace.
     calm: u64,
+    /// Each scheme's count of ratios when the key last came back to full
+    /// pace: only ratios since then slow it again.
+    fresh: [usize; 3],
+    /// A burst came under [`NEAR`] while a change was pending.
+    near: bool,
 }
 
 /// A change the decider made: to print, and for tests.
@@ -430,7 +444,11 @@ impl std::fmt::Display for Decision {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Decision::Move(c) => c.fmt(f),
-            Decision::Pace { key, pace, at } => write!(f, "{key}: one exploring burst in {} exchanges, past exchange {at}", PERIOD << pace),
+            // (Worded apart from a move's "from exchange", which tests
+            // look for in every rank's log.)
+            Decision::Pace { key, pace, at } => {
+                write!(f, "{key}: one exploring burst in {} exchanges, starting with exchange {at}", PERIOD << pace)
+            }
         }
     }
 }
@@ -467,8 +485,12 @@ impl Chooser {
             st.applied = entry.at(n);
             weft::log::debug(format_args!("shm: {key}: {:?} from exchange {n}", st.applied));
         }
+        if entry.pace_at(n) != st.applied_pace {
+            st.applied_pace = entry.pace_at(n);
+            weft::log::debug(format_args!("shm: {key}: exploring pace {} at exchange {n}", st.applied_pace));
+        }
         let current = st.applied.or(rule)?;
-        let pace = entry.pace_at(n);
+        let pace = st.applied_pace;
         let (period, at, len) = position(n, pace);
         let scheme = match SCHEMES[period as usize % SCHEMES.len()] {
             other if at >= len - BURST && other.serves(key) => other,
@@ -497,7 +519,13 @@ impl Chooser {
         let current = entry.at(plan.n).or(rule)?;
         if st.base != Some(entry.at(plan.n)) {
             // A new current scheme: every ratio is measured afresh.
-            *st = KeyState { n: st.n, applied: st.applied, base: Some(entry.at(plan.n)), ..KeyState::default() };
+            *st = KeyState {
+                n: st.n,
+                applied: st.applied,
+                applied_pace: st.applied_pace,
+                base: Some(entry.at(plan.n)),
+                ..KeyState::default()
+            };
         }
         let (_, at, len) = position(plan.n, plan.pace);
         if plan.explores {
@@ -516,33 +544,37 @@ impl Chooser {
         // period of three exploring comes round to the current scheme, whose
         // time alone still says whether the phase has changed.
         let cur = st.current.median(MEASURED)?;
-        let mut near = false;
         if plan.explores {
             let alt = st.burst.median(MEASURED)?;
             let ratio = alt as f64 / cur.max(1) as f64;
             st.ratios[plan.scheme as usize - 1].add(ratio);
-            near = ratio < NEAR;
+            st.near |= ratio < NEAR;
         }
-        if plan.n < entry.from {
-            return None; // The last change is not in force yet.
+        if plan.n < entry.from + self.lag {
+            return None; // The last change is not in force on every rank yet.
         }
         let best = SCHEMES
             .into_iter()
             .filter(|s| *s != current)
             .filter_map(|s| Some((s, st.ratios[s as usize - 1].median(MIN_SAMPLES)?)))
             .min_by(|a, b| a.1.total_cmp(&b.1));
-        let pace = entry.pace_at(plan.n);
+        // (Past `from`, the plan's pace is the word's new one.)
+        let pace = plan.pace;
         if let Some((best, ratio)) = best.filter(|b| b.1 < SWITCH) {
             let at = plan.n + self.lag;
             table.set(plan.key, Entry { from: at, old: entry.new, new: Some(best), old_pace: pace, new_pace: 0 });
             return Some(Decision::Move(Change { key: plan.key, from: current, to: (best, ratio), at }));
         }
-        let next = next_pace(st, plan.key, current, pace, cur, near);
+        let near = std::mem::take(&mut st.near);
+        let next = next_pace(st, plan.key, current, pace, cur, near, plan.explores);
         if next == pace {
             return None;
         }
         if pace == 0 {
             st.calm = cur;
+        }
+        if next == 0 {
+            st.fresh = st.ratios.each_ref().map(|r| r.count);
         }
         let at = period_start(plan.n + self.lag, pace.min(next));
         table.set(plan.key, Entry { from: at, old: entry.new, new: entry.new, old_pace: pace, new_pace: next });
@@ -551,23 +583,25 @@ impl Chooser {
 }
 
 /// The pace a key of `current` scheme explores at next, from `pace`, at a
-/// period's end where the current scheme's median time is `cur` ns and
-/// `near` says whether the burst just weighed came under [`NEAR`]: back to
-/// full pace where another scheme came close, the current one's time
-/// drifted, or the pace keeps the key too long between bursts; one step
-/// slower where every other scheme stays [`FAR`] dearer (its median ratio
-/// and its last).
-fn next_pace(st: &KeyState, key: Key, current: Scheme, pace: u8, cur: u64, near: bool) -> u8 {
+/// period's end where the current scheme's median time is `cur` ns, `near`
+/// says whether a burst came under [`NEAR`] since the last decision, and
+/// `explored` whether this period's burst explored: back to full pace
+/// where another scheme came close, the current one's time drifted, or the
+/// pace keeps the key too long between bursts; one step slower, at a
+/// burst's end, where every other scheme stays [`FAR`] dearer (its median
+/// ratio and its last, over [`MIN_SAMPLES`] ratios at least since the key
+/// was last back at full pace).
+fn next_pace(st: &KeyState, key: Key, current: Scheme, pace: u8, cur: u64, near: bool, explored: bool) -> u8 {
     let fits = |p: u8| (PERIOD << p).saturating_mul(cur) <= QUIET_NS;
     let drifted = (cur as f64) > st.calm as f64 * DRIFT || (cur as f64) * DRIFT < st.calm as f64;
     if pace > 0 && (near || drifted || !fits(pace)) {
         return 0;
     }
     let far = SCHEMES.into_iter().filter(|s| *s != current && s.serves(key)).all(|s| {
-        let r = &st.ratios[s as usize - 1];
-        r.median(MIN_SAMPLES).is_some_and(|m| m >= FAR) && r.last().is_some_and(|l| l >= FAR)
+        let (r, fresh) = (&st.ratios[s as usize - 1], st.fresh[s as usize - 1]);
+        r.count >= fresh + MIN_SAMPLES && r.median(MIN_SAMPLES).is_some_and(|m| m >= FAR) && r.last().is_some_and(|l| l >= FAR)
     });
-    if far && pace < MAX_PACE && fits(pace + 1) {
+    if explored && far && pace < MAX_PACE && fits(pace + 1) {
         pace + 1
     } else {
         pace
@@ -615,35 +649,44 @@ mod tests {
     }
 
     /// Run `exchanges` exchanges of one key on `ranks` ranks, each costing
-    /// `cost(scheme, n)` ns, with the decider as far behind the others as
-    /// ranks of one collective get: it finishes exchange n (and may change
-    /// the table) after they have planned exchange n + 1. Every rank's
-    /// schemes per exchange.
+    /// `cost(scheme, n)` ns: the decider finishes exchange n (and may
+    /// change the table) after the others have planned exchange n + 1, and
+    /// the last rank trails it (see [`run_deciding`]). Every rank's schemes
+    /// per exchange, and the moves.
     fn run(ranks: usize, exchanges: u64, rule: Scheme, cost: impl Fn(Scheme, u64) -> u64) -> (Vec<Vec<Scheme>>, Vec<Change>) {
         let (schemes, decisions) = run_deciding(ranks, exchanges, rule, cost);
         let moves = decisions.iter().filter_map(|d| if let Decision::Move(c) = d { Some(*c) } else { None }).collect();
         (schemes, moves)
     }
 
-    /// [`run`], with every decision (changes of pace too).
+    /// [`run`], with every decision (changes of pace too). The last rank
+    /// runs `lag - 2` exchanges behind the decider, as far as ranks of one
+    /// collective get (a pipelined chain whose rings buffer its steps).
     fn run_deciding(ranks: usize, exchanges: u64, rule: Scheme, cost: impl Fn(Scheme, u64) -> u64) -> (Vec<Vec<Scheme>>, Vec<Decision>) {
         let words: Vec<AtomicU64> = (0..KEYS).map(|_| AtomicU64::new(0)).collect();
         let t = table(&words);
         let key = Key::of(weft::tag::collective(3, 1, 0, 0), 1 << 20).unwrap();
         let mut choosers: Vec<Chooser> = (0..ranks).map(|r| Chooser::new(r, ranks)).collect();
         let mut schemes = vec![Vec::new(); ranks];
-        let mut changes = Vec::new();
+        let mut decisions = Vec::new();
         let mut decider_plan: Option<Plan> = None;
-        for n in 0..=exchanges {
+        let behind = lag(ranks) - 2;
+        for n in 0..=exchanges + behind {
             for r in 1..ranks {
-                if n < exchanges {
+                let m = if r == ranks - 1 { n.checked_sub(behind) } else { Some(n) };
+                if let Some(m) = m.filter(|m| *m < exchanges) {
                     let plan = choosers[r].plan(&t, key, Some(rule)).unwrap();
-                    assert_eq!(plan.n, n);
+                    assert_eq!(plan.n, m);
                     schemes[r].push(plan.scheme);
                 }
             }
             if let Some(plan) = decider_plan.take() {
-                changes.extend(choosers[0].record(&t, plan, cost(plan.scheme, plan.n), Some(rule)));
+                let before = t.entry(key).from;
+                if let Some(d) = choosers[0].record(&t, plan, cost(plan.scheme, plan.n), Some(rule)) {
+                    // The last rank is past the word's `from` before it is written again.
+                    assert!(plan.n >= before + lag(ranks), "{d:?} at {} over from {before}", plan.n);
+                    decisions.push(d);
+                }
             }
             if n < exchanges {
                 let plan = choosers[0].plan(&t, key, Some(rule)).unwrap();
@@ -651,7 +694,7 @@ mod tests {
                 decider_plan = Some(plan);
             }
         }
-        (schemes, changes)
+        (schemes, decisions)
     }
 
     #[test]
@@ -702,10 +745,17 @@ mod tests {
             Scheme::Ring => 200,
             Scheme::Push => 400,
         };
+        // At 32 ranks a change lands (lag 64) where a burst would be cut
+        // without `period_start`; at 40 the last rank trails the decider
+        // by 78 exchanges, more than a period at full pace.
+        for ranks in [32, 40] {
+            let (schemes, _) = run_deciding(ranks, 6000, Scheme::Pull, cost);
+            assert!(schemes.iter().all(|s| *s == schemes[0]), "{ranks} ranks: every rank runs the same scheme in each exchange");
+            bursts_are_whole(&schemes[0], Scheme::Pull);
+        }
         let (schemes, decisions) = run_deciding(3, 6000, Scheme::Pull, cost);
-        assert!(schemes.iter().all(|s| *s == schemes[0]), "every rank runs the same scheme in each exchange");
-        let paces: Vec<(u8, u64)> =
-            decisions.iter().map(|d| if let Decision::Pace { pace, at, .. } = d { (*pace, *at) } else { panic!("{d:?}") }).collect();
+        bursts_are_whole(&schemes[0], Scheme::Pull);
+        let paces = paces(&decisions);
         let explored = |range: std::ops::Range<usize>| schemes[0][range].iter().filter(|s| **s != Scheme::Pull).count();
         // Slowest pace well before the drift: a burst (4 exchanges) in 512,
         // two of every three exploring; at full pace, in 64.
@@ -713,9 +763,12 @@ mod tests {
         assert!(slowest < 1500, "{paces:?}");
         let full = 8 * 2000 / (3 * PERIOD as usize);
         assert!(explored(1500..3500) <= full / 4, "{} explored, {full} at full pace", explored(1500..3500));
-        // The drift brings it back to full pace within a slowest period.
-        let back = paces.iter().find(|p| p.0 == 0 && p.1 > 4000).expect("back to full pace").1;
-        assert!(back <= 4000 + (PERIOD << MAX_PACE) + lag(3), "{paces:?}");
+        // The drift brings it back to full pace within a slowest period
+        // (and the change's lag), and it stays there for fresh ratios.
+        let back = paces.iter().position(|p| p.0 == 0 && p.1 > 4000).expect("back to full pace");
+        assert!(paces[back].1 <= 4000 + (PERIOD << MAX_PACE) + 2 * lag(3), "{paces:?}");
+        let again = paces.get(back + 1).expect("slows again once calm").1;
+        assert!(again >= paces[back].1 + 3 * MIN_SAMPLES as u64 * PERIOD, "{paces:?}");
         // Exchanges of 1 ms keep the full pace: a slower one would leave
         // more than `QUIET_NS` between bursts.
         let (schemes, decisions) = run_deciding(2, 2000, Scheme::Pull, |s, n| cost(s, n) * 10_000);
@@ -725,9 +778,52 @@ mod tests {
     }
 
     #[test]
+    fn a_scheme_coming_close_brings_full_pace_back_and_keeps_it() {
+        // The ring turns 10 % cheaper than Pull at exchange 3000: not
+        // enough to take over, but the key keeps watching it closely.
+        let cost = |s: Scheme, n: u64| match s {
+            Scheme::Pull => 100,
+            Scheme::Ring if n >= 3000 => 90,
+            Scheme::Ring => 200,
+            Scheme::Push => 400,
+        };
+        let (schemes, decisions) = run_deciding(3, 6000, Scheme::Pull, cost);
+        assert!(schemes.iter().all(|s| *s == schemes[0]), "every rank runs the same scheme in each exchange");
+        bursts_are_whole(&schemes[0], Scheme::Pull);
+        let paces = paces(&decisions);
+        assert_eq!(paces.iter().filter(|p| p.1 < 3000).map(|p| p.0).max(), Some(MAX_PACE), "{paces:?}");
+        // The ring is explored every third period: within three of the
+        // slowest, back to full pace, and no slower after.
+        let last = *paces.last().unwrap();
+        assert_eq!(last.0, 0, "{paces:?}");
+        assert!(last.1 > 3000 && last.1 <= 3000 + 3 * (PERIOD << MAX_PACE) + 2 * lag(3), "{paces:?}");
+    }
+
+    /// The decisions, all changes of pace: (pace, from exchange).
+    fn paces(decisions: &[Decision]) -> Vec<(u8, u64)> {
+        decisions.iter().map(|d| if let Decision::Pace { pace, at, .. } = d { (*pace, *at) } else { panic!("{d:?}") }).collect()
+    }
+
+    /// Every exploring burst in `schemes` (a run of schemes other than
+    /// `current`) after the warm periods is whole, of one scheme: a change
+    /// of pace never cut one short.
+    fn bursts_are_whole(schemes: &[Scheme], current: Scheme) {
+        let mut run = 0;
+        for (n, s) in schemes.iter().enumerate().skip(WARM as usize) {
+            if *s != current {
+                assert!(run == 0 || *s == schemes[n - 1], "a burst of two schemes at exchange {n}");
+                run += 1;
+            } else {
+                assert!(run == 0 || run == BURST, "a burst of {run} ending at exchange {n}");
+                run = 0;
+            }
+        }
+    }
+
+    #[test]
     fn a_rule_wrong_from_the_start_is_left_within_the_short_periods() {
         let (schemes, changes) = run(2, 400, Scheme::Pull, |s, _| if s == Scheme::Ring { 50 } else { 100 });
-        let warm = WARM_PERIOD * WARM_PERIODS;
+        let warm = WARM;
         assert_eq!(changes.len(), 1, "{changes:?}");
         assert_eq!(changes[0].to.0, Scheme::Ring);
         assert!(changes[0].at <= warm + lag(2), "{:?}", changes[0]);
