@@ -243,8 +243,8 @@ def main():
           f"time = median over rounds of each run's median (us), [min-max over rounds]; x = anchor time / weft time (>1: weft faster); "
           f"min x = the worst round's ratio; p99/med = weft's worst round")
     table(samples, tools, None)
+    line = slow_line(a, probes) if a.phases else None
     if a.phases:
-        line = slow_line(a, probes)
         print(f"# phase probe (shm ring, 1 MiB one way across cores): {min(probes):.0f}-{max(probes):.0f} us; slow above {line:.0f} us")
         for phase in ("calm", "slow", "mixed"):
             picked = {k: [x for x in v if phase_of(x[2], line) == phase] for k, v in samples.items()}
@@ -253,7 +253,7 @@ def main():
         if a.until_phases and not enough(samples, line, a.until_phases):
             print(f"# fewer than {a.until_phases} calm and {a.until_phases} slow runs of every row within {a.rounds} rounds")
     if a.runs_csv:
-        write_runs(a.runs_csv, samples, slow_line(a, probes) if a.phases else None)
+        write_runs(a.runs_csv, samples, line)
 
 
 def write_runs(path, samples, line):

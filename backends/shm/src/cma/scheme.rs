@@ -485,12 +485,12 @@ impl Chooser {
             st.applied = entry.at(n);
             weft::log::debug(format_args!("shm: {key}: {:?} from exchange {n}", st.applied));
         }
-        if entry.pace_at(n) != st.applied_pace {
-            st.applied_pace = entry.pace_at(n);
-            weft::log::debug(format_args!("shm: {key}: exploring pace {} at exchange {n}", st.applied_pace));
+        let pace = entry.pace_at(n);
+        if pace != st.applied_pace {
+            st.applied_pace = pace;
+            weft::log::debug(format_args!("shm: {key}: exploring pace {pace} at exchange {n}"));
         }
         let current = st.applied.or(rule)?;
-        let pace = st.applied_pace;
         let (period, at, len) = position(n, pace);
         let scheme = match SCHEMES[period as usize % SCHEMES.len()] {
             other if at >= len - BURST && other.serves(key) => other,
